@@ -1,0 +1,211 @@
+"""One typed schema for a run, loaded from a YAML preset plus dotted command-line overrides.
+
+    cfg = load_config("js_low_var", ["learner.steps=40", "replay.max_staleness=2"])
+
+OmegaConf merges the preset and the overrides; pydantic validates the result. A wrong key or value
+raises `ConfigError` naming the dotted key and what is allowed.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import Field, ValidationError
+
+from dph_async.config.base import Section
+from dph_async.config.loss import LossConfig
+from dph_async.config.replay import ReplayConfig
+from dph_async.config.rewards import RewardConfig
+
+__all__ = ["ConfigError", "LossConfig", "ReplayConfig", "RewardConfig", "RunConfig", "load_config", "presets"]
+
+
+class ModelConfig(Section):
+    # A Hugging Face causal-LM directory; None builds the embedded tiny Llama from `tiny_*`.
+    path: str | None = None
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    max_model_len: int = Field(64, ge=8)
+    tiny_hidden: int = Field(128, ge=16)
+    tiny_layers: int = Field(2, ge=1)
+    tiny_heads: int = Field(4, ge=1)
+
+
+class TaskConfig(Section):
+    # Training prompts: parquet in the verl/DPH-RL row format; None uses the embedded task.
+    data: str | None = None
+    # Test sets as name=path pairs (e.g. {"bird_dev": "data/bird_dev.parquet"}); empty = embedded splits.
+    test_data: dict[str, str] = Field(default_factory=dict)
+    # Embedded task sizes.
+    num_train: int = Field(400, ge=8)
+    num_test: int = Field(200, ge=8)
+
+
+class WarmStartConfig(Section):
+    """Supervised warm start of the embedded model into a base policy pi_0 (skipped with --model)."""
+
+    enabled: bool = True
+    steps: int = Field(300, ge=0)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    # Share of warm-start targets replaced by a wrong answer, so pi_0 is right only sometimes.
+    noise: float = Field(0.35, ge=0, lt=1)
+
+
+class PresampleConfig(Section):
+    """Pre-sampling: k samples per training prompt split it into D_pef (all k correct) and D_exp."""
+
+    k: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class SamplingConfig(Section):
+    """Training rollouts. Behaviour log-probs are those of the distribution actually sampled."""
+
+    n: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    # Training rollouts sample the full support (top_p=1, top_k=-1) so the learner needs no mask;
+    # start-up refuses anything narrower (docs/decisions.md).
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    max_tokens: int = Field(16, ge=1)
+
+
+class ActorsConfig(Section):
+    num_actors: int = Field(2, ge=1)
+    # Prompts an actor keeps in its engine at once.
+    max_inflight_prompts: int = Field(16, ge=1)
+    kv_cache_gib: float = Field(0.25, gt=0)
+    # Threads torch may use inside each actor process.
+    threads: int = Field(1, ge=1)
+
+
+class LearnerConfig(Section):
+    steps: int = Field(30, ge=1)
+    # Prompts (GRPO groups) per optimizer step.
+    groups_per_step: int = Field(16, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    zero_stage: int = Field(1, ge=0, le=3)
+    # Micro-batches are packed up to this many (padded) tokens.
+    micro_token_budget: int = Field(4096, ge=16)
+    # Publish weights to the actors every `sync_every` optimizer steps.
+    sync_every: int = Field(1, ge=1)
+    # Weights travel in buckets of at most this many bytes.
+    weight_bucket_mb: float = Field(32.0, gt=0)
+    checkpoint_every: int = Field(10, ge=0)
+    threads: int = Field(1, ge=1)
+    kernel: Literal["auto", "torch", "triton"] = "auto"
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+
+class EvalConfig(Section):
+    # Samples per test prompt for unbiased Pass@k, k = 1..k_max.
+    k_max: int = Field(16, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_prompts: int | None = Field(None, ge=1)
+
+
+class LauncherConfig(Section):
+    # Ray cluster address; None starts a local cluster.
+    address: str | None = None
+    num_cpus: int | None = Field(None, ge=1)
+    max_actor_restarts: int = Field(3, ge=0)
+
+
+class NetConfig(Section):
+    host: str = "127.0.0.1"
+    # A non-loopback bind needs CURVE keys (a directory made by `dph-async keys`) or insecure=true.
+    curve_keys: str | None = None
+    insecure: bool = False
+
+
+class LoggingConfig(Section):
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    wandb_project: str = "dph-async"
+    run_name: str | None = None
+
+
+class RunConfig(Section):
+    seed: int = 0
+    output_dir: str = "runs/default"
+    mode: Literal["async", "sync"] = "async"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    warmstart: WarmStartConfig = Field(default_factory=WarmStartConfig)
+    presample: PresampleConfig = Field(default_factory=PresampleConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    actors: ActorsConfig = Field(default_factory=ActorsConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    rewards: RewardConfig = Field(default_factory=RewardConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    net: NetConfig = Field(default_factory=NetConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the dotted key."""
+
+
+PRESET_PACKAGE = "dph_async.configs"
+
+
+def presets() -> list[str]:
+    """Names of the YAML presets shipped with the package."""
+    return sorted(p.name[:-5] for p in resources.files(PRESET_PACKAGE).iterdir() if p.name.endswith(".yaml"))
+
+
+def _preset_text(preset: str) -> tuple[str, str]:
+    """Return (source name, YAML text) for a preset name or a path to a YAML file."""
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {preset}")
+        return str(path), path.read_text()
+    file = resources.files(PRESET_PACKAGE) / f"{preset}.yaml"
+    if not file.is_file():
+        raise ConfigError(f"unknown preset {preset!r}; available presets: {', '.join(presets())}")
+    return f"preset {preset}", file.read_text()
+
+
+def _describe(err: dict[str, Any], root: type[Section]) -> str:
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        model: Any = root
+        for part in err["loc"][:-1]:
+            field = model.model_fields.get(str(part)) if hasattr(model, "model_fields") else None
+            model = field.annotation if field is not None else None
+        allowed = ", ".join(model.model_fields) if hasattr(model, "model_fields") else "?"
+        return f"{key}: unknown key (allowed here: {allowed})"
+    return f"{key}: {err['msg']} (got {err.get('input')!r})"
+
+
+def load_config(preset: str = "default", overrides: list[str] | None = None) -> RunConfig:
+    """Load a preset (a name from `presets()` or a YAML path), apply dotted `key=value` overrides, validate."""
+    source, text = _preset_text(preset)
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. learner.steps=40)")
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(text or "{}"), OmegaConf.from_dotlist(list(overrides or [])))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{source}: {e}") from e
+    try:
+        return RunConfig.model_validate(data or {})
+    except ValidationError as e:
+        lines = [_describe(err, RunConfig) for err in e.errors()]
+        raise ConfigError(f"invalid config ({source}):\n  " + "\n  ".join(lines)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML, as written next to every run."""
+    return OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump(mode="json")))

@@ -1,0 +1,44 @@
+"""Loss configuration: advantages, the PPO-style policy loss with off-policy correction, DPH divergences.
+
+Formulas live in the docstrings of `learner/losses.py`; docs/losses.md explains the choices.
+"""
+
+from typing import Literal
+
+from pydantic import Field
+
+from dph_async.config.base import Section
+
+Correction = Literal["behavior", "decoupled", "masked"]
+Divergence = Literal["none", "forward", "js_low_var", "js", "alpha", "reverse_kl"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]
+
+
+class LossConfig(Section):
+    # GRPO advantage: (r - mean) / (std + eps), or (r - mean) with use_std=False (Dr. GRPO).
+    use_std: bool = True
+    adv_eps: float = Field(1e-6, gt=0)
+    # DAPO dynamic filtering: drop groups whose rewards have zero spread (they carry no signal).
+    filter_zero_spread: bool = False
+
+    # PPO clip with clip-higher and dual clip (dual_clip=None disables it).
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.28, ge=0)
+    dual_clip: float | None = Field(3.0, gt=1)
+
+    # Off-policy correction; is_cap is C, the truncation (decoupled) or mask bound (masked) of pi_prox/pi_mu.
+    correction: Correction = "decoupled"
+    is_cap: float = Field(2.0, gt=1)
+    mask_level: Literal["token", "sequence"] = "token"
+
+    # DPH-RL divergence on preserved reference samples; coeff is the seed's `sft_loss_coeff`.
+    divergence: Divergence = "js_low_var"
+    coeff: float = Field(0.1, ge=0)
+    alpha: float = Field(0.2, gt=0, lt=1)
+    # `js` only: share of fresh micro-batches that also get the online half (reference default 1/10).
+    js_online_fraction: float = Field(0.1, ge=0, le=1)
+
+    aggregation: Aggregation = "token-mean"
+    # Constant for `seq-sum-norm` (Dr. GRPO uses the maximum response length); None means max_tokens.
+    aggregation_norm: int | None = Field(None, gt=0)
+    entropy_coeff: float = 0.0

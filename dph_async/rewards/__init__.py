@@ -1,0 +1,1 @@
+"""Verifiable rewards: a registry keyed by `data_source`, sandboxed scorers, pools and services."""
