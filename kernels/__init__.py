@@ -1,1 +1,12 @@
-"""kernels."""
+"""Fused linear -> log-prob (+ entropy) kernels: Triton on GPU, a chunked torch path with the same semantics.
+
+    logp, entropy = fused_logprobs(hidden, lm_head.weight, targets, temperature, mask, with_entropy=True)
+
+The [N, V] logits are never materialised: vocabulary blocks, online log-sum-exp in fp32, and a
+backward that recomputes each block's logits. The package shares its import name with Hugging
+Face's `kernels`; it defines no `__version__` so transformers' probe never takes it for that one.
+"""
+
+from kernels.fused import default_block_v, fused_logprobs
+
+__all__ = ["default_block_v", "fused_logprobs"]

@@ -1,0 +1,120 @@
+"""Chunked torch implementation of the fused linear -> log-prob (+ entropy): the CPU path.
+
+Logits z = hidden @ weight.T / temperature are computed one vocabulary block at a time, in fp32,
+into one reused [N, block] buffer (reuse matters on the CPU: each fresh allocation this large is a
+new mmap whose pages fault in again). The forward keeps per row an online log-sum-exp
+
+    m = running max,  s = sum_j exp(z_j - m),  e = sum_j exp(z_j - m) (z_j - m)
+
+so lse = m + log s and entropy = log s - e/s (both relative to m, which avoids cancelling two large
+numbers). The backward recomputes each block's logits from the saved lse instead of storing [N, V]:
+
+    d/dz_j [g_lp * log p_t + g_H * H] = g_lp (1[j = t] - p_j) - g_H p_j (log p_j + H).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Start of the running max: finite, so that (m_old - m_new) * 0 stays 0 instead of NaN.
+NEG_INIT = -1e30
+
+
+def _block_weight(weight: Tensor, v0: int, v1: int) -> Tensor:
+    w = weight[v0:v1]
+    return w if w.dtype == torch.float32 else w.float()
+
+
+def _target_hits(targets: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
+    """Rows whose target lies in [v0, v1), and the target's column within the block."""
+    rows = ((targets >= v0) & (targets < v1)).nonzero().squeeze(1)
+    return rows, targets[rows] - v0
+
+
+def forward(
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool, block_v: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Returns (log p(target) [N] fp32, lse [N] fp32, entropy [N] fp32 or None)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    x = hidden.float() * (1.0 / temperature)
+    m = torch.full((n,), NEG_INIT, dtype=torch.float32, device=hidden.device)
+    s = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    e = torch.zeros_like(s) if with_entropy else None
+    z_t = torch.zeros_like(s)
+    flat = torch.empty(n * min(block_v, v), dtype=torch.float32, device=hidden.device)
+    flat_p = torch.empty_like(flat) if with_entropy else None
+    for v0 in range(0, v, block_v):
+        v1 = min(v0 + block_v, v)
+        z = flat[: n * (v1 - v0)].view(n, v1 - v0)
+        torch.mm(x, _block_weight(weight, v0, v1).T, out=z)
+        rows, cols = _target_hits(targets, v0, v1)
+        z_t[rows] = z[rows, cols]
+        m_new = torch.maximum(m, z.amax(dim=1))
+        z.sub_(m_new[:, None])
+        scale = torch.exp(m - m_new)
+        if e is not None:
+            p = flat_p[: z.numel()].view_as(z)
+            torch.exp(z, out=p)
+            e.add_((m - m_new) * s).mul_(scale).add_(torch.linalg.vecdot(p, z))
+            s.mul_(scale).add_(p.sum(dim=1))
+        else:
+            s.mul_(scale).add_(z.exp_().sum(dim=1))
+        m = m_new
+    log_s = s.log()
+    lse = m + log_s
+    # z_t <= max <= lse in exact arithmetic and here too (s >= 1); the clamp only guards the invariant.
+    logp = (z_t - lse).clamp_(max=0.0)
+    entropy = (log_s - e / s).clamp_(min=0.0) if e is not None else None
+    return logp, lse, entropy
+
+
+def backward(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    temperature: float,
+    lse: Tensor,
+    entropy: Tensor | None,
+    grad_logp: Tensor | None,
+    grad_entropy: Tensor | None,
+    block_v: int,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Gradients (d hidden, d weight) in the inputs' dtypes; None where not needed."""
+    n, v = hidden.shape[0], weight.shape[0]
+    inv_t = 1.0 / temperature
+    x = hidden.float()
+    x_scaled = x * inv_t
+    # The 1/temperature of dz/dx and dz/dW is folded into the per-row upstream gradients.
+    g_lp = grad_logp.float() * inv_t if grad_logp is not None else torch.zeros(n, device=hidden.device)
+    g_h = grad_entropy.float() * inv_t if grad_entropy is not None else None
+    d_hidden = torch.zeros(n, hidden.shape[1], device=hidden.device) if need_hidden else None
+    d_weight = torch.empty_like(weight) if need_weight else None
+    flat = torch.empty(n * min(block_v, v), dtype=torch.float32, device=hidden.device)
+    flat_p = torch.empty_like(flat) if g_h is not None else None
+    for v0 in range(0, v, block_v):
+        v1 = min(v0 + block_v, v)
+        w = _block_weight(weight, v0, v1)
+        grad = flat[: n * (v1 - v0)].view(n, v1 - v0)
+        torch.mm(x_scaled, w.T, out=grad)
+        grad.sub_(lse[:, None])  # log p
+        if g_h is None:
+            grad.exp_().mul_(-g_lp[:, None])
+        else:
+            p = flat_p[: grad.numel()].view_as(grad)
+            torch.exp(grad, out=p)
+            grad.add_(entropy[:, None]).mul_(g_h[:, None]).add_(g_lp[:, None]).mul_(p).neg_()
+        rows, cols = _target_hits(targets, v0, v1)
+        grad.index_put_((rows, cols), g_lp[rows], accumulate=True)
+        if d_hidden is not None:
+            d_hidden.addmm_(grad, w)
+        if d_weight is not None:
+            if d_weight.dtype == torch.float32:
+                torch.mm(grad.T, x, out=d_weight[v0:v1])
+            else:
+                d_weight[v0:v1] = grad.T @ x
+    if d_hidden is not None:
+        d_hidden = d_hidden.to(hidden.dtype)
+    return d_hidden, d_weight
