@@ -31,14 +31,19 @@ class LossConfig(Section):
     is_cap: float = Field(2.0, gt=1)
     mask_level: Literal["token", "sequence"] = "token"
 
-    # DPH-RL divergence on preserved reference samples; coeff is the seed's `sft_loss_coeff`.
+    # DPH-RL divergence. forward, js_low_var, alpha (and js's first half) train on preserved reference
+    # samples; reverse_kl (and js's second half) need a frozen reference model's log-probs on fresh tokens.
+    # coeff is the seed's `sft_loss_coeff` (`kl_loss_coef` for reverse_kl); the divergence enters with
+    # weight coeff x its share of the step's samples, as in the reference implementation (docs/losses.md).
     divergence: Divergence = "js_low_var"
     coeff: float = Field(0.1, ge=0)
     alpha: float = Field(0.2, gt=0, lt=1)
-    # `js` only: share of fresh micro-batches that also get the online half (reference default 1/10).
+    # `js` only: share of fresh micro-batches that get the online half in the reference (its default
+    # 1/10); here every fresh token gets it with weight coeff x this share, the same expectation.
     js_online_fraction: float = Field(0.1, ge=0, le=1)
 
     aggregation: Aggregation = "token-mean"
-    # Constant for `seq-sum-norm` (Dr. GRPO uses the maximum response length); None means max_tokens.
+    # Constant for `seq-sum-norm` (Dr. GRPO uses the maximum response length); None means sampling.max_tokens.
     aggregation_norm: int | None = Field(None, gt=0)
+    # Entropy bonus on fresh tokens (0 in all the reference's scripts).
     entropy_coeff: float = 0.0

@@ -1,0 +1,291 @@
+"""The learner's losses: GRPO advantages, the off-policy PPO loss, the DPH-RL divergences, aggregation.
+
+Small pure functions on torch tensors. Per-token tensors are [B, T], padded, with a mask [B, T]
+(bool or 0/1 float; True = a generated token). Log-probs are natural logs at the sampling temperature:
+  logp       log pi_theta(y_t)   the learner's, with grad
+  logp_mu    log pi_mu(y_t)      behaviour: recorded by the actor that sampled y_t
+  logp_prox  log pi_prox(y_t)    proximal: the learner's weights at the start of the step, no grad
+  logp_ref   log pi_0(y_t)       stored with a preserved reference sample, or from a frozen model
+Every loss is a quantity to minimise. docs/losses.md has the derivations and the choices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from dph_async.config.loss import LossConfig
+
+# Divergences computed on preserved reference samples (D_pef), against their stored pi_0 log-probs.
+REFERENCE_POOL_MODES = ("forward", "js_low_var", "js", "alpha")
+# Divergences that need a frozen reference model's log-probs on the fresh tokens.
+REFERENCE_MODEL_MODES = ("js", "reverse_kl")
+
+LOG_RATIO_CLAMP = 20.0  # |log ratio| bound before exp, as the reference implementation's k3
+K3_CLAMP = 10.0  # |k3| bound, as the reference implementation's k3
+
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    return (x * mask).sum()
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """sum(x * mask) / sum(mask); 0 for an empty mask."""
+    return masked_sum(x, mask) / mask.sum().clamp(min=1)
+
+
+# --- GRPO advantages ------------------------------------------------------------------------------
+
+
+def grpo_advantages(rewards: Tensor, use_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """A_i = (r_i - mean_g r) / (std_g r + eps), or A_i = r_i - mean_g r without the std (Dr. GRPO).
+
+    rewards [G, n]: one row per prompt group. std is the unbiased (n - 1) one, as in the reference
+    implementation. A group with zero spread gets A = 0 exactly: it carries no signal.
+    """
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if not use_std:
+        return centred
+    std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(centred[:, :1])
+    return centred / (std + eps)
+
+
+def zero_spread_groups(rewards: Tensor, atol: float = 0.0) -> Tensor:
+    """[G] bool: groups whose rewards all agree (max - min <= atol). DAPO's dynamic filtering drops them."""
+    return (rewards.amax(dim=1) - rewards.amin(dim=1)) <= atol
+
+
+# --- Policy loss on fresh tokens ------------------------------------------------------------------
+
+
+class PolicyLoss(NamedTuple):
+    loss: Tensor  # [B, T] per-token loss to minimise, 0 outside `mask`
+    mask: Tensor  # [B, T] float: the input mask times the `masked` correction's keep mask
+    ratio: Tensor  # [B, T] the clipped ratio's argument, pi_theta / pi_mu or pi_theta / pi_prox (detached)
+    is_weight: Tensor  # [B, T] pi_prox / pi_mu before truncation (detached), for diagnostics
+    clipped: Tensor  # [B, T] bool: the PPO clip is active (no gradient through the ratio)
+    dual_clipped: Tensor  # [B, T] bool: the dual clip is active
+
+
+def log_ratio(logp: Tensor, logp_old: Tensor) -> Tensor:
+    """log(pi / pi_old), clamped to +-20 before anyone exponentiates it."""
+    return (logp - logp_old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def ppo_clip(
+    ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float, dual_clip: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO clip with clip-higher and dual clip, per token:
+
+        l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+        l = min(l, -A c)  where A < 0   (dual clip, c > 1: bounds the loss of a very large ratio)
+
+    Returns (loss, clipped, dual_clipped); the loss has no gradient through r where either is set.
+    """
+    unclipped = -advantages * ratio
+    clipped_loss = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped_loss)
+    clipped = clipped_loss > unclipped
+    dual = torch.zeros_like(clipped)
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+    return loss, clipped & ~dual, dual
+
+
+def policy_loss(
+    logp: Tensor,
+    logp_mu: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    logp_prox: Tensor | None = None,
+) -> PolicyLoss:
+    """Per-token PPO loss on fresh tokens with off-policy correction `cfg.correction`:
+
+        behavior:  r = pi_theta / pi_mu,   l = ppo_clip(r, A)          (naive PPO on stale data)
+        decoupled: r = pi_theta / pi_prox, l = min(w, C) ppo_clip(r, A),   w = pi_prox / pi_mu
+        masked:    as decoupled, and tokens with w outside [1/C, C] are dropped (mask_level="token"),
+                   or whole sequences whose geometric-mean w, exp(mean_t log w), is (mask_level="sequence")
+
+    C = cfg.is_cap; w is a constant (no gradient). advantages: [B] (one per sequence) or [B, T].
+    logp_prox defaults to logp.detach(): one optimizer step per batch, so the proximal policy is
+    the current weights. When pi_mu = pi_prox, decoupled and masked equal behavior exactly.
+    """
+    mask = mask.to(logp.dtype)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    prox = logp.detach() if logp_prox is None else logp_prox
+    log_w = log_ratio(prox, logp_mu)
+    if cfg.correction == "behavior":
+        log_r = log_ratio(logp, logp_mu)
+        weight = torch.ones_like(logp)
+    else:
+        log_r = log_ratio(logp, prox)
+        weight = log_w.exp().clamp(max=cfg.is_cap)
+    if cfg.correction == "masked":
+        bound = math.log(cfg.is_cap)
+        if cfg.mask_level == "token":
+            keep = log_w.abs() <= bound
+        else:
+            seq_log_w = (log_w * mask).sum(1) / mask.sum(1).clamp(min=1)
+            keep = (seq_log_w.abs() <= bound)[:, None].expand_as(log_w)
+        mask = mask * keep
+    ratio = log_r.exp()
+    loss, clipped, dual = ppo_clip(ratio, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
+    return PolicyLoss(weight * loss * mask, mask, ratio.detach(), log_w.exp(), clipped, dual)
+
+
+# --- DPH divergences ------------------------------------------------------------------------------
+
+
+def k3(log_r: Tensor) -> Tensor:
+    """k3(r) = r - log r - 1 >= 0, with log r clamped to +-20 and the value to [-10, 10] (the reference
+    implementation's `low_var_kl`). E_p[k3(q/p)] = KL(p || q) for samples from p. Past the value clamp,
+    |log r| > ~11, the gradient is zero."""
+    log_r = log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (log_r.exp() - log_r - 1.0).clamp(-K3_CLAMP, K3_CLAMP)
+
+
+def forward_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """DPH-F, on reference tokens y ~ pi_0: k3(u) = u - log u - 1 with u = pi_theta / pi_0 (clamped as k3).
+    E_{pi_0}[.] = KL(pi_0 || pi_theta). d/d logp = u - 1 inside the clamps."""
+    return k3(logp - logp_ref)
+
+
+def js_low_var(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """DPH-JS, the "JS generator", on reference tokens: f(u) = u log u - (u + 1) log((u + 1) / 2).
+    E_{pi_0}[f(u)] = KL(pi_theta || M) + KL(pi_0 || M) = 2 JS(pi_theta, pi_0), M = (pi_theta + pi_0) / 2.
+    f >= 0, f(1) = f'(1) = 0; d/d logp = u log(2u / (1 + u)). No clamps (none in the reference)."""
+    d = logp - logp_ref
+    u = d.exp()
+    # log((u + 1) / 2) = softplus(d) - log 2: finite where u overflows nothing and 1 + u rounds to 1.
+    return u * d - (u + 1.0) * (torch.nn.functional.softplus(d) - math.log(2.0))
+
+
+def js_reference_half(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """`js` ("JS definition") on reference tokens y ~ pi_0: k3 of M / pi_0 = (1 + u) / 2, with
+    M = (pi_0 + pi_theta) / 2. E_{pi_0}[.] = KL(pi_0 || M).
+    d/d logp = u (u - 1) / (2 (1 + u)) inside the clamps."""
+    return k3(torch.logaddexp(logp, logp_ref) - math.log(2.0) - logp_ref)
+
+
+def js_online_half(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """`js` on fresh tokens y ~ pi_theta with a frozen reference model: k3 of M' / pi_theta,
+    M' = (pi_ref + pi_theta) / 2. E_{pi_theta}[.] = KL(pi_theta || M'). The gradient flows through
+    pi_theta in both M' and the denominator."""
+    return k3(torch.logaddexp(logp, logp_ref) - math.log(2.0) - logp)
+
+
+def alpha_divergence(logp: Tensor, logp_ref: Tensor, alpha: float) -> Tensor:
+    """On reference tokens: f(u) = (u^(1-a) - (1-a) u - a) / (a (a - 1)), 0 < a < 1, u = pi_theta / pi_0.
+    E_{pi_0}[f(u)] = (1 - sum pi_0^a pi_theta^(1-a)) / (a (1 - a)); a -> 1 gives KL(pi_0 || pi_theta),
+    a -> 0 gives KL(pi_theta || pi_0). d/d logp = (u - u^(1-a)) / a. No clamps (none in the reference)."""
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
+    d = logp - logp_ref
+    return (torch.exp((1.0 - alpha) * d) - (1.0 - alpha) * d.exp() - alpha) / (alpha * (alpha - 1.0))
+
+
+def reverse_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """On fresh tokens y ~ pi_theta with a frozen reference model: k3(pi_ref / pi_theta).
+    E_{pi_theta}[.] = KL(pi_theta || pi_ref) (verl's `low_var_kl` KL loss)."""
+    return k3(logp_ref - logp)
+
+
+def divergence(mode: str, logp: Tensor, logp_ref: Tensor, alpha: float = 0.2) -> Tensor:
+    """Per-token divergence on preserved reference tokens for `mode` in REFERENCE_POOL_MODES
+    (for `js`, its reference half)."""
+    if mode == "forward":
+        return forward_kl(logp, logp_ref)
+    if mode == "js_low_var":
+        return js_low_var(logp, logp_ref)
+    if mode == "js":
+        return js_reference_half(logp, logp_ref)
+    if mode == "alpha":
+        return alpha_divergence(logp, logp_ref, alpha)
+    raise ValueError(f"no divergence on reference samples for {mode!r}; one of {REFERENCE_POOL_MODES}")
+
+
+def fresh_divergence(mode: str, logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """Per-token divergence on fresh tokens against a frozen reference model, for REFERENCE_MODEL_MODES."""
+    if mode == "reverse_kl":
+        return reverse_kl(logp, logp_ref)
+    if mode == "js":
+        return js_online_half(logp, logp_ref)
+    raise ValueError(f"no divergence on fresh samples for {mode!r}; one of {REFERENCE_MODEL_MODES}")
+
+
+# --- Aggregation and the DPH objective ------------------------------------------------------------
+
+
+def aggregate(
+    per_token: Tensor, mask: Tensor, mode: str, norm: float | None = None, count: float | None = None
+) -> Tensor:
+    """Reduce a [B, T] per-token loss to a scalar:
+
+        token-mean:          sum_bt l m / sum_bt m
+        seq-mean-token-mean: mean over sequences with a token of (sum_t l m / sum_t m)
+        seq-sum-norm:        sum_bt l m / (B norm)   (Dr. GRPO; norm a constant such as the max length)
+
+    count: the whole batch's denominator (tokens for token-mean, sequences otherwise) when this
+    [B, T] is one micro-batch of it, so that the micro-batches' losses add up to the batch's.
+    """
+    mask = mask.to(per_token.dtype)
+    if mode == "token-mean":
+        total, denom = masked_sum(per_token, mask), mask.sum() if count is None else count
+    elif mode == "seq-mean-token-mean":
+        tokens = mask.sum(1)
+        total = ((per_token * mask).sum(1) / tokens.clamp(min=1)).sum()
+        denom = (tokens > 0).sum() if count is None else count
+    elif mode == "seq-sum-norm":
+        if norm is None:
+            raise ValueError("seq-sum-norm needs `norm` (a constant, e.g. the maximum response length)")
+        total, denom = masked_sum(per_token, mask) / norm, per_token.shape[0] if count is None else count
+    else:
+        raise ValueError(f"unknown aggregation {mode!r}")
+    # An empty batch gives 0, not NaN; a tensor denominator stays on its device (no host sync).
+    return total / torch.as_tensor(denom, dtype=total.dtype, device=total.device).clamp(min=1)
+
+
+def dph_objective(
+    pg: Tensor,
+    n_fresh: int,
+    cfg: LossConfig,
+    div_ref: Tensor | None = None,
+    n_ref: int = 0,
+    div_fresh: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> Tensor:
+    """The DPH-RL objective from aggregated parts, weighted as the reference implementation does:
+
+        L = [n_f (L_pg - c_H H + c_f D_fresh) + n_r eta D_ref] / (n_f + n_r)
+
+    pg = L_pg on n_f fresh samples; div_ref = D_ref, the divergence on n_r reference samples; div_fresh
+    = D_fresh on the fresh samples (reverse_kl; js's online half); entropy = H, the fresh tokens' mean
+    entropy. eta = cfg.coeff (the seed's sft_loss_coeff, or kl_loss_coef for reverse_kl); c_f = eta for
+    reverse_kl and eta * js_online_fraction for js (the reference adds the online half to that share of
+    fresh micro-batches at random; this is its expectation); c_H = cfg.entropy_coeff.
+
+    Why this weighting: the reference gives each micro-batch one sample type and averages the
+    micro-batches' losses, so each part enters with its share of the samples (256 reference per 2,048
+    fresh in its scripts: the divergence weighs eta * 256 / 2,304). Keeping that keeps the meaning of
+    the seed's coefficient ranges. Linear in its parts: micro-batch partials combine the same way.
+    """
+    mode = cfg.divergence
+    if (div_ref is not None) != (mode in REFERENCE_POOL_MODES and n_ref > 0):
+        raise ValueError(f"divergence {mode!r}, n_ref={n_ref}: give div_ref exactly when both call for it")
+    if (div_fresh is not None) != (mode in REFERENCE_MODEL_MODES):
+        raise ValueError(f"divergence {mode!r}: div_fresh must be given exactly for {REFERENCE_MODEL_MODES}")
+    fresh = pg
+    if entropy is not None and cfg.entropy_coeff:
+        fresh = fresh - cfg.entropy_coeff * entropy
+    if div_fresh is not None:
+        fresh = fresh + cfg.coeff * (cfg.js_online_fraction if mode == "js" else 1.0) * div_fresh
+    total = n_fresh * fresh
+    if div_ref is not None:
+        total = total + n_ref * cfg.coeff * div_ref
+    return total / max(n_fresh + n_ref, 1)

@@ -1,0 +1,390 @@
+"""Losses against closed forms, in float64, on fresh random inputs.
+
+Divergence estimators: on a random categorical pi_0 / pi_theta over K outcomes, the estimator's exact
+expectation (sum over outcomes, weighted by the sampling policy) must equal the closed-form divergence
+to 1e-10, and its Monte Carlo mean over 200,000 draws must lie within 5 standard errors of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dph_async.config.loss import LossConfig
+from learner import losses as L
+
+F64 = torch.float64
+K = 7
+
+
+def categorical_pair(seed: int, spread: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two random distributions over K outcomes, log-probs in float64; ratios stay inside k3's clamps."""
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.log_softmax(torch.randn(K, generator=g, dtype=F64) * spread, 0),
+        torch.log_softmax(torch.randn(K, generator=g, dtype=F64) * spread, 0),
+    )
+
+
+def kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    return (logp.exp() * (logp - logq)).sum()
+
+
+def js(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    logm = torch.logaddexp(logp, logq) - math.log(2.0)
+    return 0.5 * (kl(logp, logm) + kl(logq, logm))
+
+
+ALPHA = 0.35
+
+
+# (estimator per outcome y, sampling policy: "ref" = pi_0 or "theta", closed form)
+ESTIMATORS = {
+    "forward": (lambda lt, l0: L.forward_kl(lt, l0), "ref", lambda lt, l0: kl(l0, lt)),
+    "js_low_var": (lambda lt, l0: L.js_low_var(lt, l0), "ref", lambda lt, l0: 2 * js(lt, l0)),
+    "js_reference_half": (
+        lambda lt, l0: L.js_reference_half(lt, l0),
+        "ref",
+        lambda lt, l0: kl(l0, torch.logaddexp(lt, l0) - math.log(2.0)),
+    ),
+    "js_online_half": (
+        lambda lt, l0: L.js_online_half(lt, l0),
+        "theta",
+        lambda lt, l0: kl(lt, torch.logaddexp(lt, l0) - math.log(2.0)),
+    ),
+    "alpha": (
+        lambda lt, l0: L.alpha_divergence(lt, l0, ALPHA),
+        "ref",
+        lambda lt, l0: (1 - (ALPHA * l0 + (1 - ALPHA) * lt).exp().sum()) / (ALPHA * (1 - ALPHA)),
+    ),
+    "reverse_kl": (lambda lt, l0: L.reverse_kl(lt, l0), "theta", lambda lt, l0: kl(lt, l0)),
+}
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_divergence_estimators_are_unbiased(name):
+    estimator, sampler, exact = ESTIMATORS[name]
+    log_theta, log_ref = categorical_pair(seed=len(name))
+    values = estimator(log_theta, log_ref)  # the estimator at each of the K outcomes
+    log_sampler = log_ref if sampler == "ref" else log_theta
+    target = exact(log_theta, log_ref)
+    assert target > 1e-3  # a non-trivial pair
+    torch.testing.assert_close((log_sampler.exp() * values).sum(), target, atol=1e-10, rtol=0)
+    draws = torch.multinomial(
+        log_sampler.exp(), 200_000, replacement=True, generator=torch.Generator().manual_seed(7)
+    )
+    sample = values[draws]
+    std_err = sample.std() / math.sqrt(len(sample))
+    assert abs(sample.mean() - target) < 5 * std_err
+
+
+def test_js_halves_add_up_to_twice_js():
+    """The `js` definition's two halves, each on its own samples, estimate KL(pi_0||M) + KL(pi_theta||M)."""
+    log_theta, log_ref = categorical_pair(seed=11)
+    ref_half = (log_ref.exp() * L.js_reference_half(log_theta, log_ref)).sum()
+    online_half = (log_theta.exp() * L.js_online_half(log_theta, log_ref)).sum()
+    torch.testing.assert_close(ref_half + online_half, 2 * js(log_theta, log_ref), atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(("alpha", "limit"), [(1 - 1e-5, "forward"), (1e-5, "reverse")])
+def test_alpha_limits(alpha, limit):
+    """alpha -> 1: per token u - log u - 1 (forward KL's k3); alpha -> 0: u log u - u + 1, whose
+    expectation under pi_0 is KL(pi_theta || pi_0)."""
+    log_theta, log_ref = categorical_pair(seed=12)
+    values = L.alpha_divergence(log_theta, log_ref, alpha)
+    u = (log_theta - log_ref).exp()
+    if limit == "forward":
+        per_token, exact = u - u.log() - 1, kl(log_ref, log_theta)
+    else:
+        per_token, exact = u * u.log() - u + 1, kl(log_theta, log_ref)
+    torch.testing.assert_close(values, per_token, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close((log_ref.exp() * values).sum(), exact, atol=1e-4, rtol=1e-4)
+
+
+DIVERGENCES = {
+    "forward": lambda lt, l0: L.forward_kl(lt, l0),
+    "js_low_var": lambda lt, l0: L.js_low_var(lt, l0),
+    "js_reference_half": lambda lt, l0: L.js_reference_half(lt, l0),
+    "js_online_half": lambda lt, l0: L.js_online_half(lt, l0),
+    "alpha": lambda lt, l0: L.alpha_divergence(lt, l0, ALPHA),
+    "reverse_kl": lambda lt, l0: L.reverse_kl(lt, l0),
+}
+
+
+def grad_wrt_logp(fn, logp: torch.Tensor, logp_ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = logp.clone().requires_grad_()
+    value = fn(logp, logp_ref)
+    (grad,) = torch.autograd.grad(value.sum(), logp)
+    return value.detach(), grad
+
+
+@pytest.mark.parametrize("name", DIVERGENCES)
+def test_u_equal_one_gives_zero_loss_and_gradient(name):
+    logp = -torch.rand(50, dtype=F64) * 8  # any log-probs, with pi_theta = pi_ref
+    value, grad = grad_wrt_logp(DIVERGENCES[name], logp, logp.clone())
+    assert value.abs().max() < 1e-12 and grad.abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("name", DIVERGENCES)
+def test_divergences_are_nonnegative(name):
+    g = torch.Generator().manual_seed(13)
+    logp, logp_ref = (
+        -torch.rand(500, generator=g, dtype=F64) * 12,
+        -torch.rand(500, generator=g, dtype=F64) * 12,
+    )
+    assert (DIVERGENCES[name](logp, logp_ref) >= -1e-12).all()
+
+
+def test_gradients_match_closed_forms():
+    """d loss / d logp at random u against the formulas in the docstrings (and the research table)."""
+    g = torch.Generator().manual_seed(14)
+    logp_ref = -torch.rand(200, generator=g, dtype=F64) * 5
+    logp = logp_ref + torch.randn(200, generator=g, dtype=F64).clamp(-2.5, 2.5)  # inside k3 clamps (u < 13.6)
+    u = (logp - logp_ref).exp()
+    expected = {
+        "forward": u - 1,
+        "js_low_var": u * torch.log(2 * u / (1 + u)),
+        "js_reference_half": u * (u - 1) / (2 * (1 + u)),
+        "alpha": (u - u ** (1 - ALPHA)) / ALPHA,
+        # reverse KL: k3(1/u) = 1/u + log u - 1, d/d logp = 1 - 1/u
+        "reverse_kl": 1 - 1 / u,
+        # online half: s = (1/u + 1)/2, d/d logp [s - log s - 1] = (1 - 1/s) ds/dlogp, ds/dlogp = -1/(2u)
+        "js_online_half": -(1 - 2 / (1 / u + 1)) / (2 * u),
+    }
+    for name, want in expected.items():
+        _, grad = grad_wrt_logp(DIVERGENCES[name], logp, logp_ref)
+        torch.testing.assert_close(grad, want, atol=1e-12, rtol=1e-10, msg=name)
+
+
+def test_k3_clamps_switch_off_forgotten_tokens():
+    """Forward KL: |log u| > ~11.0 puts k3 past its value clamp of 10: no gradient (reference behaviour)."""
+    logp_ref = torch.zeros(4, dtype=F64)
+    logp = torch.tensor([-12.0, -30.0, -10.0, 2.0], dtype=F64)
+    value, grad = grad_wrt_logp(L.forward_kl, logp, logp_ref)
+    torch.testing.assert_close(value[:2], torch.full((2,), 10.0, dtype=F64))
+    assert (grad[:2] == 0).all()
+    torch.testing.assert_close(grad[2:], logp[2:].exp() - 1)
+    with pytest.raises(ValueError, match="alpha"):
+        L.alpha_divergence(logp, logp_ref, 1.0)
+
+
+def test_divergence_dispatch():
+    logp, logp_ref = categorical_pair(seed=15)
+    torch.testing.assert_close(L.divergence("forward", logp, logp_ref), L.forward_kl(logp, logp_ref))
+    torch.testing.assert_close(L.divergence("js", logp, logp_ref), L.js_reference_half(logp, logp_ref))
+    torch.testing.assert_close(
+        L.divergence("alpha", logp, logp_ref, 0.5), L.alpha_divergence(logp, logp_ref, 0.5)
+    )
+    torch.testing.assert_close(L.fresh_divergence("js", logp, logp_ref), L.js_online_half(logp, logp_ref))
+    torch.testing.assert_close(L.fresh_divergence("reverse_kl", logp, logp_ref), L.reverse_kl(logp, logp_ref))
+    with pytest.raises(ValueError, match="reference samples"):
+        L.divergence("reverse_kl", logp, logp_ref)
+    with pytest.raises(ValueError, match="fresh samples"):
+        L.fresh_divergence("forward", logp, logp_ref)
+
+
+# --- GRPO -----------------------------------------------------------------------------------------
+
+
+def test_grpo_advantages():
+    g = torch.Generator().manual_seed(16)
+    rewards = torch.randint(0, 2, (12, 8), generator=g).to(F64)
+    rewards[0] = 1.0  # zero spread
+    rewards[1] = torch.rand(8, generator=g, dtype=F64)
+    spread = ~L.zero_spread_groups(rewards)
+    assert not spread[0] and spread[1]
+    adv = L.grpo_advantages(rewards, use_std=True, eps=1e-12)
+    torch.testing.assert_close(adv.mean(1), torch.zeros(12, dtype=F64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(adv[spread].std(1), torch.ones(int(spread.sum()), dtype=F64))
+    assert (adv[~spread] == 0).all()
+    plain = L.grpo_advantages(rewards, use_std=False)
+    torch.testing.assert_close(plain, rewards - rewards.mean(1, keepdim=True))
+    assert (L.grpo_advantages(rewards[:, :1]) == 0).all()  # groups of one: no signal, no NaN
+
+
+def test_zero_spread_tolerance():
+    rewards = torch.tensor([[0.5, 0.5 + 1e-9], [0.0, 1.0]], dtype=F64)
+    assert L.zero_spread_groups(rewards).tolist() == [False, False]
+    assert L.zero_spread_groups(rewards, atol=1e-6).tolist() == [True, False]
+
+
+# --- PPO and the off-policy corrections -----------------------------------------------------------
+
+
+def cfg(**kw) -> LossConfig:
+    return LossConfig(**{"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0, **kw})
+
+
+@pytest.mark.parametrize(
+    ("adv", "ratio", "grad", "clipped", "dual"),
+    [
+        (1.0, 1.1, -1.1, False, False),  # inside the clip range: d(-A r)/dlogp = -A r
+        (1.0, 1.5, 0.0, True, False),  # above 1 + eps_high with A > 0: clipped
+        (1.0, 0.5, -0.5, False, False),  # below 1 - eps_low with A > 0: pessimistic min keeps r
+        (-1.0, 0.5, 0.0, True, False),  # below 1 - eps_low with A < 0: clipped
+        (-1.0, 1.1, 1.1, False, False),
+        (-1.0, 2.0, 2.0, False, False),  # above 1 + eps_high with A < 0: unclipped, up to c
+        (-1.0, 4.0, 0.0, False, True),  # beyond c = 3: dual clip, loss -A c
+        (2.0, 1.25, -2.5, False, False),  # clip-higher: 1.25 < 1 + 0.28 is inside
+    ],
+)
+def test_ppo_clip_regions(adv, ratio, grad, clipped, dual):
+    logp_mu = torch.tensor([[-1.3]], dtype=F64)
+    logp = (logp_mu + math.log(ratio)).requires_grad_()
+    out = L.policy_loss(
+        logp, logp_mu, torch.tensor([adv], dtype=F64), torch.ones(1, 1), cfg(correction="behavior")
+    )
+    (g,) = torch.autograd.grad(out.loss.sum(), logp)
+    torch.testing.assert_close(g.item(), grad, atol=1e-12, rtol=1e-12)
+    assert out.clipped.item() == clipped and out.dual_clipped.item() == dual
+    if dual:
+        torch.testing.assert_close(out.loss.item(), -adv * 3.0)
+
+
+def random_batch(seed: int, b: int = 6, t: int = 9):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(b, t, generator=g, dtype=F64) * 3
+    logp_mu = logp + 0.3 * torch.randn(b, t, generator=g, dtype=F64)
+    logp_prox = logp + 0.3 * torch.randn(b, t, generator=g, dtype=F64)
+    mask = torch.rand(b, t, generator=g) < 0.8
+    adv = torch.randn(b, generator=g, dtype=F64)
+    return logp, logp_mu, logp_prox, mask, adv
+
+
+def loss_and_grad(logp, logp_mu, adv, mask, config, logp_prox=None):
+    logp = logp.clone().requires_grad_()
+    out = L.policy_loss(logp, logp_mu, adv, mask, config, logp_prox)
+    (g,) = torch.autograd.grad(out.loss.sum(), logp)
+    return out, g
+
+
+@pytest.mark.parametrize(
+    ("correction", "level"), [("decoupled", "token"), ("masked", "token"), ("masked", "sequence")]
+)
+def test_corrections_reduce_to_behavior_when_policies_coincide(correction, level):
+    logp, logp_mu, _, mask, adv = random_batch(seed=17)
+    base, g_base = loss_and_grad(logp, logp_mu, adv, mask, cfg(correction="behavior"))
+    # pi_prox = pi_mu, any pi_theta: w = 1, ratio against pi_prox is the ratio against pi_mu.
+    out, g = loss_and_grad(logp, logp_mu, adv, mask, cfg(correction=correction, mask_level=level), logp_mu)
+    torch.testing.assert_close(out.loss, base.loss, atol=0, rtol=0)
+    torch.testing.assert_close(g, g_base, atol=0, rtol=0)
+    # all three equal (the first step on fresh on-policy data): r = 1, loss = -A on every token.
+    out, g = loss_and_grad(logp, logp, adv, mask, cfg(correction=correction, mask_level=level), logp)
+    torch.testing.assert_close(out.loss, -adv[:, None].expand_as(logp) * mask, atol=1e-12, rtol=0)
+    torch.testing.assert_close(g, -adv[:, None].expand_as(logp) * mask, atol=1e-12, rtol=0)
+
+
+def test_decoupled_weights_the_gradient_by_the_truncated_is_weight():
+    logp, logp_mu, logp_prox, mask, adv = random_batch(seed=18)
+    logp_prox = logp.clone()  # r = 1 everywhere: the gradient is -A w
+    out, g = loss_and_grad(logp, logp_mu, adv, mask, cfg(correction="decoupled", is_cap=1.2), logp_prox)
+    w = (logp_prox - logp_mu).exp()
+    torch.testing.assert_close(g, -adv[:, None] * w.clamp(max=1.2) * mask, atol=1e-12, rtol=0)
+    torch.testing.assert_close(out.is_weight, w)
+    assert (w > 1.2).any()  # the truncation was exercised
+
+
+def test_masked_correction_drops_tokens_and_sequences():
+    logp, logp_mu, logp_prox, mask, adv = random_batch(seed=19)
+    cap = 1.25
+    log_w = logp_prox - logp_mu
+    out, _ = loss_and_grad(logp, logp_mu, adv, mask, cfg(correction="masked", is_cap=cap), logp_prox)
+    keep = log_w.abs() <= math.log(cap)
+    assert (~keep & mask).any() and (keep & mask).any()
+    torch.testing.assert_close(out.mask, (mask & keep).to(F64))
+    assert (out.loss[~keep] == 0).all()
+    out, _ = loss_and_grad(
+        logp, logp_mu, adv, mask, cfg(correction="masked", is_cap=cap, mask_level="sequence"), logp_prox
+    )
+    geo = (log_w * mask).sum(1) / mask.sum(1)
+    keep_seq = geo.abs() <= math.log(cap)
+    torch.testing.assert_close(out.mask, (mask & keep_seq[:, None]).to(F64))
+
+
+def test_advantages_per_token():
+    logp, logp_mu, _, mask, adv = random_batch(seed=20)
+    a = L.policy_loss(logp, logp_mu, adv, mask, cfg(correction="behavior")).loss
+    b = L.policy_loss(logp, logp_mu, adv[:, None].expand_as(logp), mask, cfg(correction="behavior")).loss
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+# --- Aggregation and the DPH weighting ------------------------------------------------------------
+
+
+def test_aggregation_modes_and_micro_batches():
+    g = torch.Generator().manual_seed(21)
+    loss = torch.randn(8, 10, generator=g, dtype=F64)
+    mask = torch.rand(8, 10, generator=g) < 0.7
+    mask[3] = False  # an empty sequence
+    m = mask.to(F64)
+    expected = {
+        "token-mean": (loss * m).sum() / m.sum(),
+        "seq-mean-token-mean": torch.stack(
+            [(loss[i] * m[i]).sum() / m[i].sum() for i in range(8) if i != 3]
+        ).mean(),
+        "seq-sum-norm": (loss * m).sum() / (8 * 16.0),
+    }
+    counts = {"token-mean": m.sum(), "seq-mean-token-mean": 7, "seq-sum-norm": 8}
+    for mode, want in expected.items():
+        torch.testing.assert_close(L.aggregate(loss, mask, mode, norm=16.0), want)
+        halves = sum(
+            L.aggregate(loss[s], mask[s], mode, norm=16.0, count=counts[mode])
+            for s in (slice(0, 5), slice(5, 8))
+        )
+        torch.testing.assert_close(halves, want)
+    assert L.aggregate(loss, torch.zeros_like(mask), "token-mean") == 0
+    with pytest.raises(ValueError, match="norm"):
+        L.aggregate(loss, mask, "seq-sum-norm")
+
+
+def test_dph_objective_matches_the_reference_micro_batch_average():
+    """The reference trains micro-batches of one type each and averages their losses: with equal
+    lengths, that average equals [n_f L_pg + n_r eta D_ref] / (n_f + n_r) exactly."""
+    g = torch.Generator().manual_seed(22)
+    n_f, n_r, t, micro, eta = 16, 4, 6, 2, 0.05
+    pg_tok = torch.randn(n_f, t, generator=g, dtype=F64)
+    div_tok = torch.rand(n_r, t, generator=g, dtype=F64)
+    full = torch.ones(1, t)
+    per_mb = [
+        L.aggregate(pg_tok[i : i + micro], full.expand(micro, t), "token-mean") for i in range(0, n_f, micro)
+    ]
+    per_mb += [
+        eta * L.aggregate(div_tok[i : i + micro], full.expand(micro, t), "token-mean")
+        for i in range(0, n_r, micro)
+    ]
+    reference = torch.stack(per_mb).mean()
+    config = cfg(divergence="js_low_var", coeff=eta)
+    ours = L.dph_objective(
+        L.aggregate(pg_tok, torch.ones(n_f, t), "token-mean"),
+        n_f,
+        config,
+        div_ref=L.aggregate(div_tok, torch.ones(n_r, t), "token-mean"),
+        n_ref=n_r,
+    )
+    torch.testing.assert_close(ours, reference)
+
+
+def test_dph_objective_fresh_terms():
+    pg, d_fresh, ent = (
+        torch.tensor(0.7, dtype=F64),
+        torch.tensor(0.3, dtype=F64),
+        torch.tensor(2.0, dtype=F64),
+    )
+    rkl = cfg(divergence="reverse_kl", coeff=0.02, entropy_coeff=0.01)
+    torch.testing.assert_close(
+        L.dph_objective(pg, 10, rkl, div_fresh=d_fresh, entropy=ent), pg + 0.02 * d_fresh - 0.01 * ent
+    )
+    jsd = cfg(divergence="js", coeff=0.1, js_online_fraction=0.1)
+    d_ref = torch.tensor(0.4, dtype=F64)
+    torch.testing.assert_close(
+        L.dph_objective(pg, 6, jsd, div_ref=d_ref, n_ref=2, div_fresh=d_fresh),
+        (6 * (pg + 0.01 * d_fresh) + 2 * 0.1 * d_ref) / 8,
+    )
+    none = cfg(divergence="none")
+    torch.testing.assert_close(L.dph_objective(pg, 10, none), pg)
+    with pytest.raises(ValueError, match="div_ref"):
+        L.dph_objective(pg, 10, cfg(divergence="forward"), n_ref=2)
+    with pytest.raises(ValueError, match="div_fresh"):
+        L.dph_objective(pg, 10, rkl)
