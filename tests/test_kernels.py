@@ -8,6 +8,7 @@ fp32, so log-probs keep the fp32 tolerance; gradients come back rounded to bf16 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -164,3 +165,15 @@ def test_transformers_does_not_take_ours_for_hf_kernels():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_bench_kernels_command_smoke(tmp_path):
+    """`dph-async bench kernels` at a tiny shape: both paths run, agree, and the JSON has the ratios."""
+    from dph_async.cli import main
+
+    out = tmp_path / "kernels.json"
+    shape = ["--n", "64", "--hidden", "32", "--vocab", "3001"]
+    assert main(["bench", "kernels", *shape, "--rounds", "1", "--iters", "1", "--out", str(out)]) == 0
+    cpu = json.loads(out.read_text())["cpu"]
+    assert cpu["time_ratio"] > 0 and cpu["memory_ratio"] > 0
+    assert cpu["max_abs_diff_logp"] < 1e-4 and cpu["max_rel_diff_d_hidden"] < 1e-4

@@ -1,0 +1,1 @@
+"""Benchmarks: commands, not tests (docs/benchmarks.md)."""
