@@ -61,7 +61,10 @@ def main(args: argparse.Namespace) -> int:
     need = bench.naive_bytes_estimate(args.n, args.hidden, args.vocab)
     free = bench.available_memory()
     if need > 0.9 * free:
-        print(f"error: the naive path needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available", file=sys.stderr)
+        print(
+            f"error: the naive path needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available",
+            file=sys.stderr,
+        )
         return 1
     # Two large runs would each hold the naive path's [N, V] tensors and skew each other's timings.
     lock = open(Path(tempfile.gettempdir()) / "dph-async-bench-kernels.lock", "w")  # noqa: SIM115
