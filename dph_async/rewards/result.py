@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
-Status = Literal["ok", "timeout", "error", "verifier_error", "parse_error", "rejected"]
+# Who is to blame decides what a trainer does with a zero:
+#   the response's doing (a legitimate 0 to learn from):
+#     ok             scored normally (right or wrong)
+#     parse_error    no answer could be extracted or parsed (missing ```sql block, \boxed{}, <answer>)
+#     rejected       the sandbox refused it: not a read-only query, several statements, a forbidden
+#                    operator, a size or memory limit
+#     exec_error     the extracted program ran and failed (SQL syntax error, unknown column)
+#     timeout        scoring overran its deadline (the worker was stopped or killed)
+#   the scorer's doing (no information about the response; a trainer may mask these):
+#     error          bad ground truth, missing database, a worker that died, a service out of reach
+#     verifier_error the LLM verifier was down, timed out or answered neither True nor False
+Status = Literal["ok", "parse_error", "rejected", "exec_error", "timeout", "error", "verifier_error"]
+STATUSES: tuple[str, ...] = get_args(Status)
+SCORER_FAILURES = frozenset({"error", "verifier_error"})
 
 
 @dataclass(frozen=True)
@@ -15,7 +28,9 @@ class RewardResult:
     score: the reward used for training (may include partial credit).
     correct: exact correctness; what accuracy, Pass@k and the D_pef split count.
     format_ok: the response had the expected shape (e.g. a ```sql block, a boxed answer).
-    status: "ok" unless scoring itself failed; a failure scores 0 and says why here.
+    status: "ok" unless something stopped normal scoring; see `Status` above. A failure scores 0
+        (except where a verifier failure leaves the rule check's share) and says why in `detail`.
+    latency_s: wall time spent scoring this response, as seen by whoever ran it.
     """
 
     score: float
@@ -24,3 +39,13 @@ class RewardResult:
     status: Status = "ok"
     latency_s: float = 0.0
     detail: str = ""
+
+    @property
+    def scorer_failed(self) -> bool:
+        """True when the zero says nothing about the response (the scorer or verifier failed)."""
+        return self.status in SCORER_FAILURES
+
+
+def failure(status: Status, detail: str, *, format_ok: bool = False) -> RewardResult:
+    """A zero-score result for a response that could not be scored normally."""
+    return RewardResult(score=0.0, correct=False, format_ok=format_ok, status=status, detail=detail)
