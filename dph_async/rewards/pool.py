@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Literal
 
 import dph_async
 from dph_async.config.rewards import RewardConfig
@@ -68,7 +69,7 @@ class _Worker:
         except (EOFError, OSError):
             return None
 
-    def run(self, req: ScoreRequest, budget_s: float) -> RewardResult | str:
+    def run(self, req: ScoreRequest, budget_s: float) -> RewardResult | Literal["overran", "died"]:
         """Score `req`, or say why not: "overran" (past `budget_s`) or "died"; either way, replace it."""
         start = time.monotonic()
         try:
@@ -155,27 +156,33 @@ class RewardPool:
             return failure("timeout", "not started before the batch deadline")
         worker = self._slots.get()
         try:
+            if worker is not None and worker.proc.poll() is not None:  # died while idle (OOM killer...)
+                self._discard(worker)
+                worker = None
             if worker is None:
                 worker = _Worker(self._cfg, self.memory_limit_mb)
             result = worker.run(req, budget)
-            if isinstance(result, str):
-                if result == "died":  # let it finish exiting, to report its own exit code
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        worker.proc.wait(timeout=1.0)
-                worker.kill()
-                exitcode = worker.proc.returncode
-                worker = None
-                with self._lock:
-                    self.restarts += 1
-                if result == "died":
-                    return failure("error", f"reward worker died while scoring (exit code {exitcode})")
-                return replace(failure("timeout", f"scoring took longer than {budget:.3g} s; worker killed"),
-                               latency_s=budget)
-            return result
+            if isinstance(result, RewardResult):
+                return result
+            if result == "died":
+                with contextlib.suppress(subprocess.TimeoutExpired):  # let it exit, to report its code
+                    worker.proc.wait(timeout=1.0)
+            exitcode = worker.proc.poll()
+            self._discard(worker)
+            worker = None
+            if result == "died":
+                return failure("error", f"reward worker died while scoring (exit code {exitcode})")
+            return replace(failure("timeout", f"scoring took longer than {budget:.3g} s; worker killed"),
+                           latency_s=budget)
         except RuntimeError as e:
             return failure("error", str(e))
         finally:
             self._slots.put(worker)
+
+    def _discard(self, worker: _Worker) -> None:
+        worker.kill()
+        with self._lock:
+            self.restarts += 1
 
     def close(self) -> None:
         """Stop the workers (waiting for calls in progress)."""

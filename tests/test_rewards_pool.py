@@ -1,0 +1,119 @@
+"""The local pool: order kept, usable from any thread, overrunning workers killed and replaced."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from dph_async.config.rewards import RewardConfig
+from dph_async.rewards.fixtures import build_sql_fixture
+from dph_async.rewards.pool import RewardPool, ScoreRequest
+from dph_async.rewards.registry import UnknownDataSource
+from dph_async.rewards.scorer import make_scorer
+
+# math-verify runs for minutes comparing a tower of powers against a number.
+HANGS = ScoreRequest("math", r"\boxed{9^{9^{9^{9}}}}", "5", {})
+TRUTH = {"gold_sql": "SELECT name FROM students WHERE city = 'Oslo'", "db_id": "school"}
+
+
+def good(i: int) -> ScoreRequest:
+    return ScoreRequest("countdown", f"<answer>{i} + 1</answer>", {"target": i + 1, "numbers": [i, 1]}, {})
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    root = build_sql_fixture(tmp_path_factory.mktemp("poolfix")).parent / "databases"
+    config = RewardConfig(workers=2, timeout_s=1.5, memory_limit_mb=1024)
+    config.sql.db_root = str(root)
+    return config
+
+
+@pytest.fixture(scope="module")
+def pool(cfg):
+    with RewardPool(cfg.workers, cfg.timeout_s, cfg.memory_limit_mb, config=cfg) as p:
+        yield p
+
+
+def _worker_pids(pool: RewardPool) -> list[int]:
+    # Test-only peek at the slots; takes every slot, so no call may be running.
+    workers = [pool._slots.get() for _ in range(pool._workers)]
+    for w in workers:
+        pool._slots.put(w)
+    return [w.proc.pid for w in workers if w is not None]
+
+
+def test_order_is_kept_and_sources_mix(pool):
+    sql = ScoreRequest("bird", "```sql\nSELECT name FROM students WHERE city = 'Oslo'\n```", TRUTH, {})
+    requests = [good(i) for i in range(10)] + [sql]
+    results = pool.score_many(requests)
+    assert [r.correct for r in results] == [True] * 11
+    assert all(r.latency_s > 0 for r in results)
+
+
+def test_callable_from_several_non_main_threads(pool):
+    out: dict[int, list] = {}
+
+    def call(k: int) -> None:
+        out[k] = pool.score_many([good(10 * k + i) for i in range(5)])
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r.correct for k in range(3) for r in out[k])
+
+
+def test_overrun_is_killed_replaced_and_reported_as_timeout(pool, cfg):
+    before = pool.restarts
+    start = time.monotonic()
+    results = pool.score_many([HANGS, good(1), good(2)])
+    elapsed = time.monotonic() - start
+    assert results[0].status == "timeout" and results[0].score == 0.0 and "killed" in results[0].detail
+    assert results[1].correct and results[2].correct
+    assert elapsed < cfg.timeout_s + 3.0
+    assert pool.restarts == before + 1
+    assert pool.score_many([good(3)])[0].correct  # the replacement works
+
+
+def test_a_worker_that_dies_is_an_error_and_replaced(pool):
+    pool.warm_up()
+    pids = _worker_pids(pool)
+    result: list = []
+    thread = threading.Thread(target=lambda: result.extend(pool.score_many([HANGS])))
+    thread.start()
+    time.sleep(0.5)  # the request is running in one of the workers
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    thread.join()
+    assert result[0].status == "error" and "died" in result[0].detail
+    assert [r.correct for r in pool.score_many([good(4), good(5)])] == [True, True]
+
+
+def test_unknown_source_raises_before_scoring(pool):
+    with pytest.raises(UnknownDataSource, match="nonexistent_source"):
+        pool.score_many([good(1), ScoreRequest("nonexistent_source", "x", None, {})])
+
+
+def test_batch_deadline(pool):
+    start = time.monotonic()
+    results = pool.score_many([HANGS, HANGS, good(6)], deadline=time.monotonic() + 0.5)
+    assert time.monotonic() - start < 2.5
+    assert [r.status for r in results] == ["timeout", "timeout", "timeout"]
+
+
+def test_close_stops_workers_and_factory_picks_the_pool(cfg):
+    scorer = make_scorer(cfg)
+    assert isinstance(scorer, RewardPool)
+    with scorer:
+        assert scorer.score_many([good(7)])[0].correct
+        workers = [w for w in (scorer._slots.get() for _ in range(scorer._workers)) if w is not None]
+        for w in workers:
+            scorer._slots.put(w)
+        for _ in range(scorer._workers - len(workers)):
+            scorer._slots.put(None)
+    assert workers and all(w.proc.poll() is not None for w in workers)
+    with pytest.raises(RuntimeError, match="closed"):
+        scorer.score_many([good(8)])
