@@ -1,4 +1,7 @@
-"""Replay service configuration: staleness policy, admission, reference mix, write-ahead log."""
+"""Replay service configuration: staleness policy, admission, reference mix, write-ahead log, limits.
+
+docs/data_plane.md explains each rule; the service is replay/service.py.
+"""
 
 from pydantic import Field
 
@@ -10,9 +13,24 @@ class ReplayConfig(Section):
     max_staleness: int = Field(1, ge=0)
     # Admission control: prompts in flight or buffered stay within (eta + 1) batches of the learner.
     admission: bool = True
-    # How often a fresh group may be served (1 = use once, as in AReaL and PipelineRL).
+    # How often a fresh group may be served (1 = use once, as in AReaL and PipelineRL). Reuse only
+    # fills a batch when too few unused groups arrived within the learner's wait.
     max_reuse: int = Field(1, ge=1)
     # Reference (D_pef) samples mixed into each batch per fresh sample (DPH-RL scripts: 256 / 2048).
     reference_ratio: float = Field(0.125, ge=0)
     # Write-ahead log directory (relative to the run directory); None disables durability.
     wal_dir: str | None = "replay_wal"
+    # fsync the log at every commit: survives a machine crash, not only a process crash, at the cost
+    # of one disk flush per commit (commits group all messages that arrived together).
+    wal_fsync: bool = False
+    # A log segment is closed and a new one started past this size.
+    wal_segment_mb: float = Field(256.0, gt=0)
+    # After this much log since the last compaction, the replay writes its state as a new base and
+    # deletes segments nothing needs any more, so the log and the recovery time stay bounded.
+    wal_compact_mb: float = Field(1024.0, gt=0)
+    # Largest rollout-group message accepted on the ingest endpoint; larger ones are refused.
+    max_group_mb: float = Field(256.0, gt=0)
+    # Messages taken off the ingest socket per log commit (group commit: one flush, then the acks).
+    ingest_batch: int = Field(256, ge=1)
+    # Upper bound on a behaviour log-prob (a log-prob is <= 0; this allows float rounding).
+    logprob_tolerance: float = Field(1e-3, ge=0)

@@ -1,0 +1,335 @@
+"""Wire protocol: every message type round-trips, and each kind of bad input is named."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+import typing
+from typing import Annotated, Literal
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from dph_async import protocol as P
+from dph_async.bench.transport import synthetic_group
+
+# ---------------------------------------------------------------------------------------------
+# Strategies built from the message annotations, so a message type added later is covered too.
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def arrays(spec: P.ArraySpec, length: int | None = None) -> st.SearchStrategy[np.ndarray]:
+    shape = (
+        st.just((length,))
+        if length is not None
+        else hnp.array_shapes(
+            min_dims=0 if spec.ndim is None else spec.ndim, max_dims=spec.ndim or 3, min_side=0, max_side=6
+        )
+    )
+    return st.sampled_from(spec.dtypes).flatmap(lambda d: hnp.arrays(np.dtype(d), shape))
+
+
+def strategy(hint, name: str = "") -> st.SearchStrategy:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        marker = hint.__metadata__[0]
+        return arrays(marker) if isinstance(marker, P.ArraySpec) else JSON
+    if origin is Literal:
+        return st.sampled_from(args)
+    if origin is list:
+        return st.lists(strategy(args[0]), max_size=3)
+    if origin is tuple:
+        return st.tuples(*(strategy(a) for a in args))
+    if origin is dict:
+        return st.dictionaries(st.text(max_size=6), strategy(args[1]), max_size=3)
+    if dataclasses.is_dataclass(hint):
+        return message(hint)
+    if name == "wait_s":
+        return st.floats(0, P.MAX_WAIT_S)
+    return {
+        bool: st.booleans(),
+        int: st.integers(0, 2**31 - 1) | st.integers(-(2**63), 2**64 - 1),
+        float: st.floats(),
+        str: st.text(max_size=12),
+    }[hint]
+
+
+@st.composite
+def completion(draw, cls=P.Completion):
+    t = draw(st.integers(1, 20))
+    i32, f32 = P.ArraySpec(("int32",)), P.ArraySpec(("float32",))
+    return cls(
+        draw(arrays(i32, t)),
+        draw(arrays(f32, t)),
+        draw(arrays(i32, t)),
+        draw(message(P.RewardResult)),
+        draw(st.text(max_size=8)),
+    )
+
+
+@st.composite
+def reference_sample(draw):
+    t = draw(st.integers(1, 20))
+    i32, f32 = P.ArraySpec(("int32",)), P.ArraySpec(("float32",))
+    return P.ReferenceSample(
+        draw(st.text(max_size=8)),
+        draw(arrays(i32)),
+        draw(arrays(i32, t)),
+        draw(arrays(f32, t)),
+        draw(st.floats()),
+        draw(st.text(max_size=8)),
+    )
+
+
+@st.composite
+def bucket_info(draw):
+    k = draw(st.integers(0, 3))
+    return P.BucketInfo(
+        draw(st.integers(0, 100)),
+        draw(st.integers(0, 2**40)),
+        draw(st.text(max_size=16)),
+        draw(st.lists(st.text(max_size=8), min_size=k, max_size=k)),
+        draw(st.lists(st.sampled_from(sorted(P.STORAGE_DTYPE)), min_size=k, max_size=k)),
+        draw(st.lists(st.lists(st.integers(0, 4096), max_size=3), min_size=k, max_size=k)),
+    )
+
+
+@st.composite
+def weights_bucket(draw):
+    tags = draw(st.lists(st.sampled_from(sorted(P.STORAGE_DTYPE)), max_size=3))
+    shapes = hnp.array_shapes(min_dims=0, max_dims=3, max_side=5)
+    arrays_ = [draw(hnp.arrays(P.storage_dtype(tag), shapes)) for tag in tags]
+    explicit = draw(st.booleans()) or "bfloat16" in tags
+    return P.WeightsBucket(
+        draw(st.integers(0, 10**6)),
+        draw(st.integers(0, 100)),
+        [f"layer.{i}" for i in range(len(tags))],
+        arrays_,
+        draw(st.text(max_size=16)),
+        tags if explicit else [],
+    )
+
+
+SPECIAL = {
+    P.Completion: completion(),
+    P.ReferenceSample: reference_sample(),
+    P.BucketInfo: bucket_info(),
+    P.WeightsBucket: weights_bucket(),
+}
+
+
+def _valid(msg) -> bool:
+    try:
+        msg.validate()
+        return True
+    except ValueError:
+        return False
+
+
+def message(cls) -> st.SearchStrategy:
+    if cls in SPECIAL:
+        return SPECIAL[cls]
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = {f.name: strategy(hints[f.name], f.name) for f in dataclasses.fields(cls)}
+    built = st.builds(cls, **fields)
+    return built.filter(_valid) if hasattr(cls, "validate") else built
+
+
+def assert_same(a, b, where: str = "msg") -> None:
+    if isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.tobytes() == b.tobytes(), where  # bitwise, so NaN payloads count too
+    elif dataclasses.is_dataclass(a):
+        assert type(a) is type(b), where
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    else:
+        assert a == b and type(a) is type(b), where
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", P.MESSAGE_TYPES, ids=lambda c: c.__name__)
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
+@given(data=st.data())
+def test_round_trip(cls, data):
+    msg = data.draw(message(cls))
+    frames = P.encode(msg)
+    assert isinstance(frames[0], bytes)
+    # As received from a socket: separate byte strings.
+    back = P.decode([bytes(f) for f in frames])
+    assert_same(msg, back)
+    assert_same(msg, P.decode(frames))
+
+
+def test_header_is_described_and_arrays_are_raw_little_endian():
+    group = synthetic_group(3, 7, n=2, tokens=5)
+    frames = P.encode(group)
+    head = msgpack.unpackb(frames[0])
+    assert head["v"] == P.SCHEMA_VERSION and head["t"] == "RolloutGroup"
+    assert head["m"]["completions"][0]["token_ids"] == ["int32", [5]]
+    assert len(frames) == 1 + 1 + 2 * 3  # header, prompt, 3 arrays per completion
+    assert bytes(frames[2]) == group.completions[0].token_ids.astype("<i4").tobytes()
+    back = P.decode(frames)
+    assert back.group_id == (3, 7) and back.min_version == 0 and back.num_tokens == 10
+
+
+def test_big_endian_and_strided_arrays_are_sent_little_endian_and_contiguous():
+    group = synthetic_group(0, 0, n=1, tokens=6)
+    c = group.completions[0]
+    c.token_ids = c.token_ids.astype(">i4")
+    c.logprobs = np.repeat(c.logprobs, 2)[::2]
+    back = P.decode([bytes(f) for f in P.encode(group)]).completions[0]
+    assert back.token_ids.tolist() == c.token_ids.tolist() and back.logprobs.tolist() == c.logprobs.tolist()
+
+
+def test_bfloat16_travels_as_tagged_uint16():
+    bits = np.array([[0x3F80, 0x4000]], dtype=np.uint16)  # 1.0, 2.0 in bfloat16
+    back = P.decode(P.encode(P.WeightsBucket(4, 0, ["w"], [bits], "c", ["bfloat16"])))
+    assert back.tensor_dtypes == ["bfloat16"] and back.arrays[0].dtype == np.uint16
+    assert back.arrays[0].tolist() == bits.tolist()
+    with pytest.raises(P.ProtocolError, match="tagged bfloat16 is stored as float32"):
+        P.encode(P.WeightsBucket(4, 0, ["w"], [bits.astype(np.float32)], "c", ["bfloat16"]))
+
+
+def _header(msg) -> tuple[dict, list]:
+    frames = P.encode(msg)
+    return msgpack.unpackb(frames[0]), frames[1:]
+
+
+def _decode_with(head: dict, arrays: list):
+    return P.decode([msgpack.packb(head), *arrays])
+
+
+def _error(frames, limits: P.Limits = P.DEFAULT_LIMITS) -> P.ProtocolError:
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(frames, limits)
+    return info.value
+
+
+def test_each_problem_is_named():
+    head, arrays = _header(synthetic_group(1, 2, n=2, tokens=4))
+
+    def error_after(change) -> P.ProtocolError:
+        h = msgpack.unpackb(msgpack.packb(head))  # a deep copy
+        a = list(arrays)
+        change(h, a)
+        return _error([msgpack.packb(h), *a])
+
+    e = error_after(lambda h, a: h.update(v=2))
+    assert e.kind == "version" and "schema version 2" in str(e)
+    e = error_after(lambda h, a: h.update(t="Nope"))
+    assert e.kind == "type" and "'Nope'" in str(e)
+    e = error_after(lambda h, a: h["m"].pop("seq"))
+    assert e.kind == "field" and "missing field(s) seq" in str(e)
+    e = error_after(lambda h, a: h["m"].update(extra=1))
+    assert e.kind == "field" and "unknown field(s) extra" in str(e)
+    e = error_after(lambda h, a: h["m"].update(seq="7"))
+    assert e.kind == "field" and str(e) == "RolloutGroup.seq: expected int, got str"
+    e = error_after(lambda h, a: h["m"]["completions"][1].update(logprobs=["float64", [4]]))
+    assert e.kind == "array" and str(e).startswith(
+        "RolloutGroup.completions[1].logprobs: dtype 'float64' not allowed"
+    )
+    e = error_after(lambda h, a: h["m"]["completions"][1].update(versions=["int32", [5]]))
+    assert e.kind == "array" and "completions[1].versions: frame of 16 bytes" in str(e)
+    e = error_after(lambda h, a: h["m"]["completions"][0]["reward"].update(status="great"))
+    assert e.kind == "field" and "completions[0].reward.status: 'great' is not one of" in str(e)
+    e = error_after(lambda h, a: a.pop())
+    assert e.kind == "frames" and "more arrays than" in str(e)
+    e = error_after(lambda h, a: a.append(b"\0" * 4))
+    assert e.kind == "frames" and "7 arrays, 8 array frames" in str(e)
+    e = error_after(
+        lambda h, a: (
+            h["m"]["completions"][0].update(logprobs=["float32", [3]]),
+            a.__setitem__(2, b"\0" * 12),
+        )
+    )
+    assert (
+        e.kind == "value"
+        and "completions[0]: lengths disagree: 4 token_ids, 3 logprobs, 4 versions" in str(e)
+    )
+    e = error_after(lambda h, a: h["m"].update(completions=[]))
+    assert e.kind == "value" and "group has no completions" in str(e)
+    e = error_after(lambda h, a: h["m"].update(actor_id=-1))
+    assert e.kind == "value" and "actor_id -1" in str(e)
+
+
+def test_malformed_frames_and_sizes():
+    assert _error([]).kind == "frames"
+    assert _error([b"\xc1"]).kind == "header"  # 0xc1 is never valid msgpack
+    assert _error([msgpack.packb([1, 2])]).kind == "header"
+    assert _error([msgpack.packb({"v": 1, "t": "Ack"})]).kind == "header"
+    assert _error(["not bytes"]).kind == "frames"
+    frames = P.encode(synthetic_group(0, 0, n=1, tokens=1000))
+    e = _error(frames, P.Limits(max_bytes=1000))
+    assert e.kind == "size" and "exceeds the limit of 1000" in str(e)
+    e = _error(frames, P.Limits(max_header_bytes=10))
+    assert e.kind == "size" and "header of" in str(e)
+    e = _error(frames, P.Limits(max_frames=2))
+    assert e.kind == "frames"
+    # Every type has its own cap: an acknowledgement does not get to be 17 MiB.
+    big_ack = P.encode(P.Ack([(0, i) for i in range(10)], "error", "x" * (17 << 20)))
+    e = _error(big_ack)
+    assert e.kind == "size" and "Ack of" in str(e)
+
+
+def test_msgpack_extensions_and_absurd_shapes_are_refused():
+    head, arrays = _header(synthetic_group(0, 0, n=1, tokens=2))
+    ext = msgpack.packb({"v": 1, "t": "StatsRequest", "m": msgpack.ExtType(5, b"x")})
+    assert _error([ext]).kind == "header"
+    head["m"]["prompt_ids"] = ["int32", [0, 2**40, 2**40]]
+    assert _error([msgpack.packb(head), b"", *arrays[1:]]).kind == "array"
+
+
+def test_encode_refuses_what_would_not_decode():
+    group = synthetic_group(0, 0, n=2, tokens=3)
+    group.completions[1].token_ids = group.completions[1].token_ids.astype(np.int64)
+    with pytest.raises(
+        P.ProtocolError, match=r"RolloutGroup.completions\[1\].token_ids: dtype int64 not allowed"
+    ):
+        P.encode(group)
+    with pytest.raises(P.ProtocolError, match="not a protocol message"):
+        P.encode(P.SamplingInfo(1.0, 1.0, -1, 4))
+    with pytest.raises(P.ProtocolError, match="BatchRequest: wait_s nan"):
+        P.encode(P.BatchRequest(0, 1, float("nan")))
+
+
+def test_nothing_is_unpickled(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the protocol must never unpickle")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    for msg in (synthetic_group(0, 1), P.Stats({"a": [1, {"b": 2.5}]}), P.Ack([(0, 1)], "ok")):
+        P.decode([bytes(f) for f in P.encode(msg)])
+
+
+def test_decoded_arrays_are_views_of_the_frames():
+    frames = [bytes(f) for f in P.encode(synthetic_group(0, 0, n=1, tokens=64))]
+    back = P.decode(frames)
+    assert not back.completions[0].token_ids.flags.owndata  # no copy on receipt
+    assert not back.completions[0].token_ids.flags.writeable
