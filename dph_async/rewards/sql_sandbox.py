@@ -140,6 +140,7 @@ def _classify(e: sqlite3.Error, deadline: float) -> QueryOutcome:
     refused = (
         isinstance(e, (sqlite3.ProgrammingError, sqlite3.DataError))  # several statements; value too big
         or "not authorized" in message
+        or "authorization denied" in message
         or "too many attached" in message
     )
     detail = f"{type(e).__name__}: {message}"[:300]

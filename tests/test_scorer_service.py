@@ -1,0 +1,185 @@
+"""The scorer service (in-process app and the `serve scorer` command) and its client's retries."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from dph_async.config.rewards import RewardConfig
+from dph_async.rewards.client import ScorerClient
+from dph_async.rewards.fixtures import build_sql_fixture
+from dph_async.rewards.registry import UnknownDataSource
+from dph_async.rewards.scorer import make_scorer
+from dph_async.rewards.service import ServiceSettings, make_app
+from dph_async.rewards.worker import ScoreRequest
+
+HANGS = {"data_source": "math", "response": r"\boxed{9^{9^{9^{9}}}}", "ground_truth": "5"}
+
+
+def item(i: int) -> dict:
+    return {"data_source": "countdown", "response": f"<answer>{i} * 2</answer>",
+            "ground_truth": {"target": 2 * i, "numbers": [i, 2]}}
+
+
+@pytest.fixture(scope="module")
+def fixture_dir(tmp_path_factory):
+    return build_sql_fixture(tmp_path_factory.mktemp("svcfix")).parent
+
+
+@pytest.fixture(scope="module")
+def cfg(fixture_dir):
+    config = RewardConfig(workers=2, timeout_s=1.5)
+    config.sql.db_root = str(fixture_dir / "databases")
+    return config
+
+
+@pytest.fixture(scope="module")
+def client(cfg):
+    app = make_app(cfg, ServiceSettings(max_queued=8, max_body_bytes=2**20, max_budget_s=30))
+    with TestClient(app) as c:
+        yield c
+
+
+def test_health_and_scoring_in_order(client):
+    assert client.get("/health").json()["status"] == "ok"
+    wrong = {**item(1), "ground_truth": {"target": 3, "numbers": [1, 2]}}
+    reply = client.post("/v1/score", json={"requests": [item(i) for i in range(6)] + [wrong]})
+    assert reply.status_code == 200
+    results = reply.json()["results"]
+    assert [r["correct"] for r in results] == [True] * 6 + [False]
+    assert all(r["status"] == "ok" and r["latency_s"] > 0 for r in results)
+
+
+def test_refusals_are_clear_http_errors(client):
+    unknown = client.post("/v1/score", json={"requests": [item(1), {**item(2), "data_source": "nope_ds"}]})
+    assert unknown.status_code == 400
+    assert unknown.json()["error"] == "unknown_data_source" and unknown.json()["data_source"] == "nope_ds"
+    assert client.post("/v1/score", content=b"{not json").status_code == 400
+    missing = client.post("/v1/score", json={"requests": [{"data_source": "countdown"}]})
+    assert missing.status_code == 400 and "response" in missing.json()["detail"]
+    assert client.post("/v1/score", content=b"x" * (2**20 + 1)).status_code == 413
+    overloaded = client.post("/v1/score", json={"requests": [item(i) for i in range(9)]})
+    assert overloaded.status_code == 503 and overloaded.headers["Retry-After"] == "1"
+    assert client.get("/health").json()["in_flight"] == 0
+
+
+def test_batch_budget_bounds_the_answer_time(client):
+    start = time.monotonic()
+    reply = client.post("/v1/score", json={"requests": [HANGS, HANGS, HANGS, item(3)], "budget_s": 0.5})
+    assert time.monotonic() - start < 3.0
+    assert [r["status"] for r in reply.json()["results"]] == ["timeout"] * 4
+    assert client.post("/v1/score", json={"requests": [item(4)]}).json()["results"][0]["correct"]
+
+
+def test_metrics(client):
+    client.post("/v1/score", json={"requests": [item(5)]})
+    text = client.get("/metrics").text
+    assert 'dph_scorer_items_total{data_source="countdown",status="ok"}' in text
+    assert 'dph_scorer_batches_total{code="200"}' in text and 'dph_scorer_batches_total{code="400"}' in text
+    assert "dph_scorer_item_latency_seconds_bucket{le=\"+Inf\"}" in text and "dph_scorer_workers 2" in text
+
+
+def test_shared_token(cfg):
+    app = make_app(cfg.model_copy(update={"workers": 1}), ServiceSettings(token="s3cret"))
+    with TestClient(app) as c:
+        assert c.post("/v1/score", json={"requests": [item(1)]}).status_code == 401
+        ok = c.post("/v1/score", json={"requests": [item(1)]}, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+
+
+class _Flaky(BaseHTTPRequestHandler):
+    """First answers 503, then garbage, then a valid reply of the right length."""
+
+    calls = 0
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["requests"])
+        type(self).calls += 1
+        if self.calls == 1:
+            code, body = 503, b"{}"
+        elif self.calls == 2:
+            code, body = 200, b'{"results": "nonsense"}'
+        else:
+            code, body = 200, json.dumps({"results": [{"score": 1.0, "correct": True}] * n}).encode()
+        self.send_response(code)
+        self.send_header("Retry-After", "0")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_client_retries_with_backoff_then_gives_statuses():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    requests = [ScoreRequest(**item(i), extra_info={}) for i in range(3)]
+    try:
+        with ScorerClient([url], timeout_s=5, retries=3) as c:
+            results = c.score_many(requests)
+        assert _Flaky.calls == 3 and [r.correct for r in results] == [True] * 3
+        start = time.monotonic()
+        with ScorerClient(["http://127.0.0.1:9"], timeout_s=5, retries=2) as c:  # nothing listens there
+            down = c.score_many(requests)
+        assert time.monotonic() - start < 5
+        assert all(r.status == "error" and "unavailable" in r.detail and r.scorer_failed for r in down)
+    finally:
+        server.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_serve_scorer_command_end_to_end(fixture_dir, cfg):
+    port = _free_port()
+    root = fixture_dir / "databases"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "dph_async.cli", "serve", "scorer", "--port", str(port),
+         "rewards.workers=1", "rewards.timeout_s=2", f"rewards.sql.db_root={root}"],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        rows = [json.loads(line) for line in (fixture_dir / "responses.jsonl").read_text().splitlines()]
+        requests = [ScoreRequest(r["data_source"], r["response"], r["reward_model"]["ground_truth"],
+                                 r["extra_info"]) for r in rows]
+        # The first URL is dead: the client moves on to the live one.
+        remote_cfg = cfg.model_copy(update={"scorer_urls": ["http://127.0.0.1:9", url],
+                                            "client_batch_size": 8})
+        with make_scorer(remote_cfg) as remote, make_scorer(cfg) as local:
+            assert isinstance(remote, ScorerClient)
+            got, want = remote.score_many(requests), local.score_many(requests)
+            def key(results):
+                return [(r.score, r.correct, r.status) for r in results]
+
+            assert key(got) == key(want)
+            assert sum(r.correct for r in got) == 24
+            with pytest.raises(UnknownDataSource, match="nope_ds"):
+                remote.score_many([ScoreRequest("nope_ds", "x", None, {})])
+    finally:
+        server.terminate()
+        assert server.wait(timeout=20) is not None
+    refused = subprocess.run([sys.executable, "-m", "dph_async.cli", "serve", "scorer", "--host", "0.0.0.0"],
+                             capture_output=True, text=True, env={**os.environ, "DPH_SCORER_TOKEN": ""})
+    assert refused.returncode == 2 and "--insecure" in refused.stderr
