@@ -6,6 +6,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from dph_async.cli import main
 from dph_async.config.rewards import RewardConfig
 from dph_async.rewards import context, sql
 from dph_async.rewards.fixtures import build_sql_fixture, example_responses, fixture_rows
@@ -152,3 +153,25 @@ def test_shipped_example_matches_the_generator(fixture_dir):
     assert [json.loads(line) for line in lines] == example_responses(shipped)
     for db_id in ("school", "shop", "flights"):
         assert (EXAMPLES / "databases" / db_id / f"{db_id}.sqlite").is_file()
+
+
+def test_score_command_on_the_shipped_example(tmp_path, capsys):
+    out = tmp_path / "results.jsonl"
+    code = main(["score", str(EXAMPLES / "responses.jsonl"), f"rewards.sql.db_root={EXAMPLES / 'databases'}",
+                 "rewards.timeout_s=1", "--out", str(out)])
+    assert code == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(results) == 31 and sum(r["correct"] for r in results) == 24
+    statuses = {r["status"] for r in results[24:]}
+    assert statuses == {"ok", "parse_error", "rejected", "timeout"}
+    assert "accuracy" in capsys.readouterr().out
+
+
+def test_score_command_names_bad_rows(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"data_source": "bird", "response": "x", "reward_model": {"ground_truth": {}}}\n{oops\n')
+    assert main(["score", str(bad)]) == 2
+    assert "line 2" in capsys.readouterr().err
+    bad.write_text('{"data_source": "nope_ds", "response": "x", "ground_truth": 1}\n')
+    assert main(["score", str(bad)]) == 2
+    assert "nope_ds" in capsys.readouterr().err

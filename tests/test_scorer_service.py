@@ -183,3 +183,14 @@ def test_serve_scorer_command_end_to_end(fixture_dir, cfg):
     refused = subprocess.run([sys.executable, "-m", "dph_async.cli", "serve", "scorer", "--host", "0.0.0.0"],
                              capture_output=True, text=True, env={**os.environ, "DPH_SCORER_TOKEN": ""})
     assert refused.returncode == 2 and "--insecure" in refused.stderr
+
+
+def test_benchmark_runs_on_the_pool():
+    from dph_async.bench import scorer as bench
+
+    cells = bench.run(workers=1, concurrency=[2], batch=4, seconds=0.3, timeout_s=10, backends=["pool"],
+                      workloads=["sql", "math"], log=lambda line: None)
+    assert [(c.workload, c.concurrency, c.batch) for c in cells] == [("sql", 2, 1), ("sql", 1, 4),
+                                                                      ("math", 2, 1), ("math", 1, 4)]
+    assert all(c.requests_per_s > 0 and set(c.statuses) == {"ok"} for c in cells)
+    assert "| sql | pool | 2 | 1 |" in bench.markdown(cells)

@@ -60,7 +60,8 @@ class ScorerClient:
         self._http = httpx.Client(headers=headers, timeout=timeout)
         self._next_url = itertools.cycle(range(len(self.urls)))
         self._lock = threading.Lock()
-        self._threads = ThreadPoolExecutor(max_workers=2 * len(self.urls), thread_name_prefix="scorer-client")
+        # Sends the chunks of a large batch in parallel; a one-chunk batch goes from the caller's thread.
+        self._threads = ThreadPoolExecutor(max_workers=4 * len(self.urls), thread_name_prefix="scorer-client")
 
     def _pick(self) -> int:
         with self._lock:
@@ -68,6 +69,8 @@ class ScorerClient:
 
     def score_many(self, requests: list[ScoreRequest]) -> list[RewardResult]:
         chunks = [requests[i : i + self.batch_size] for i in range(0, len(requests), self.batch_size)]
+        if len(chunks) == 1:
+            return self._score_chunk(chunks[0])
         futures = [self._threads.submit(self._score_chunk, chunk) for chunk in chunks]
         return [result for f in futures for result in f.result()]
 
