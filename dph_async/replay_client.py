@@ -1,0 +1,345 @@
+"""Clients of the replay service: `RolloutSender` for actors, `ReplayClient` for the learner.
+
+They live in the shared core because actors/ and learner/ may not import replay/. Both speak the
+wire protocol over a DEALER socket that reconnects by itself; what they add is delivery:
+
+- RolloutSender keeps every group until the replay acknowledges it, and resends whatever is not
+  acknowledged when the connection is re-established (the replay restarted) or after
+  `reply_timeout_s` without an answer. The replay drops duplicates, so each group is accepted
+  exactly once. `send` never blocks unless `max_unacked` groups are waiting for acks.
+- ReplayClient gives every batch request an id and repeats it until the batch arrives; the replay
+  answers a repeated id with the same batch, so a lost reply costs time, not data.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from dph_async.net import NetSecurity, connect
+from dph_async.protocol import (
+    Ack,
+    Batch,
+    BatchRequest,
+    Control,
+    ControlReply,
+    ErrorReply,
+    Message,
+    ProtocolError,
+    ResumeInfo,
+    ResumeRequest,
+    RolloutGroup,
+    Stats,
+    StatsRequest,
+    TicketGrant,
+    TicketRequest,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+class ReplayUnavailable(TimeoutError):
+    """The replay did not answer in time, across reconnects and retries."""
+
+
+class ReplayError(RuntimeError):
+    """The replay answered, refusing the request; the message is its reason."""
+
+
+class _Channel:
+    """One DEALER connection to a replay endpoint, with its connection events."""
+
+    def __init__(
+        self,
+        addr: str,
+        security: NetSecurity | None,
+        context: zmq.Context | None,
+        on_connect: Callable[[], None] | None = None,
+    ):
+        self.addr = addr
+        self.sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # Queue only to a live connection: while the replay is down, sends fail fast and the
+        # message stays in our own buffer instead of a queue that may die with the connection.
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # notice a dead peer even without a TCP reset
+        self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        self.monitor = self.sock.get_monitor_socket(_EVENTS)
+        self.on_connect = on_connect
+        self.refused = ""  # why the last handshake failed (a CURVE key the replay does not accept)
+        connect(self.sock, addr, security or NetSecurity())
+
+    def events(self) -> bool:
+        """Handle pending connection events; True if a connection was (re-)established."""
+        connected = False
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                connected, self.refused = True, ""
+            elif event & _FAILED:
+                self.refused = f"handshake with {self.addr} refused (wrong or unauthorized CURVE key?)"
+        if connected and self.on_connect is not None:
+            self.on_connect()
+        return connected
+
+    def send(self, frames: list) -> bool:
+        try:
+            self.sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # not connected, or the queue is full: the caller keeps it and retries
+            return False
+
+    def recv(self, timeout_s: float) -> Message | None:
+        """The next reply within timeout_s, or None. A reply that does not decode is logged and skipped."""
+        if not self.sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
+            return None
+        frames = self.sock.recv_multipart(copy=False)
+        try:
+            return decode(frames)
+        except ProtocolError as e:
+            log.error("reply from %s refused: %s", self.addr, e)
+            return None
+
+    def call(
+        self,
+        msg: Message,
+        accept: Callable[[Message], bool],
+        wait_s: float,
+        timeout_s: float,
+        reply_timeout_s: float,
+        on_other: Callable[[Message], None] = lambda m: None,
+    ) -> Message:
+        """Send `msg` and return the first reply `accept`ed, resending it after a reconnect or when
+        no answer came within wait_s + reply_timeout_s. Raises ReplayUnavailable after timeout_s."""
+        frames = encode(msg)
+        deadline = time.monotonic() + timeout_s
+        sent_at = None
+        while (now := time.monotonic()) < deadline:
+            if self.events() or sent_at is None or now - sent_at > wait_s + reply_timeout_s:
+                sent_at = now if self.send(frames) else None
+            reply = self.recv(min(0.05, deadline - now))
+            if reply is None:
+                continue
+            if isinstance(reply, ErrorReply):
+                raise ReplayError(reply.error)
+            if accept(reply):
+                return reply
+            on_other(reply)
+        why = f": {self.refused}" if self.refused else ""
+        raise ReplayUnavailable(
+            f"no answer to {type(msg).__name__} from {self.addr} within {timeout_s:.0f}s{why}"
+        )
+
+    def close(self, linger_ms: int = 0) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=linger_ms)
+
+
+class RolloutSender:
+    """An actor's connection to the replay's ingest endpoint.
+
+    sender = RolloutSender("tcp://127.0.0.1:5555", actor_id=0)
+    done = sender.resume()                     # which shard positions are already accepted
+    n = sender.tickets(want=16)                # admission: start at most n new prompts
+    sender.send(group)                         # non-blocking; kept until acknowledged
+    sender.flush(timeout_s=30); sender.close()
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        actor_id: int,
+        security: NetSecurity | None = None,
+        reply_timeout_s: float = 10.0,
+        request_timeout_s: float = 300.0,
+        max_unacked: int = 4096,
+        context: zmq.Context | None = None,
+    ):
+        self.actor_id = actor_id
+        self.reply_timeout_s = reply_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.max_unacked = max_unacked
+        self._unacked: dict[tuple[int, int], list] = {}  # group id -> encoded frames, oldest first
+        self._backlog: deque[tuple[int, int]] = deque()  # ids to (re)send
+        self._last_progress = time.monotonic()
+        self.held = 0  # tickets granted and not yet used by a send
+        self._unclaimed = 0  # tickets granted to a request we had stopped waiting for
+        self.accepted = 0
+        self.duplicates = 0
+        self.rejected: list[tuple[tuple[int, int] | None, str]] = []  # (group id or None, error)
+        self._chan = _Channel(addr, security, context, on_connect=self._requeue)
+
+    @property
+    def unacked(self) -> int:
+        return len(self._unacked)
+
+    def _requeue(self) -> None:
+        """After a (re)connect everything unacknowledged goes out again; the replay drops duplicates."""
+        queued = set(self._backlog)
+        self._backlog.extend(gid for gid in self._unacked if gid not in queued)
+        self._last_progress = time.monotonic()
+
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, Ack):
+            if msg.status == "error":
+                self.rejected += [(gid, msg.error) for gid in msg.group_ids] or [(None, msg.error)]
+                log.error("replay rejected %s: %s", msg.group_ids or "a message", msg.error)
+            for gid in msg.group_ids:
+                if self._unacked.pop(gid, None) is not None:
+                    self.accepted += msg.status == "ok"
+                    self.duplicates += msg.status == "duplicate"
+            self._last_progress = time.monotonic()
+        elif isinstance(msg, TicketGrant):
+            self.held += msg.granted
+            self._unclaimed += msg.granted
+        elif isinstance(msg, ErrorReply):
+            log.error("replay error: %s", msg.error)
+
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Send what is queued, take in the acks that arrived (waiting up to timeout_s for one), and
+        resend everything unacknowledged if the replay has been silent for reply_timeout_s."""
+        self._chan.events()
+        while self._backlog:
+            gid = self._backlog[0]
+            if gid in self._unacked and not self._chan.send(self._unacked[gid]):
+                break
+            self._backlog.popleft()
+        wait = timeout_s
+        while (msg := self._chan.recv(wait)) is not None:
+            self._handle(msg)
+            wait = 0.0
+        if self._unacked and time.monotonic() - self._last_progress > self.reply_timeout_s:
+            log.warning(
+                "replay silent for %.0fs: resending %d groups", self.reply_timeout_s, len(self._unacked)
+            )
+            self._requeue()
+
+    def send(self, group: RolloutGroup) -> None:
+        """Queue a group and send it without waiting (raises ProtocolError if it is malformed)."""
+        frames = encode(group)
+        while len(self._unacked) >= self.max_unacked:  # backpressure: the only time send waits
+            self.poll(0.05)
+        if not self._unacked:
+            self._last_progress = time.monotonic()
+        self._unacked[group.group_id] = frames
+        self._backlog.append(group.group_id)
+        self.held = max(0, self.held - 1)
+        self.poll(0.0)
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every sent group is acknowledged; False if some are not after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while self._unacked and time.monotonic() < deadline:
+            self.poll(min(0.05, max(0.0, deadline - time.monotonic())))
+        return not self._unacked
+
+    def _call(self, msg: Message, reply_type: type, wait_s: float = 0.0) -> Any:
+        return self._chan.call(
+            msg,
+            lambda m: isinstance(m, reply_type),
+            wait_s,
+            self.request_timeout_s,
+            self.reply_timeout_s,
+            on_other=self._handle,
+        )
+
+    def resume(self) -> ResumeInfo:
+        """Which seqs of this actor are already accepted; voids tickets held from before."""
+        info = self._call(ResumeRequest(self.actor_id), ResumeInfo)
+        self.held = self._unclaimed = 0
+        return info
+
+    def tickets(self, want: int, wait_s: float = 0.0, weights_version: int = -1) -> int:
+        """Ask for up to `want` admission tickets, waiting up to wait_s for capacity; returns how
+        many new prompts the actor may start (including tickets from earlier requests that arrived
+        late). weights_version: the version the actor generates with."""
+        self.poll(0.0)
+        if self._unclaimed:
+            claimed, self._unclaimed = min(self._unclaimed, want), max(0, self._unclaimed - want)
+            return claimed
+        request = TicketRequest(self.actor_id, want, self.held, weights_version, wait_s)
+        grant = self._call(request, TicketGrant, wait_s)
+        self.held += grant.granted
+        return grant.granted
+
+    def close(self, flush_timeout_s: float = 0.0) -> None:
+        """Flush (up to flush_timeout_s), give back unused tickets, and close."""
+        if flush_timeout_s > 0:
+            self.flush(flush_timeout_s)
+        if self.held:
+            self._chan.send(encode(TicketRequest(self.actor_id, 0, 0)))
+        self._chan.close(linger_ms=200)
+
+
+class ReplayClient:
+    """The learner's connection to the replay's batch endpoint."""
+
+    def __init__(
+        self,
+        addr: str,
+        security: NetSecurity | None = None,
+        reply_timeout_s: float = 10.0,
+        request_timeout_s: float = 600.0,
+        context: zmq.Context | None = None,
+    ):
+        self.reply_timeout_s = reply_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self._chan = _Channel(addr, security, context)
+
+    def _call(self, msg: Message, accept: Callable[[Message], bool], wait_s: float = 0.0) -> Any:
+        return self._chan.call(msg, accept, wait_s, self.request_timeout_s, self.reply_timeout_s)
+
+    def get_batch(self, version: int, num_groups: int, wait_s: float) -> Batch:
+        """Fresh groups for the learner at `version` (optimizer steps applied), within about wait_s;
+        fewer or none if not enough arrived. Also tells the replay that the previous batch arrived."""
+        request_id = secrets.randbits(62) + 1
+        request = BatchRequest(version, num_groups, wait_s, request_id)
+        return self._call(request, lambda m: isinstance(m, Batch) and m.request_id == request_id, wait_s)
+
+    def stats(self) -> dict:
+        return self._call(StatsRequest(), lambda m: isinstance(m, Stats)).metrics
+
+    def _control(self, command: str, path: str = "") -> str:
+        reply = self._call(Control(command, path), lambda m: isinstance(m, ControlReply))
+        if not reply.ok:
+            raise ReplayError(reply.detail)
+        return reply.detail
+
+    def snapshot(self, path: str) -> str:
+        """Have the replay write its whole state under `path` (a directory) for a checkpoint."""
+        return self._control("snapshot", path)
+
+    def restore(self, path: str) -> str:
+        """Return the replay to a snapshot (see ReplayCore.restore for what is kept)."""
+        return self._control("restore", path)
+
+    def shutdown(self) -> None:
+        self._control("shutdown")
+
+    def close(self) -> None:
+        self._chan.close()

@@ -1,0 +1,370 @@
+"""The replay's logic and state, without sockets: ingest, admission, batches, snapshots, recovery.
+
+One thread drives a ReplayCore (replay/service.py, or a benchmark in-process). Every change that
+someone is told about is in the write-ahead log first: a group before its ack, a batch before it is
+sent. A batch stays "pending" until the learner asks for the next one, so a lost reply is retried
+by request id and neither lost nor repeated: each accepted group reaches the learner exactly once
+(max_reuse times with reuse), or is dropped and counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dph_async.config.replay import ReplayConfig
+from dph_async.protocol import (
+    AckStatus,
+    Batch,
+    BatchRequest,
+    ResumeInfo,
+    RolloutGroup,
+    TicketGrant,
+    TicketRequest,
+)
+from replay.dedup import AcceptedSeqs
+from replay.metrics import ReplayMetrics
+from replay.reference_pool import ReferencePool
+from replay.staleness import Admission, staleness
+from replay.state import PendingBatch, ReplayState, read_state, write_state
+from replay.store import Entry, FreshStore, GroupId
+from replay.wal import IngestRecord, Record, ServeRecord, WriteAheadLog
+
+MiB = 1 << 20
+
+
+@dataclass
+class Verdict:
+    """What happened to one ingested group: the content of its ack."""
+
+    group_id: GroupId
+    status: AckStatus
+    error: str = ""
+
+
+class ReplayCore:
+    def __init__(
+        self,
+        cfg: ReplayConfig,
+        groups_per_batch: int,
+        reference: ReferencePool | None = None,
+        wal: WriteAheadLog | None = None,
+    ):
+        self.cfg = cfg
+        self.reference = reference if reference is not None else ReferencePool([])
+        self.wal = wal
+        self.admission = Admission(cfg.max_staleness, groups_per_batch, cfg.admission)
+        self.metrics = ReplayMetrics()
+        self.store = FreshStore()
+        self.accepted = AcceptedSeqs()
+        self.version = 0
+        self.pending: PendingBatch | None = None
+        self._unlogged_drops: list[tuple[GroupId, str]] = []  # since the last serve record
+        self.recovered = 0  # log records applied at start-up
+        if wal is not None:
+            self._recover()
+
+    # ----------------------------------------------------------------------------- ingest
+
+    def problem(self, group: RolloutGroup) -> str | None:
+        """What makes a well-formed group unusable for training, or None."""
+        tol = self.cfg.logprob_tolerance
+        if group.prompt_ids.size and group.prompt_ids.min() < 0:
+            return "prompt_ids holds a negative token id"
+        for i, c in enumerate(group.completions):
+            lp = c.logprobs
+            if not (lp.min() > -np.inf and lp.max() <= tol):  # NaN fails both comparisons
+                return f"completions[{i}].logprobs must be finite and <= 0 (min {lp.min()}, max {lp.max()})"
+            if c.versions.min() < 0:
+                return f"completions[{i}].versions holds a negative version"
+            if c.token_ids.min() < 0:
+                return f"completions[{i}].token_ids holds a negative token id"
+        return None
+
+    def ingest(self, groups: list[RolloutGroup]) -> list[Verdict]:
+        """Accept new groups (logged before this returns), report duplicates and unusable ones."""
+        verdicts, new, seen = [], [], set()
+        for g in groups:
+            gid = g.group_id
+            if gid in self.accepted or gid in seen:
+                self.metrics.count("duplicates")
+                verdicts.append(Verdict(gid, "duplicate"))
+            elif (problem := self.problem(g)) is not None:
+                self.metrics.count("rejected:invalid")
+                verdicts.append(Verdict(gid, "error", problem))
+            else:
+                seen.add(gid)
+                new.append(g)
+                verdicts.append(Verdict(gid, "ok"))
+        if new:
+            self._log(IngestRecord(new))
+            for g in new:
+                self._accept(g)
+            self.metrics.arrived(len(new), sum(g.nbytes for g in new))
+            self._maybe_compact()
+        return verdicts
+
+    def _accept(self, group: RolloutGroup) -> None:
+        self.accepted.add(group.group_id)
+        self.store.add(group)
+        self.admission.arrived(group.actor_id)
+        self.metrics.count("accepted")
+        self.metrics.count("admitted")
+
+    # ----------------------------------------------------------------------------- actors
+
+    def tickets(self, req: TicketRequest) -> TicketGrant:
+        granted = self.admission.grant(
+            req.actor_id, req.want, req.outstanding, self.version, self.admitted, req.weights_version
+        )
+        self.metrics.count("tickets_granted", granted)
+        return TicketGrant(req.actor_id, granted, self.version)
+
+    @property
+    def admitted(self) -> int:
+        """Groups accepted minus those dropped without ever being served (admission's count)."""
+        return self.metrics.counters["admitted"]
+
+    def resume(self, actor_id: int) -> ResumeInfo:
+        self.admission.reset(actor_id)
+        watermark, above = self.accepted.resume_point(actor_id)
+        return ResumeInfo(actor_id, watermark, above, self.version)
+
+    # ----------------------------------------------------------------------------- batches
+
+    def request(self, req: BatchRequest) -> Batch | None:
+        """Start on a batch request. A retried request id gets the pending batch again; a new one
+        confirms the pending batch and gets a new batch now, or None if it should wait (call serve
+        again when groups arrive, and with final=True at its deadline)."""
+        if req.request_id and self.pending is not None and req.request_id == self.pending.request_id:
+            return self._pending_batch()
+        self._confirm_pending()
+        self.version = req.version
+        return self.serve(req, final=req.wait_s <= 0)
+
+    def serve(self, req: BatchRequest, final: bool) -> Batch | None:
+        self._expire()
+        if self.store.count("unserved") < req.num_groups and not final:
+            return None
+        entries = self.store.take(req.num_groups, reuse=self.cfg.max_reuse > 1)
+        samples = sum(len(e.group.completions) for e in entries)
+        refs = self.reference.draw(int(self.cfg.reference_ratio * samples + 0.5))
+        record = ServeRecord(
+            req.request_id,
+            req.version,
+            [e.group.group_id for e in entries],
+            [r.sample_id for r in refs],
+            self._unlogged_drops,
+        )
+        self._log(record)
+        self._unlogged_drops = []
+        self._served(record, entries)
+        self._maybe_compact()
+        drops = Counter(reason for _, reason in record.dropped)
+        return Batch(req.version, [e.group for e in entries], refs, dict(drops), req.request_id)
+
+    def _served(self, record: ServeRecord, entries: list[Entry]) -> None:
+        """Bookkeeping shared by serving a batch and replaying its log record."""
+        self.pending = PendingBatch(record.request_id, record.version, record.group_ids, record.reference_ids)
+        self.version = record.version
+        m = self.metrics
+        m.count("batches")
+        m.count("served_groups", len(entries))
+        m.count("served_samples", sum(len(e.group.completions) for e in entries))
+        m.count("served_reference", len(record.reference_ids))
+        for e in entries:
+            m.count(f"staleness:{staleness(record.version, e.min_version)}")
+        m.counters["last_batch_fresh_samples"] = sum(len(e.group.completions) for e in entries)
+        m.counters["last_batch_reference"] = len(record.reference_ids)
+
+    def _pending_batch(self) -> Batch:
+        p = self.pending
+        assert p is not None
+        groups = [e.group for gid in p.group_ids if (e := self.store.get(gid)) is not None]
+        refs = [r for rid in p.reference_ids if (r := self.reference.get(rid)) is not None]
+        self.metrics.count("batches_resent")
+        return Batch(p.version, groups, refs, {}, p.request_id)
+
+    def _confirm_pending(self) -> None:
+        if self.pending is None:
+            return
+        for gid in self.pending.group_ids:
+            entry = self.store.get(gid)
+            if (
+                entry is not None
+                and entry.place == "pending"
+                and self.store.release(entry, self.cfg.max_reuse)
+            ):
+                self.metrics.count("used_up")
+        self.pending = None
+
+    def _expire(self) -> None:
+        for entry in self.store.expire(self.version - self.cfg.max_staleness):
+            self._dropped(entry, "stale_reused" if entry.served else "stale")
+
+    def _dropped(self, entry: Entry, reason: str) -> None:
+        self.metrics.count(f"drop:{reason}")
+        if not entry.served:
+            self.metrics.count("admitted", -1)
+        self._unlogged_drops.append((entry.group.group_id, reason))
+
+    # ----------------------------------------------------------------------------- durability
+
+    def _log(self, record: Record) -> None:
+        if self.wal is not None:
+            self.wal.append(record)
+
+    def _maybe_compact(self) -> None:
+        if self.wal is not None and self.wal.bytes_since_base > self.cfg.wal_compact_mb * MiB:
+            self.wal.write_base(self._write_base)
+
+    def _write_base(self, path: Path, segment: int) -> None:
+        write_state(path, self.state(segment))
+
+    def _recover(self) -> None:
+        assert self.wal is not None
+        base = self.wal.latest_base()
+        if base is not None:
+            self._load(read_state(base[1]))
+        for record in self.wal.records(base[0] if base is not None else 0):
+            self._apply(record)
+            self.recovered += 1
+        if self.recovered:  # the next recovery starts from here
+            self.wal.write_base(self._write_base)
+        else:
+            self.wal.open()
+
+    def _apply(self, record: Record) -> None:
+        """Redo a logged record on recovery, as the live path did it."""
+        if isinstance(record, IngestRecord):
+            for g in record.groups:
+                if g.group_id not in self.accepted:
+                    self._accept(g)
+            return
+        self._confirm_pending()
+        for gid, reason in record.dropped:
+            if self.store.get(gid) is not None:
+                self._dropped(self.store.remove(gid), reason)
+        self._unlogged_drops = []
+        entries = [e for gid in record.group_ids if (e := self.store.claim(gid)) is not None]
+        self.reference.cursor += len(record.reference_ids)
+        self._served(record, entries)
+
+    def state(self, wal_segment: int = 0) -> ReplayState:
+        entries = list(self.store)
+        return ReplayState(
+            version=self.version,
+            groups=[e.group for e in entries],
+            served=[e.served for e in entries],
+            pending=self.pending,
+            accepted=self.accepted.to_state(),
+            counters=self.metrics.to_state(),
+            reference_cursor=self.reference.cursor,
+            wal_id=self.wal.wal_id if self.wal is not None else "",
+            wal_segment=wal_segment,
+        )
+
+    def _load(self, state: ReplayState) -> None:
+        pending = set(state.pending.group_ids) if state.pending else set()
+        self.store = FreshStore()
+        for g, served in zip(state.groups, state.served, strict=True):
+            self.store.add(g, served, pending=g.group_id in pending)
+        self.accepted = AcceptedSeqs.from_state(state.accepted)
+        self.metrics.load_state(state.counters)
+        self.version = state.version
+        self.pending = state.pending
+        self.reference.cursor = state.reference_cursor
+        self._unlogged_drops = []
+
+    def snapshot(self, path: str | Path) -> str:
+        """Write the whole state to `path` (a directory, or a *.arrow file) for a learner checkpoint."""
+        segment = self.wal.roll() if self.wal is not None else 0
+        target = write_state(path, self.state(segment))
+        if self.wal is not None:
+            self.wal.keep_from(segment)
+        return (
+            f"replay snapshot at version {self.version}: {len(self.store)} groups held, written to {target}"
+        )
+
+    def restore(self, path: str | Path) -> str:
+        """Return to a snapshot, keeping what actors were told is accepted.
+
+        The learner rewinds to its checkpoint, so batches served after the snapshot are forgotten;
+        groups accepted after it are re-added from the log (actors will not resend them), and any
+        group with tokens from versions after the snapshot's is dropped as `rewound`."""
+        state = read_state(path)
+        notes, later = [], []
+        if self.wal is not None and state.wal_id == self.wal.wal_id:
+            if self.wal.missing_segments(state.wal_segment):
+                notes.append("log segments after the snapshot are gone, groups accepted after it are lost")
+            accepted_then = AcceptedSeqs.from_state(state.accepted)
+            for record in self.wal.records(state.wal_segment):
+                if isinstance(record, IngestRecord):
+                    later += [g for g in record.groups if g.group_id not in accepted_then]
+        elif self.wal is not None:
+            notes.append("snapshot of another log, groups accepted after it were not re-added")
+        self._load(state)
+        for g in later:
+            if g.group_id not in self.accepted:
+                self._accept(g)
+        rewound = [e for e in self.store if e.place != "pending" and e.max_version > self.version]
+        for e in rewound:
+            self._dropped(self.store.remove(e.group.group_id), "rewound")
+        if self.wal is not None:  # the log now starts from the restored state
+            self.wal.write_base(self._write_base)
+        return (
+            f"replay restored to version {self.version}: {len(self.store)} groups held, "
+            f"{len(later)} accepted after the snapshot re-added, {len(rewound)} dropped as rewound"
+            + "".join(f"; {n}" for n in notes)
+        )
+
+    # ----------------------------------------------------------------------------- metrics
+
+    def stats(self) -> dict:
+        m, s = self.metrics, self.store
+        fresh = m.counters["served_samples"]
+        return {
+            "version": self.version,
+            "occupancy": {
+                "groups": len(s),
+                "unserved": s.count("unserved"),
+                "reusable": s.count("reusable"),
+                "pending": s.count("pending"),
+                "samples": s.samples,
+                "tokens": s.tokens,
+                "bytes": s.nbytes,
+            },
+            "ingest": m.ingest_rate(),
+            "accepted": m.counters["accepted"],
+            "duplicates": m.counters["duplicates"],
+            "drops": m.group("drop"),
+            "rejected": m.group("rejected"),
+            "staleness_hist": m.group("staleness"),
+            "served": {
+                "batches": m.counters["batches"],
+                "batches_resent": m.counters["batches_resent"],
+                "groups": m.counters["served_groups"],
+                "samples": fresh,
+                "reference": m.counters["served_reference"],
+                "used_up": m.counters["used_up"],
+            },
+            "mix": {
+                "reference_per_fresh_sample": m.counters["served_reference"] / fresh if fresh else 0.0,
+                "last_batch_fresh_samples": m.counters["last_batch_fresh_samples"],
+                "last_batch_reference": m.counters["last_batch_reference"],
+            },
+            "tickets": {
+                "granted": m.counters["tickets_granted"],
+                "in_flight": sum(self.admission.in_flight.values()),
+                "capacity": self.admission.capacity(self.version, self.admitted),
+                "admitted": self.admitted,
+            },
+            "reference_pool": len(self.reference),
+            "wal": {
+                "segment": self.wal.segment if self.wal is not None else -1,
+                "bytes_since_base": self.wal.bytes_since_base if self.wal is not None else 0,
+            },
+        }

@@ -1,0 +1,181 @@
+"""The replay over real sockets: bad input answered and counted, waits, retries, restarts, security."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from dph_async.bench.transport import synthetic_group
+from dph_async.config.replay import ReplayConfig
+from dph_async.net import InsecureBindError, NetSecurity, generate_keys, is_local_endpoint
+from dph_async.protocol import Ack, BatchRequest, ErrorReply, StatsRequest, decode, encode
+from dph_async.replay_client import ReplayClient, ReplayError, ReplayUnavailable, RolloutSender
+from replay.service import ReplayService
+
+CFG = ReplayConfig(max_staleness=100, admission=False, max_group_mb=0.05)
+
+
+@pytest.fixture
+def service(tmp_path):
+    svc = ReplayService(CFG, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", 4, wal_dir=str(tmp_path / "wal"))
+    svc.start_in_thread()
+    yield svc
+    svc.stop()
+
+
+def raw(addr: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(addr)
+    return sock
+
+
+def ask(sock: zmq.Socket, frames: list):
+    sock.send_multipart(frames)
+    return decode(sock.recv_multipart())
+
+
+def test_bad_input_is_answered_counted_and_loses_nothing(service):
+    sender = RolloutSender(service.ingest_endpoint, 0)
+    for i in range(5):
+        sender.send(synthetic_group(0, i, n=2, tokens=8))
+    assert sender.flush(10) and sender.accepted == 5
+
+    sock = raw(service.ingest_endpoint)
+    good = encode(synthetic_group(0, 100, n=2, tokens=8))
+    head = msgpack.unpackb(good[0])
+    nan_group = synthetic_group(0, 101, n=2, tokens=8)
+    nan_group.completions[1].logprobs[3] = np.nan
+    cases = {
+        "garbage": ([b"\x00\x01garbage"], "header is not valid msgpack"),
+        "truncated": (good[:-1], "more arrays than the 6 array frames"),
+        "wrong version": ([msgpack.packb(head | {"v": 9}), *good[1:]], "schema version 9 is not supported"),
+        "oversized": (encode(synthetic_group(0, 102, n=8, tokens=1000)), "exceeds the limit of 52428"),
+        "wrong type": (
+            [msgpack.packb(head | {"m": head["m"] | {"seq": "x"}}), *good[1:]],
+            "RolloutGroup.seq: expected int",
+        ),
+        "nan": (encode(nan_group), "completions[1].logprobs must be finite"),
+    }
+    for name, (frames, expected) in cases.items():
+        reply = ask(sock, frames)
+        assert isinstance(reply, Ack) and reply.status == "error" and expected in reply.error, name
+    reply = ask(sock, encode(BatchRequest(0, 1, 0.0)))
+    assert isinstance(reply, ErrorReply) and "not served on the ingest endpoint" in reply.error
+
+    batch_sock = raw(service.batch_endpoint)
+    reply = ask(batch_sock, [b"\x92\x01"])
+    assert isinstance(reply, ErrorReply) and reply.kind == "header"
+
+    client = ReplayClient(service.batch_endpoint)
+    stats = client.stats()
+    assert stats["rejected"] == {"header": 2, "frames": 1, "version": 1, "size": 1, "field": 1, "invalid": 1}
+    batch = client.get_batch(0, 10, wait_s=0.0)
+    assert sorted(g.seq for g in batch.groups) == [0, 1, 2, 3, 4]  # nothing accepted was lost
+    client.close()
+    sender.close()
+
+
+def test_a_batch_request_waits_then_returns_what_there_is(service):
+    client = ReplayClient(service.batch_endpoint)
+    t0 = time.monotonic()
+    assert client.get_batch(0, 4, wait_s=0.3).groups == []
+    assert 0.25 < time.monotonic() - t0 < 3
+    sender = RolloutSender(service.ingest_endpoint, 1)
+    sender.send(synthetic_group(1, 0))
+    sender.flush(5)
+    assert [g.group_id for g in client.get_batch(0, 4, wait_s=0.3).groups] == [(1, 0)]
+    for i in range(1, 5):
+        sender.send(synthetic_group(1, i))
+    t0 = time.monotonic()
+    assert len(client.get_batch(0, 4, wait_s=30).groups) == 4  # a full batch does not wait
+    assert time.monotonic() - t0 < 10
+    sender.close()
+    client.close()
+
+
+def test_the_same_request_id_gets_the_same_batch(service):
+    sender = RolloutSender(service.ingest_endpoint, 0)
+    for i in range(8):
+        sender.send(synthetic_group(0, i))
+    sender.flush(5)
+    sock = raw(service.batch_endpoint)
+    first = ask(sock, encode(BatchRequest(0, 4, 0.0, request_id=5)))
+    again = ask(sock, encode(BatchRequest(0, 4, 0.0, request_id=5)))  # as if the reply was lost
+    after = ask(sock, encode(BatchRequest(1, 4, 0.0, request_id=6)))
+    assert [g.group_id for g in again.groups] == [g.group_id for g in first.groups]
+    assert {g.group_id for g in after.groups}.isdisjoint(g.group_id for g in first.groups)
+    assert ask(sock, encode(StatsRequest())).metrics["served"]["batches_resent"] == 1
+    sender.close()
+
+
+def test_the_sender_resends_across_a_service_restart(tmp_path):
+    addr_in, addr_out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
+    first = ReplayService(CFG, addr_in, addr_out, 4, wal_dir=str(tmp_path / "wal"))
+    first.start_in_thread()
+    sender = RolloutSender(addr_in, 3, reply_timeout_s=2)
+    for i in range(5):
+        sender.send(synthetic_group(3, i))
+    assert sender.flush(5)
+    first.stop()
+    for i in range(5, 10):  # the replay is down: kept in the sender
+        sender.send(synthetic_group(3, i))
+    assert sender.unacked == 5
+    second = ReplayService(CFG, addr_in, addr_out, 4, wal_dir=str(tmp_path / "wal"))
+    second.start_in_thread()
+    try:
+        assert sender.flush(15) and sender.accepted == 10
+        assert sender.resume().watermark == 10
+        client = ReplayClient(addr_out)
+        assert sorted(g.seq for g in client.get_batch(0, 10, 0.0).groups) == list(range(10))
+        client.close()
+    finally:
+        sender.close()
+        second.stop()
+
+
+def test_snapshot_restore_and_shutdown_over_the_client(tmp_path, service):
+    client = ReplayClient(service.batch_endpoint, request_timeout_s=10)
+    assert "written to" in client.snapshot(str(tmp_path / "ckpt"))
+    assert "restored to version 0" in client.restore(str(tmp_path / "ckpt"))
+    with pytest.raises(ReplayError, match=r"restore failed: .*nowhere"):
+        client.restore(str(tmp_path / "nowhere"))
+    client.shutdown()
+    service._thread.join(5)
+    assert not service._thread.is_alive()
+    client.close()
+
+
+def test_binding_beyond_loopback_needs_keys_or_the_insecure_flag(tmp_path):
+    assert is_local_endpoint("tcp://127.0.0.1:5555") and is_local_endpoint("ipc:///tmp/x")
+    assert is_local_endpoint("tcp://[::1]:5") and not is_local_endpoint("tcp://0.0.0.0:5")
+    assert not is_local_endpoint("tcp://*:5") and not is_local_endpoint("tcp://10.1.2.3:5")
+    with pytest.raises(InsecureBindError, match=r"refusing to bind tcp://0\.0\.0\.0:0"):
+        ReplayService(CFG, "tcp://0.0.0.0:0", f"ipc://{tmp_path}/out", 4)
+    svc = ReplayService(CFG, "tcp://0.0.0.0:0", f"ipc://{tmp_path}/out2", 4, security=NetSecurity(insecure=True))
+    svc.start_in_thread()
+    svc.stop()
+
+
+def test_curve_admits_only_authorized_clients(tmp_path):
+    keys = str(generate_keys(tmp_path / "keys"))
+    strangers = str(generate_keys(tmp_path / "strangers"))
+    svc = ReplayService(CFG, "tcp://0.0.0.0:0", "tcp://127.0.0.1:0", 4, security=NetSecurity(curve_keys=keys))
+    svc.start_in_thread()
+    try:
+        port = svc.batch_endpoint.rsplit(":", 1)[1]
+        good = ReplayClient(f"tcp://127.0.0.1:{port}", security=NetSecurity(curve_keys=keys))
+        assert good.stats()["accepted"] == 0
+        good.close()
+        for security in (NetSecurity(curve_keys=strangers), None):
+            bad = ReplayClient(f"tcp://127.0.0.1:{port}", security=security, request_timeout_s=1.5)
+            with pytest.raises(ReplayUnavailable, match=r"handshake .* refused"):
+                bad.stats()
+            bad.close()
+    finally:
+        svc.stop()
