@@ -1,0 +1,85 @@
+"""`dph-async serve replay`: the replay service as its own process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+NAME = "serve replay"
+HELP = "run the replay service (rollout ingest for actors, batches for the learner)"
+DESCRIPTION = """\
+Run the replay service in this process: actors send rollout groups to the ingest endpoint, the
+learner asks the batch endpoint for batches (docs/data_plane.md). Settings come from the config (a
+preset or YAML file) and key=value overrides; flags override both. The write-ahead log defaults to
+<output_dir>/<replay.wal_dir>, so a restarted service recovers everything it acknowledged. Example:
+
+    dph-async serve replay --reference runs/default/presample/reference_pool.parquet \\
+        replay.max_staleness=2 learner.groups_per_step=64
+
+Endpoints bind 127.0.0.1 unless told otherwise; another address needs CURVE keys (--curve-keys, a
+directory made by `dph-async keys`) or --insecure. SIGINT/SIGTERM stop it cleanly.
+"""
+
+INGEST_PORT = 5555
+BATCH_PORT = 5556
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (replay.*, net.*, ...)")
+    parser.add_argument("--config", default="default", help="preset name or YAML file (default: %(default)s)")
+    parser.add_argument("--ingest", help=f"actor endpoint (default: tcp://<net.host>:{INGEST_PORT})")
+    parser.add_argument("--batch", help=f"learner endpoint (default: tcp://<net.host>:{BATCH_PORT})")
+    parser.add_argument(
+        "--groups-per-batch", type=int, help="B in the admission rule (default: learner.groups_per_step)"
+    )
+    parser.add_argument("--reference", help="D_pef parquet file or directory of them (default: no reference pool)")
+    parser.add_argument("--wal-dir", help="write-ahead log directory (default: <output_dir>/<replay.wal_dir>)")
+    parser.add_argument("--no-wal", action="store_true", help="run without a write-ahead log (a restart loses all)")
+    parser.add_argument("--curve-keys", help="CURVE key directory (default: net.curve_keys)")
+    parser.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without CURVE keys")
+
+
+def main(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    from pathlib import Path
+
+    from dph_async.config import ConfigError, load_config
+    from dph_async.net import InsecureBindError, NetSecurity
+    from replay.reference_pool import ReferencePoolError
+    from replay.service import ReplayService
+    from replay.state import ReplayStateError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    wal_dir = args.wal_dir
+    if wal_dir is None and cfg.replay.wal_dir and not args.no_wal:
+        wal_dir = str(Path(cfg.output_dir) / cfg.replay.wal_dir)
+    security = NetSecurity(args.curve_keys or cfg.net.curve_keys, args.insecure or cfg.net.insecure)
+    try:
+        service = ReplayService(
+            cfg.replay,
+            args.ingest or f"tcp://{cfg.net.host}:{INGEST_PORT}",
+            args.batch or f"tcp://{cfg.net.host}:{BATCH_PORT}",
+            args.groups_per_batch or cfg.learner.groups_per_step,
+            reference_path=args.reference,
+            wal_dir=None if args.no_wal else wal_dir,
+            security=security,
+            seed=cfg.seed,
+        )
+    except (InsecureBindError, ReferencePoolError, ReplayStateError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: service.stop())
+    print(f"replay: ingest {service.ingest_endpoint}, batch {service.batch_endpoint}", file=sys.stderr, flush=True)
+    try:
+        service.serve_forever()
+    except OSError as e:
+        print(f"error: write-ahead log: {e}", file=sys.stderr)
+        return 1
+    return 0
