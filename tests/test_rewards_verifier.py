@@ -2,9 +2,13 @@
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -181,3 +185,45 @@ def test_verifier_runs_in_pool_workers(cfg, server):
     with RewardPool(1, 5.0, 1024, config=cfg) as pool:
         results = pool.score_many([ScoreRequest("polaris_tinyv", WRONG_BY_RULE, "0.5", QUESTION)])
     assert results[0].correct and len(server.prompts) == 1
+
+
+LOCAL_ENGINE_SCRIPT = """
+import os, sys
+from pathlib import Path
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from dph_async.config.rewards import VerifierConfig
+from dph_async.rewards.verifier import LocalVLLMVerifier, Verifier
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    chars = list("abcdefghijklmnopqrstuvwxyzTF0123456789 ")
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(["<pad>", "<s>", "</s>", *chars])}, "<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    # head_dim 32: the smallest the CPU attention kernels take.
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(out)
+    fast.save_pretrained(out)
+    cfg = VerifierConfig(backend="vllm", model=str(out), max_tokens=4,
+                         template="q {{QUESTION}} g {{GROUND_TRUTH_ANSWER}} a {{MODEL_ANSWER}}")
+    verdict = Verifier(cfg, LocalVLLMVerifier(cfg)).judge("what", "1", "1")
+    # A random model answers gibberish: the verdict must be a clean "no verdict".
+    assert verdict.correct is None and "neither True nor False" in verdict.detail, verdict
+    print("LOCAL-ENGINE-OK")
+"""
+
+
+@pytest.mark.slow
+def test_local_vllm_engine_backend(tmp_path):
+    """The in-process vLLM backend on a tiny random model (own process: vLLM settings stay there)."""
+    script = tmp_path / "engine.py"
+    script.write_text(LOCAL_ENGINE_SCRIPT)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "model")], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "LOCAL-ENGINE-OK" in done.stdout, done.stderr[-3000:]

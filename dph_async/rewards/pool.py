@@ -53,13 +53,20 @@ class _Worker:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
         with ours, theirs:
             fd = theirs.fileno()
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dph_async.rewards.worker", str(fd), str(memory_limit_mb)],
-                pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-            )
+            try:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "dph_async.rewards.worker", str(fd), str(memory_limit_mb)],
+                    pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                )
+            except OSError as e:  # out of processes or file descriptors
+                raise RuntimeError(f"reward worker could not be started: {e}") from e
             self.conn = Connection(os.dup(ours.fileno()))
-        self.conn.send_bytes(cfg.model_dump_json().encode())
-        if not self.conn.poll(STARTUP_TIMEOUT_S) or self._recv_bytes() != b"ready":
+        try:
+            self.conn.send_bytes(cfg.model_dump_json().encode())
+            ready = self.conn.poll(STARTUP_TIMEOUT_S) and self._recv_bytes() == b"ready"
+        except OSError:
+            ready = False
+        if not ready:
             self.kill()
             raise RuntimeError(f"reward worker did not start (exit code {self.proc.poll()})")
 
