@@ -86,23 +86,33 @@ def worker(path: str, n: int, h: int, v: int, dtype: str, iters: int, block_v: i
     _step_fn(path, *_inputs(8, h, 300, DTYPES[dtype]), block_v)()  # one-time library set-up, not measured
     hidden, weight, targets, grad = _inputs(n, h, v, DTYPES[dtype])
     step = _step_fn(path, hidden, weight, targets, grad, block_v)
+    threads = torch.get_num_threads()
+    times, shares, loads = [], [], []
+
+    def timed():
+        loads.append(os.getloadavg()[0])
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = step()
+        times.append(time.perf_counter() - wall)
+        # Share of its threads' time this process got: below 1 when other processes took the cores.
+        shares.append((time.process_time() - cpu) / (times[-1] * threads))
+        return out
+
     base = _rss()
     hwm_reset = _reset_peak()
-    start = time.perf_counter()
-    logp, d_hidden = step()
-    times = [time.perf_counter() - start]
+    logp, d_hidden = timed()
     peak = _peak_rss() - base
     torch.save({"logp": logp, "d_hidden": d_hidden}, save)
     del logp, d_hidden
     for _ in range(iters - 1):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+        timed()
     return {
         "peak_extra_bytes": peak,
         "times_s": times,
+        "cpu_share": shares,
+        "load_1min": loads,
         "hwm_reset": hwm_reset,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
     }
 
 
@@ -151,8 +161,7 @@ def bench_cpu(args: argparse.Namespace, on_run=None) -> dict:
         ref, fused = torch.load(saved["naive"]), torch.load(saved["torch"])
     logp_diff = (ref["logp"] - fused["logp"]).abs().max().item()
     dh_diff = (
-        (ref["d_hidden"].float() - fused["d_hidden"].float()).abs().max()
-        / ref["d_hidden"].float().abs().max()
+        (ref["d_hidden"].float() - fused["d_hidden"].float()).abs().max() / ref["d_hidden"].float().abs().max()
     ).item()
     paths = {}
     for path, rs in runs.items():
@@ -162,6 +171,8 @@ def bench_cpu(args: argparse.Namespace, on_run=None) -> dict:
             "time_min_s": min(times),
             "times_s": times,
             "peak_extra_bytes": max(run["peak_extra_bytes"] for run in rs),
+            "cpu_share": [s for run in rs for s in run["cpu_share"]],
+            "load_1min": [x for run in rs for x in run["load_1min"]],
             "hwm_reset": all(run["hwm_reset"] for run in rs),
         }
     return {

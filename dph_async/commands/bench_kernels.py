@@ -37,12 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2,
         help="fresh processes per path, alternating their order (default: %(default)s)",
     )
-    parser.add_argument(
-        "--iters", type=int, default=2, help="forward+backward per process (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--block-v", type=int, default=None, help="vocabulary block (default: 128 MiB of logits)"
-    )
+    parser.add_argument("--iters", type=int, default=2, help="forward+backward per process (default: %(default)s)")
+    parser.add_argument("--block-v", type=int, default=None, help="vocabulary block (default: 128 MiB of logits)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/kernels.json"), help="JSON results")
 
 
@@ -76,12 +72,11 @@ def main(args: argparse.Namespace) -> int:
         return 1
 
     def report(path: str, run: dict) -> None:
-        times = ", ".join(f"{t:.2f}" for t in run["times_s"])
-        console.print(f"  {path}: peak extra {run['peak_extra_bytes'] / 2**20:,.0f} MiB, times {times} s")
+        pairs = zip(run["times_s"], run["cpu_share"], strict=True)
+        times = ", ".join(f"{t:.2f} s ({s:.0%} CPU)" for t, s in pairs)
+        console.print(f"  {path}: peak extra {run['peak_extra_bytes'] / 2**20:,.0f} MiB, times {times}")
 
-    console.print(
-        f"N={args.n} H={args.hidden} V={args.vocab} {args.dtype}, {args.rounds} rounds x {args.iters}"
-    )
+    console.print(f"N={args.n} H={args.hidden} V={args.vocab} {args.dtype}, {args.rounds} rounds x {args.iters}")
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": bench.machine(),
@@ -95,23 +90,16 @@ def main(args: argparse.Namespace) -> int:
     }
     result["cpu"] = bench.bench_cpu(args, on_run=report)
     cpu = result["cpu"]
-    table = Table(
-        title=f"fused (torch path) vs naive, N={args.n} H={args.hidden} V={args.vocab} {args.dtype}, CPU"
-    )
-    for col in ("path", "median s", "min s", "peak extra MiB"):
+    table = Table(title=f"fused (torch path) vs naive, N={args.n} H={args.hidden} V={args.vocab} {args.dtype}, CPU")
+    for col in ("path", "median s", "min s", "peak extra MiB", "CPU share"):
         table.add_column(col, justify="right")
     for path, p in cpu["paths"].items():
+        shares = f"{min(p['cpu_share']):.0%}-{max(p['cpu_share']):.0%}"
         table.add_row(
-            path,
-            f"{p['time_median_s']:.2f}",
-            f"{p['time_min_s']:.2f}",
-            f"{p['peak_extra_bytes'] / 2**20:,.0f}",
+            path, f"{p['time_median_s']:.2f}", f"{p['time_min_s']:.2f}", f"{p['peak_extra_bytes'] / 2**20:,.0f}", shares
         )
     table.add_row(
-        "fused / naive",
-        f"{cpu['time_ratio']:.2f}x",
-        f"{cpu['time_ratio_min']:.2f}x",
-        f"{cpu['memory_ratio']:.1%}",
+        "fused / naive", f"{cpu['time_ratio']:.2f}x", f"{cpu['time_ratio_min']:.2f}x", f"{cpu['memory_ratio']:.1%}", ""
     )
     console.print(table)
     console.print(
