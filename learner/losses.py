@@ -118,7 +118,8 @@ def policy_loss(
     """
     mask = mask.to(logp.dtype)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    prox = logp.detach() if logp_prox is None else logp_prox
+    prox = (logp if logp_prox is None else logp_prox).detach()
+    logp_mu = logp_mu.detach()
     log_w = log_ratio(prox, logp_mu)
     if cfg.correction == "behavior":
         log_r = log_ratio(logp, logp_mu)
