@@ -4,6 +4,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -78,18 +79,35 @@ def test_overrun_is_killed_replaced_and_reported_as_timeout(pool, cfg):
     assert pool.score_many([good(3)])[0].correct  # the replacement works
 
 
-def test_a_worker_that_dies_is_an_error_and_replaced(pool):
-    pool.warm_up()
-    pids = _worker_pids(pool)
-    result: list = []
-    thread = threading.Thread(target=lambda: result.extend(pool.score_many([HANGS])))
-    thread.start()
-    time.sleep(0.5)  # the request is running in one of the workers
-    for pid in pids:
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_a_worker_that_dies_is_an_error_and_replaced(cfg):
+    with RewardPool(1, 10.0, 1024, config=cfg) as pool:
+        pool.warm_up()
+        (pid,) = _worker_pids(pool)
+        idle = _cpu_ticks(pid)
+        result: list = []
+        thread = threading.Thread(target=lambda: result.extend(pool.score_many([HANGS])))
+        thread.start()
+        deadline = time.monotonic() + 8
+        while _cpu_ticks(pid) <= idle + 5 and time.monotonic() < deadline:  # wait until it is scoring
+            time.sleep(0.05)
         os.kill(pid, signal.SIGKILL)
-    thread.join()
-    assert result[0].status == "error" and "died" in result[0].detail
-    assert [r.correct for r in pool.score_many([good(4), good(5)])] == [True, True]
+        thread.join()
+        assert result[0].status == "error" and "died" in result[0].detail and "-9" in result[0].detail
+        assert [r.correct for r in pool.score_many([good(4), good(5)])] == [True, True]
+        assert pool.restarts == 1
+
+
+def test_a_worker_that_died_idle_is_replaced_silently(pool):
+    pool.warm_up()
+    for pid in _worker_pids(pool):
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.2)
+    assert [r.correct for r in pool.score_many([good(6), good(7)])] == [True, True]
 
 
 def test_unknown_source_raises_before_scoring(pool):
