@@ -2,8 +2,8 @@
 
 A worker is a fresh interpreter (`python -m dph_async.rewards.worker`), not a fork: it inherits none
 of the caller's threads (vLLM, torch) and never re-imports the caller's main module, as
-multiprocessing's spawn and forkserver children do. It runs in its own session, so a Ctrl-C meant for
-the caller does not reach it; the caller stops it by closing the pipe.
+multiprocessing's spawn and forkserver children do. It runs in its own process group, so a Ctrl-C
+meant for the caller does not reach it; the caller stops it by closing the pipe.
 
 Rewards run model-written SQL and feed model-written math to parsers that can hang; the worker is the
 unit the parent kills when a call overruns. It also caps its own address space (so a memory bomb ends
