@@ -1,6 +1,7 @@
 """SQL rewards on the locally built fixture: extraction, BIRD/Spider comparison, partial credit, errors."""
 
 import json
+import sqlite3
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -152,7 +153,17 @@ def test_shipped_example_matches_the_generator(fixture_dir):
     lines = (EXAMPLES / "responses.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == example_responses(shipped)
     for db_id in ("school", "shop", "flights"):
-        assert (EXAMPLES / "databases" / db_id / f"{db_id}.sqlite").is_file()
+        shipped_db, generated_db = (d / "databases" / db_id / f"{db_id}.sqlite" for d in (EXAMPLES, fixture_dir))
+        assert _contents(shipped_db) == _contents(generated_db)
+
+
+def _contents(path: Path) -> dict[str, list]:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        tables = [name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return {t: conn.execute(f"SELECT * FROM {t}").fetchall() for t in tables}
+    finally:
+        conn.close()
 
 
 def test_score_command_on_the_shipped_example(tmp_path, capsys):
