@@ -13,7 +13,7 @@ from dph_async import __version__, commands
 
 def _command_modules() -> list[ModuleType]:
     mods = [importlib.import_module(f"{commands.__name__}.{m.name}") for m in pkgutil.iter_modules(commands.__path__)]
-    return sorted(mods, key=lambda m: m.NAME)
+    return sorted((m for m in mods if hasattr(m, "NAME")), key=lambda m: m.NAME)
 
 
 def build_parser() -> argparse.ArgumentParser:

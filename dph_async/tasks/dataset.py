@@ -1,0 +1,108 @@
+"""Prompt datasets as parquet in the verl / DPH-RL row format, so their files load unchanged.
+
+A row: `prompt` (a list of chat messages {role, content}, or a plain string), `data_source`,
+`reward_model` ({"ground_truth": ...}), optional `extra_info` (a struct; `index` names the row).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from transformers import PreTrainedTokenizerBase
+
+REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing, unreadable, or has a wrong column; the message names file and column."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    prompt_id: str
+    data_source: str
+    text: str  # the prompt as the user wrote it (last user message), for verifiers and reports
+    prompt_ids: tuple[int, ...]
+    ground_truth: Any
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+
+def write_rows(rows: list[dict[str, Any]], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def verl_row(text: str, data_source: str, ground_truth: Any, index: int, split: str) -> dict[str, Any]:
+    return {
+        "prompt": [{"role": "user", "content": text}],
+        "data_source": data_source,
+        "reward_model": {"ground_truth": ground_truth, "style": "rule"},
+        "extra_info": {"index": index, "split": split},
+    }
+
+
+def _messages(value: Any, where: str) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, list) and value and all(isinstance(m, dict) and "content" in m for m in value):
+        return [{"role": str(m.get("role", "user")), "content": str(m["content"])} for m in value]
+    raise DatasetError(f"{where}: column 'prompt' must be a string or a list of {{role, content}} messages")
+
+
+def encode_prompt(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids of a prompt: the chat template when the tokenizer has one, else BOS + the text."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    text = "".join(m["content"] for m in messages)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return bos + tokenizer.encode(text, add_special_tokens=False)
+
+
+def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int,
+                 limit: int | None = None) -> list[PromptRecord]:
+    """Read and tokenize a verl-format parquet file; every problem is reported with the file name."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: no such file")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"{path}: not a readable parquet file ({e})") from None
+    missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+    if missing:
+        raise DatasetError(f"{path}: missing column(s) {missing} (have: {table.column_names}); "
+                           "expected the verl row format: prompt, data_source, reward_model.ground_truth")
+    rows = table.slice(0, limit).to_pylist() if limit else table.to_pylist()
+    records = []
+    for i, row in enumerate(rows):
+        where = f"{path} row {i}"
+        rm = row["reward_model"]
+        if not isinstance(rm, dict) or "ground_truth" not in rm:
+            raise DatasetError(f"{where}: column 'reward_model' must be a struct with a 'ground_truth' field")
+        if not isinstance(row["data_source"], str) or not row["data_source"]:
+            raise DatasetError(f"{where}: column 'data_source' must be a non-empty string")
+        messages = _messages(row["prompt"], where)
+        ids = encode_prompt(messages, tokenizer)
+        if len(ids) > max_prompt_tokens:
+            raise DatasetError(f"{where}: prompt is {len(ids)} tokens, longer than the {max_prompt_tokens} the "
+                               "model's context leaves after sampling.max_tokens (raise model.max_model_len "
+                               "or lower sampling.max_tokens)")
+        extra = row.get("extra_info") or {}
+        if not isinstance(extra, dict):
+            extra = {"value": extra}
+        records.append(PromptRecord(
+            prompt_id=f"{path.stem}:{extra.get('index', i)}",
+            data_source=row["data_source"],
+            text=messages[-1]["content"],
+            prompt_ids=tuple(ids),
+            ground_truth=rm["ground_truth"],
+            extra_info=extra,
+        ))
+    if not records:
+        raise DatasetError(f"{path}: no rows")
+    return records

@@ -1,0 +1,73 @@
+"""What both ends of a weight transfer agree on: buckets, dtype tags, checksums.
+
+The learner publishes a version as buckets of at most `bucket_bytes`, each with a checksum; an
+actor fetches them one by one over ZeroMQ, verifies every checksum, and only then loads the version,
+so a torn transfer never reaches the engine.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from dph_async.protocol import BucketInfo
+
+# Tensors travel as raw little-endian bytes; numpy has no bfloat16, so those go as uint16 bit patterns.
+_TO_TAG = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+           torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8"}
+_FROM_TAG = {tag: dt for dt, tag in _TO_TAG.items()}
+
+
+def tensor_to_array(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    t = t.detach().contiguous().cpu()
+    if t.dtype not in _TO_TAG:
+        raise TypeError(f"cannot publish a tensor of dtype {t.dtype}")
+    tag = _TO_TAG[t.dtype]
+    arr = t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+    return arr, tag
+
+
+def array_to_tensor(arr: np.ndarray, tag: str, shape: list[int]) -> torch.Tensor:
+    if tag not in _FROM_TAG:
+        raise TypeError(f"unknown dtype tag {tag!r}")
+    t = torch.from_numpy(np.ascontiguousarray(arr).copy())
+    if tag == "bfloat16":
+        t = t.view(torch.bfloat16)
+    return t.reshape(shape)
+
+
+def checksum(arrays: Iterable[np.ndarray]) -> str:
+    """CRC-32 over the bucket's bytes, in order: cheap next to the copy, catches torn or mixed buckets."""
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"), crc)
+    return f"{crc:08x}"
+
+
+def make_buckets(named: list[tuple[str, np.ndarray, str]], bucket_bytes: int) -> list[tuple[BucketInfo, list[np.ndarray]]]:
+    """Group (name, array, dtype tag) into buckets of at most bucket_bytes (a larger tensor goes alone)."""
+    buckets: list[tuple[BucketInfo, list[np.ndarray]]] = []
+    names: list[str] = []
+    arrays: list[np.ndarray] = []
+    tags: list[str] = []
+    size = 0
+
+    def close() -> None:
+        info = BucketInfo(index=len(buckets), nbytes=size, checksum=checksum(arrays), names=list(names),
+                          dtypes=list(tags), shapes=[list(a.shape) for a in arrays])
+        buckets.append((info, list(arrays)))
+
+    for name, arr, tag in named:
+        if arrays and size + arr.nbytes > bucket_bytes:
+            close()
+            names, arrays, tags, size = [], [], [], 0
+        names.append(name)
+        arrays.append(arr)
+        tags.append(tag)
+        size += arr.nbytes
+    if arrays:
+        close()
+    return buckets

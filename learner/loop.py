@@ -1,0 +1,118 @@
+"""The learner's loop: batch from the replay, one optimizer step, publish weights, log, checkpoint.
+
+    version v = optimizer steps applied. Each step asks the replay for `groups_per_step` groups fresh
+    enough for v (topping up until the batch is full), trains, and publishes every `sync_every` steps.
+    A checkpoint holds the DeepSpeed state (model, optimizer), the version, and a replay snapshot
+    (buffered groups and every actor's accepted positions): a resumed run continues as if never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dph_async.config import RunConfig
+from dph_async.protocol import Batch, ReferenceSample, RolloutGroup
+from dph_async.replay_client import ReplayClient
+from learner.publish import WeightServer
+from learner.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LearnerStats:
+    steps: int = 0
+    train_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    publish_seconds: float = 0.0
+    publish_bytes: int = 0
+    checkpoint_seconds: float = 0.0
+    drops: dict[str, int] = field(default_factory=dict)
+    timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, what), wall clock
+
+
+class LearnerLoop:
+    def __init__(self, cfg: RunConfig, trainer: Trainer, replay: ReplayClient, server: WeightServer,
+                 checkpoint_dir: Path, metrics_path: Path) -> None:
+        self.cfg, self.trainer, self.replay, self.server = cfg, trainer, replay, server
+        self.checkpoint_dir, self.metrics_path = checkpoint_dir, metrics_path
+        self.stats = LearnerStats()
+        self.metrics: list[dict[str, float]] = []
+        self._lock = threading.Lock()
+
+    def _span(self, start: float, what: str) -> float:
+        end = time.time()
+        self.stats.timeline.append((start, end, what))
+        return end - start
+
+    def publish(self) -> None:
+        start = time.time()
+        info = self.server.publish(self.trainer.module, self.trainer.version)
+        self.stats.publish_seconds += self._span(start, "publish")
+        self.stats.publish_bytes += info.nbytes
+
+    def _collect(self, stop: threading.Event) -> Batch | None:
+        """Top up a batch of groups_per_step groups at the current version (None if stopped first)."""
+        want = self.cfg.learner.groups_per_step
+        groups: list[RolloutGroup] = []
+        reference: list[ReferenceSample] = []
+        start = time.time()
+        while len(groups) < want and not stop.is_set():
+            got = self.replay.get_batch(self.trainer.version, want - len(groups), wait_s=1.0)
+            groups += got.groups
+            reference += got.reference
+            for reason, n in got.drops.items():
+                self.stats.drops[reason] = self.stats.drops.get(reason, 0) + n
+        self.stats.wait_seconds += self._span(start, "wait")
+        return Batch(self.trainer.version, groups, reference, dict(self.stats.drops)) if len(groups) == want else None
+
+    def checkpoint(self) -> Path:
+        """Write model + optimizer + version, and the replay's snapshot, under checkpoint_dir/v{version}."""
+        start = time.time()
+        tag = f"v{self.trainer.version}"
+        replay_dir = self.checkpoint_dir / tag / "replay"
+        self.replay.snapshot(str(replay_dir.resolve()))
+        self.trainer.save(self.checkpoint_dir, {"replay": str(replay_dir), "metrics": len(self.metrics)})
+        self.stats.checkpoint_seconds += self._span(start, "checkpoint")
+        return self.checkpoint_dir / tag
+
+    def resume(self, tag: str) -> None:
+        """Return to checkpoint `tag`: learner state, then the replay's state at that moment."""
+        state = self.trainer.load(self.checkpoint_dir, tag)
+        self.replay.restore(str(Path(state["replay"]).resolve()))
+        if self.metrics_path.exists():
+            lines = self.metrics_path.read_text().splitlines()[: int(state["metrics"])]
+            self.metrics = [json.loads(x) for x in lines]
+            self.metrics_path.write_text("".join(x + "\n" for x in lines))
+
+    def metrics_since(self, index: int) -> list[dict[str, float]]:
+        with self._lock:
+            return self.metrics[index:]
+
+    def run(self, stop: threading.Event) -> LearnerStats:
+        lc = self.cfg.learner
+        self.publish()
+        while self.trainer.version < lc.steps and not stop.is_set():
+            batch = self._collect(stop)
+            if batch is None:
+                break
+            start = time.time()
+            m = self.trainer.train_step(batch)
+            self.stats.train_seconds += self._span(start, "train")
+            self.stats.steps += 1
+            if self.trainer.version % lc.sync_every == 0 or self.trainer.version == lc.steps:
+                self.publish()
+            m["time/wall"] = time.time()
+            m.update({f"drops/{k}": float(v) for k, v in self.stats.drops.items()})
+            with self._lock:
+                self.metrics.append(m)
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(m) + "\n")
+            if lc.checkpoint_every and self.trainer.version % lc.checkpoint_every == 0:
+                self.checkpoint()
+        return self.stats

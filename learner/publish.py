@@ -1,0 +1,100 @@
+"""Weight publishing: versioned, bucketed, checksummed snapshots served to actors over ZeroMQ.
+
+`publish(model, version)` copies the weights into CPU buckets (one model copy; the two newest
+versions are kept, so an actor that started fetching version v can finish while v+1 appears).
+A server thread answers `WeightsQuery` with the newest manifest and `WeightsRequest` with one
+bucket at a time, so no message holds more than `bucket_bytes` of weights.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+
+from dph_async import net, protocol
+from dph_async.protocol import BucketInfo, ErrorReply, WeightsBucket, WeightsQuery, WeightsReady, WeightsRequest
+from dph_async.weights import make_buckets, tensor_to_array
+
+KEEP_VERSIONS = 2
+
+
+@dataclass
+class PublishStats:
+    version: int
+    nbytes: int
+    buckets: int
+    seconds: float
+
+
+class WeightServer:
+    def __init__(self, addr: str, security: net.NetSecurity, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self._versions: OrderedDict[int, list[tuple[BucketInfo, list[np.ndarray]]]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self.address = net.bind(self._sock, addr, security)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
+        self._thread.start()
+        self.bytes_served = 0
+
+    @property
+    def latest(self) -> int:
+        with self._lock:
+            return next(reversed(self._versions)) if self._versions else -1
+
+    def publish(self, model: torch.nn.Module, version: int) -> PublishStats:
+        """Snapshot `model`'s weights as `version` (checkpoint names, as vLLM's loader expects)."""
+        start = time.perf_counter()
+        named = [(name, *tensor_to_array(t)) for name, t in model.state_dict().items()]
+        buckets = make_buckets(named, self.bucket_bytes)
+        with self._lock:
+            self._versions[version] = buckets
+            while len(self._versions) > KEEP_VERSIONS:
+                self._versions.popitem(last=False)
+        nbytes = sum(info.nbytes for info, _ in buckets)
+        return PublishStats(version, nbytes, len(buckets), time.perf_counter() - start)
+
+    def _answer(self, msg: protocol.Message) -> protocol.Message:
+        with self._lock:
+            if isinstance(msg, WeightsQuery):
+                if not self._versions:
+                    return ErrorReply("no weights published yet", kind="unavailable")
+                version = next(reversed(self._versions))
+                return WeightsReady(version, [info for info, _ in self._versions[version]])
+            if isinstance(msg, WeightsRequest):
+                buckets = self._versions.get(msg.version)
+                if buckets is None:
+                    return ErrorReply(f"weights version {msg.version} is no longer held", kind="gone")
+                if not 0 <= msg.bucket < len(buckets):
+                    return ErrorReply(f"bucket {msg.bucket} out of range (0..{len(buckets) - 1})", kind="value")
+                info, arrays = buckets[msg.bucket]
+                self.bytes_served += info.nbytes
+                return WeightsBucket(msg.version, info.index, info.names, arrays, info.checksum, info.dtypes)
+        return ErrorReply(f"the weight server does not answer {type(msg).__name__}", kind="type")
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            ident, *frames = self._sock.recv_multipart(copy=False)
+            try:
+                reply = self._answer(protocol.decode(frames))
+            except protocol.ProtocolError as e:
+                reply = ErrorReply(str(e), kind=e.kind)
+            self._sock.send_multipart([ident, *protocol.encode(reply)], copy=False)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(0)
