@@ -87,15 +87,14 @@ def worker(path: str, n: int, h: int, v: int, dtype: str, iters: int, block_v: i
     hidden, weight, targets, grad = _inputs(n, h, v, DTYPES[dtype])
     step = _step_fn(path, hidden, weight, targets, grad, block_v)
     threads = torch.get_num_threads()
-    times, shares, loads = [], [], []
+    times, cpu_times, loads = [], [], []
 
     def timed():
         loads.append(os.getloadavg()[0])
         wall, cpu = time.perf_counter(), time.process_time()
         out = step()
         times.append(time.perf_counter() - wall)
-        # Share of its threads' time this process got: below 1 when other processes took the cores.
-        shares.append((time.process_time() - cpu) / (times[-1] * threads))
+        cpu_times.append(time.process_time() - cpu)
         return out
 
     base = _rss()
@@ -109,7 +108,9 @@ def worker(path: str, n: int, h: int, v: int, dtype: str, iters: int, block_v: i
     return {
         "peak_extra_bytes": peak,
         "times_s": times,
-        "cpu_share": shares,
+        "cpu_s": cpu_times,
+        # Share of its threads' time this process got: below 1 when other processes took the cores.
+        "cpu_share": [c / (t * threads) for c, t in zip(cpu_times, times, strict=True)],
         "load_1min": loads,
         "hwm_reset": hwm_reset,
         "threads": threads,
@@ -170,6 +171,7 @@ def bench_cpu(args: argparse.Namespace, on_run=None) -> dict:
             "time_median_s": statistics.median(times),
             "time_min_s": min(times),
             "times_s": times,
+            "cpu_s_median": statistics.median(c for run in rs for c in run["cpu_s"]),
             "peak_extra_bytes": max(run["peak_extra_bytes"] for run in rs),
             "cpu_share": [s for run in rs for s in run["cpu_share"]],
             "load_1min": [x for run in rs for x in run["load_1min"]],
@@ -179,6 +181,7 @@ def bench_cpu(args: argparse.Namespace, on_run=None) -> dict:
         "paths": paths,
         "time_ratio": paths["torch"]["time_median_s"] / paths["naive"]["time_median_s"],
         "time_ratio_min": paths["torch"]["time_min_s"] / paths["naive"]["time_min_s"],
+        "cpu_time_ratio": paths["torch"]["cpu_s_median"] / paths["naive"]["cpu_s_median"],
         "memory_ratio": paths["torch"]["peak_extra_bytes"] / paths["naive"]["peak_extra_bytes"],
         "max_abs_diff_logp": logp_diff,
         "max_rel_diff_d_hidden": dh_diff,
