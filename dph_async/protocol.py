@@ -187,9 +187,7 @@ class RolloutGroup:
 
     @property
     def nbytes(self) -> int:
-        arrays = [self.prompt_ids] + [
-            a for c in self.completions for a in (c.token_ids, c.logprobs, c.versions)
-        ]
+        arrays = [self.prompt_ids] + [a for c in self.completions for a in (c.token_ids, c.logprobs, c.versions)]
         return sum(a.nbytes for a in arrays)
 
     def validate(self) -> None:
@@ -216,9 +214,7 @@ class ReferenceSample:
         if len(self.response_ids) == 0:
             raise ValueError("reference sample has no response tokens")
         if len(self.ref_logprobs) != len(self.response_ids):
-            raise ValueError(
-                _disagree(response_ids=len(self.response_ids), ref_logprobs=len(self.ref_logprobs))
-            )
+            raise ValueError(_disagree(response_ids=len(self.response_ids), ref_logprobs=len(self.ref_logprobs)))
 
 
 AckStatus = Literal["ok", "duplicate", "error"]
@@ -356,9 +352,7 @@ class BucketInfo:
 
     def validate(self) -> None:
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
-            raise ValueError(
-                _disagree(names=len(self.names), dtypes=len(self.dtypes), shapes=len(self.shapes))
-            )
+            raise ValueError(_disagree(names=len(self.names), dtypes=len(self.dtypes), shapes=len(self.shapes)))
         for tag in self.dtypes:
             storage_dtype(tag)
 
@@ -464,26 +458,9 @@ Message = Union[  # noqa: UP007 (a runtime alias, spelled so it also works on 3.
 # The codec: one (encode, decode) pair of closures per annotation, compiled once per type.
 
 Encoder = Callable[[Any, list], Any]  # (value, array frames out) -> header value
-Decoder = Callable[[Any, "_Frames"], Any]  # (header value, array frames in) -> value
-
-
-class _Frames:
-    """The array frames of one message, handed out in order."""
-
-    __slots__ = ("bufs", "next")
-
-    def __init__(self, bufs: list[memoryview]):
-        self.bufs = bufs
-        self.next = 0
-
-    def take(self) -> memoryview:
-        if self.next >= len(self.bufs):
-            raise ProtocolError(
-                "frames", f"header describes more arrays than the {len(self.bufs)} array frames sent"
-            )
-        buf = self.bufs[self.next]
-        self.next += 1
-        return buf
+# (header value, next array frame) -> value; the second argument hands out the array frames in
+# order (an iterator's __next__: a C-level call per array on the hot path).
+Decoder = Callable[[Any, Callable[[], memoryview]], Any]
 
 
 def _type_name(value: object) -> str:
@@ -499,41 +476,55 @@ def _brief(value: object) -> str:
     return f"a {_type_name(value)}"
 
 
-# For each scalar type: what encoding accepts, the exact types a decoded value may have, conversion.
-_SCALARS: dict[type, tuple[tuple[type, ...], tuple[type, ...], Callable]] = {
-    bool: ((bool, np.bool_), (bool,), bool),
-    int: ((int, np.integer), (int,), int),
-    float: ((int, float, np.integer, np.floating), (int, float), float),
-    str: ((str,), (str,), str),
+@dataclass(frozen=True)
+class _Scalar:
+    """How a scalar is checked: the types encoding accepts, the exact types a decoded value may have,
+    the conversion applied, and the allowed values of a Literal."""
+
+    label: str
+    accepts: tuple[type, ...]
+    exact: tuple[type, ...]
+    convert: Callable
+    allowed: tuple | None = None
+
+    def encode(self, v: Any) -> Any:
+        # bool is an int subclass: never accepted as a number.
+        if not isinstance(v, self.accepts) or (self.convert is not bool and isinstance(v, (bool, np.bool_))):
+            raise self.error(v)
+        if self.allowed is not None and v not in self.allowed:
+            raise self.error(v)
+        return self.convert(v)
+
+    def error(self, v: Any) -> ProtocolError:
+        if self.allowed is not None and isinstance(v, str):
+            return ProtocolError("field", f"{_brief(v)} is not one of {', '.join(map(repr, self.allowed))}")
+        return ProtocolError("field", f"expected {self.label}, got {_type_name(v)}")
+
+
+_SCALARS = {
+    bool: _Scalar("bool", (bool, np.bool_), (bool,), bool),
+    int: _Scalar("int", (int, np.integer), (int,), int),
+    float: _Scalar("float", (int, float, np.integer, np.floating), (int, float), float),
+    str: _Scalar("str", (str,), (str,), str),
 }
 
 
-def _scalar_codec(kind: type) -> tuple[Encoder, Decoder]:
-    if kind not in _SCALARS:
-        raise TypeError(f"protocol: no codec for {kind!r}")
-    accepts, exact, convert = _SCALARS[kind]
-    bools = () if kind is bool else (bool, np.bool_)  # bool is an int subclass: not a number here
+def _scalar(hint: Any) -> _Scalar | None:
+    if typing.get_origin(hint) is Literal:
+        return _Scalar("str", (str,), (str,), str, typing.get_args(hint))
+    return _SCALARS.get(hint)
 
-    def enc(v, _):
-        if not isinstance(v, accepts) or isinstance(v, bools):
-            raise ProtocolError("field", f"expected {kind.__name__}, got {_type_name(v)}")
-        return convert(v)
+
+def _scalar_codec(spec: _Scalar) -> tuple[Encoder, Decoder]:
+    """A scalar inside a list or tuple (a dataclass checks its own scalar fields inline)."""
+    exact, allowed, convert = spec.exact, spec.allowed, spec.convert
 
     def dec(v, _):
-        if type(v) not in exact:
-            raise ProtocolError("field", f"expected {kind.__name__}, got {_type_name(v)}")
+        if type(v) not in exact or (allowed is not None and v not in allowed):
+            raise spec.error(v)
         return convert(v)
 
-    return enc, dec
-
-
-def _literal_codec(allowed: tuple) -> tuple[Encoder, Decoder]:
-    def check(v, _):
-        if not isinstance(v, str) or v not in allowed:
-            raise ProtocolError("field", f"{_brief(v)} is not one of {', '.join(map(repr, allowed))}")
-        return v
-
-    return check, check
+    return (lambda v, _: spec.encode(v)), dec
 
 
 def _list_codec(item: tuple[Encoder, Decoder]) -> tuple[Encoder, Decoder]:
@@ -552,9 +543,7 @@ def _list_codec(item: tuple[Encoder, Decoder]) -> tuple[Encoder, Decoder]:
         return result
 
     # Encoding takes tuples too; a decoded list must be exactly a list.
-    return (lambda v, out: convert(v, out, item_enc, (list, tuple))), (
-        lambda v, fr: convert(v, fr, item_dec, list)
-    )
+    return (lambda v, out: convert(v, out, item_enc, (list, tuple))), (lambda v, fr: convert(v, fr, item_dec, list))
 
 
 def _tuple_codec(items: list[tuple[Encoder, Decoder]]) -> tuple[Encoder, Decoder]:
@@ -613,44 +602,47 @@ def _json_codec() -> tuple[Encoder, Decoder]:
 def _array_codec(spec: ArraySpec) -> tuple[Encoder, Decoder]:
     # Lookups by dtype object and by name: dtype.name is a slow Python-level property.
     by_dtype = {np.dtype(name): name for name in spec.dtypes}
-    by_name = {name: np.dtype(name).newbyteorder("<") for name in spec.dtypes}
+    by_name = {name: (np.dtype(name).newbyteorder("<"), np.dtype(name).itemsize) for name in spec.dtypes}
     ndim = spec.ndim
     allowed = ", ".join(spec.dtypes)
 
     def enc(a, out):
-        if not isinstance(a, np.ndarray):
-            raise ProtocolError("array", f"expected a numpy array, got {_type_name(a)}")
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        name = by_dtype.get(a.dtype)
+        name = by_dtype.get(a.dtype) if isinstance(a, np.ndarray) else None
         if name is None:
-            raise ProtocolError("array", f"dtype {a.dtype.name} not allowed (allowed: {allowed})")
+            if not isinstance(a, np.ndarray):
+                raise ProtocolError("array", f"expected a numpy array, got {_type_name(a)}")
+            if a.dtype.byteorder != ">" or (name := by_dtype.get(a.dtype.newbyteorder("<"))) is None:
+                raise ProtocolError("array", f"dtype {a.dtype.name} not allowed (allowed: {allowed})")
+            a = a.astype(a.dtype.newbyteorder("<"))
         if ndim is not None and a.ndim != ndim:
             raise ProtocolError("array", f"expected {ndim} dimension(s), got shape {a.shape}")
-        if not a.flags.c_contiguous:
-            a = np.ascontiguousarray(a)
-        out.append(memoryview(a.reshape(-1)).cast("B"))
+        try:
+            view = memoryview(a).cast("B")
+        except TypeError:  # not C-contiguous, or 0-d
+            view = memoryview(np.ascontiguousarray(a).reshape(-1)).cast("B")
+        out.append(view)
         return [name, list(a.shape)]
 
     def dec(v, frames):
-        if type(v) is not list or len(v) != 2 or type(v[0]) is not str or type(v[1]) is not list:
-            raise ProtocolError("array", "array descriptor must be [dtype, shape]")
-        name, shape = v
-        dtype = by_name.get(name)
-        if dtype is None:
-            raise ProtocolError("array", f"dtype {_brief(name)} not allowed (allowed: {allowed})")
-        if (ndim is not None and len(shape) != ndim) or len(shape) > MAX_NDIM:
-            raise ProtocolError("array", f"{len(shape)} dimensions, expected {ndim or f'at most {MAX_NDIM}'}")
+        try:
+            name, shape = v
+            dtype, itemsize = by_name[name]
+        except (TypeError, ValueError, KeyError):  # not a pair, or an unknown or unhashable dtype
+            raise _bad_descriptor(v, allowed) from None
+        if type(shape) is not list or (ndim is not None and len(shape) != ndim) or len(shape) > MAX_NDIM:
+            raise ProtocolError("array", f"shape must be a list of {ndim or f'at most {MAX_NDIM}'} dimensions")
         count = 1
         for d in shape:
             if type(d) is not int or not 0 <= d <= MAX_DIM:
                 raise ProtocolError("array", f"shape entry {_brief(d)} is not an int in [0, 2^40]")
             count *= d
-        buf = frames.take()
-        if buf.nbytes != count * dtype.itemsize:
+        try:
+            buf = frames()
+        except StopIteration:
+            raise ProtocolError("frames", "the header describes more arrays than there are array frames") from None
+        if buf.nbytes != count * itemsize:
             raise ProtocolError(
-                "array",
-                f"frame of {buf.nbytes} bytes does not hold a {name}{shape} array ({count * dtype.itemsize})",
+                "array", f"frame of {buf.nbytes} bytes does not hold a {name}{shape} array ({count * itemsize})"
             )
         array = np.frombuffer(buf, dtype=dtype)
         if ndim == 1:
@@ -661,6 +653,12 @@ def _array_codec(spec: ArraySpec) -> tuple[Encoder, Decoder]:
             raise ProtocolError("array", f"shape {shape} is too large") from None
 
     return enc, dec
+
+
+def _bad_descriptor(v: Any, allowed: str) -> ProtocolError:
+    if type(v) is list and len(v) == 2 and type(v[0]) is str:
+        return ProtocolError("array", f"dtype {_brief(v[0])} not allowed (allowed: {allowed})")
+    return ProtocolError("array", "array descriptor must be [dtype, shape]")
 
 
 _DATACLASS_CODECS: dict[type, tuple[Encoder, Decoder]] = {}
@@ -679,10 +677,20 @@ def _dataclass_codec(cls: type) -> tuple[Encoder, Decoder]:
         return _DATACLASS_CODECS[cls]
     hints = typing.get_type_hints(cls, include_extras=True)
     names = [f.name for f in dataclasses.fields(cls)]
-    codecs = [_codec_for(hints[name]) for name in names]
-    encoders = [(name, enc) for name, (enc, _) in zip(names, codecs, strict=True)]
-    decoders = [(name, dec) for name, (_, dec) in zip(names, codecs, strict=True)]
+    # Scalar fields are checked inline, the rest by their codecs (in declaration order, which is
+    # also the order of the array frames).
+    scalars = [(n, spec, spec.exact, spec.allowed, spec.convert is float) for n in names if (spec := _scalar(hints[n]))]
+    others = [(n, *_codec_for(hints[n])) for n in names if _scalar(hints[n]) is None]
     validate = getattr(cls, "validate", None)
+    if hasattr(cls, "__post_init__") or hasattr(cls, "__slots__"):
+        construct = lambda fields: cls(**fields)  # noqa: E731
+    else:
+        # Filling __dict__ is what the generated __init__ does, without its per-field calls (and,
+        # for frozen classes, object.__setattr__).
+        def construct(fields):
+            obj = cls.__new__(cls)
+            obj.__dict__.update(fields)
+            return obj
 
     def check(obj):
         try:
@@ -698,7 +706,13 @@ def _dataclass_codec(cls: type) -> tuple[Encoder, Decoder]:
         body = {}
         name = ""
         try:
-            for name, field_enc in encoders:
+            for name, spec, exact, allowed, to_float in scalars:
+                v = getattr(obj, name)
+                if type(v) in exact and (allowed is None or v in allowed):  # plain Python values
+                    body[name] = float(v) if to_float else v
+                else:  # numpy scalars are converted; anything else is the error
+                    body[name] = spec.encode(v)
+            for name, field_enc, _ in others:
                 body[name] = field_enc(getattr(obj, name), out)
         except ProtocolError as e:
             raise e.within("." + name) from None
@@ -709,16 +723,21 @@ def _dataclass_codec(cls: type) -> tuple[Encoder, Decoder]:
             raise ProtocolError("field", f"expected a {cls.__name__} map, got {_type_name(body)}")
         if len(body) != len(names):
             raise _field_mismatch(body, names)
-        kwargs = {}
         name = ""
         try:
-            for name, field_dec in decoders:
-                kwargs[name] = field_dec(body[name], frames)
+            for name, spec, exact, allowed, to_float in scalars:
+                v = body[name]
+                if type(v) not in exact or (allowed is not None and v not in allowed):
+                    raise spec.error(v)
+                if to_float:
+                    body[name] = float(v)
+            for name, _, field_dec in others:
+                body[name] = field_dec(body[name], frames)
         except KeyError:
             raise _field_mismatch(body, names) from None
         except ProtocolError as e:
             raise e.within("." + name) from None
-        obj = cls(**kwargs)
+        obj = construct(body)  # body now holds exactly the decoded fields
         if validate is not None:
             check(obj)
         return obj
@@ -737,8 +756,6 @@ def _codec_for(hint: Any) -> tuple[Encoder, Decoder]:
         if marker is _JsonMarker:
             return _json_codec()
         raise TypeError(f"protocol: unknown annotation {marker!r}")
-    if origin is Literal:
-        return _literal_codec(args)
     if origin is list:
         return _list_codec(_codec_for(args[0]))
     if origin is tuple:
@@ -749,7 +766,10 @@ def _codec_for(hint: Any) -> tuple[Encoder, Decoder]:
         return _dict_codec(_codec_for(args[1]))
     if dataclasses.is_dataclass(hint):
         return _dataclass_codec(hint)
-    return _scalar_codec(hint)
+    spec = _scalar(hint)
+    if spec is None:
+        raise TypeError(f"protocol: no codec for {hint!r}")
+    return _scalar_codec(spec)
 
 
 _BY_TYPE = {cls: (cls.__name__, _dataclass_codec(cls)) for cls in MESSAGE_TYPES}
@@ -788,6 +808,16 @@ def encode(msg: Message) -> list[bytes | memoryview]:
     return [msgpack.packb({"v": SCHEMA_VERSION, "t": name, "m": body}, use_bin_type=True), *arrays]
 
 
+def _bytes_view(frame: Any) -> memoryview:
+    """A flat byte view of a frame (zmq.Frame, bytes, memoryview), without copying."""
+    view = getattr(frame, "buffer", None)  # a zmq.Frame's buffer is already flat bytes
+    if view is None:
+        view = memoryview(frame)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+    return view
+
+
 def _reject_ext(code: int, data: bytes) -> object:
     raise ValueError(f"msgpack extension type {code} is not allowed")
 
@@ -799,20 +829,16 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if not frames:
         raise ProtocolError("frames", "empty message (no frames)")
     if len(frames) - 1 > limits.max_frames:
-        raise ProtocolError(
-            "frames", f"{len(frames) - 1} array frames exceed the limit of {limits.max_frames}"
-        )
+        raise ProtocolError("frames", f"{len(frames) - 1} array frames exceed the limit of {limits.max_frames}")
     try:
-        bufs = [memoryview(getattr(f, "buffer", f)).cast("B") for f in frames]
+        bufs = [_bytes_view(f) for f in frames]
     except TypeError as e:
         raise ProtocolError("frames", f"a frame is not a byte buffer ({e})") from None
     total = sum(b.nbytes for b in bufs)
     if total > limits.max_bytes:
         raise ProtocolError("size", f"message of {total} bytes exceeds the limit of {limits.max_bytes}")
     if bufs[0].nbytes > limits.max_header_bytes:
-        raise ProtocolError(
-            "size", f"header of {bufs[0].nbytes} bytes exceeds the limit of {limits.max_header_bytes}"
-        )
+        raise ProtocolError("size", f"header of {bufs[0].nbytes} bytes exceeds the limit of {limits.max_header_bytes}")
     try:
         head = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True, ext_hook=_reject_ext)
     # msgpack signals bad input through many exception types (ExtraData, FormatError, StackError,
@@ -833,14 +859,13 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     cap = min(limits.max_bytes, cls.MAX_BYTES)
     if total > cap:
         raise ProtocolError("size", f"{cls.__name__} of {total} bytes exceeds its limit of {cap}")
-    array_frames = _Frames(bufs[1:])
+    array_frames = iter(bufs[1:])
     try:
-        msg = dec(head["m"], array_frames)
+        msg = dec(head["m"], array_frames.__next__)
     except ProtocolError as e:
         raise e.within(cls.__name__) from None
-    if array_frames.next != len(bufs) - 1:
+    if next(array_frames, None) is not None:
         raise ProtocolError(
-            "frames",
-            f"{cls.__name__}: header describes {array_frames.next} arrays, {len(bufs) - 1} array frames sent",
+            "frames", f"{cls.__name__}: {len(bufs) - 1} array frames sent, more than the header describes"
         )
     return msg

@@ -53,7 +53,7 @@ def test_bad_input_is_answered_counted_and_loses_nothing(service):
     nan_group.completions[1].logprobs[3] = np.nan
     cases = {
         "garbage": ([b"\x00\x01garbage"], "header is not valid msgpack"),
-        "truncated": (good[:-1], "more arrays than the 6 array frames"),
+        "truncated": (good[:-1], "more arrays than there are array frames"),
         "wrong version": ([msgpack.packb(head | {"v": 9}), *good[1:]], "schema version 9 is not supported"),
         "oversized": (encode(synthetic_group(0, 102, n=8, tokens=1000)), "exceeds the limit of 52428"),
         "wrong type": (

@@ -1,14 +1,42 @@
 """Transport benchmark: the rollout wire protocol against bare ZeroMQ, pickle and memcpy.
 
-`synthetic_group` makes rollout groups of realistic shape; the data-plane tests use it too.
+Between two processes (this one receives, a spawned one sends), for rollout groups of realistic
+shape, each measurement moves the same bytes:
+
+    zmq           the group's arrays as raw frames over PUSH/PULL, nothing else (the floor of any
+                  protocol on ZeroMQ)
+    protocol      encode(group) -> the same socket -> decode(frames): header, validation, typed message
+    pickle        the RolloutGroup (numpy arrays) pickled through multiprocessing.Queue
+    pickle_lists  the same data as Python lists of ints and floats, the way TRL's async GRPO holds a
+                  rollout group, through multiprocessing.Queue
+    memcpy        copying the group's bytes in one process, for scale
+
+zmq and protocol run in alternating pairs and the ratio is taken per pair, so load from other
+processes on the machine shifts both sides of a ratio alike.
+
+plus the replay's own insert+sample rate in-process with 100k groups held. `synthetic_group`
+makes the groups; the data-plane tests use it too.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
+import numpy as np
+import zmq
+
+from dph_async.protocol import Completion, RolloutGroup, SamplingInfo, decode, encode
 from dph_async.rewards.result import RewardResult
+
+HWM = 64  # messages queued per socket: bounds memory at the largest shapes, same for both modes
 
 
 def synthetic_group(
@@ -44,3 +72,273 @@ def synthetic_group(
         created_at=0.0,
         finished_at=0.0,
     )
+
+
+def as_lists(group: RolloutGroup) -> dict:
+    """The group the way TRL's async GRPO keeps one: Python lists of token ids and log-probs."""
+    return {
+        "prompt_ids": group.prompt_ids.tolist(),
+        "completions_ids": [c.token_ids.tolist() for c in group.completions],
+        "completions_logprobs": [c.logprobs.tolist() for c in group.completions],
+        "versions": [c.versions.tolist() for c in group.completions],
+    }
+
+
+def raw_frames(group: RolloutGroup) -> list[memoryview]:
+    """The group's arrays as frames, exactly the array frames `encode` produces, without the header."""
+    arrays = [group.prompt_ids] + [a for c in group.completions for a in (c.token_ids, c.logprobs, c.versions)]
+    return [memoryview(a).cast("B") for a in arrays]
+
+
+# ---------------------------------------------------------------------------------------------
+# The sending process: told what to send over a control socket, so one process serves every cell.
+
+
+def _sender(control: str, data: str, queue: mp.Queue) -> None:
+    ctx = zmq.Context()
+    ctl = ctx.socket(zmq.PAIR)
+    ctl.connect(control)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, HWM)
+    push.connect(data)
+    groups: dict[tuple[int, int], RolloutGroup] = {}
+    while True:
+        cmd = ctl.recv_json()
+        if cmd["mode"] == "exit":
+            break
+        shape = (cmd["n"], cmd["tokens"])
+        if shape not in groups:
+            groups[shape] = synthetic_group(0, 0, n=cmd["n"], tokens=cmd["tokens"], prompt_tokens=cmd["prompt"])
+        group = groups[shape]
+        frames = raw_frames(group)
+        lists = as_lists(group) if cmd["mode"] == "pickle_lists" else None
+        for _ in range(cmd["count"]):
+            if cmd["mode"] == "zmq":
+                push.send_multipart(frames, copy=False)
+            elif cmd["mode"] == "protocol":
+                push.send_multipart(encode(group), copy=False)
+            else:
+                queue.put(lists if lists is not None else group)
+    push.close(linger=0)
+    ctl.close()
+    ctx.term()
+
+
+@dataclass
+class Cell:
+    mode: str
+    transport: str
+    n: int
+    tokens: int
+    group_bytes: int
+    count: int
+    seconds: float
+
+    @property
+    def groups_per_s(self) -> float:
+        return (self.count - 1) / self.seconds
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.groups_per_s * self.group_bytes / 1e9
+
+
+class TransportBench:
+    """The receiving side; one sender process per transport."""
+
+    def __init__(self, transport: str, prompt_tokens: int, on_cell: Callable[[Cell], None] | None = None):
+        self.transport = transport
+        self.on_cell = on_cell
+        self.prompt = prompt_tokens
+        self.tmp = tempfile.mkdtemp(prefix="dph-bench-")
+        self.ctx = zmq.Context()
+        self.ctl = self.ctx.socket(zmq.PAIR)
+        self.ctl.bind(f"ipc://{self.tmp}/ctl")
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, HWM)
+        if transport == "tcp":
+            port = self.pull.bind_to_random_port("tcp://127.0.0.1")
+            data = f"tcp://127.0.0.1:{port}"
+        else:
+            data = f"ipc://{self.tmp}/data"
+            self.pull.bind(data)
+        spawn = mp.get_context("spawn")
+        self.queue = spawn.Queue(maxsize=HWM)
+        self.proc = spawn.Process(target=_sender, args=(f"ipc://{self.tmp}/ctl", data, self.queue), daemon=True)
+        self.proc.start()
+
+    def run(self, mode: str, n: int, tokens: int, count: int) -> Cell:
+        """Time `count` groups from the first received to the last (process start-up excluded)."""
+        group_bytes = n * tokens * 12 + self.prompt * 4
+        self.ctl.send_json({"mode": mode, "n": n, "tokens": tokens, "prompt": self.prompt, "count": count})
+        if mode.startswith("pickle"):
+            receive = self.queue.get
+        elif mode == "protocol":
+            receive = lambda: decode(self.pull.recv_multipart(copy=False))  # noqa: E731
+        else:
+            receive = lambda: self.pull.recv_multipart(copy=False)  # noqa: E731
+        receive()
+        start = time.perf_counter()
+        for _ in range(count - 1):
+            receive()
+        cell = Cell(mode, self.transport, n, tokens, group_bytes, count, time.perf_counter() - start)
+        if self.on_cell is not None:
+            self.on_cell(cell)
+        return cell
+
+    def close(self) -> None:
+        self.ctl.send_json({"mode": "exit"})
+        self.proc.join(10)
+        self.pull.close(linger=0)
+        self.ctl.close(linger=0)
+        self.ctx.term()
+
+
+def memcpy_gb_per_s(nbytes: int, min_seconds: float = 0.2) -> float:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    copies, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < min_seconds:
+        np.copyto(dst, src)
+        copies += 1
+    return copies * nbytes / elapsed / 1e9
+
+
+def count_for(group_bytes: int, target_bytes: float) -> int:
+    return int(min(20_000, max(200, target_bytes / group_bytes)))
+
+
+def _summary(cells: list[Cell]) -> dict:
+    rates = [c.groups_per_s for c in cells]
+    median = statistics.median(rates)
+    return {"groups_per_s": median, "gb_per_s": median * cells[0].group_bytes / 1e9, "runs_groups_per_s": rates}
+
+
+def bench_transport(
+    shapes: list[tuple[int, int]],
+    transports: list[str],
+    repeats: int,
+    target_mb: float,
+    prompt_tokens: int,
+    on_cell: Callable[[Cell], None] | None = None,
+) -> list[dict]:
+    """One row per (shape, transport): medians over `repeats` runs of each mode, and the median of
+    the per-pair protocol/zmq ratios. The pickle baselines run once per shape (they use no socket)."""
+    rows, pickles = [], {}
+    for transport in transports:
+        bench = TransportBench(transport, prompt_tokens, on_cell)
+        try:
+            for n, tokens in shapes:
+                group_bytes = n * tokens * 12 + prompt_tokens * 4
+                count = count_for(group_bytes, target_mb * 1e6)
+
+                pairs = []
+                for r in range(repeats):
+                    first, second = ("zmq", "protocol") if r % 2 == 0 else ("protocol", "zmq")
+                    pairs.append({mode: bench.run(mode, n, tokens, count) for mode in (first, second)})
+                if (n, tokens) not in pickles:
+                    numpy_runs = [bench.run("pickle", n, tokens, max(50, count // 4)) for _ in range(repeats)]
+                    lists_run = bench.run("pickle_lists", n, tokens, max(10, count // 100))
+                    pickles[n, tokens] = {"pickle": _summary(numpy_runs), "pickle_lists": _summary([lists_run])}
+                ratios = [p["protocol"].groups_per_s / p["zmq"].groups_per_s for p in pairs]
+                rows.append(
+                    {
+                        "n": n,
+                        "tokens": tokens,
+                        "group_bytes": group_bytes,
+                        "transport": transport,
+                        "count": count,
+                        "zmq": _summary([p["zmq"] for p in pairs]),
+                        "protocol": _summary([p["protocol"] for p in pairs]),
+                        "protocol_vs_zmq": statistics.median(ratios),
+                        "protocol_vs_zmq_runs": ratios,
+                    }
+                )
+        finally:
+            bench.close()
+    for row in rows:
+        row.update(pickles[row["n"], row["tokens"]])
+        row["memcpy_gb_per_s"] = memcpy_gb_per_s(row["group_bytes"])
+        row["protocol_vs_pickle"] = row["protocol"]["gb_per_s"] / row["pickle"]["gb_per_s"]
+        row["protocol_vs_pickle_lists"] = row["protocol"]["gb_per_s"] / row["pickle_lists"]["gb_per_s"]
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The replay's store in-process: insert and sample with many groups held.
+
+
+def bench_replay(held: int, batch: int, seconds: float, wal_dir: str | None = None) -> dict:
+    """Groups/s of ReplayCore.ingest and of serving batches, with about `held` groups held.
+
+    Small groups (8 x 16 tokens): the store's cost is per group, not per byte; the arrays are
+    shared so 100k groups fit in memory."""
+    from dph_async.config.replay import ReplayConfig
+    from dph_async.protocol import BatchRequest
+    from replay.core import ReplayCore
+    from replay.wal import WriteAheadLog
+
+    template = synthetic_group(0, 0, n=8, tokens=16)
+
+    def group(seq: int) -> RolloutGroup:
+        return RolloutGroup(
+            0, seq, "p", "synthetic", template.prompt_ids, template.completions, template.sampling, 0.0, 0.0
+        )
+
+    cfg = ReplayConfig(max_staleness=10**6, admission=False, wal_dir=None)
+    core = ReplayCore(cfg, batch, wal=WriteAheadLog(wal_dir) if wal_dir else None)
+    seq = 0
+    start = time.perf_counter()
+    while seq < held:
+        core.ingest([group(s) for s in range(seq, seq + batch)])
+        seq += batch
+    fill_s = time.perf_counter() - start
+
+    def timed(step) -> float:
+        nonlocal seq
+        ops, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            ops += step()
+        return ops / elapsed
+
+    request = iter(range(1, 1 << 62))
+
+    def insert_and_sample() -> int:
+        nonlocal seq
+        core.ingest([group(s) for s in range(seq, seq + batch)])
+        seq += batch
+        core.request(BatchRequest(0, batch, 0.0, next(request)))
+        return batch
+
+    def sample_only() -> int:
+        return len(core.request(BatchRequest(0, batch, 0.0, next(request))).groups)
+
+    pair_rate = timed(insert_and_sample)
+    held_during = len(core.store)
+    sample_rate = timed(sample_only)
+    return {
+        "held": held_during,
+        "batch": batch,
+        "wal": wal_dir is not None,
+        "fill_groups_per_s": held / fill_s,
+        "insert_plus_sample_groups_per_s": pair_rate,
+        "sample_groups_per_s": sample_rate,
+    }
+
+
+def machine() -> dict:
+    """What the figures were measured on: lscpu's model name and core count, load, versions."""
+    import msgpack
+
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    return {
+        "cpu": fields.get("Model name", platform.processor()).strip(),
+        "cores": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+        "python": platform.python_version(),
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "msgpack": ".".join(map(str, msgpack.version)),
+        "numpy": np.__version__,
+    }
