@@ -69,6 +69,29 @@ def forward(
     return logp, lse, entropy
 
 
+def backward_setup(
+    hidden: Tensor,
+    weight: Tensor,
+    temperature: float,
+    grad_logp: Tensor | None,
+    grad_entropy: Tensor | None,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """(g_logp, g_entropy, d hidden accumulator, d weight) for either implementation's backward.
+
+    The 1/temperature of dz/dx = W/t and dz/dW = x/t is folded into the per-row upstream gradients;
+    d hidden accumulates in fp32 over the blocks; each block of d weight is written once.
+    """
+    n = hidden.shape[0]
+    inv_t = 1.0 / temperature
+    g_lp = grad_logp.float() * inv_t if grad_logp is not None else torch.zeros(n, device=hidden.device)
+    g_h = grad_entropy.float() * inv_t if grad_entropy is not None else None
+    d_hidden = torch.zeros(n, hidden.shape[1], device=hidden.device) if need_hidden else None
+    d_weight = torch.empty_like(weight) if need_weight else None
+    return g_lp, g_h, d_hidden, d_weight
+
+
 def backward(
     hidden: Tensor,
     weight: Tensor,
@@ -84,14 +107,11 @@ def backward(
 ) -> tuple[Tensor | None, Tensor | None]:
     """Gradients (d hidden, d weight) in the inputs' dtypes; None where not needed."""
     n, v = hidden.shape[0], weight.shape[0]
-    inv_t = 1.0 / temperature
+    g_lp, g_h, d_hidden, d_weight = backward_setup(
+        hidden, weight, temperature, grad_logp, grad_entropy, need_hidden, need_weight
+    )
     x = hidden.float()
-    x_scaled = x * inv_t
-    # The 1/temperature of dz/dx and dz/dW is folded into the per-row upstream gradients.
-    g_lp = grad_logp.float() * inv_t if grad_logp is not None else torch.zeros(n, device=hidden.device)
-    g_h = grad_entropy.float() * inv_t if grad_entropy is not None else None
-    d_hidden = torch.zeros(n, hidden.shape[1], device=hidden.device) if need_hidden else None
-    d_weight = torch.empty_like(weight) if need_weight else None
+    x_scaled = x * (1.0 / temperature)
     flat = torch.empty(n * min(block_v, v), dtype=torch.float32, device=hidden.device)
     flat_p = torch.empty_like(flat) if g_h is not None else None
     for v0 in range(0, v, block_v):

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.torch_logprob import NEG_INIT
+from kernels.torch_logprob import NEG_INIT, backward_setup
 
 # The running max's start (see kernels.torch_logprob), as a constant the jitted code can read.
 _NEG: tl.constexpr = tl.constexpr(NEG_INIT)
@@ -191,11 +191,9 @@ def backward(
     """Same contract as kernels.torch_logprob.backward; block_v is the vocabulary chunk per buffer."""
     n, h = hidden.shape
     v = weight.shape[0]
-    inv_t = 1.0 / temperature
-    g_lp = grad_logp.float() * inv_t if grad_logp is not None else torch.zeros(n, device=hidden.device)
-    g_h = grad_entropy.float() * inv_t if grad_entropy is not None else None
-    d_hidden = torch.zeros(n, h, dtype=torch.float32, device=hidden.device) if need_hidden else None
-    d_weight = torch.empty_like(weight) if need_weight else None
+    g_lp, g_h, d_hidden, d_weight = backward_setup(
+        hidden, weight, temperature, grad_logp, grad_entropy, need_hidden, need_weight
+    )
     chunk = min(triton.cdiv(block_v, BLOCK_V) * BLOCK_V, triton.cdiv(v, BLOCK_V) * BLOCK_V)
     # d loss / d logits in the inputs' dtype, so the two matmuls run at that dtype's speed.
     grad_buf = torch.empty(n * chunk, dtype=hidden.dtype, device=hidden.device)
@@ -205,7 +203,7 @@ def backward(
         if n:
             _grad_logits_kernel[(triton.cdiv(n, BLOCK_N), triton.cdiv(v1 - v0, BLOCK_V))](
                 hidden, weight, targets, lse, entropy if g_h is not None else lse, g_lp,
-                g_h if g_h is not None else g_lp, grad, n, h, v0, v1, v1 - v0, inv_t,
+                g_h if g_h is not None else g_lp, grad, n, h, v0, v1, v1 - v0, 1.0 / temperature,
                 WITH_ENTROPY=g_h is not None, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
                 **_dot_options(hidden.dtype),
             )
