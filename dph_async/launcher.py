@@ -68,7 +68,6 @@ class LearnerProcess:
         from transformers import AutoTokenizer
 
         from dph_async import net
-        from dph_async.paths import checkpoint_dir
         from dph_async.replay_client import ReplayClient
         from learner.loop import LearnerLoop
         from learner.publish import WeightServer
@@ -90,8 +89,7 @@ class LearnerProcess:
         trainer = Trainer(model_dir, cfg.learner, temperature=cfg.sampling.temperature, dtype=cfg.model.dtype,
                           pad_id=pad, max_response_tokens=cfg.sampling.max_tokens)
         client = ReplayClient(self.replay.batch_endpoint, security)
-        self.loop = LearnerLoop(cfg, trainer, client, self.server, checkpoint_dir(self.rl_dir),
-                                self.rl_dir / "metrics.jsonl")
+        self.loop = LearnerLoop(cfg, trainer, client, self.server, self.rl_dir)
         if resume_tag:
             self.loop.resume(resume_tag)
         self._stop = threading.Event()

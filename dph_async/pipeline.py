@@ -56,7 +56,8 @@ def validate(cfg: RunConfig, compare: list[str]) -> RunConfig:
                           f"({cfg.learner.sync_every - 1}): actors only get weights every sync_every steps")
     if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json)")
-    for key, value in [("task.data", cfg.task.data), *((f"task.test_data.{k}", v) for k, v in cfg.task.test_data.items())]:
+    files = [("task.data", cfg.task.data), *((f"task.test_data.{k}", v) for k, v in cfg.task.test_data.items())]
+    for key, value in files:
         if value is not None and not Path(value).is_file():
             raise ConfigError(f"{key}: no such file: {value}")
     if (cfg.model.path is None) != (cfg.task.data is None):
@@ -112,9 +113,56 @@ def prepare_embedded(cfg: RunConfig, paths: RunPaths, timer: StageTimer) -> dict
     return files
 
 
+@dataclass
+class Prepared:
+    """What every RL run of a pipeline starts from."""
+
+    base: Path  # pi_0
+    train: Path  # all training prompts
+    tests: dict[str, Path]
+    presample: dict | None  # pre-sampling summary, when a mode needs the reference pool
+    reference_pool: Path | None  # None when pre-sampling kept no sample
+    exploration: Path | None  # D_exp
+
+    def prompts_for(self, mode: str) -> Path:
+        return self.exploration if mode in REFERENCE_POOL_MODES and self.exploration else self.train
+
+    def pool_for(self, mode: str) -> Path | None:
+        return self.reference_pool if mode in REFERENCE_POOL_MODES else None
+
+
+def prepare(cfg: RunConfig, paths: RunPaths, timer: StageTimer, need_pool: bool) -> Prepared:
+    """Base model, datasets and (if needed) pre-sampling; skips what is already done. Inside ray_cluster."""
+    if cfg.model.path is None:
+        files = prepare_embedded(cfg, paths, timer)
+        base, train = paths.base_model, files["train"]
+        tests = {"in_domain": files["test"], "ood": files["ood_test"]}
+    else:
+        base, train = Path(cfg.model.path), Path(cfg.task.data)
+        tests = {k: Path(v) for k, v in cfg.task.test_data.items()}
+    if not need_pool:
+        return Prepared(base, train, tests, None, None, None)
+    if not (paths.presample / "summary.json").is_file():
+        t = time.time()
+        ray.get(_presample_task.remote(cfg, str(base), str(train), str(paths.presample)))
+        timer.add("pre-sampling", t)
+    presample = json.loads((paths.presample / "summary.json").read_text())
+    if presample["reference_samples"] == 0:
+        console.print("[yellow]pre-sampling found no prompt pi_0 always solves: the DPH divergence term is empty")
+    pool = paths.reference_pool if presample["reference_samples"] else None
+    return Prepared(base, train, tests, presample, pool, paths.exploration_data)
+
+
+def evaluate_model(cfg: RunConfig, model_dir: Path, tests: dict[str, Path], out: Path) -> Path:
+    """Evaluate in a fresh Ray worker process (its engine's memory goes when it exits); skip if done."""
+    if not out.is_file() and tests:
+        ray.get(_evaluate_task.remote(cfg, str(model_dir), {k: str(v) for k, v in tests.items()}, str(out)))
+    return out
+
+
 def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
     """Run (or resume) everything; return the summary that is also written to summary.json."""
-    from dph_async.launcher import ray_cluster, run_rl
+    from dph_async.launcher import ray_cluster
     from dph_async.report import write_report
 
     modes = compare or ["grpo" if cfg.learner.loss.divergence == "none" else cfg.learner.loss.divergence]
@@ -124,34 +172,20 @@ def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
     paths.config.write_text(dump_config(cfg))
     timer = StageTimer()
     start = time.time()
-    if cfg.model.path is None:
-        files = prepare_embedded(cfg, paths, timer)
-        base, train = paths.base_model, files["train"]
-        tests = {"in_domain": files["test"], "ood": files["ood_test"]}
-    else:
-        base, train = Path(cfg.model.path), Path(cfg.task.data)
-        tests = {k: Path(v) for k, v in cfg.task.test_data.items()}
-    needs_pool = any(m in REFERENCE_POOL_MODES for m in modes)
     results: dict[str, dict] = {}
     with ray_cluster(cfg):
-        if needs_pool and not (paths.presample / "summary.json").is_file():
-            t = time.time()
-            ray.get(_presample_task.remote(cfg, str(base), str(train), str(paths.presample)))
-            timer.add("pre-sampling", t)
-        presample = json.loads((paths.presample / "summary.json").read_text()) if needs_pool else None
+        prepared = prepare(cfg, paths, timer, any(m in REFERENCE_POOL_MODES for m in modes))
         for mode in modes:
-            results[mode] = _run_mode(cfg, paths, mode, base, train, presample, timer, run_rl)
+            results[mode] = train_mode(cfg, paths, prepared, mode, paths.rl(mode), timer)
         t = time.time()
-        evals = {"base": paths.eval / "base.json", **{m: paths.eval / f"{m}.json" for m in modes}}
-        models = {"base": base, **{m: final_model(paths.rl(m)) for m in modes}}
-        for name, out in evals.items():
-            if not out.is_file() and tests:
-                ray.get(_evaluate_task.remote(cfg, str(models[name]), {k: str(v) for k, v in tests.items()}, str(out)))
+        evals = {"base": evaluate_model(cfg, prepared.base, prepared.tests, paths.eval / "base.json")}
+        for mode in modes:
+            evals[mode] = evaluate_model(cfg, final_model(paths.rl(mode)), prepared.tests, paths.eval / f"{mode}.json")
         timer.add("evaluation", t)
     summary = {
         "config": cfg.model_dump(mode="json"),
         "modes": modes,
-        "presample": presample,
+        "presample": prepared.presample,
         "rl": results,
         "stage_seconds": timer.seconds,
         "wall_seconds": time.time() - start,
@@ -160,38 +194,34 @@ def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
     return summary
 
 
-def _run_mode(cfg: RunConfig, paths: RunPaths, mode: str, base: Path, train: Path, presample: dict | None,
-              timer: StageTimer, run_rl) -> dict:
-    """One RL run (resumed from its newest checkpoint if it was stopped); returns its record."""
-    rl_dir = paths.rl(mode)
+def train_mode(cfg: RunConfig, paths: RunPaths, prepared: Prepared, mode: str, rl_dir: Path, timer: StageTimer,
+               name: str | None = None) -> dict:
+    """One RL run in rl_dir (resumed from its newest checkpoint if it was stopped; skipped if finished).
+    Returns its record (result.json): learner, actor and replay statistics, restarts, wall time."""
+    from dph_async.launcher import run_rl
+
     record = rl_dir / "result.json"
     if record.is_file():
         return json.loads(record.read_text())
     mcfg = mode_config(cfg, mode)
-    pool = mode in REFERENCE_POOL_MODES and presample and presample["reference_samples"] > 0
-    if mode in REFERENCE_POOL_MODES and not pool:
-        console.print(f"[yellow]{mode}: pre-sampling found no prompt pi_0 always solves; training without "
-                      "reference samples (the divergence term is empty)")
-    prompts = paths.exploration_data if mode in REFERENCE_POOL_MODES else train
     latest = checkpoint_dir(rl_dir) / "latest"
     resume_tag = latest.read_text().strip() if latest.is_file() else None
     if resume_tag is None and rl_dir.exists():
         shutil.rmtree(rl_dir)  # a run stopped before its first checkpoint starts over
     t = time.time()
-    with _wandb_run(mcfg, paths, mode) as wb:
-        result = run_rl(mcfg, mode, rl_dir, base, prompts, paths.reference_pool if pool else None,
-                        resume_tag=resume_tag, on_metrics=wb)
-    timer.add(f"rl ({mode})", t)
+    with WandbStream(mcfg, paths, name or mode) as wb:
+        result = run_rl(mcfg, name or mode, rl_dir, prepared.base, prepared.prompts_for(mode),
+                        prepared.pool_for(mode), resume_tag=resume_tag, on_metrics=wb)
+    timer.add(f"rl ({name or mode})", t)
     data = asdict(result)
     data.pop("metrics")
-    for a in data["actors"]:
-        a.pop("timeline", None)
-    data["learner"].pop("timeline", None)
+    (rl_dir / "timeline.json").write_text(json.dumps(
+        {"learner": data["learner"].pop("timeline"), "actors": [a.pop("timeline") for a in data["actors"]]}))
     record.write_text(json.dumps(data, indent=2))
     return data
 
 
-class _wandb_run:
+class WandbStream:
     """An offline (unless configured) wandb run for one RL mode, fed as metrics stream in."""
 
     def __init__(self, cfg: RunConfig, paths: RunPaths, mode: str) -> None:

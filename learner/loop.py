@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dph_async.config import RunConfig
+from dph_async.paths import checkpoint_dir
 from dph_async.protocol import Batch, ReferenceSample, RolloutGroup
 from dph_async.replay_client import ReplayClient
 from learner.publish import WeightServer
@@ -38,9 +39,13 @@ class LearnerStats:
 
 class LearnerLoop:
     def __init__(self, cfg: RunConfig, trainer: Trainer, replay: ReplayClient, server: WeightServer,
-                 checkpoint_dir: Path, metrics_path: Path) -> None:
+                 run_dir: Path) -> None:
         self.cfg, self.trainer, self.replay, self.server = cfg, trainer, replay, server
-        self.checkpoint_dir, self.metrics_path = checkpoint_dir, metrics_path
+        self.checkpoint_dir = checkpoint_dir(run_dir)
+        self.metrics_path = run_dir / "metrics.jsonl"
+        # What each step trained on: (actor, seq, oldest, newest token version) per group. An audit
+        # trail for staleness, and how resume is checked against an uninterrupted run.
+        self.consumed_path = run_dir / "consumed.jsonl"
         self.stats = LearnerStats()
         self.metrics: list[dict[str, float]] = []
         self._lock = threading.Lock()
@@ -85,10 +90,11 @@ class LearnerLoop:
         """Return to checkpoint `tag`: learner state, then the replay's state at that moment."""
         state = self.trainer.load(self.checkpoint_dir, tag)
         self.replay.restore(str(Path(state["replay"]).resolve()))
-        if self.metrics_path.exists():
-            lines = self.metrics_path.read_text().splitlines()[: int(state["metrics"])]
-            self.metrics = [json.loads(x) for x in lines]
-            self.metrics_path.write_text("".join(x + "\n" for x in lines))
+        # Steps logged after the checkpoint are redone: forget them.
+        for path in (self.metrics_path, self.consumed_path):
+            lines = path.read_text().splitlines()[: int(state["metrics"])] if path.exists() else []
+            path.write_text("".join(x + "\n" for x in lines))
+        self.metrics = [json.loads(x) for x in self.metrics_path.read_text().splitlines()]
 
     def metrics_since(self, index: int) -> list[dict[str, float]]:
         with self._lock:
@@ -113,6 +119,9 @@ class LearnerLoop:
                 self.metrics.append(m)
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(m) + "\n")
+            with self.consumed_path.open("a") as f:
+                groups = [[g.actor_id, g.seq, g.min_version, g.max_version] for g in batch.groups]
+                f.write(json.dumps({"version": batch.version, "groups": groups}) + "\n")
             if lc.checkpoint_every and self.trainer.version % lc.checkpoint_every == 0:
                 self.checkpoint()
         return self.stats

@@ -89,10 +89,10 @@ class ActorsConfig(Section):
 
 
 class LearnerConfig(Section):
-    steps: int = Field(30, ge=1)
+    steps: int = Field(150, ge=1)
     # Prompts (GRPO groups) per optimizer step.
     groups_per_step: int = Field(16, ge=1)
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     # ZeRO stage 0-2 (stage 3 shards the LM head, which the fused log-prob kernels read whole).

@@ -11,6 +11,7 @@ Everything is generated from a seed: nothing is downloaded.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import re
@@ -25,6 +26,15 @@ OUT_OF_DOMAIN = "embedded_diff"
 RULE_OF = {IN_DOMAIN: "+", OUT_OF_DOMAIN: "-"}
 NUM_DIGITS = 5
 ALPHABET = "0123456789+-="
+
+
+@functools.cache
+def _solutions(digits: str, target: int, op: str) -> list[str]:
+    ds = [int(c) for c in digits]
+    if op == "-":
+        return [f"{a}-{b}" for a, b in itertools.permutations(ds, 2) if a - b == target]
+    return ["+".join(map(str, c)) for r in range(2, NUM_DIGITS + 1)
+            for c in itertools.permutations(ds, r) if sum(c) == target]
 
 
 @dataclass(frozen=True)
@@ -47,15 +57,8 @@ class Problem:
 
     def solutions(self) -> list[str]:
         """Every correct answer, terms in any order."""
-        ds = [int(c) for c in self.digits]
-        if self.op == "-":
-            return [f"{a}-{b}" for a, b in itertools.permutations(ds, 2) if a - b == self.target]
-        out = []
-        for r in range(2, NUM_DIGITS + 1):
-            for combo in itertools.permutations(ds, r):
-                if sum(combo) == self.target:
-                    out.append("+".join(map(str, combo)))
-        return out
+        return _solutions(self.digits, self.target, self.op)
+
 
 
 def check(answer: str, digits: str, target: int, op: str) -> tuple[bool, bool]:
