@@ -8,19 +8,19 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from rich.table import Table  # noqa: E402
+import matplotlib.pyplot as plt
+from rich.table import Table
 
-from dph_async.evaluate import SplitResult, load_results  # noqa: E402
-from dph_async.paths import RunPaths  # noqa: E402
-from dph_async.progress import console  # noqa: E402
+from dph_async.evaluate import SplitResult, load_results
+from dph_async.paths import RunPaths
+from dph_async.progress import console
 
 TABLE_K = (1, 4, 8, 16)
 
 
-def _columns(splits: list[str], k_max: int) -> list[tuple[str, str, int | None]]:
-    ks = [k for k in TABLE_K if k <= k_max]
-    return [col for s in splits for col in [(s, "Greedy", None), *((s, f"P@{k}", k) for k in ks), (s, "Distinct", -1)]]
+def _metrics(k_max: int) -> list[tuple[str, int | None]]:
+    """(column name, k): k None is greedy accuracy, -1 distinct correct answers, else Pass@k."""
+    return [("Greedy", None), *((f"P@{k}", k) for k in TABLE_K if k <= k_max), ("Distinct", -1)]
 
 
 def _cell(r: SplitResult, k: int | None) -> str:
@@ -31,12 +31,17 @@ def _cell(r: SplitResult, k: int | None) -> str:
     return f"{100 * r.pass_at_k[k]:.1f}"
 
 
-def comparison_rows(evals: dict[str, dict[str, SplitResult]]) -> tuple[list[str], list[list[str]]]:
+def _splits_and_metrics(evals: dict[str, dict[str, SplitResult]]) -> tuple[list[str], list[tuple[str, int | None]]]:
     splits = sorted({s for res in evals.values() for s in res})
-    k_max = min(max(r.pass_at_k) for res in evals.values() for r in res.values())
-    cols = _columns(splits, k_max)
-    header = ["model", *(f"{s} {name}" for s, name, _ in cols)]
-    rows = [[name, *(_cell(res[s], k) if s in res else "-" for s, _, k in cols)] for name, res in evals.items()]
+    return splits, _metrics(min(max(r.pass_at_k) for res in evals.values() for r in res.values()))
+
+
+def comparison_rows(evals: dict[str, dict[str, SplitResult]]) -> tuple[list[str], list[list[str]]]:
+    """The paper-style table: one row per model, a column group per test set."""
+    splits, metrics = _splits_and_metrics(evals)
+    header = ["model", *(f"{s} {name}" for s in splits for name, _ in metrics)]
+    rows = [[name, *(_cell(res[s], k) if s in res else "-" for s in splits for _, k in metrics)]
+            for name, res in evals.items()]
     return header, rows
 
 
@@ -44,6 +49,20 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def print_tables(evals: dict[str, dict[str, SplitResult]]) -> None:
+    """The comparison on the terminal, one narrow table per test set (models as rows)."""
+    splits, metrics = _splits_and_metrics(evals)
+    for split in splits:
+        table = Table(title=f"{split}: greedy and Pass@k (%), distinct correct answers per prompt")
+        table.add_column("model")
+        for name, _ in metrics:
+            table.add_column(name, justify="right")
+        for name, res in evals.items():
+            if split in res:
+                table.add_row(name, *(_cell(res[split], k) for _, k in metrics))
+        console.print(table)
 
 
 def plot_pass_at_k(evals: dict[str, dict[str, SplitResult]], out: Path) -> None:
@@ -97,12 +116,7 @@ def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) ->
         header, rows = comparison_rows(evals)
         md += ["Greedy accuracy, unbiased Pass@k (%), and distinct correct answers per prompt.", "",
                markdown_table(header, rows), ""]
-        table = Table(title="base vs trained (greedy, Pass@k %, distinct correct answers)")
-        for h in header:
-            table.add_column(h, justify="right" if h != "model" else "left")
-        for r in rows:
-            table.add_row(*r)
-        console.print(table)
+        print_tables(evals)
     md += ["## Stage wall times (s)", "", markdown_table(["stage", "seconds"], [
         [k, f"{v:.1f}"] for k, v in summary["stage_seconds"].items()]), ""]
     md += ["Plots: `plots/training.png`, `plots/pass_at_k.png`.", ""]
