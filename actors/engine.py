@@ -135,8 +135,8 @@ class VLLMEngine:
         """Batch generation (evaluation, pre-sampling): `spec.n` completions per prompt."""
         from vllm.inputs import TokensPrompt
 
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p), cache_salt=f"w{self.version}") for p in prompts],
-                                 self._params(spec, spec.n, False), use_tqdm=False)
+        batch = [TokensPrompt(prompt_token_ids=list(p), cache_salt=f"w{self.version}") for p in prompts]
+        outs = self.llm.generate(batch, self._params(spec, spec.n, False), use_tqdm=False)
         result = []
         for i, out in enumerate(outs):
             result.append([

@@ -24,7 +24,6 @@ from actors.weights import WeightClient
 from dph_async.config import RunConfig
 from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
 from dph_async.replay_client import RolloutSender
-from dph_async.rewards.pool import ScoreRequest
 from dph_async.rewards.scorer import Scorer
 from dph_async.tasks.dataset import PromptRecord
 
@@ -113,11 +112,9 @@ class RolloutWorker:
         record = self.cursor[seq]
         samples = sorted(self._inflight.pop(seq), key=lambda s: int(s.key.split("/")[1]))
         start = time.time()
-        results = self.scorer.score_many([
-            ScoreRequest(record.data_source, s.text, record.ground_truth, {**record.extra_info, "question": record.text})
-            for s in samples
-        ])
+        results = self.scorer.score_many([record.score_request(s.text) for s in samples])
         self.stats.score_seconds += time.time() - start
+        self._mark(start, "score")
         completions = [
             Completion(np.asarray(s.token_ids, np.int32), np.asarray(s.logprobs, np.float32),
                        np.asarray(s.versions, np.int32), r, s.finish_reason)

@@ -15,7 +15,6 @@ from pathlib import Path
 from actors.engine import SamplingSpec, VLLMEngine
 from dph_async.config import RunConfig
 from dph_async.progress import progress
-from dph_async.rewards.pool import ScoreRequest
 from dph_async.rewards.scorer import make_scorer
 from dph_async.tasks.dataset import PromptRecord, load_prompts
 
@@ -39,8 +38,7 @@ class SplitResult:
 
 
 def _score(scorer, records: list[PromptRecord], texts: list[list[str]]) -> list[list[bool]]:
-    reqs = [ScoreRequest(r.data_source, t, r.ground_truth, {**r.extra_info, "question": r.text})
-            for r, ts in zip(records, texts, strict=True) for t in ts]
+    reqs = [r.score_request(t) for r, ts in zip(records, texts, strict=True) for t in ts]
     flat = iter(res.correct for res in scorer.score_many(reqs))
     return [[next(flat) for _ in ts] for ts in texts]
 
@@ -63,8 +61,8 @@ def evaluate_split(engine: VLLMEngine, scorer, name: str, records: list[PromptRe
         greedy_accuracy=sum(g[0] for g in greedy_ok) / len(records),
         pass_at_k={k: sum(pass_at_k(n, c, k) for c in counts) / len(records) for k in range(1, n + 1)},
         sample_accuracy=sum(counts) / (n * len(records)),
-        distinct_correct=sum(len({t for t, o in zip(ts, os_, strict=True) if o}) for ts, os_ in zip(texts, ok, strict=True))
-        / len(records),
+        distinct_correct=sum(len({t for t, good in zip(ts, oks, strict=True) if good})
+                             for ts, oks in zip(texts, ok, strict=True)) / len(records),
         seconds=time.time() - start,
     )
 
@@ -90,4 +88,6 @@ def evaluate(cfg: RunConfig, model_dir: Path, test_sets: dict[str, Path], out_pa
 
 def load_results(path: Path) -> dict[str, SplitResult]:
     raw = json.loads(path.read_text())
-    return {k: SplitResult(**{**v, "pass_at_k": {int(i): p for i, p in v["pass_at_k"].items()}}) for k, v in raw.items()}
+    # JSON keys are strings: Pass@k's k comes back as an int.
+    return {k: SplitResult(**{**v, "pass_at_k": {int(i): p for i, p in v["pass_at_k"].items()}})
+            for k, v in raw.items()}

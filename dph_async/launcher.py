@@ -35,16 +35,26 @@ def _bind(cfg: RunConfig) -> str:
     return f"tcp://{cfg.net.host}:0"
 
 
+def log_to_file(path: Path) -> None:
+    """Send this process's stdout and stderr (engine warnings, progress bars) to `path`: the driver's
+    terminal keeps only the run's own progress, and each process's log stays with the run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 @contextlib.contextmanager
 def ray_cluster(cfg: RunConfig) -> Iterator[None]:
     """A local Ray cluster (or a connection to `launcher.address`), shut down cleanly on exit."""
     if not ray.is_initialized():
         lc = cfg.launcher
         if lc.address:
-            ray.init(address=lc.address, logging_level=logging.WARNING)
+            ray.init(address=lc.address, logging_level=logging.ERROR, log_to_driver=False)
         else:
             cpus = lc.num_cpus or max(os.cpu_count() or 1, cfg.actors.num_actors + 2)
-            ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING,
+            ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
                      runtime_env={"env_vars": {"DPH_CACHE_DIR": str(cache_dir())}})
     try:
         yield
@@ -62,6 +72,7 @@ class LearnerProcess:
 
     def __init__(self, cfg: RunConfig, model_dir: str, rl_dir: str, reference_path: str | None,
                  resume_tag: str | None) -> None:
+        log_to_file(Path(rl_dir) / "logs" / "learner.log")
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("DPH_CACHE_DIR", ".cache"))
                                                             / "torch_extensions"))
         import torch
@@ -130,7 +141,8 @@ class ActorProcess:
     """One vLLM actor: engine, prompt stream, reward workers, and its connections."""
 
     def __init__(self, actor_id: int, cfg: RunConfig, model_dir: str, prompts_path: str, ingest: str,
-                 weights: str) -> None:
+                 weights: str, log_dir: str) -> None:
+        log_to_file(Path(log_dir) / f"actor{actor_id}.log")
         from actors.engine import VLLMEngine
         from actors.rollout import RolloutWorker
         from actors.weights import WeightClient
@@ -187,7 +199,8 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     ingest, weights = ray.get(learner.addresses.remote())
     actors = [
         ActorProcess.options(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts,
-                             max_task_retries=0).remote(i, cfg, str(model_dir), str(prompts_path), ingest, weights)
+                             max_task_retries=0).remote(i, cfg, str(model_dir), str(prompts_path), ingest, weights,
+                                                        str(rl_dir / "logs"))
         for i in range(cfg.actors.num_actors)
     ]
     pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -71,17 +72,22 @@ def mode_config(cfg: RunConfig, mode: str) -> RunConfig:
     return out
 
 
+# Engines run in fresh Ray worker processes (max_calls=1): their memory goes when the stage ends.
 @ray.remote(max_calls=1)
 def _presample_task(cfg: RunConfig, model_dir: str, train: str, out_dir: str) -> dict:
+    from dph_async.launcher import log_to_file
     from dph_async.presample import presample
 
+    log_to_file(Path(out_dir) / "presample.log")
     return asdict(presample(cfg, Path(model_dir), Path(train), Path(out_dir)))
 
 
 @ray.remote(max_calls=1)
 def _evaluate_task(cfg: RunConfig, model_dir: str, test_sets: dict[str, str], out: str) -> None:
     from dph_async.evaluate import evaluate
+    from dph_async.launcher import log_to_file
 
+    log_to_file(Path(out).with_suffix(".log"))
     evaluate(cfg, Path(model_dir), {k: Path(v) for k, v in test_sets.items()}, Path(out))
 
 
@@ -144,9 +150,13 @@ def prepare(cfg: RunConfig, paths: RunPaths, timer: StageTimer, need_pool: bool)
         return Prepared(base, train, tests, None, None, None)
     if not (paths.presample / "summary.json").is_file():
         t = time.time()
-        ray.get(_presample_task.remote(cfg, str(base), str(train), str(paths.presample)))
+        with console.status(f"pre-sampling: {cfg.presample.k} samples per training prompt from pi_0"):
+            ray.get(_presample_task.remote(cfg, str(base), str(train), str(paths.presample)))
         timer.add("pre-sampling", t)
     presample = json.loads((paths.presample / "summary.json").read_text())
+    console.print(f"pre-sampling: pi_0 solves {presample['sample_accuracy']:.0%} of samples; D_pef "
+                  f"{presample['d_pef_prompts']} prompts ({presample['reference_samples']} reference samples), "
+                  f"D_exp {presample['d_exp_prompts']} prompts")
     if presample["reference_samples"] == 0:
         console.print("[yellow]pre-sampling found no prompt pi_0 always solves: the DPH divergence term is empty")
     pool = paths.reference_pool if presample["reference_samples"] else None
@@ -156,7 +166,8 @@ def prepare(cfg: RunConfig, paths: RunPaths, timer: StageTimer, need_pool: bool)
 def evaluate_model(cfg: RunConfig, model_dir: Path, tests: dict[str, Path], out: Path) -> Path:
     """Evaluate in a fresh Ray worker process (its engine's memory goes when it exits); skip if done."""
     if not out.is_file() and tests:
-        ray.get(_evaluate_task.remote(cfg, str(model_dir), {k: str(v) for k, v in tests.items()}, str(out)))
+        with console.status(f"evaluating {out.stem}: greedy and {cfg.eval.k_max} samples per test prompt"):
+            ray.get(_evaluate_task.remote(cfg, str(model_dir), {k: str(v) for k, v in tests.items()}, str(out)))
     return out
 
 
@@ -231,6 +242,7 @@ class WandbStream:
     def __enter__(self):
         lc = self.cfg.logging
         if lc.wandb_mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
             import wandb
 
             name = f"{lc.run_name or self.paths.root.name}-{self.mode}"

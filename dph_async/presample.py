@@ -24,7 +24,6 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from actors.engine import SamplingSpec, VLLMEngine
 from dph_async.config import RunConfig
 from dph_async.progress import progress
-from dph_async.rewards.pool import ScoreRequest
 from dph_async.rewards.scorer import make_scorer
 from dph_async.tasks.dataset import PromptRecord, load_prompts
 from learner.batching import Sequence, pack
@@ -84,8 +83,7 @@ def presample(cfg: RunConfig, model_dir: Path, train_path: Path, out_dir: Path,
         for i in range(0, len(records), chunk):
             batch = records[i:i + chunk]
             outs = engine.generate([r.prompt_ids for r in batch], spec)
-            reqs = [ScoreRequest(r.data_source, s.text, r.ground_truth, {**r.extra_info, "question": r.text})
-                    for r, group in zip(batch, outs, strict=True) for s in group]
+            reqs = [r.score_request(s.text) for r, group in zip(batch, outs, strict=True) for s in group]
             results = iter(scorer.score_many(reqs))
             for r, group in zip(batch, outs, strict=True):
                 for s in group:

@@ -122,4 +122,6 @@ def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) ->
     md += ["Plots: `plots/training.png`, `plots/pass_at_k.png`.", ""]
     (paths.root / "summary.md").write_text("\n".join(md))
     (paths.root / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    console.print(f"report: {paths.root / 'summary.md'}")
+    stages = ", ".join(f"{k} {v:.0f}s" for k, v in summary["stage_seconds"].items())
+    console.print(f"stages: {stages}; total {summary['wall_seconds']:.0f}s")
+    console.print(f"report: {paths.root / 'summary.md'} (plots in {paths.plots}, logs in {paths.root / 'rl'}/*/logs)")

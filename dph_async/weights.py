@@ -47,9 +47,12 @@ def checksum(arrays: Iterable[np.ndarray]) -> str:
     return f"{crc:08x}"
 
 
-def make_buckets(named: list[tuple[str, np.ndarray, str]], bucket_bytes: int) -> list[tuple[BucketInfo, list[np.ndarray]]]:
+Bucket = tuple[BucketInfo, list[np.ndarray]]
+
+
+def make_buckets(named: list[tuple[str, np.ndarray, str]], bucket_bytes: int) -> list[Bucket]:
     """Group (name, array, dtype tag) into buckets of at most bucket_bytes (a larger tensor goes alone)."""
-    buckets: list[tuple[BucketInfo, list[np.ndarray]]] = []
+    buckets: list[Bucket] = []
     names: list[str] = []
     arrays: list[np.ndarray] = []
     tags: list[str] = []

@@ -165,10 +165,10 @@ class Trainer:
                 loss = self._fresh_loss(mb, p, seen)
             else:
                 loss, div = self._reference_loss(mb, p)
-                div_ref += float(div)
+                div_ref += div.detach().item()
             # Partials already carry their share of the batch objective: no 1/GAS rescaling.
             self.engine.backward(loss, scale_wrt_gas=False)
-            total += float(loss)
+            total += loss.detach().item()
         if micro:
             self.engine.step()
             self.version += 1

@@ -14,6 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from transformers import PreTrainedTokenizerBase
 
+from dph_async.rewards.pool import ScoreRequest
+
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
 
 
@@ -29,6 +31,10 @@ class PromptRecord:
     prompt_ids: tuple[int, ...]
     ground_truth: Any
     extra_info: dict[str, Any] = field(default_factory=dict)
+
+    def score_request(self, response: str) -> ScoreRequest:
+        """What the reward for this prompt needs; verifiers also get the question."""
+        return ScoreRequest(self.data_source, response, self.ground_truth, {**self.extra_info, "question": self.text})
 
 
 def write_rows(rows: list[dict[str, Any]], path: Path) -> Path:
