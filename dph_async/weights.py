@@ -22,7 +22,9 @@ _FROM_TAG = {tag: dt for dt, tag in _TO_TAG.items()}
 
 
 def tensor_to_array(t: torch.Tensor) -> tuple[np.ndarray, str]:
-    t = t.detach().contiguous().cpu()
+    # Always a copy: for a CPU tensor .cpu() is the same storage, and a published version must not
+    # change under the actors when the optimizer next updates the parameters in place.
+    t = t.detach().contiguous().to("cpu", copy=True)
     if t.dtype not in _TO_TAG:
         raise TypeError(f"cannot publish a tensor of dtype {t.dtype}")
     tag = _TO_TAG[t.dtype]
