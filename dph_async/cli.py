@@ -29,15 +29,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dph-async {__version__}")
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
+    commands: dict[str, argparse.ArgumentParser] = {}
     for mod in _command_modules():
         words = mod.NAME.split()
         if len(words) == 1:
-            sub = top.add_parser(words[0], help=mod.HELP, description=mod.DESCRIPTION,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+            sub = commands[words[0]] = top.add_parser(words[0], help=mod.HELP, description=mod.DESCRIPTION,
+                                                      formatter_class=argparse.RawDescriptionHelpFormatter)
         else:
             if words[0] not in groups:
-                group = top.add_parser(words[0], help=f"{words[0]} subcommands")
-                groups[words[0]] = group.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
+                # A command named like the group ("bench") runs when no subcommand is given.
+                group = commands.get(words[0]) or top.add_parser(words[0], help=f"{words[0]} subcommands")
+                groups[words[0]] = group.add_subparsers(dest="subcommand", metavar="SUBCOMMAND",
+                                                        required=words[0] not in commands)
             sub = groups[words[0]].add_parser(words[1], help=mod.HELP, description=mod.DESCRIPTION,
                                               formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(sub)
