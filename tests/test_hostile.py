@@ -144,8 +144,9 @@ def test_hostile_countdown(pool, fixture_dir, answer, statuses):
 @pytest.mark.parametrize(("name", "response", "statuses"), [
     # Comparing 9^(9^(9^9)) with 5 runs for minutes: the worker is killed at the deadline.
     ("power_tower", r"\boxed{9^{9^{9^{9}}}}", {"timeout"}),
-    # The LaTeX parser takes seconds per level of nesting past a few dozen.
-    ("nested_parentheses", r"\boxed{" + "(" * 100 + "1" + ")" * 100 + "}", {"timeout"}),
+    # Deep nesting costs the LaTeX parser about a second here, near the deadline: whether it finishes
+    # (a wrong answer) or is killed depends on the machine's load; either way it is bounded and scores 0.
+    ("nested_parentheses", r"\boxed{" + "(" * 100 + "1" + ")" * 100 + "}", {"timeout", "ok"}),
     ("huge_boxed", r"\boxed{" + "1+" * 5000 + "1}", {"rejected"}),
     ("ten_megabytes", "x" * TEN_MB + r"\boxed{5}", {"rejected"}),
     ("unicode_garbage", r"\boxed{" + unicode_garbage(500, seed=2).replace("}", "") + "}",
