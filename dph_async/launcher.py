@@ -106,7 +106,10 @@ class LearnerProcess:
         self._stop = threading.Event()
 
     def addresses(self) -> tuple[str, str]:
-        return self.replay.ingest_endpoint, self.server.address
+        """Where actors connect; a wildcard bind is advertised as this node's address."""
+        node = ray.util.get_node_ip_address()
+        return tuple(a.replace("0.0.0.0", node).replace("//*:", f"//{node}:")
+                     for a in (self.replay.ingest_endpoint, self.server.address))
 
     def version(self) -> int:
         return self.loop.trainer.version
@@ -194,15 +197,14 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     from dph_async.progress import progress
 
     start = time.time()
-    learner = LearnerProcess.options(num_cpus=1, max_concurrency=4, name=None).remote(
+    learner = LearnerProcess.options(num_cpus=1, max_concurrency=4).remote(
         cfg, str(model_dir), str(rl_dir), str(reference_path) if reference_path else None, resume_tag)
     ingest, weights = ray.get(learner.addresses.remote())
-    actors = [
-        ActorProcess.options(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts,
-                             max_task_retries=0).remote(i, cfg, str(model_dir), str(prompts_path), ingest, weights,
-                                                        str(rl_dir / "logs"))
-        for i in range(cfg.actors.num_actors)
-    ]
+    # Ray restarts a dead actor (its __init__ runs again); SPREAD puts actors on different nodes.
+    actor_class = ActorProcess.options(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts,
+                                       max_task_retries=0, scheduling_strategy="SPREAD")
+    actors = [actor_class.remote(i, cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"))
+              for i in range(cfg.actors.num_actors)]
     pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)}
     if on_started:
         on_started(pids)

@@ -99,6 +99,24 @@ def plot_training(curves: dict[str, list[dict[str, float]]], out: Path) -> None:
     plt.close(fig)
 
 
+def throughput_rows(rl: dict[str, dict], curves: dict[str, list[dict[str, float]]]) -> list[list[str]]:
+    """Per RL run: each actor's generation tokens/s, the learner's training tokens/s, drops, restarts."""
+    rows = []
+    for mode, r in rl.items():
+        actors = " / ".join(f"{a['tokens_generated'] / max(a['generate_seconds'], 1e-9):,.0f}" for a in r["actors"])
+        learner = r["learner"]
+        tokens = sum(m["batch/fresh_tokens"] for m in curves.get(mode, []))
+        rows.append([mode, f"{r['wall_seconds']:.0f}", str(learner["steps"]), actors,
+                     f"{tokens / max(learner['train_seconds'], 1e-9):,.0f}",
+                     f"{learner['wait_seconds'] / max(r['wall_seconds'], 1e-9):.0%}",
+                     str(sum(r["replay"]["drops"].values())), str(r["actor_restarts"])])
+    return rows
+
+
+THROUGHPUT_HEADER = ["mode", "wall s", "steps", "actor gen tok/s", "learner fresh tok/s", "learner waiting",
+                     "groups dropped", "actor restarts"]
+
+
 def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) -> None:
     paths.plots.mkdir(parents=True, exist_ok=True)
     evals = {name: load_results(path) for name, path in eval_files.items()}
@@ -117,6 +135,9 @@ def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) ->
         md += ["Greedy accuracy, unbiased Pass@k (%), and distinct correct answers per prompt.", "",
                markdown_table(header, rows), ""]
         print_tables(evals)
+    md += ["## Throughput", "", markdown_table(THROUGHPUT_HEADER, throughput_rows(summary["rl"], curves)), "",
+           "Generation tokens/s is per actor, over its time inside engine steps; the learner's is the fresh "
+           "tokens it trained on over its time in optimizer steps.", ""]
     md += ["## Stage wall times (s)", "", markdown_table(["stage", "seconds"], [
         [k, f"{v:.1f}"] for k, v in summary["stage_seconds"].items()]), ""]
     md += ["Plots: `plots/training.png`, `plots/pass_at_k.png`.", ""]
