@@ -81,9 +81,10 @@ class _Channel:
         self.addr = addr
         self.sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        # Queue only to a live connection: while the replay is down, sends fail fast and the
-        # message stays in our own buffer instead of a queue that may die with the connection.
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        # Not ZMQ_IMMEDIATE: with it libzmq drops the connection's pipe when the peer goes away,
+        # and with the pipe any reply not yet read (the answer to "shutdown" was lost that way).
+        # Without it, what is sent while the replay is down waits in the pipe (up to the
+        # high-water mark) and goes out on reconnect; anything lost on the way is resent.
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # notice a dead peer even without a TCP reset
@@ -110,7 +111,7 @@ class _Channel:
         try:
             self.sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
             return True
-        except zmq.Again:  # not connected, or the queue is full: the caller keeps it and retries
+        except zmq.Again:  # the queue to the replay is full: the caller keeps the message and retries
             return False
 
     def recv(self, timeout_s: float) -> Message | None:

@@ -34,6 +34,7 @@ from replay.store import Entry, FreshStore, GroupId
 from replay.wal import IngestRecord, Record, ServeRecord, WriteAheadLog
 
 MiB = 1 << 20
+SMALL_GROUP_TOKENS = 1 << 14
 
 
 @dataclass
@@ -71,17 +72,28 @@ class ReplayCore:
 
     def problem(self, group: RolloutGroup) -> str | None:
         """What makes a well-formed group unusable for training, or None."""
-        tol = self.cfg.logprob_tolerance
         if group.prompt_ids.size and group.prompt_ids.min() < 0:
             return "prompt_ids holds a negative token id"
-        for i, c in enumerate(group.completions):
-            lp = c.logprobs
-            if not (lp.min() > -np.inf and lp.max() <= tol):  # NaN fails both comparisons
-                return f"completions[{i}].logprobs must be finite and <= 0 (min {lp.min()}, max {lp.max()})"
-            if c.versions.min() < 0:
-                return f"completions[{i}].versions holds a negative version"
-            if c.token_ids.min() < 0:
-                return f"completions[{i}].token_ids holds a negative token id"
+        comps = group.completions
+        if len(comps) > 1 and group.num_tokens <= SMALL_GROUP_TOKENS:
+            # Small groups: numpy's per-call cost dominates, so check all completions at once and
+            # look for the culprit only if something is wrong.
+            joined = (np.concatenate([getattr(c, f) for c in comps]) for f in ("logprobs", "versions", "token_ids"))
+            if self._arrays_problem(*joined) is None:
+                return None
+        for i, c in enumerate(comps):
+            if (problem := self._arrays_problem(c.logprobs, c.versions, c.token_ids)) is not None:
+                return f"completions[{i}].{problem}"
+        return None
+
+    def _arrays_problem(self, logprobs: np.ndarray, versions: np.ndarray, token_ids: np.ndarray) -> str | None:
+        lo, hi = logprobs.min(), logprobs.max()
+        if not (lo > -np.inf and hi <= self.cfg.logprob_tolerance):  # NaN fails both comparisons
+            return f"logprobs must be finite and <= 0 (min {lo}, max {hi})"
+        if versions.min() < 0:
+            return "versions holds a negative version"
+        if token_ids.min() < 0:
+            return "token_ids holds a negative token id"
         return None
 
     def ingest(self, groups: list[RolloutGroup]) -> list[Verdict]:
@@ -193,11 +205,7 @@ class ReplayCore:
             return
         for gid in self.pending.group_ids:
             entry = self.store.get(gid)
-            if (
-                entry is not None
-                and entry.place == "pending"
-                and self.store.release(entry, self.cfg.max_reuse)
-            ):
+            if entry is not None and entry.place == "pending" and self.store.release(entry, self.cfg.max_reuse):
                 self.metrics.count("used_up")
         self.pending = None
 
@@ -285,9 +293,7 @@ class ReplayCore:
         target = write_state(path, self.state(segment))
         if self.wal is not None:
             self.wal.keep_from(segment)
-        return (
-            f"replay snapshot at version {self.version}: {len(self.store)} groups held, written to {target}"
-        )
+        return f"replay snapshot at version {self.version}: {len(self.store)} groups held, written to {target}"
 
     def restore(self, path: str | Path) -> str:
         """Return to a snapshot, keeping what actors were told is accepted.

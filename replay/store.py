@@ -25,6 +25,8 @@ class Entry:
     group: RolloutGroup
     min_version: int
     max_version: int
+    tokens: int
+    nbytes: int
     served: int = 0
     place: Place = "unserved"
     push: int = 0  # which heap push is current; older heap items for this group are stale
@@ -54,14 +56,14 @@ class FreshStore:
 
     def add(self, group: RolloutGroup, served: int = 0, pending: bool = False) -> Entry:
         """Hold a new group. served and pending restore a snapshot's reusable and pending groups."""
-        entry = Entry(group, group.min_version, group.max_version, served, place="pending")
+        entry = Entry(group, group.min_version, group.max_version, group.num_tokens, group.nbytes, served, "pending")
         self._entries[group.group_id] = entry
         self._counts["pending"] += 1
         if not pending:
             self._enqueue(entry, "reusable" if served else "unserved")
         self.samples += len(group.completions)
-        self.tokens += group.num_tokens
-        self.nbytes += group.nbytes
+        self.tokens += entry.tokens
+        self.nbytes += entry.nbytes
         return entry
 
     def _enqueue(self, entry: Entry, place: Place) -> None:
@@ -136,6 +138,6 @@ class FreshStore:
         entry = self._entries.pop(group_id)
         self._counts[entry.place] -= 1
         self.samples -= len(entry.group.completions)
-        self.tokens -= entry.group.num_tokens
-        self.nbytes -= entry.group.nbytes
+        self.tokens -= entry.tokens
+        self.nbytes -= entry.nbytes
         return entry

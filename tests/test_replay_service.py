@@ -179,3 +179,25 @@ def test_curve_admits_only_authorized_clients(tmp_path):
             bad.close()
     finally:
         svc.stop()
+
+
+def test_a_reply_survives_the_server_leaving_right_after_it(tmp_path):
+    """The answer to "shutdown" arrives as the replay disconnects: it must still be readable."""
+    from dph_async.protocol import ControlReply
+    from dph_async.replay_client import _Channel
+
+    addr = f"ipc://{tmp_path}/s"
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.bind(addr)
+    chan = _Channel(addr, None, None)
+    while not chan.send(encode(StatsRequest())):
+        time.sleep(0.01)
+    identity, *_ = server.recv_multipart()
+    server.send_multipart([identity, *encode(ControlReply(True, "bye"))])
+    server.close(linger=1000)
+    ctx.term()  # gone before the client reads
+    time.sleep(0.3)
+    reply = chan.recv(2.0)
+    chan.close()
+    assert isinstance(reply, ControlReply) and reply.detail == "bye"

@@ -22,6 +22,13 @@ COLORS = {"train": "#1f77b4", "publish": "#9467bd", "checkpoint": "#7f7f7f", "ge
           "score": "#ff7f0e", "weights": "#d62728", "wait": "#e5e5e5", OTHER: "#f7e8c6"}
 
 
+
+def _save(fig: plt.Figure, out: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> None:
+    fig.tight_layout(rect=rect)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
@@ -100,9 +107,7 @@ def plot_timeline(runs: dict[str, Path], skip: int, out: Path, steps: int = 6) -
         ax.set_xlabel("seconds")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
     fig.legend(handles, list(COLORS), loc="upper center", ncol=len(COLORS), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _save(fig, out, rect=(0, 0, 1, 0.95))
 
 
 def plot_busy(runs: list[RunFigures], out: Path) -> None:
@@ -122,9 +127,7 @@ def plot_busy(runs: list[RunFigures], out: Path) -> None:
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("share of the steady-state window")
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, 1.15), frameon=False)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _save(fig, out)
 
 
 def plot_scaling(scaling: dict, out: Path) -> None:
@@ -137,9 +140,7 @@ def plot_scaling(scaling: dict, out: Path) -> None:
     ax.set(xlabel="actors", ylabel="samples/s", title="throughput against actors (1 learner rank, this machine)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _save(fig, out)
 
 
 def write_report(res: BenchResult, out: Path) -> None:

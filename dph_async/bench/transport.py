@@ -14,7 +14,8 @@ shape, each measurement moves the same bytes:
 zmq and protocol run in alternating pairs and the ratio is taken per pair, so load from other
 processes on the machine shifts both sides of a ratio alike.
 
-plus the replay's own insert+sample rate in-process with 100k groups held. `synthetic_group`
+plus the whole ingest path into a replay process (with and without its write-ahead log) and the
+replay's own insert+sample rate in-process with 100k groups held. `synthetic_group`
 makes the groups; the data-plane tests use it too.
 """
 
@@ -269,60 +270,105 @@ def bench_transport(
 
 
 def bench_replay(held: int, batch: int, seconds: float, wal_dir: str | None = None) -> dict:
-    """Groups/s of ReplayCore.ingest and of serving batches, with about `held` groups held.
+    """Groups/s of ReplayCore with about `held` groups held: inserting (ingest, as the service calls
+    it, `batch` groups per call), sampling (batches of `batch`, each confirming the one before), and
+    both in turn at a steady `held`.
 
     Small groups (8 x 16 tokens): the store's cost is per group, not per byte; the arrays are
-    shared so 100k groups fit in memory."""
+    shared so 100k groups fit in memory. Validation reads every array, so it is per byte."""
     from dph_async.config.replay import ReplayConfig
     from dph_async.protocol import BatchRequest
     from replay.core import ReplayCore
     from replay.wal import WriteAheadLog
 
     template = synthetic_group(0, 0, n=8, tokens=16)
-
-    def group(seq: int) -> RolloutGroup:
-        return RolloutGroup(
-            0, seq, "p", "synthetic", template.prompt_ids, template.completions, template.sampling, 0.0, 0.0
-        )
-
-    cfg = ReplayConfig(max_staleness=10**6, admission=False, wal_dir=None)
-    core = ReplayCore(cfg, batch, wal=WriteAheadLog(wal_dir) if wal_dir else None)
+    core = ReplayCore(
+        ReplayConfig(max_staleness=10**6, admission=False, wal_dir=None),
+        batch,
+        wal=WriteAheadLog(wal_dir) if wal_dir else None,
+    )
     seq = 0
-    start = time.perf_counter()
-    while seq < held:
-        core.ingest([group(s) for s in range(seq, seq + batch)])
-        seq += batch
-    fill_s = time.perf_counter() - start
+    request_ids = iter(range(1, 1 << 62))
 
-    def timed(step) -> float:
+    def insert() -> int:
         nonlocal seq
-        ops, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds:
-            ops += step()
-        return ops / elapsed
-
-    request = iter(range(1, 1 << 62))
-
-    def insert_and_sample() -> int:
-        nonlocal seq
-        core.ingest([group(s) for s in range(seq, seq + batch)])
+        groups = [
+            RolloutGroup(0, s, "p", "synthetic", template.prompt_ids, template.completions, template.sampling, 0.0, 0.0)
+            for s in range(seq, seq + batch)
+        ]
+        core.ingest(groups)
         seq += batch
-        core.request(BatchRequest(0, batch, 0.0, next(request)))
         return batch
 
-    def sample_only() -> int:
-        return len(core.request(BatchRequest(0, batch, 0.0, next(request))).groups)
+    def sample() -> int:
+        return len(core.request(BatchRequest(0, batch, 0.0, next(request_ids))).groups)
 
-    pair_rate = timed(insert_and_sample)
-    held_during = len(core.store)
-    sample_rate = timed(sample_only)
+    def rate(step, calls: int | None = None) -> float:
+        """Groups/s of `step` over `calls` calls, or over `seconds` if calls is None."""
+        done, start = 0, time.perf_counter()
+        while (done < calls * batch) if calls is not None else (time.perf_counter() - start < seconds):
+            done += step()
+        return done / (time.perf_counter() - start)
+
+    while seq < held:
+        insert()
+    half = held // (2 * batch)
+    sample_rate = rate(sample, half)  # held -> held / 2
+    insert_rate = rate(insert, half)  # held / 2 -> held
+    pair_rate = rate(lambda: insert() + sample()) / 2
     return {
-        "held": held_during,
+        "held": len(core.store),
         "batch": batch,
         "wal": wal_dir is not None,
-        "fill_groups_per_s": held / fill_s,
-        "insert_plus_sample_groups_per_s": pair_rate,
+        "insert_groups_per_s": insert_rate,
         "sample_groups_per_s": sample_rate,
+        "insert_plus_sample_per_s": pair_rate,
+    }
+
+
+def _replay_process(ingest: str, batch: str, wal_dir: str | None) -> None:
+    from dph_async.config.replay import ReplayConfig
+    from replay.service import ReplayService
+
+    cfg = ReplayConfig(max_staleness=10**6, admission=False, max_group_mb=1024)
+    ReplayService(cfg, ingest, batch, 64, wal_dir=wal_dir).serve_forever()
+
+
+def bench_ingest(n: int, tokens: int, count: int, prompt_tokens: int, wal: bool) -> dict:
+    """The whole ingest path: RolloutSender here -> the replay service in another process (decode,
+    validation, write-ahead log when `wal`, acknowledgement), until every group is acknowledged."""
+    from dph_async.replay_client import ReplayClient, RolloutSender
+
+    tmp = tempfile.mkdtemp(prefix="dph-bench-ingest-")
+    ingest, batch = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
+    proc = mp.get_context("spawn").Process(
+        target=_replay_process, args=(ingest, batch, f"{tmp}/wal" if wal else None), daemon=True
+    )
+    proc.start()
+    group = synthetic_group(0, 0, n=n, tokens=tokens, prompt_tokens=prompt_tokens)
+    sender = RolloutSender(ingest, 0)
+    sender.resume()  # waits until the service is up
+    start = time.perf_counter()
+    for seq in range(count):
+        group.seq = seq
+        sender.send(group)
+    acked = sender.flush(300)
+    seconds = time.perf_counter() - start
+    sender.close()
+    client = ReplayClient(batch)
+    client.shutdown()
+    client.close()
+    proc.join(30)
+    group_bytes = n * tokens * 12 + prompt_tokens * 4
+    return {
+        "n": n,
+        "tokens": tokens,
+        "group_bytes": group_bytes,
+        "wal": wal,
+        "count": count,
+        "all_acknowledged": acked,
+        "groups_per_s": count / seconds,
+        "gb_per_s": count * group_bytes / seconds / 1e9,
     }
 
 

@@ -12,8 +12,9 @@ Groups/s and GB/s of rollout groups (n completions x T tokens of token ids, log-
 between two processes over ipc:// and tcp://127.0.0.1: the wire protocol (encode, send, receive,
 decode) against bare ZeroMQ moving the same arrays as raw frames (alternating pairs of runs),
 pickle through multiprocessing.Queue (the group with numpy arrays, and as Python lists the way
-TRL's async GRPO holds rollouts), and memcpy of the same bytes; then the replay's insert+sample
-rate in-process with 100k groups held. Targets for groups of 1 MiB and more: protocol >= 80% of
+TRL's async GRPO holds rollouts), and memcpy of the same bytes; then the whole ingest path into a
+replay process (RolloutSender to acknowledgement, write-ahead log off and on) and the replay's
+insert+sample rate in-process with 100k groups held. Targets for groups of 1 MiB and more: protocol >= 80% of
 bare ZeroMQ and >= 10x the pickle queue. Prints tables, writes JSON (docs/benchmarks.md, Transport).
 
     dph-async bench transport --out runs/bench/transport.json
@@ -36,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mb", type=float, default=1000.0, help="megabytes moved per run (200 to 20,000 groups) (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--ingest-tokens",
+        type=int,
+        nargs="*",
+        default=[512, 16384],
+        help="tokens per completion of the ingest-path rows; none skips them (default: %(default)s)",
     )
     parser.add_argument(
         "--replay-held",
@@ -123,19 +131,38 @@ def main(args: argparse.Namespace) -> int:
             f"(TRL's rollout form) {targets['protocol_vs_pickle_lists']:.0f}x (target >= 10x)",
             highlight=False,
         )
+    if args.ingest_tokens:
+        result["ingest"] = []
+        for tokens in args.ingest_tokens:
+            count = bench.count_for(args.n * tokens * 12, args.mb * 1e6)
+            for wal in (False, True):
+                result["ingest"].append(bench.bench_ingest(args.n, tokens, count, args.prompt_tokens, wal))
+        table = Table(title="ingest path: RolloutSender -> replay process (decode, validate, log, ack)")
+        for col in ("n x T", "MiB/group", "write-ahead log", "groups/s", "GB/s", "all acked"):
+            table.add_column(col, justify="right")
+        for r in result["ingest"]:
+            table.add_row(
+                f"{r['n']} x {r['tokens']}",
+                f"{r['group_bytes'] / 2**20:.2f}",
+                "on" if r["wal"] else "off",
+                f"{r['groups_per_s']:,.0f}",
+                f"{r['gb_per_s']:.2f}",
+                str(r["all_acknowledged"]),
+            )
+        console.print(table)
     if args.replay_held:
         result["replay"] = [bench.bench_replay(args.replay_held, args.replay_batch, args.replay_seconds)]
         with tempfile.TemporaryDirectory(prefix="dph-bench-wal-") as wal:
             result["replay"].append(bench.bench_replay(args.replay_held, args.replay_batch, args.replay_seconds, wal))
         table = Table(title=f"replay in-process, ~{args.replay_held:,} groups held, batches of {args.replay_batch}")
-        for col in ("write-ahead log", "fill groups/s", "insert+sample groups/s", "sample groups/s"):
+        for col in ("write-ahead log", "insert groups/s", "sample groups/s", "insert+sample pairs/s"):
             table.add_column(col, justify="right")
         for r in result["replay"]:
             table.add_row(
                 "on" if r["wal"] else "off",
-                f"{r['fill_groups_per_s']:,.0f}",
-                f"{r['insert_plus_sample_groups_per_s']:,.0f}",
+                f"{r['insert_groups_per_s']:,.0f}",
                 f"{r['sample_groups_per_s']:,.0f}",
+                f"{r['insert_plus_sample_per_s']:,.0f}",
             )
         console.print(table)
     result["machine"]["load_avg_after"] = list(__import__("os").getloadavg())
