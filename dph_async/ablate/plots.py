@@ -18,7 +18,6 @@ import matplotlib.pyplot as plt
 from dph_async.ablate.results import Group
 
 
-
 def _save(fig: plt.Figure, out: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> None:
     fig.tight_layout(rect=rect)
     fig.savefig(out, dpi=110)
