@@ -16,6 +16,7 @@ from dph_async.bench.timeline import (
     ideal_speedup,
     learner_phases,
     steady_window,
+    weight_delays,
 )
 
 
@@ -138,3 +139,13 @@ def test_process_tree_cpu_files_processes_under_their_ray_actor():
     assert 0.5 <= last["learner"] <= 1.2
     assert 0.15 <= last["ray"] <= 1.0
     assert "actors" not in last
+
+
+def test_weight_delays_run_from_publish_to_each_actors_next_load():
+    learner = [Span(0, 1, "train"), Span(1, 1.1, "publish"), Span(1.1, 2, "wait"), Span(2, 3, "train"),
+               Span(3, 3.1, "publish")]
+    actors = [[Span(1.2, 1.3, "weights"), Span(3.3, 3.4, "weights")],
+              [Span(0.5, 0.6, "weights"), Span(1.5, 1.6, "weights")]]
+    win = steady_window(learner, skip=1)  # from t=1 (end of step 1) to t=3
+    # The publish ending at 1.1 reaches actor 0 at 1.3 and actor 1 at 1.6; the one ending at 3.1 lies outside.
+    assert weight_delays(learner, actors, win) == pytest.approx([0.2, 0.5])

@@ -22,7 +22,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dph_async.bench.cpu import CpuSample, ProcessTreeCPU, cpu_between
-from dph_async.bench.timeline import Timeline, Window, fractions, ideal_speedup, learner_phases, steady_window
+from dph_async.bench.timeline import (
+    Timeline,
+    Window,
+    fractions,
+    ideal_speedup,
+    learner_phases,
+    steady_window,
+    weight_delays,
+)
 from dph_async.config import RunConfig
 from dph_async.paths import RunPaths
 
@@ -40,6 +48,7 @@ class WeightSync:
     load_s: float  # actor: fetch + verify + load into the engine, per load
     load_bytes: int  # per load
     load_gb_per_s: float  # bytes fetched and loaded per second of loading
+    delay_s: float  # median, from the end of a publish to the end of an actor's load of it (or a newer one)
 
 
 @dataclass
@@ -117,6 +126,7 @@ def measure(name: str, mode: str, rl_dir: Path, skip: int, cpu: list[CpuSample] 
             load_s=load_s / max(loads, 1),
             load_bytes=load_bytes // max(loads, 1),
             load_gb_per_s=load_bytes / load_s / 1e9 if load_s > 0 else 0.0,
+            delay_s=statistics.median(delays) if (delays := weight_delays(tl.learner, tl.actors, win)) else 0.0,
         ),
         rollout_mb_per_s=result["replay"]["accepted"] * group_bytes / result["wall_seconds"] / 1e6,
         staleness_hist=result["replay"]["staleness_hist"],

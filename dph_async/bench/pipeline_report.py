@@ -68,10 +68,11 @@ def markdown(res: BenchResult) -> str:
                                                *((f"actor {i}", a) for i, a in enumerate(r.actors_busy))]]), "",
         "## Weight sync and transport", "",
         markdown_table(["run", "publishes", "publish ms", "MB/publish", "loads", "load ms", "MB/load",
-                        "load GB/s", "rollouts MB/s"], [[
+                        "load GB/s", "publish->loaded ms", "rollouts MB/s"], [[
             r.name, str(r.weights.publishes), f"{1e3 * r.weights.publish_s:.1f}",
             f"{r.weights.publish_bytes / 1e6:.2f}", str(r.weights.loads), f"{1e3 * r.weights.load_s:.1f}",
-            f"{r.weights.load_bytes / 1e6:.2f}", f"{r.weights.load_gb_per_s:.2f}", f"{r.rollout_mb_per_s:.3f}"]
+            f"{r.weights.load_bytes / 1e6:.2f}", f"{r.weights.load_gb_per_s:.2f}", f"{1e3 * r.weights.delay_s:.0f}",
+            f"{r.rollout_mb_per_s:.3f}"]
             for r in runs]), "",
     ]
     if res.scaling:

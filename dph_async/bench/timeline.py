@@ -136,3 +136,15 @@ def ideal_speedup(g: float, t: float, floor: float = 0.0) -> float:
     if g < 0 or t < 0 or g + t == 0:
         raise ValueError(f"g and t must be >= 0 and not both 0 (got g={g}, t={t})")
     return (g + t) / max(g, t, floor)
+
+
+def weight_delays(learner: list[Span], actors: list[list[Span]], window: Window) -> list[float]:
+    """Seconds from the end of each publish in the window to the end of each actor's next weight
+    load: how long new weights take to reach generation (in sync mode, part of every step)."""
+    delays = []
+    for p in (s for s in learner if s.what == "publish" and window.start <= s.end <= window.end):
+        for spans in actors:
+            load = next((s for s in spans if s.what == "weights" and s.end >= p.end), None)
+            if load is not None:
+                delays.append(load.end - p.end)
+    return delays
