@@ -201,3 +201,32 @@ def test_a_reply_survives_the_server_leaving_right_after_it(tmp_path):
     reply = chan.recv(2.0)
     chan.close()
     assert isinstance(reply, ControlReply) and reply.detail == "bye"
+
+
+def test_serve_replay_command_refuses_an_open_bind_and_stops_on_sigterm(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "dph_async.cli", "serve", "replay", "--wal-dir", str(tmp_path / "wal")]
+    refused = subprocess.run([*base, "--ingest", "tcp://0.0.0.0:0"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "refusing to bind tcp://0.0.0.0:0" in refused.stderr
+    proc = subprocess.Popen(
+        [*base, "--ingest", f"ipc://{tmp_path}/in", "--batch", f"ipc://{tmp_path}/out"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    client = ReplayClient(f"ipc://{tmp_path}/out", request_timeout_s=30)
+    assert client.stats()["accepted"] == 0
+    client.close()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+def test_keys_command(tmp_path):
+    from dph_async.cli import main
+
+    assert main(["keys", str(tmp_path / "k")]) == 0
+    assert (tmp_path / "k" / "authorized" / "client.key").is_file()
+    assert (tmp_path / "k" / "server.key_secret").stat().st_mode & 0o077 == 0
+    assert main(["keys", str(tmp_path / "k")]) == 1  # never overwrites keys
