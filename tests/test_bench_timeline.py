@@ -11,6 +11,7 @@ from dph_async.bench.timeline import (
     OTHER,
     Span,
     Timeline,
+    all_waiting,
     busy_seconds,
     fractions,
     ideal_speedup,
@@ -149,3 +150,18 @@ def test_weight_delays_run_from_publish_to_each_actors_next_load():
     win = steady_window(learner, skip=1)  # from t=1 (end of step 1) to t=3
     # The publish ending at 1.1 reaches actor 0 at 1.3 and actor 1 at 1.6; the one ending at 3.1 lies outside.
     assert weight_delays(learner, actors, win) == pytest.approx([0.2, 0.5])
+
+
+def test_all_waiting_is_when_no_process_works():
+    # Learner: waits 0-2, trains 2-3, waits 3-4 (window 0-4 after one skipped step ending at 0).
+    learner = [Span(-1, 0, "train"), Span(0, 2, "wait"), Span(2, 3, "train"), Span(3, 4, "wait"),
+               Span(4, 4.5, "train")]
+    win = steady_window(learner, skip=1)
+    assert (win.start, win.end) == (0, 4.5)
+    # Actor 0 generates 0.5-1.5 inside a long wait span (nested: busy wins); actor 1 waits throughout but
+    # loads weights at 3.5-3.6.
+    actors = [[Span(0, 4.5, "wait"), Span(0.5, 1.5, "generate")],
+              [Span(0, 4.5, "wait"), Span(3.5, 3.6, "weights")]]
+    # All idle: 0-0.5, 1.5-2, 3-3.5, 3.6-4 -> 1.9 s of 4.5.
+    assert all_waiting(learner, actors, win) == pytest.approx(1.9 / 4.5)
+    assert all_waiting(learner, [], win) == pytest.approx(3 / 4.5)

@@ -25,6 +25,7 @@ from dph_async.bench.cpu import CpuSample, ProcessTreeCPU, cpu_between
 from dph_async.bench.timeline import (
     Timeline,
     Window,
+    all_waiting,
     fractions,
     ideal_speedup,
     learner_phases,
@@ -67,6 +68,7 @@ class RunFigures:
     train_s: float  # t: learner seconds per step training and publishing
     learner_busy: dict[str, float]  # share of the window per span kind
     actors_busy: list[dict[str, float]]
+    all_waiting: float  # share of the window in which the learner and every actor were all waiting
     actor_tokens_per_s: float  # per actor, per second of engine stepping (whole run)
     learner_tokens_per_s: float  # median of the window's steps (fresh + reference tokens per step second)
     weights: WeightSync
@@ -115,6 +117,7 @@ def measure(name: str, mode: str, rl_dir: Path, skip: int, cpu: list[CpuSample] 
         train_s=phases.train,
         learner_busy=fractions(tl.learner, win),
         actors_busy=[fractions(a, win) for a in tl.actors],
+        all_waiting=all_waiting(tl.learner, tl.actors, win),
         actor_tokens_per_s=_mean([a["tokens_generated"] / a["generate_seconds"] for a in actors
                                   if a["generate_seconds"] > 0]),
         learner_tokens_per_s=statistics.median(r["learner/tokens_per_s"] for r in in_win),

@@ -54,11 +54,11 @@ def markdown(res: BenchResult) -> str:
             _pct(c.of_ideal_cpu_bound) if c.of_ideal_cpu_bound else "-"]]), "",
         "## Runs", "",
         markdown_table(["run", "actors", "steps", "s/step", "samples/s", "tokens/s", "g s/step", "t s/step",
-                        "actor gen tok/s", "learner tok/s", "cores used (learner/actors/ray/outside)",
+                        "actor gen tok/s", "learner tok/s", "all waiting", "cores used (learner/actors/ray/outside)",
                         "reward (last 20%)"], [[
             r.name, str(r.actors), str(r.steps), f"{r.step_s:.3f}", f"{r.samples_per_s:.1f}",
             f"{r.tokens_per_s:.0f}", f"{r.generate_s:.3f}", f"{r.train_s:.3f}", f"{r.actor_tokens_per_s:.0f}",
-            f"{r.learner_tokens_per_s:.0f}",
+            f"{r.learner_tokens_per_s:.0f}", _pct(r.all_waiting),
             "/".join(f"{r.cpu_cores.get(k, 0):.2f}" for k in ("learner", "actors", "ray", "outside"))
             if r.cpu_cores else "-", f"{r.reward_last:.3f}"] for r in runs]), "",
         "## Busy and waiting (share of the window)", "",
@@ -76,11 +76,18 @@ def markdown(res: BenchResult) -> str:
             for r in runs]), "",
     ]
     if res.scaling:
-        s = res.scaling
+        s, k = res.scaling, res.scaling["costs"]
+        waiting = {r.name: r.all_waiting for r in runs}
         lines += ["## Scaling model against measured runs", "",
-                  markdown_table(["mode", "actors", "measured samples/s", "projected", "error"], [
-                      [r["mode"], str(r["actors"]), f"{r['measured']:.1f}", f"{r['projected']:.1f}",
-                       f"{100 * r['error']:+.0f}%"] for r in s["check"]]), ""]
+                  f"Costs from the sync run: B = {k['samples_per_step']:.0f} samples/step, actor "
+                  f"{1e3 * k['actor_cpu_s_per_sample']:.2f} CPU-ms/sample, learner "
+                  f"{k['learner_cpu_s_per_step']:.3f} CPU-s/step, sync latency {k['sync_latency_s']:.3f} s/step, "
+                  f"other {k['other_cores']:.2f} cores (docs/scaling.md).", "",
+                  markdown_table(["run", "mode", "actors", "cores left", "measured samples/s",
+                                  "projected (cores left)", "error", "projected (idle machine)", "all waiting"], [
+                      [r["run"], r["mode"], str(r["actors"]), f"{r['cores']:.2f}", f"{r['measured']:.1f}",
+                       f"{r['projected']:.1f}", f"{100 * r['error']:+.0f}%", f"{r['projected_idle']:.1f}",
+                       _pct(waiting[r["run"]])] for r in s["check"]]), ""]
     lines += ["Plots: `plots/timeline.png`, `plots/busy.png`" + (", `plots/scaling.png`." if res.scaling else "."), ""]
     return "\n".join(lines)
 
@@ -133,14 +140,18 @@ def plot_busy(runs: list[RunFigures], out: Path) -> None:
 
 def plot_scaling(scaling: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, marker in (("async", "o"), ("sync", "s")):
+    for mode, color in (("async", "C0"), ("sync", "C1")):
         proj = [p for p in scaling["projection_here"] if p["ranks"] == 1]
-        ax.plot([p["actors"] for p in proj], [p[mode] for p in proj], ls="--", label=f"{mode}, model")
+        ax.plot([p["actors"] for p in proj], [p[mode] for p in proj], ls="--", color=color,
+                label=f"{mode}, model (idle machine)")
         meas = [r for r in scaling["check"] if r["mode"] == mode]
-        ax.plot([r["actors"] for r in meas], [r["measured"] for r in meas], marker, ms=8, label=f"{mode}, measured")
+        ax.plot([r["actors"] for r in meas], [r["measured"] for r in meas], "o", ms=8, color=color,
+                label=f"{mode}, measured")
+        ax.plot([r["actors"] for r in meas], [r["projected"] for r in meas], "x", ms=8, color=color,
+                label=f"{mode}, model (cores left to the run)")
     ax.set(xlabel="actors", ylabel="samples/s", title="throughput against actors (1 learner rank, this machine)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     _save(fig, out)
 
 

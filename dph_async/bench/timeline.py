@@ -148,3 +148,46 @@ def weight_delays(learner: list[Span], actors: list[list[Span]], window: Window)
             if load is not None:
                 delays.append(load.end - p.end)
     return delays
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intersection of two disjoint, sorted interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _complement(intervals: list[tuple[float, float]], window: Window) -> list[tuple[float, float]]:
+    """The window minus the (disjoint, sorted) intervals."""
+    out, now = [], window.start
+    for a, b in intervals:
+        if a > now:
+            out.append((now, a))
+        now = max(now, b)
+    if now < window.end:
+        out.append((now, window.end))
+    return out
+
+
+def _idle(spans: list[Span], window: Window) -> list[tuple[float, float]]:
+    """Where a process only waits: its "wait" spans minus every other span, inside the window."""
+    inside = [(max(s.start, window.start), min(s.end, window.end), s.what) for s in spans
+              if s.end > window.start and s.start < window.end]
+    busy = _union([(a, b) for a, b, what in inside if what != "wait"])
+    return _intersect(_union([(a, b) for a, b, what in inside if what == "wait"]), _complement(busy, window))
+
+
+def all_waiting(learner: list[Span], actors: list[list[Span]], window: Window) -> float:
+    """Share of the window in which the learner and every actor were all waiting: the pipeline's
+    bubbles, time no process spent on RL work (e.g. new weights on their way, tickets not yet granted)."""
+    idle = _idle(learner, window)
+    for spans in actors:
+        idle = _intersect(idle, _idle(spans, window))
+    return sum(b - a for a, b in idle) / window.seconds
