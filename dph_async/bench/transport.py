@@ -11,8 +11,8 @@ shape, each measurement moves the same bytes:
                   rollout group, through multiprocessing.Queue
     memcpy        copying the group's bytes in one process, for scale
 
-zmq and protocol run in alternating pairs and the ratio is taken per pair, so load from other
-processes on the machine shifts both sides of a ratio alike.
+Every repeat runs each mode once, in a rotating order, and the ratios are taken within a repeat,
+so load from other processes on the machine shifts both sides of a ratio alike.
 
 plus the whole ingest path into a replay process (with and without its write-ahead log) and the
 replay's own insert+sample rate in-process with 100k groups held. `synthetic_group`
@@ -215,6 +215,9 @@ def _summary(cells: list[Cell]) -> dict:
     return {"groups_per_s": median, "gb_per_s": median * cells[0].group_bytes / 1e9, "runs_groups_per_s": rates}
 
 
+MODES = ("zmq", "protocol", "pickle", "pickle_lists")
+
+
 def bench_transport(
     shapes: list[tuple[int, int]],
     transports: list[str],
@@ -223,45 +226,39 @@ def bench_transport(
     prompt_tokens: int,
     on_cell: Callable[[Cell], None] | None = None,
 ) -> list[dict]:
-    """One row per (shape, transport): medians over `repeats` runs of each mode, and the median of
-    the per-pair protocol/zmq ratios. The pickle baselines run once per shape (they use no socket)."""
-    rows, pickles = [], {}
+    """One row per (shape, transport). Each repeat runs every mode once, in a rotating order, and
+    the ratios protocol/baseline are taken within the repeat; rows report medians."""
+    rows = []
     for transport in transports:
         bench = TransportBench(transport, prompt_tokens, on_cell)
         try:
             for n, tokens in shapes:
                 group_bytes = n * tokens * 12 + prompt_tokens * 4
                 count = count_for(group_bytes, target_mb * 1e6)
-
-                pairs = []
+                # The pickle queues are slower: fewer groups keep their runs about as long.
+                counts = {
+                    "zmq": count,
+                    "protocol": count,
+                    "pickle": max(50, count // 4),
+                    "pickle_lists": max(10, count // 40),
+                }
+                runs: dict[str, list[Cell]] = {mode: [] for mode in MODES}
                 for r in range(repeats):
-                    first, second = ("zmq", "protocol") if r % 2 == 0 else ("protocol", "zmq")
-                    pairs.append({mode: bench.run(mode, n, tokens, count) for mode in (first, second)})
-                if (n, tokens) not in pickles:
-                    numpy_runs = [bench.run("pickle", n, tokens, max(50, count // 4)) for _ in range(repeats)]
-                    lists_run = bench.run("pickle_lists", n, tokens, max(10, count // 100))
-                    pickles[n, tokens] = {"pickle": _summary(numpy_runs), "pickle_lists": _summary([lists_run])}
-                ratios = [p["protocol"].groups_per_s / p["zmq"].groups_per_s for p in pairs]
-                rows.append(
-                    {
-                        "n": n,
-                        "tokens": tokens,
-                        "group_bytes": group_bytes,
-                        "transport": transport,
-                        "count": count,
-                        "zmq": _summary([p["zmq"] for p in pairs]),
-                        "protocol": _summary([p["protocol"] for p in pairs]),
-                        "protocol_vs_zmq": statistics.median(ratios),
-                        "protocol_vs_zmq_runs": ratios,
-                    }
-                )
+                    for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
+                        runs[mode].append(bench.run(mode, n, tokens, counts[mode]))
+                row = {"n": n, "tokens": tokens, "group_bytes": group_bytes, "transport": transport, "count": count}
+                for mode in MODES:
+                    row[mode] = _summary(runs[mode])
+                for base in ("zmq", "pickle", "pickle_lists"):
+                    ratios = [
+                        p.groups_per_s / b.groups_per_s for p, b in zip(runs["protocol"], runs[base], strict=True)
+                    ]
+                    row[f"protocol_vs_{base}"] = statistics.median(ratios)
+                    row[f"protocol_vs_{base}_runs"] = ratios
+                row["memcpy_gb_per_s"] = memcpy_gb_per_s(group_bytes)
+                rows.append(row)
         finally:
             bench.close()
-    for row in rows:
-        row.update(pickles[row["n"], row["tokens"]])
-        row["memcpy_gb_per_s"] = memcpy_gb_per_s(row["group_bytes"])
-        row["protocol_vs_pickle"] = row["protocol"]["gb_per_s"] / row["pickle"]["gb_per_s"]
-        row["protocol_vs_pickle_lists"] = row["protocol"]["gb_per_s"] / row["pickle_lists"]["gb_per_s"]
     return rows
 
 

@@ -10,12 +10,14 @@ HELP = "rollout transport bandwidth: protocol vs bare ZeroMQ vs pickle queues, a
 DESCRIPTION = """\
 Groups/s and GB/s of rollout groups (n completions x T tokens of token ids, log-probs and versions)
 between two processes over ipc:// and tcp://127.0.0.1: the wire protocol (encode, send, receive,
-decode) against bare ZeroMQ moving the same arrays as raw frames (alternating pairs of runs),
-pickle through multiprocessing.Queue (the group with numpy arrays, and as Python lists the way
-TRL's async GRPO holds rollouts), and memcpy of the same bytes; then the whole ingest path into a
-replay process (RolloutSender to acknowledgement, write-ahead log off and on) and the replay's
-insert+sample rate in-process with 100k groups held. Targets for groups of 1 MiB and more: protocol >= 80% of
-bare ZeroMQ and >= 10x the pickle queue. Prints tables, writes JSON (docs/benchmarks.md, Transport).
+decode) against bare ZeroMQ moving the same arrays as raw frames, pickle through
+multiprocessing.Queue (the group with numpy arrays, and as Python lists the way TRL's async GRPO
+holds rollouts), and memcpy of the same bytes. Every repeat runs each mode once in rotating order
+and ratios are taken within a repeat, so other load on the machine shifts both sides alike. Then the
+whole ingest path into a replay process (RolloutSender to acknowledgement, write-ahead log off and
+on) and the replay's insert+sample rate in-process with 100k groups held. Targets for groups of
+1 MiB and more: protocol >= 80% of bare ZeroMQ and >= 10x the pickle queue. Prints tables, writes
+JSON (docs/benchmarks.md, Transport).
 
     dph-async bench transport --out runs/bench/transport.json
 """
@@ -33,10 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (default: %(default)s)")
     parser.add_argument("--transports", nargs="+", choices=["ipc", "tcp"], default=["ipc", "tcp"])
     parser.add_argument(
-        "--repeats", type=int, default=3, help="alternating runs per cell, median reported (default: %(default)s)"
+        "--repeats",
+        type=int,
+        default=5,
+        help="runs of every mode per cell, in rotating order; medians reported (default: %(default)s)",
     )
     parser.add_argument(
-        "--mb", type=float, default=1000.0, help="megabytes moved per run (200 to 20,000 groups) (default: %(default)s)"
+        "--mb", type=float, default=600.0, help="megabytes moved per run (200 to 20,000 groups) (default: %(default)s)"
     )
     parser.add_argument(
         "--ingest-tokens",
@@ -85,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
 
     rows = bench.bench_transport(shapes, args.transports, args.repeats, args.mb, args.prompt_tokens, progress)
     result["transport"] = rows
-    table = Table(title="rollout transport between two processes (medians; protocol/zmq: median of paired runs)")
+    table = Table(title="rollout transport between two processes (medians; ratios: median of per-repeat ratios)")
     for col in (
         "n x T",
         "MiB/group",
