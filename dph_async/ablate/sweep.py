@@ -35,7 +35,7 @@ MODEL_STATES = "mp_rank_00_model_states.pt"
 
 def eval_versions(steps: int, points: int) -> list[int]:
     """Learner versions evaluated along a run: `points` evenly spaced, the last one the final model."""
-    every = max(1, steps // points)
+    every = -(-steps // points)
     return sorted({*range(every, steps, every), steps})
 
 
@@ -43,7 +43,7 @@ def cell_config(preset: str, overrides: list[str], cell: Cell, eval_points: int)
     from dph_async.pipeline import validate
 
     cfg = load_config(preset, [*overrides, *cell.overrides])
-    cfg.learner.checkpoint_every = max(1, cfg.learner.steps // eval_points)
+    cfg.learner.checkpoint_every = -(-cfg.learner.steps // eval_points)
     return validate(cfg, [cell.mode])
 
 
