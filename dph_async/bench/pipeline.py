@@ -18,7 +18,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dph_async.bench.cpu import CpuSample, ProcessTreeCPU, cpu_between
@@ -164,6 +164,14 @@ def compare(sync: RunFigures, async_: RunFigures, cores: int) -> Comparison:
                       speedup / bound if bound else None)
 
 
+def median_comparison(pairs: list[Comparison]) -> Comparison:
+    """Every figure's median over the repeats (each repeat compared within itself)."""
+    def med(values: list) -> float | None:
+        return None if any(v is None for v in values) else statistics.median(values)
+
+    return Comparison(*(med([getattr(p, f.name) for p in pairs]) for f in fields(Comparison)))
+
+
 @dataclass
 class BenchResult:
     date: str
@@ -171,7 +179,8 @@ class BenchResult:
     config: dict
     skip: int
     runs: dict[str, RunFigures]
-    comparison: Comparison
+    comparison: Comparison  # medians over the repeats
+    pairs: list[Comparison]  # each repeat's sync against its async
     scaling: dict | None = None
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -179,14 +188,22 @@ class BenchResult:
         return json.dumps(asdict(self), indent=2)
 
 
-def plan(cfg: RunConfig, actor_counts: list[int]) -> dict[str, RunConfig]:
-    """The runs of a benchmark: sync and async at the configured actors, then async at other counts."""
+def pair_names(repeats: int) -> list[tuple[str, str]]:
+    """(sync run, async run) names of each repeat: sync/async, then sync-2/async-2, ..."""
+    return [(f"sync{s}", f"async{s}") for s in ("", *(f"-{r}" for r in range(2, repeats + 1)))]
+
+
+def plan(cfg: RunConfig, actor_counts: list[int], repeats: int = 1) -> dict[str, RunConfig]:
+    """The runs of a benchmark in the order they run: sync and async at the configured actors, repeated
+    with the order alternating (so a drift in others' load on the machine falls on both modes), then
+    async at the other actor counts."""
     from dph_async.pipeline import validate
 
     n = cfg.actors.num_actors
+    order = [(name, name.split("-")[0], n) for i, pair in enumerate(pair_names(repeats))
+             for name in (pair if i % 2 == 0 else pair[::-1])]
     runs = {}
-    for name, mode, actors in [("sync", "sync", n), ("async", "async", n),
-                               *((f"async-{k}actors", "async", k) for k in actor_counts if k != n)]:
+    for name, mode, actors in [*order, *((f"async-{k}actors", "async", k) for k in actor_counts if k != n)]:
         c = cfg.model_copy(deep=True)
         c.mode, c.actors.num_actors = mode, actors
         if mode == "sync":
@@ -216,14 +233,15 @@ def _run_one(cfg: RunConfig, paths: RunPaths, prepared, mode: str, name: str, ti
     return sampler.samples
 
 
-def run_bench(cfg: RunConfig, out: Path, actor_counts: list[int], skip: int, machine: dict) -> BenchResult:
+def run_bench(cfg: RunConfig, out: Path, actor_counts: list[int], skip: int, machine: dict,
+              repeats: int = 1) -> BenchResult:
     """Run (or resume: finished runs are kept) the benchmark in `out`; write bench.json."""
     from dph_async.config import dump_config
     from dph_async.launcher import ray_cluster
     from dph_async.pipeline import REFERENCE_POOL_MODES, StageTimer, prepare
 
     mode = "grpo" if cfg.learner.loss.divergence == "none" else cfg.learner.loss.divergence
-    runs = plan(cfg, actor_counts)
+    runs = plan(cfg, actor_counts, repeats)
     paths = RunPaths(out)
     paths.root.mkdir(parents=True, exist_ok=True)
     paths.config.write_text(dump_config(cfg))
@@ -235,13 +253,15 @@ def run_bench(cfg: RunConfig, out: Path, actor_counts: list[int], skip: int, mac
             cpu = _run_one(rcfg, paths, prepared, mode, name, timer)
             figures[name] = measure(name, rcfg.mode, paths.rl(name), skip, cpu)
     cores = len(os.sched_getaffinity(0))
+    pairs = [compare(figures[s], figures[a], cores) for s, a in pair_names(repeats)]
     result = BenchResult(
         date=time.strftime("%Y-%m-%d %H:%M %Z"),
         machine={**machine, "load_avg_end": os.getloadavg()},
         config=cfg.model_dump(mode="json"),
         skip=skip,
         runs=figures,
-        comparison=compare(figures["sync"], figures["async"], cores),
+        comparison=median_comparison(pairs),
+        pairs=pairs,
         scaling=scaling_model(figures, cores),
         stage_seconds=timer.seconds,
     )
@@ -250,13 +270,17 @@ def run_bench(cfg: RunConfig, out: Path, actor_counts: list[int], skip: int, mac
 
 
 def scaling_model(figures: dict[str, RunFigures], cores: int) -> dict | None:
-    """The scaling model fitted on the sync run, checked against every run, and its projections."""
+    """The scaling model fitted on the sync run that others' jobs disturbed least, checked against
+    every run, and its projections."""
     from dph_async import scaling
 
-    if figures["sync"].cpu_cores is None:
+    syncs = [f for f in figures.values() if f.mode == "sync" and f.cpu_cores is not None]
+    if not syncs:
         return None
-    costs = scaling.Costs.from_sync(figures["sync"])
+    calibration = min(syncs, key=lambda f: f.cpu_cores.get("outside", 0.0))
+    costs = scaling.Costs.from_sync(calibration)
     return {
+        "calibration": calibration.name,
         "costs": asdict(costs),
         "check": [asdict(r) for r in scaling.check(costs, list(figures.values()), cores)],
         "projection_here": scaling.projection(costs, list(range(1, 9)), [1], cores),

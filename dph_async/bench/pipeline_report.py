@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from dph_async.bench.pipeline import BenchResult, RunFigures
+from dph_async.bench.pipeline import BenchResult, RunFigures, pair_names
 from dph_async.bench.timeline import OTHER, Timeline, steady_window
 from dph_async.report import markdown_table
 
@@ -37,6 +37,20 @@ def _busy_cell(shares: dict[str, float]) -> str:
     return ", ".join(f"{k} {_pct(v)}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]) if v >= 0.005)
 
 
+def _pairs_table(res: BenchResult) -> list[str]:
+    """Each repeat's figures, with the cores others' jobs took during its two runs."""
+    if len(res.pairs) < 2:
+        return []
+    rows = []
+    for (sync, async_), c in zip(pair_names(len(res.pairs)), res.pairs, strict=True):
+        outside = [res.runs[n].cpu_cores.get("outside", 0.0) if res.runs[n].cpu_cores else float("nan")
+                   for n in (sync, async_)]
+        rows.append([f"{sync} / {async_}", f"{c.generate_s:.3f}", f"{c.train_s:.3f}", f"{c.speedup:.2f}x",
+                     f"{c.ideal:.2f}x", _pct(c.of_ideal), f"{outside[0]:.2f} / {outside[1]:.2f}"])
+    return ["Each repeat:", "", markdown_table(["runs", "g", "t", "speedup", "ideal", "of ideal",
+                                                "cores used by others (sync / async)"], rows), ""]
+
+
 def markdown(res: BenchResult) -> str:
     c = res.comparison
     runs = list(res.runs.values())
@@ -45,13 +59,14 @@ def markdown(res: BenchResult) -> str:
         f"Machine: {res.machine.get('cpu', '?')}, {c.cores} cores; load average at start "
         f"{res.machine.get('load_avg')}, at end {res.machine.get('load_avg_end')}.",
         f"Steady-state window: learner steps {res.skip + 1}..end of each run.", "",
-        "## Async against sync", "",
+        "## Async against sync" + (f" (medians over {len(res.pairs)} repeats)" if len(res.pairs) > 1 else ""), "",
         markdown_table(["g (s/step)", "t (s/step)", "speedup", "ideal (g+t)/max(g,t)", "of ideal",
                         "CPU floor (s/step)", "ideal, CPU-bound", "of CPU-bound ideal"], [[
             f"{c.generate_s:.3f}", f"{c.train_s:.3f}", f"{c.speedup:.2f}x", f"{c.ideal:.2f}x", _pct(c.of_ideal),
             f"{c.cpu_floor_s:.3f}" if c.cpu_floor_s is not None else "-",
             f"{c.ideal_cpu_bound:.2f}x" if c.ideal_cpu_bound else "-",
             _pct(c.of_ideal_cpu_bound) if c.of_ideal_cpu_bound else "-"]]), "",
+        *_pairs_table(res),
         "## Runs", "",
         markdown_table(["run", "actors", "steps", "s/step", "samples/s", "tokens/s", "g s/step", "t s/step",
                         "actor gen tok/s", "learner tok/s", "all waiting", "cores used (learner/actors/ray/outside)",
@@ -79,7 +94,7 @@ def markdown(res: BenchResult) -> str:
         s, k = res.scaling, res.scaling["costs"]
         waiting = {r.name: r.all_waiting for r in runs}
         lines += ["## Scaling model against measured runs", "",
-                  f"Costs from the sync run: B = {k['samples_per_step']:.0f} samples/step, actor "
+                  f"Costs from run {s['calibration']}: B = {k['samples_per_step']:.0f} samples/step, actor "
                   f"{1e3 * k['actor_cpu_s_per_sample']:.2f} CPU-ms/sample, learner "
                   f"{k['learner_cpu_s_per_step']:.3f} CPU-s/step, sync latency {k['sync_latency_s']:.3f} s/step, "
                   f"other {k['other_cores']:.2f} cores (docs/scaling.md).", "",

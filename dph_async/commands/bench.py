@@ -12,7 +12,8 @@ Benchmark the RL pipeline on a workload: the embedded default, or --model/--data
 from the same base model and do the same work (learner.steps x learner.groups_per_step prompts x
 sampling.n samples): first in sync mode (generate a batch, train, publish, repeat), then in async
 mode (actors generate while the learner trains, within replay.max_staleness). With --actors, more
-async runs at other actor counts check the scaling model (docs/scaling.md).
+async runs at other actor counts check the scaling model (docs/scaling.md). On a shared machine,
+--repeats runs several sync/async pairs (alternating which goes first) and reports medians.
 
 Reported over each run's steady state (the first --skip learner steps are left out): seconds per
 step, samples and tokens per second, per-component tokens/s (actor generation, learner training),
@@ -30,7 +31,7 @@ Sub-benchmarks: `dph-async bench kernels`, `bench transport`, `bench scorer` (se
 
 examples:
   dph-async bench                                   # embedded default, 60 steps per mode
-  dph-async bench --steps 150 --actors 1 2 3        # plus the scaling check at 1 and 3 actors
+  dph-async bench --steps 100 --repeats 3 --actors 1 2 3   # 3 sync/async pairs, scaling at 1 and 3 actors
   dph-async bench --set replay.max_staleness=2 --set actors.max_inflight_prompts=32
   dph-async bench --model path/to/hf_model --data train.parquet --steps 20 --out runs/bench/qwen
 """
@@ -42,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, help="learner steps per run (default: 60, or learner.steps of --set)")
     p.add_argument("--skip", type=int, default=5, help="first learner steps left out of the steady state "
                    "(default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1, help="sync/async pairs, their order alternating; the "
+                   "comparison is the median over pairs (default: %(default)s)")
     p.add_argument("--actors", type=int, nargs="+", default=[], metavar="N",
                    help="also run async with these actor counts, for the scaling check (e.g. 1 2 3)")
     p.add_argument("--model", help="a Hugging Face causal-LM directory (sets model.path)")
@@ -76,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
         shutil.rmtree(args.out / "rl")
 
     def work() -> None:
-        res = run_bench(cfg, args.out, args.actors, args.skip, machine())
+        res = run_bench(cfg, args.out, args.actors, args.skip, machine(), args.repeats)
         write_report(res, args.out)
         c = res.comparison
         bound = f"; CPU-bound ideal {c.ideal_cpu_bound:.2f}x -> {c.of_ideal_cpu_bound:.0%}" if c.ideal_cpu_bound else ""
