@@ -59,6 +59,9 @@ class RunFigures:
     name: str
     mode: str
     actors: int
+    eta: int  # replay.max_staleness
+    inflight_prompts: int  # actors.max_inflight_prompts
+    groups_per_step: int
     steps: int  # learner steps in the window
     window_s: float
     step_s: float
@@ -83,8 +86,8 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def measure(name: str, mode: str, rl_dir: Path, skip: int, cpu: list[CpuSample] | None) -> RunFigures:
-    """Figures of a finished run in rl_dir (result.json, timeline.json, metrics.jsonl)."""
+def measure(name: str, cfg: RunConfig, rl_dir: Path, skip: int, cpu: list[CpuSample] | None) -> RunFigures:
+    """Figures of a finished run of `cfg` in rl_dir (result.json, timeline.json, metrics.jsonl)."""
     result = json.loads((rl_dir / "result.json").read_text())
     tl = Timeline.load(rl_dir / "timeline.json")
     win: Window = steady_window(tl.learner, skip)
@@ -106,8 +109,11 @@ def measure(name: str, mode: str, rl_dir: Path, skip: int, cpu: list[CpuSample] 
     last = rows[-max(1, len(rows) // 5):]
     return RunFigures(
         name=name,
-        mode=mode,
+        mode=cfg.mode,
         actors=len(actors),
+        eta=cfg.replay.max_staleness,
+        inflight_prompts=cfg.actors.max_inflight_prompts,
+        groups_per_step=cfg.learner.groups_per_step,
         steps=win.steps,
         window_s=win.seconds,
         step_s=win.seconds / win.steps,
@@ -251,7 +257,7 @@ def run_bench(cfg: RunConfig, out: Path, actor_counts: list[int], skip: int, mac
         prepared = prepare(cfg, paths, timer, mode in REFERENCE_POOL_MODES)
         for name, rcfg in runs.items():
             cpu = _run_one(rcfg, paths, prepared, mode, name, timer)
-            figures[name] = measure(name, rcfg.mode, paths.rl(name), skip, cpu)
+            figures[name] = measure(name, rcfg, paths.rl(name), skip, cpu)
     cores = len(os.sched_getaffinity(0))
     pairs = [compare(figures[s], figures[a], cores) for s, a in pair_names(repeats)]
     result = BenchResult(
@@ -279,10 +285,12 @@ def scaling_model(figures: dict[str, RunFigures], cores: int) -> dict | None:
         return None
     calibration = min(syncs, key=lambda f: f.cpu_cores.get("outside", 0.0))
     costs = scaling.Costs.from_sync(calibration)
+    eta, groups = figures["async"].eta, calibration.groups_per_step
     return {
         "calibration": calibration.name,
         "costs": asdict(costs),
         "check": [asdict(r) for r in scaling.check(costs, list(figures.values()), cores)],
-        "projection_here": scaling.projection(costs, list(range(1, 9)), [1], cores),
-        "projection_dedicated": scaling.projection(costs, [1, 2, 4, 8, 16, 32], [1, 2, 4, 8], None),
+        # Batches split evenly over the actors, at the async run's eta.
+        "projection_here": scaling.projection(costs, list(range(1, 9)), [1], cores, eta, groups),
+        "projection_dedicated": scaling.projection(costs, [1, 2, 4, 8, 16, 32], [1, 2, 4, 8], None, eta, groups),
     }
