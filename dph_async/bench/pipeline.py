@@ -212,11 +212,10 @@ def plan(cfg: RunConfig, actor_counts: list[int], repeats: int = 1) -> dict[str,
     for name, mode, actors in [*order, *((f"async-{k}actors", "async", k) for k in actor_counts if k != n)]:
         c = cfg.model_copy(deep=True)
         c.mode, c.actors.num_actors = mode, actors
-        if mode == "sync":
-            # Synchronous GRPO splits each batch over the actors. Tickets go to whoever asks first, so
-            # without this cap the first actor to load the new weights would take the whole batch.
-            even = -(-c.learner.groups_per_step // actors)
-            c.actors.max_inflight_prompts = min(c.actors.max_inflight_prompts, even)
+        # Each batch split over the actors, as synchronous GRPO does. Tickets go to whoever asks
+        # first, so without this cap the first actor to ask would take a whole batch (docs/scaling.md).
+        even = -(-c.learner.groups_per_step // actors)
+        c.actors.max_inflight_prompts = min(c.actors.max_inflight_prompts, even)
         runs[name] = validate(c, [])
     return runs
 

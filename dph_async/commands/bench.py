@@ -11,9 +11,11 @@ DESCRIPTION = """\
 Benchmark the RL pipeline on a workload: the embedded default, or --model/--data. Both runs start
 from the same base model and do the same work (learner.steps x learner.groups_per_step prompts x
 sampling.n samples): first in sync mode (generate a batch, train, publish, repeat), then in async
-mode (actors generate while the learner trains, within replay.max_staleness). With --actors, more
-async runs at other actor counts check the scaling model (docs/scaling.md). On a shared machine,
---repeats runs several sync/async pairs (alternating which goes first) and reports medians.
+mode (actors generate while the learner trains, within replay.max_staleness). In both, each batch
+is split evenly over the actors (actors.max_inflight_prompts at most groups_per_step / actors).
+With --actors, more async runs at other actor counts check the scaling model (docs/scaling.md). On
+a shared machine, --repeats runs several sync/async pairs (alternating which goes first) and
+reports medians.
 
 Reported over each run's steady state (the first --skip learner steps are left out): seconds per
 step, samples and tokens per second, per-component tokens/s (actor generation, learner training),
