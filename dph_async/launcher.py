@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from dph_async.config import RunConfig
 
@@ -174,6 +174,21 @@ class ActorProcess:
         self._stop.set()
 
 
+def _wait_restarted(actor: ray.actor.ActorHandle, timeout_s: float = 600.0) -> int:
+    """Block until Ray has brought a dead actor back (its __init__ ran again); return its new pid.
+    Calls to an actor that is restarting fail fast as unavailable, so keep asking."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            return ray.get(actor.pid.remote(), timeout=max(1.0, deadline - time.time()))
+        except ActorUnavailableError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)
+        except ActorDiedError:
+            raise RuntimeError("an actor died and Ray will not restart it (launcher.max_actor_restarts)") from None
+
+
 @dataclass
 class RLResult:
     name: str
@@ -236,6 +251,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                             if restarts > cfg.launcher.max_actor_restarts * cfg.actors.num_actors:
                                 raise RuntimeError(f"actor {i} keeps dying; giving up") from e
                             log.warning("actor %d died (%s); Ray restarts it and it resumes", i, type(e).__name__)
+                            pids[f"actor{i}"] = _wait_restarted(actors[i])
                         runs[i] = actors[i].run.remote()
         out = final_model(rl_dir)
         ray.get(learner.save_model.remote(str(out)))

@@ -422,6 +422,8 @@ class Control:
 
     command: ControlCommand
     path: str = ""
+    # snapshot: the learner's version (optimizer steps applied) at the checkpoint; -1 if unknown.
+    version: int = -1
 
 
 @dataclass

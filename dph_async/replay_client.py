@@ -325,15 +325,17 @@ class ReplayClient:
     def stats(self) -> dict:
         return self._call(StatsRequest(), lambda m: isinstance(m, Stats)).metrics
 
-    def _control(self, command: str, path: str = "") -> str:
-        reply = self._call(Control(command, path), lambda m: isinstance(m, ControlReply))
+    def _control(self, command: str, path: str = "", version: int = -1) -> str:
+        reply = self._call(Control(command, path, version), lambda m: isinstance(m, ControlReply))
         if not reply.ok:
             raise ReplayError(reply.detail)
         return reply.detail
 
-    def snapshot(self, path: str) -> str:
-        """Have the replay write its whole state under `path` (a directory) for a checkpoint."""
-        return self._control("snapshot", path)
+    def snapshot(self, path: str, version: int = -1) -> str:
+        """Have the replay write its whole state under `path` (a directory) for a checkpoint taken by
+        the learner at `version`: the replay may have heard only of the previous version (its last batch
+        request), and a restore measures what to rewind from the checkpoint's version."""
+        return self._control("snapshot", path, version)
 
     def restore(self, path: str) -> str:
         """Return the replay to a snapshot (see ReplayCore.restore for what is kept)."""

@@ -81,7 +81,7 @@ class LearnerLoop:
         start = time.time()
         tag = f"v{self.trainer.version}"
         replay_dir = self.checkpoint_dir / tag / "replay"
-        self.replay.snapshot(str(replay_dir.resolve()))
+        self.replay.snapshot(str(replay_dir.resolve()), self.trainer.version)
         self.trainer.save(self.checkpoint_dir, {"replay": str(replay_dir), "metrics": len(self.metrics)})
         self.stats.checkpoint_seconds += self._span(start, "checkpoint")
         return self.checkpoint_dir / tag

@@ -287,8 +287,10 @@ class ReplayCore:
         self.reference.cursor = state.reference_cursor
         self._unlogged_drops = []
 
-    def snapshot(self, path: str | Path) -> str:
-        """Write the whole state to `path` (a directory, or a *.arrow file) for a learner checkpoint."""
+    def snapshot(self, path: str | Path, version: int = -1) -> str:
+        """Write the whole state to `path` (a directory, or a *.arrow file) for a learner checkpoint
+        taken at `version` (the learner's, newer than the last one it asked a batch for)."""
+        self.version = max(self.version, version)
         segment = self.wal.roll() if self.wal is not None else 0
         target = write_state(path, self.state(segment))
         if self.wal is not None:
@@ -296,11 +298,13 @@ class ReplayCore:
         return f"replay snapshot at version {self.version}: {len(self.store)} groups held, written to {target}"
 
     def restore(self, path: str | Path) -> str:
-        """Return to a snapshot, keeping what actors were told is accepted.
+        """Return to a snapshot.
 
         The learner rewinds to its checkpoint, so batches served after the snapshot are forgotten;
         groups accepted after it are re-added from the log (actors will not resend them), and any
-        group with tokens from versions after the snapshot's is dropped as `rewound`."""
+        group with tokens from versions after the snapshot's is dropped as `rewound` and its position
+        is no longer accepted: an actor that resumes generates it again, so a resumed run consumes what
+        an uninterrupted one would have (an actor that keeps running has moved past it)."""
         state = read_state(path)
         notes, later = [], []
         if self.wal is not None and state.wal_id == self.wal.wal_id:
@@ -319,6 +323,7 @@ class ReplayCore:
         rewound = [e for e in self.store if e.place != "pending" and e.max_version > self.version]
         for e in rewound:
             self._dropped(self.store.remove(e.group.group_id), "rewound")
+            self.accepted.discard(e.group.group_id)
         if self.wal is not None:  # the log now starts from the restored state
             self.wal.write_base(self._write_base)
         return (

@@ -29,6 +29,17 @@ class AcceptedSeqs:
             low += 1
         self._watermark[actor] = low
 
+    def discard(self, group_id: tuple[int, int]) -> None:
+        """Forget one accepted seq (a rewound group): it becomes acceptable again."""
+        actor, seq = group_id
+        low = self._watermark.get(actor, 0)
+        above = self._above.setdefault(actor, set())
+        if seq < low:
+            above.update(range(seq + 1, low))
+            self._watermark[actor] = seq
+        else:
+            above.discard(seq)
+
     def resume_point(self, actor: int) -> tuple[int, list[int]]:
         """(watermark, sorted seqs accepted above it) for one actor."""
         return self._watermark.get(actor, 0), sorted(self._above.get(actor, ()))

@@ -78,15 +78,11 @@ class ReplayService:
         restart loses everything). Port 0 in a tcp address picks a free port; see the *_endpoint
         attributes for what was bound."""
         self.cfg = cfg
-        reference = (
-            ReferencePool.load(reference_path, seed, cfg.logprob_tolerance) if reference_path else None
-        )
+        reference = ReferencePool.load(reference_path, seed, cfg.logprob_tolerance) if reference_path else None
         wal = WriteAheadLog(wal_dir, cfg.wal_fsync, int(cfg.wal_segment_mb * MiB)) if wal_dir else None
         self.core = ReplayCore(cfg, groups_per_batch, reference, wal)
         if self.core.recovered:
-            log.info(
-                "replay recovered %d log records: %d groups held", self.core.recovered, len(self.core.store)
-            )
+            log.info("replay recovered %d log records: %d groups held", self.core.recovered, len(self.core.store))
         self._ingest_limits = Limits(max_bytes=int(cfg.max_group_mb * MiB))
         self._ctx = zmq.Context()
         security = security or NetSecurity()
@@ -128,9 +124,7 @@ class ReplayService:
                     self._drain_batch()
                 self._serve_parked()
         except OSError:
-            log.critical(
-                "replay: write-ahead log write failed; stopping so state never runs ahead of the log"
-            )
+            log.critical("replay: write-ahead log write failed; stopping so state never runs ahead of the log")
             raise
         finally:
             self._close()
@@ -271,7 +265,7 @@ class ReplayService:
             return ControlReply(False, f"{msg.command} needs a path")
         try:
             if msg.command == "snapshot":
-                return ControlReply(True, self.core.snapshot(msg.path))
+                return ControlReply(True, self.core.snapshot(msg.path, msg.version))
             self._parked_batch = None  # a restore rewinds the learner: its old request is void
             return ControlReply(True, self.core.restore(msg.path))
         except (ReplayStateError, OSError, pa.ArrowException) as e:

@@ -45,7 +45,8 @@ def consumed(rl_dir: Path) -> list[dict]:
 
 
 def group_ids(rl_dir: Path) -> list[tuple[int, int]]:
-    return [(a, s) for step in consumed(rl_dir) for a, s, *_ in step["groups"]]
+    """Every consumed group id, step by step (sorted within a step: arrival order is not data)."""
+    return [gid for step in consumed(rl_dir) for gid in sorted((a, s) for a, s, *_ in step["groups"])]
 
 
 def train(prepared, name: str, *overrides: str, mode: str = "js_low_var", **kwargs) -> tuple[RLResult, Path]:
