@@ -25,7 +25,8 @@ import numpy as np
 from dph_async.rewards.result import RewardResult
 
 # Bump on any change to a message's fields: peers with another version are refused, not misread.
-SCHEMA_VERSION = 1
+# 2: Control.version (the learner's version at a snapshot).
+SCHEMA_VERSION = 2
 
 MiB = 1 << 20
 
@@ -288,7 +289,7 @@ class ResumeInfo:
     learner_version: int
 
     def is_accepted(self, seq: int) -> bool:
-        return seq < self.watermark or seq in set(self.accepted_above)
+        return seq < self.watermark or seq in self.accepted_above
 
 
 @dataclass

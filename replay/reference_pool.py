@@ -40,9 +40,7 @@ def _list_column(path: Path, table: pa.Table, name: str, value_kind: str) -> tup
     typ = col.type
     inner = typ.value_type if pa.types.is_list(typ) or pa.types.is_large_list(typ) else None
     ok = inner is not None and (
-        pa.types.is_integer(inner)
-        if value_kind == "int"
-        else pa.types.is_floating(inner) or pa.types.is_integer(inner)
+        pa.types.is_integer(inner) if value_kind == "int" else pa.types.is_floating(inner) or pa.types.is_integer(inner)
     )
     if not ok:
         want = "list<int32>" if value_kind == "int" else "list<float32>"
@@ -101,9 +99,7 @@ class ReferencePool:
             for sample in _load_file(file, tolerance):
                 if sample.sample_id in origin:
                     first = origin[sample.sample_id]
-                    raise ReferencePoolError(
-                        f"{file}: sample_id {sample.sample_id!r} appears twice (also in {first})"
-                    )
+                    raise ReferencePoolError(f"{file}: sample_id {sample.sample_id!r} appears twice (also in {first})")
                 origin[sample.sample_id] = file
                 samples.append(sample)
         return cls(samples, seed)

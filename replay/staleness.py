@@ -57,9 +57,7 @@ class Admission:
         """Answer a ticket request. `outstanding` is the actor's own count of unused tickets and
         replaces ours, so the counts heal after either side restarted."""
         self.in_flight[actor] = outstanding
-        granted = (
-            want if not self.enabled else min(want, self.capacity(learner_version, admitted, weights_version))
-        )
+        granted = want if not self.enabled else min(want, self.capacity(learner_version, admitted, weights_version))
         self.in_flight[actor] += granted
         self.granted_total += granted
         return granted

@@ -87,9 +87,7 @@ def read_state(path: str | os.PathLike) -> ReplayState:
         table = reader.read_all()
         meta = json.loads(reader.schema.metadata[_META_KEY])
     except (OSError, pa.ArrowException, KeyError, TypeError, ValueError) as e:
-        raise ReplayStateError(
-            f"{source}: not a readable replay state file ({type(e).__name__}: {e})"
-        ) from None
+        raise ReplayStateError(f"{source}: not a readable replay state file ({type(e).__name__}: {e})") from None
     if meta.get("format") != FORMAT:
         raise ReplayStateError(f"{source}: state format {meta.get('format')!r}, this build reads {FORMAT}")
     pending = meta["pending"]

@@ -239,8 +239,8 @@ def test_each_problem_is_named():
         change(h, a)
         return _error([msgpack.packb(h), *a])
 
-    e = error_after(lambda h, a: h.update(v=2))
-    assert e.kind == "version" and "schema version 2" in str(e)
+    e = error_after(lambda h, a: h.update(v=P.SCHEMA_VERSION + 1))
+    assert e.kind == "version" and f"schema version {P.SCHEMA_VERSION + 1} is not supported" in str(e)
     e = error_after(lambda h, a: h.update(t="Nope"))
     assert e.kind == "type" and "'Nope'" in str(e)
     e = error_after(lambda h, a: h["m"].pop("seq"))
@@ -281,7 +281,7 @@ def test_malformed_frames_and_sizes():
     assert _error([]).kind == "frames"
     assert _error([b"\xc1"]).kind == "header"  # 0xc1 is never valid msgpack
     assert _error([msgpack.packb([1, 2])]).kind == "header"
-    assert _error([msgpack.packb({"v": 1, "t": "Ack"})]).kind == "header"
+    assert _error([msgpack.packb({"v": P.SCHEMA_VERSION, "t": "Ack"})]).kind == "header"
     assert _error(["not bytes"]).kind == "frames"
     frames = P.encode(synthetic_group(0, 0, n=1, tokens=1000))
     e = _error(frames, P.Limits(max_bytes=1000))
@@ -298,7 +298,7 @@ def test_malformed_frames_and_sizes():
 
 def test_msgpack_extensions_and_absurd_shapes_are_refused():
     head, arrays = _header(synthetic_group(0, 0, n=1, tokens=2))
-    ext = msgpack.packb({"v": 1, "t": "StatsRequest", "m": msgpack.ExtType(5, b"x")})
+    ext = msgpack.packb({"v": P.SCHEMA_VERSION, "t": "StatsRequest", "m": msgpack.ExtType(5, b"x")})
     assert _error([ext]).kind == "header"
     head["m"]["prompt_ids"] = ["int32", [0, 2**40, 2**40]]
     assert _error([msgpack.packb(head), b"", *arrays[1:]]).kind == "array"

@@ -155,4 +155,4 @@ def test_random_header_bodies(seed, body):
     """Any msgpack value as the fields of a real message type, with that message's array frames."""
     frames = SEED_FRAMES[seed]
     head = msgpack.unpackb(frames[0])
-    check([msgpack.packb({"v": 1, "t": head["t"], "m": body}), *frames[1:]])
+    check([msgpack.packb({"v": P.SCHEMA_VERSION, "t": head["t"], "m": body}), *frames[1:]])

@@ -67,3 +67,16 @@ def test_accepted_seqs_watermark_and_stragglers():
     seqs.add((8, 5))
     copy = AcceptedSeqs.from_state(seqs.to_state())
     assert copy.resume_point(8) == (0, [5]) and (7, 10) in copy
+
+
+def test_discarding_an_accepted_seq_reopens_it():
+    seqs = AcceptedSeqs()
+    for s in range(10):
+        seqs.add((0, s))
+    seqs.discard((0, 4))
+    assert seqs.resume_point(0) == (4, [5, 6, 7, 8, 9]) and (0, 4) not in seqs and (0, 5) in seqs
+    seqs.discard((0, 7))
+    assert seqs.resume_point(0) == (4, [5, 6, 8, 9])
+    seqs.add((0, 4))
+    seqs.add((0, 7))
+    assert seqs.resume_point(0) == (10, [])
