@@ -12,7 +12,9 @@ shape, each measurement moves the same bytes:
     memcpy        copying the group's bytes in one process, for scale
 
 Every repeat runs each mode once, in a rotating order, and the ratios are taken within a repeat,
-so load from other processes on the machine shifts both sides of a ratio alike.
+so load from other processes on the machine shifts both sides of a ratio alike. The CPU time both
+processes spend per group (all threads, ZeroMQ's I/O threads included) is recorded too: unlike
+wall-clock rates it hardly depends on who else is using the cores.
 
 plus the whole ingest path into a replay process (with and without its write-ahead log) and the
 replay's own insert+sample rate in-process with 100k groups held. `synthetic_group`
@@ -103,16 +105,21 @@ def _sender(control: str, data: str, queue: mp.Queue) -> None:
     push.setsockopt(zmq.SNDHWM, HWM)
     push.connect(data)
     groups: dict[tuple[int, int], RolloutGroup] = {}
+    loop_start = time.process_time()
     while True:
         cmd = ctl.recv_json()
         if cmd["mode"] == "exit":
             break
+        if cmd["mode"] == "cpu":  # asked once the receiver has everything: our I/O thread is done too
+            ctl.send_json(time.process_time() - loop_start)
+            continue
         shape = (cmd["n"], cmd["tokens"])
         if shape not in groups:
             groups[shape] = synthetic_group(0, 0, n=cmd["n"], tokens=cmd["tokens"], prompt_tokens=cmd["prompt"])
         group = groups[shape]
         frames = raw_frames(group)
         lists = as_lists(group) if cmd["mode"] == "pickle_lists" else None
+        loop_start = time.process_time()
         for _ in range(cmd["count"]):
             if cmd["mode"] == "zmq":
                 push.send_multipart(frames, copy=False)
@@ -134,6 +141,11 @@ class Cell:
     group_bytes: int
     count: int
     seconds: float
+    cpu_s: float  # CPU time of both processes (all their threads) for the whole run
+
+    @property
+    def cpu_us_per_group(self) -> float:
+        return self.cpu_s / self.count * 1e6
 
     @property
     def groups_per_s(self) -> float:
@@ -171,6 +183,7 @@ class TransportBench:
     def run(self, mode: str, n: int, tokens: int, count: int) -> Cell:
         """Time `count` groups from the first received to the last (process start-up excluded)."""
         group_bytes = n * tokens * 12 + self.prompt * 4
+        cpu_start = time.process_time()
         self.ctl.send_json({"mode": mode, "n": n, "tokens": tokens, "prompt": self.prompt, "count": count})
         if mode.startswith("pickle"):
             receive = self.queue.get
@@ -182,7 +195,10 @@ class TransportBench:
         start = time.perf_counter()
         for _ in range(count - 1):
             receive()
-        cell = Cell(mode, self.transport, n, tokens, group_bytes, count, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.ctl.send_json({"mode": "cpu"})
+        cpu_s = time.process_time() - cpu_start + self.ctl.recv_json()
+        cell = Cell(mode, self.transport, n, tokens, group_bytes, count, seconds, cpu_s)
         if self.on_cell is not None:
             self.on_cell(cell)
         return cell
@@ -212,7 +228,12 @@ def count_for(group_bytes: int, target_bytes: float) -> int:
 def _summary(cells: list[Cell]) -> dict:
     rates = [c.groups_per_s for c in cells]
     median = statistics.median(rates)
-    return {"groups_per_s": median, "gb_per_s": median * cells[0].group_bytes / 1e9, "runs_groups_per_s": rates}
+    return {
+        "groups_per_s": median,
+        "gb_per_s": median * cells[0].group_bytes / 1e9,
+        "cpu_us_per_group": statistics.median(c.cpu_us_per_group for c in cells),
+        "runs_groups_per_s": rates,
+    }
 
 
 MODES = ("zmq", "protocol", "pickle", "pickle_lists")
@@ -255,6 +276,9 @@ def bench_transport(
                     ]
                     row[f"protocol_vs_{base}"] = statistics.median(ratios)
                     row[f"protocol_vs_{base}_runs"] = ratios
+                # CPU seconds hardly depend on who else uses the cores: the protocol's own cost.
+                cpu = [p.cpu_s / z.cpu_s for p, z in zip(runs["protocol"], runs["zmq"], strict=True)]
+                row["protocol_cpu_vs_zmq"] = statistics.median(cpu)
                 row["memcpy_gb_per_s"] = memcpy_gb_per_s(group_bytes)
                 rows.append(row)
         finally:

@@ -73,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
 
     console = Console()
     if not console.is_terminal:  # a log file: wide enough for the tables
-        console = Console(width=180)
+        console = Console(width=240)
     shapes = [(args.n, t) for t in args.tokens]
     result: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -99,6 +99,9 @@ def main(args: argparse.Namespace) -> int:
         "protocol GB/s",
         "groups/s",
         "protocol/zmq",
+        "CPU us/group zmq",
+        "protocol",
+        "protocol CPU/zmq",
         "pickle GB/s",
         "protocol/pickle",
         "pickle lists GB/s",
@@ -115,6 +118,9 @@ def main(args: argparse.Namespace) -> int:
             f"{r['protocol']['gb_per_s']:.2f}",
             f"{r['protocol']['groups_per_s']:,.0f}",
             f"{r['protocol_vs_zmq']:.0%}",
+            f"{r['zmq']['cpu_us_per_group']:,.0f}",
+            f"{r['protocol']['cpu_us_per_group']:,.0f}",
+            f"{r['protocol_cpu_vs_zmq']:.2f}x",
             f"{r['pickle']['gb_per_s']:.2f}",
             f"{r['protocol_vs_pickle']:.1f}x",
             f"{r['pickle_lists']['gb_per_s']:.3f}",
@@ -128,12 +134,14 @@ def main(args: argparse.Namespace) -> int:
             "protocol_vs_zmq": min(r["protocol_vs_zmq"] for r in big),
             "protocol_vs_pickle": min(r["protocol_vs_pickle"] for r in big),
             "protocol_vs_pickle_lists": min(r["protocol_vs_pickle_lists"] for r in big),
+            "protocol_cpu_vs_zmq": max(r["protocol_cpu_vs_zmq"] for r in big),
         }
         result["targets_1mib_and_more"] = targets
         console.print(
             f"groups >= 1 MiB, worst row: protocol/zmq {targets['protocol_vs_zmq']:.0%} (target >= 80%); "
             f"protocol/pickle of numpy arrays {targets['protocol_vs_pickle']:.1f}x, of Python lists "
-            f"(TRL's rollout form) {targets['protocol_vs_pickle_lists']:.0f}x (target >= 10x)",
+            f"(TRL's rollout form) {targets['protocol_vs_pickle_lists']:.0f}x (target >= 10x); CPU per group "
+            f"{targets['protocol_cpu_vs_zmq']:.2f}x bare ZeroMQ's",
             highlight=False,
         )
     if args.ingest_tokens:
