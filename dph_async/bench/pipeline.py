@@ -37,7 +37,7 @@ from dph_async.paths import RunPaths
 
 # Applied before the user's overrides: a throughput benchmark of the RL loop, not a training run.
 # Checkpoints would add the same pause to both modes; their cost is its own span in the timeline.
-BENCH_DEFAULTS = ("learner.steps=60", "learner.checkpoint_every=0", "logging.wandb_mode=disabled")
+BENCH_DEFAULTS = ("learner.steps=100", "learner.checkpoint_every=0", "logging.wandb_mode=disabled")
 
 
 @dataclass

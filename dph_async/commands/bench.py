@@ -32,8 +32,8 @@ command again only redoes the report (--fresh starts over).
 Sub-benchmarks: `dph-async bench kernels`, `bench transport`, `bench scorer` (see their --help).
 
 examples:
-  dph-async bench                                   # embedded default, 60 steps per mode
-  dph-async bench --steps 100 --repeats 3 --actors 1 2 3   # 3 sync/async pairs, scaling at 1 and 3 actors
+  dph-async bench                                   # embedded default, 100 steps per mode
+  dph-async bench --repeats 3 --actors 1 2 3        # 3 sync/async pairs; scaling at 1 and 3 actors
   dph-async bench --set replay.max_staleness=2 --set actors.max_inflight_prompts=32
   dph-async bench --model path/to/hf_model --data train.parquet --steps 20 --out runs/bench/qwen
 """
@@ -42,7 +42,7 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", "-o", type=Path, default=Path("runs/bench/pipeline"), help="output directory "
                    "(default: %(default)s)")
-    p.add_argument("--steps", type=int, help="learner steps per run (default: 60, or learner.steps of --set)")
+    p.add_argument("--steps", type=int, help="learner steps per run (default: 100, or learner.steps of --set)")
     p.add_argument("--skip", type=int, default=5, help="first learner steps left out of the steady state "
                    "(default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1, help="sync/async pairs, their order alternating; the "
