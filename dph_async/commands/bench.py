@@ -34,7 +34,7 @@ Sub-benchmarks: `dph-async bench kernels`, `bench transport`, `bench scorer` (se
 examples:
   dph-async bench                                   # embedded default, 100 steps per mode
   dph-async bench --repeats 3 --actors 1 2 3        # 3 sync/async pairs; scaling at 1 and 3 actors
-  dph-async bench --set replay.max_staleness=2 --set actors.max_inflight_prompts=32
+  dph-async bench --set replay.max_staleness=2 --set learner.groups_per_step=32
   dph-async bench --model path/to/hf_model --data train.parquet --steps 20 --out runs/bench/qwen
 """
 
