@@ -21,6 +21,7 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -31,6 +32,9 @@ from dph_async.progress import console
 
 # DeepSpeed's file with the module's full state dict (ZeRO stages 0-2, one model-parallel rank).
 MODEL_STATES = "mp_rank_00_model_states.pt"
+
+if TYPE_CHECKING:
+    from dph_async.pipeline import Prepared, StageTimer
 
 
 def eval_versions(steps: int, points: int) -> list[int]:
@@ -67,7 +71,8 @@ def export_checkpoint(rl_dir: Path, version: int, base: Path, out: Path) -> Path
     return Path(ray.get(_export_task.remote(str(base), str(states), str(out))))
 
 
-def run_cell(cfg: RunConfig, paths: RunPaths, prepared, cell: Cell, eval_points: int, timer) -> None:
+def run_cell(cfg: RunConfig, paths: RunPaths, prepared: Prepared, cell: Cell, eval_points: int,
+             timer: StageTimer) -> None:
     """Train and evaluate one cell (resuming a stopped one); write its cell.json last."""
     from dph_async.pipeline import evaluate_model, train_mode
 
