@@ -108,12 +108,14 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
     killed: list[int] = []
 
     def kill_once(metrics: dict[str, float]) -> None:
-        if metrics["learner/version"] >= 2 and not killed:
+        if metrics["learner/version"] >= 1 and not killed:
             killed.append(pids["actor0"])
             os.kill(pids["actor0"], signal.SIGKILL)
 
-    # One actor: the run can only finish if the killed actor comes back.
-    result, rl_dir = train(prepared, "chaos", "learner.steps=6", "replay.max_staleness=2", "actors.num_actors=1",
+    # One actor, and admission lets it work on one batch ahead at most (eta = 0): the steps after
+    # the kill can only be taken if the killed actor comes back. With a larger eta the actor could
+    # have produced every remaining batch before the kill, and the run would end without noticing.
+    result, rl_dir = train(prepared, "chaos", "learner.steps=6", "replay.max_staleness=0", "actors.num_actors=1",
                            on_started=pids.update, on_metrics=kill_once)
     assert killed and result.actor_restarts >= 1
     assert result.metrics[-1]["learner/version"] == 6
