@@ -104,9 +104,10 @@ class RolloutWorker:
     def _start(self, seq: int) -> None:
         record = self.cursor[seq]
         self._inflight[seq] = []
-        self._started[seq] = time.time()
+        start = self._started[seq] = time.time()
         for j in range(self.cfg.sampling.n):
             self.engine.add(f"{seq}/{j}", record.prompt_ids, self.spec)
+        self._mark(start, "submit")
 
     def _finish(self, seq: int) -> None:
         record = self.cursor[seq]

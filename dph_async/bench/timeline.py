@@ -2,8 +2,9 @@
 
 An RL run writes `timeline.json`: for the learner and for each actor, wall-clock spans (start, end,
 what). Learner spans are "wait" (for a batch), "train", "publish" and "checkpoint"; actor spans are
-"generate", "score", "weights" and "wait". Time inside a process's window that no span covers is
-"other" (sending, bookkeeping, Python between spans).
+"submit" (handing a prompt's n requests to the engine), "generate", "score", "weights" and "wait".
+Time inside a process's window that no span covers is "other" (sending, bookkeeping, Python between
+spans).
 
 The steady-state window of a run starts at the end of its `skip`-th training step and ends at the
 end of its last one, so it holds whole learner cycles (publish, wait, train) and leaves out start-up
@@ -21,7 +22,7 @@ OTHER = "other"
 # generation: the learner waits while the actors load weights, generate and score).
 TRAIN_PHASE = ("train", "publish", "checkpoint")
 # Where spans overlap, the moment counts as the first of these (work before waiting).
-PRIORITY = ("train", "generate", "score", "weights", "publish", "checkpoint", "wait")
+PRIORITY = ("train", "generate", "submit", "score", "weights", "publish", "checkpoint", "wait")
 
 
 @dataclass(frozen=True)
