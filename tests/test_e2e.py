@@ -115,9 +115,9 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
     # One actor, and admission lets it work on one batch ahead at most (eta = 0): the steps after
     # the kill can only be taken if the killed actor comes back. With a larger eta the actor could
     # have produced every remaining batch before the kill, and the run would end without noticing.
-    result, rl_dir = train(prepared, "chaos", "learner.steps=6", "replay.max_staleness=0", "actors.num_actors=1",
+    result, rl_dir = train(prepared, "chaos", "learner.steps=8", "replay.max_staleness=0", "actors.num_actors=1",
                            on_started=pids.update, on_metrics=kill_once)
     assert killed and result.actor_restarts >= 1
-    assert result.metrics[-1]["learner/version"] == 6
+    assert result.metrics[-1]["learner/version"] == 8
     ids = group_ids(rl_dir)
-    assert len(ids) == len(set(ids)) == 6 * 4
+    assert len(ids) == len(set(ids)) == 8 * 4
