@@ -10,7 +10,7 @@ import json
 import matplotlib.image
 import pytest
 
-from dph_async.cli import main
+from dph_async.app.cli import main
 
 pytestmark = pytest.mark.slow
 

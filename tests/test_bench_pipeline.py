@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dph_async.bench.pipeline import Comparison, median_comparison, pair_names, plan
+from dph_async.app.bench.pipeline import Comparison, median_comparison, pair_names, plan
 from dph_async.config import load_config
 
 

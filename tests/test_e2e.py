@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from dph_async.app.launcher import RLResult, ray_cluster, run_rl
+from dph_async.app.pipeline import StageTimer, prepare, validate
 from dph_async.config import RunConfig, load_config
-from dph_async.launcher import RLResult, ray_cluster, run_rl
 from dph_async.paths import RunPaths
-from dph_async.pipeline import StageTimer, prepare, validate
 
 pytestmark = pytest.mark.slow
 
@@ -139,7 +139,7 @@ def test_ctrl_c_during_rl_stops_everything(tmp_path: Path):
         # A session of its own, like a terminal's foreground job; SIGINT handled by default even where
         # the test runner was started with it ignored (background jobs of a non-interactive shell).
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dph_async.cli", "run", "--output", str(tmp_path / "out"),
+            [sys.executable, "-m", "dph_async.app.cli", "run", "--output", str(tmp_path / "out"),
              *SMALL, "learner.steps=100000", "learner.checkpoint_every=10"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),

@@ -22,7 +22,7 @@ BATCH = 16
 
 def actor(addr: str, actor_id: int) -> int:
     """An actor process: resume, then stream its shard at a steady pace under admission tickets."""
-    from dph_async.bench.transport import synthetic_group
+    from dph_async.app.bench.transport import synthetic_group
     from dph_async.replay_client import RolloutSender
 
     sender = RolloutSender(addr, actor_id, reply_timeout_s=1.0, request_timeout_s=60)
@@ -40,7 +40,7 @@ def actor(addr: str, actor_id: int) -> int:
 
 
 def start_replay(sock_dir: str, wal_dir: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dph_async.cli", "serve", "replay", "--ingest", f"ipc://{sock_dir}/in",
+    cmd = [sys.executable, "-m", "dph_async.app.cli", "serve", "replay", "--ingest", f"ipc://{sock_dir}/in",
            "--batch", f"ipc://{sock_dir}/out", "--wal-dir", str(wal_dir), "--groups-per-batch", str(BATCH),
            "replay.max_staleness=1000000"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

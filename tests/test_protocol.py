@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from dph_async import protocol as P
-from dph_async.bench.transport import synthetic_group
+from dph_async.app.bench.transport import synthetic_group
 
 # ---------------------------------------------------------------------------------------------
 # Strategies built from the message annotations, so a message type added later is covered too.

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dph_async import protocol as P
-from dph_async.bench.transport import synthetic_group
+from dph_async.app.bench.transport import synthetic_group
 
 REF = P.ReferenceSample(
     "r", np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32), np.zeros(2, np.float32), 1.0, "s"

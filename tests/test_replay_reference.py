@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dph_async.bench.transport import synthetic_group
+from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, ReferenceSample
 from replay.core import ReplayCore

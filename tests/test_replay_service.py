@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
-from dph_async.bench.transport import synthetic_group
+from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.net import InsecureBindError, NetSecurity, generate_keys, is_local_endpoint
 from dph_async.protocol import Ack, BatchRequest, ErrorReply, StatsRequest, decode, encode
@@ -208,7 +208,7 @@ def test_serve_replay_command_refuses_an_open_bind_and_stops_on_sigterm(tmp_path
     import subprocess
     import sys
 
-    base = [sys.executable, "-m", "dph_async.cli", "serve", "replay", "--wal-dir", str(tmp_path / "wal")]
+    base = [sys.executable, "-m", "dph_async.app.cli", "serve", "replay", "--wal-dir", str(tmp_path / "wal")]
     refused = subprocess.run([*base, "--ingest", "tcp://0.0.0.0:0"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "refusing to bind tcp://0.0.0.0:0" in refused.stderr
     proc = subprocess.Popen(
@@ -224,7 +224,7 @@ def test_serve_replay_command_refuses_an_open_bind_and_stops_on_sigterm(tmp_path
 
 
 def test_keys_command(tmp_path):
-    from dph_async.cli import main
+    from dph_async.app.cli import main
 
     assert main(["keys", str(tmp_path / "k")]) == 0
     assert (tmp_path / "k" / "authorized" / "client.key").is_file()

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from dph_async.bench.transport import synthetic_group
+from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, TicketRequest
 from dph_async.replay_client import ReplayClient, RolloutSender

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from dph_async.bench.transport import synthetic_group
+from dph_async.app.bench.transport import synthetic_group
 from replay.dedup import AcceptedSeqs
 from replay.store import FreshStore
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dph_async.bench.transport import synthetic_group
+from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest
 from replay.core import ReplayCore

@@ -149,7 +149,7 @@ def test_serve_scorer_command_end_to_end(fixture_dir, cfg):
     port = _free_port()
     root = fixture_dir / "databases"
     server = subprocess.Popen(
-        [sys.executable, "-m", "dph_async.cli", "serve", "scorer", "--port", str(port),
+        [sys.executable, "-m", "dph_async.app.cli", "serve", "scorer", "--port", str(port),
          "rewards.workers=1", "rewards.timeout_s=2", f"rewards.sql.db_root={root}"],
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
     )
@@ -180,13 +180,13 @@ def test_serve_scorer_command_end_to_end(fixture_dir, cfg):
     finally:
         server.terminate()
         assert server.wait(timeout=20) is not None
-    refused = subprocess.run([sys.executable, "-m", "dph_async.cli", "serve", "scorer", "--host", "0.0.0.0"],
+    refused = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "serve", "scorer", "--host", "0.0.0.0"],
                              capture_output=True, text=True, env={**os.environ, "DPH_SCORER_TOKEN": ""})
     assert refused.returncode == 2 and "--insecure" in refused.stderr
 
 
 def test_benchmark_runs_on_the_pool():
-    from dph_async.bench import scorer as bench
+    from dph_async.app.bench import scorer as bench
 
     cells = bench.run(workers=1, concurrency=[2], batch=4, seconds=0.3, timeout_s=10, backends=["pool"],
                       workloads=["sql", "math"], log=lambda line: None)

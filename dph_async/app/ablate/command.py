@@ -1,0 +1,61 @@
+"""What `dph-async ablate staleness` and `ablate divergence` share: arguments, defaults, the run."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+# Applied before the user's overrides: cells cheap enough for a grid on a small machine (docs/ablations.md).
+SWEEP_DEFAULTS = ("learner.steps=100", "eval.max_prompts=100", "logging.wandb_mode=disabled")
+
+
+def add_common_arguments(p: argparse.ArgumentParser, out: str) -> None:
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted config overrides for every cell, e.g. learner.groups_per_step=32 (before options "
+                   "that take lists)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds per cell (default: 0 1 2)")
+    p.add_argument("--steps", type=int, help="learner steps per cell (default: 100, or learner.steps=...)")
+    p.add_argument("--eval-points", type=int, default=3,
+                   help="evaluations along each run, the last of the final model (default: %(default)s)")
+    p.add_argument("--out", "-o", type=Path, default=Path(out), help="sweep directory (default: %(default)s)")
+    p.add_argument("--model", help="a Hugging Face causal-LM directory (sets model.path)")
+    p.add_argument("--data", help="training prompts: parquet in the verl row format (sets task.data)")
+    p.add_argument("--preset", default="default", help="a preset name or a YAML file (default: %(default)s)")
+    p.add_argument("--fresh", action="store_true", help="delete the finished cells in --out and run them again")
+    p.add_argument("--report-only", action="store_true", help="only rewrite the summary from the finished cells")
+
+
+def run(args: argparse.Namespace, make_sweep: Callable[[str], object]) -> int:
+    """Build the sweep (make_sweep gets the base config's pipeline mode), run it, write the report."""
+    import shutil
+
+    from dph_async.app.ablate.report import write_summary
+    from dph_async.app.ablate.sweep import run_sweep
+    from dph_async.app.commands.common import guarded, load_cli_config
+    from dph_async.app.progress import console
+
+    flags = {"learner.steps": args.steps, "model.path": args.model, "task.data": args.data}
+    overrides = [*SWEEP_DEFAULTS, *args.overrides, f"output_dir={args.out}",
+                 *(f"{k}={v}" for k, v in flags.items() if v is not None)]
+    cfg = load_cli_config(args.preset, overrides)
+    if cfg is None:
+        return 2
+    if args.eval_points < 1:
+        console.print(f"[red]error:[/red] --eval-points must be >= 1 (got {args.eval_points})")
+        return 2
+    try:
+        sweep = make_sweep("grpo" if cfg.learner.loss.divergence == "none" else cfg.learner.loss.divergence)
+    except ValueError as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+
+    def work() -> None:
+        if args.fresh and (args.out / "rl").exists():
+            shutil.rmtree(args.out / "rl")
+        if not args.report_only:
+            run_sweep(args.preset, overrides, sweep, args.out, args.eval_points)
+        write_summary(args.out)
+        console.print(f"report: {args.out / 'summary.md'}")
+
+    return guarded(work, "finished cells are kept; the same command goes on from there")

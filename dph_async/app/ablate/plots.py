@@ -1,0 +1,137 @@
+"""Plots of a sweep, every line a group's mean over its seeds.
+
+curves.png      training reward against fresh samples consumed (top) and wall time (bottom)
+pass_at_k.png   Pass@1 (dashed) and Pass@k_max (solid) per test split at the evaluated versions
+staleness.png   share of consumed groups by staleness
+summary.png     final reward, Pass@k_max, ESS and mismatch KL (k3) per group, with standard errors
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from dph_async.app.ablate.results import Group
+
+
+def _save(fig: plt.Figure, out: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> None:
+    fig.tight_layout(rect=rect)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _panels(groups: list[Group], panel: str | None) -> dict[str, list[Group]]:
+    out: dict[str, list[Group]] = {}
+    for g in groups:
+        out.setdefault(str(g.factors[panel]) if panel else "", []).append(g)
+    return out
+
+
+def _label(g: Group, panel: str | None) -> str:
+    return ", ".join(f"{k}={v}" for k, v in g.factors.items() if k != panel) if panel else g.name
+
+
+def _smooth(ys: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def _mean_curve(g: Group, attr: str) -> list[float]:
+    n = min(len(getattr(c, attr)) for c in g.cells)
+    return [sum(getattr(c, attr)[i] for c in g.cells) / len(g.cells) for i in range(n)]
+
+
+def plot_curves(groups: list[Group], panel: str | None, out: Path) -> None:
+    panels = _panels(groups, panel)
+    fig, axes = plt.subplots(2, len(panels), figsize=(5 * len(panels), 7), squeeze=False)
+    for j, (name, members) in enumerate(panels.items()):
+        for g in members:
+            reward = _mean_curve(g, "reward")
+            smooth = _smooth(reward, max(1, len(reward) // 15))
+            for i, attr in enumerate(("samples", "wall")):
+                axes[i, j].plot(_mean_curve(g, attr)[: len(smooth)], smooth, label=_label(g, panel))
+        axes[0, j].set(title=f"{panel}={name}" if panel else "training reward", xlabel="fresh samples consumed",
+                       ylabel="training reward (moving mean)")
+        axes[1, j].set(xlabel="wall seconds since the first step", ylabel="training reward (moving mean)")
+        for ax in axes[:, j]:
+            ax.grid(alpha=0.3)
+        axes[0, j].legend(fontsize=7)
+    _save(fig, out)
+
+
+def plot_pass_at_k(groups: list[Group], panel: str | None, out: Path) -> None:
+    panels = _panels(groups, panel)
+    splits = sorted(groups[0].cells[0].evals[-1].splits)
+    k_max = max(groups[0].cells[0].evals[-1].splits[splits[0]].pass_at_k)
+    fig, axes = plt.subplots(len(splits), len(panels), figsize=(5 * len(panels), 3.5 * len(splits)), squeeze=False)
+    for j, (name, members) in enumerate(panels.items()):
+        for gi, g in enumerate(members):
+            color = f"C{gi}"
+            points = min(len(c.evals) for c in g.cells)
+            xs = [sum(c.evals[p].samples for c in g.cells) / len(g.cells) for p in range(points)]
+            for i, split in enumerate(splits):
+                for k, ls in ((k_max, "-"), (1, "--")):
+                    ys = [100 * sum(c.evals[p].splits[split].pass_at_k[k] for c in g.cells) / len(g.cells)
+                          for p in range(points)]
+                    axes[i, j].plot(xs, ys, ls=ls, marker="o", ms=3, color=color,
+                                    label=_label(g, panel) if k == k_max else None)
+        for i, split in enumerate(splits):
+            axes[i, j].set(title=f"{split}" + (f", {panel}={name}" if panel else ""),
+                           xlabel="fresh samples consumed", ylabel=f"Pass@{k_max} (solid), Pass@1 (dashed), %")
+            axes[i, j].grid(alpha=0.3)
+        axes[0, j].legend(fontsize=7)
+    _save(fig, out)
+
+
+def plot_staleness(groups: list[Group], panel: str | None, out: Path) -> None:
+    panels = _panels(groups, panel)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+    for ax, (name, members) in zip(axes[0], panels.items(), strict=True):
+        width = 0.8 / len(members)
+        for gi, g in enumerate(members):
+            hist: dict[int, int] = {}
+            for c in g.cells:
+                for s, n in c.staleness_hist.items():
+                    hist[s] = hist.get(s, 0) + n
+            total = sum(hist.values()) or 1
+            xs = sorted(hist)
+            ax.bar([x + (gi - (len(members) - 1) / 2) * width for x in xs], [hist[x] / total for x in xs],
+                   width=width, label=_label(g, panel))
+        ax.set(title=f"{panel}={name}" if panel else "staleness", xlabel="staleness (learner versions)",
+               ylabel="share of consumed groups")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+    _save(fig, out)
+
+
+def plot_summary(groups: list[Group], x: str, panel: str | None, k_max: int, split: str, out: Path) -> None:
+    """Per metric: lines over the numeric factor x, one per panel value; else bars per group."""
+    metrics = [("reward", "final training reward"), (f"{split}/pass@{k_max}", f"{split} Pass@{k_max}"),
+               ("ess", "ESS (mean over steps)"), ("mismatch_kl_k3", "mismatch KL k3 (mean)")]
+    numeric = panel is not None and all(isinstance(g.factors[x], int | float) for g in groups)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.6))
+    for ax, (key, title) in zip(axes, metrics, strict=True):
+        have = [g for g in groups if key in g.metrics]
+        if numeric:
+            for name, members in _panels(have, panel).items():
+                ax.errorbar([g.factors[x] for g in members], [g.metrics[key].mean for g in members],
+                            yerr=[g.metrics[key].se or 0.0 for g in members], marker="o", capsize=3,
+                            label=f"{panel}={name}")
+            ax.set(xlabel=x)
+            ax.legend(fontsize=7)
+        else:
+            ax.bar(range(len(have)), [g.metrics[key].mean for g in have],
+                   yerr=[g.metrics[key].se or 0.0 for g in have], capsize=3, color="C0")
+            ax.set_xticks(range(len(have)), [g.name for g in have], rotation=45, ha="right", fontsize=7)
+        ax.set(title=title)
+        ax.grid(alpha=0.3)
+    _save(fig, out)

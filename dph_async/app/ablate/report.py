@@ -1,0 +1,156 @@
+"""A sweep's summary: summary.json (every cell and group), summary.md (tables, verdicts), plots/.
+
+Tables give mean ± standard error over seeds. The staleness verdict compares every eta with eta = 0
+of the same correction on the final model's test Pass@1 (its mean reward on held-out prompts) and on
+the training reward: the difference and its standard error sqrt(se_eta^2 + se_0^2); "reaches eta=0"
+when the difference is above minus one standard error, "degrades" when below minus two.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dph_async.app.ablate import plots
+from dph_async.app.ablate.results import Group, Stat, load_cell, summarize
+from dph_async.app.evaluate import SplitResult, load_results
+from dph_async.app.report import TABLE_K, markdown_table
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    key: str
+    scale: float = 1.0
+    digits: int = 3
+
+
+def _split_columns(splits: list[str], ks: list[int]) -> list[Column]:
+    return [c for s in splits for c in [Column(f"{s} Greedy", f"{s}/greedy", 100, 1),
+                                        *(Column(f"{s} P@{k}", f"{s}/pass@{k}", 100, 1) for k in ks)]]
+
+
+def staleness_columns(splits: list[str], k_max: int) -> list[Column]:
+    return [Column("train reward", "reward"), *_split_columns(splits, [1, k_max]),
+            Column("staleness", "staleness", digits=2), Column("ESS", "ess"), Column("clip frac", "clip_frac"),
+            Column("kept frac", "kept_frac"), Column("mismatch KL k3", "mismatch_kl_k3", digits=4),
+            Column("dropped", "dropped", digits=0), Column("wall s", "wall_s", digits=0)]
+
+
+def divergence_columns(splits: list[str], k_max: int) -> list[Column]:
+    ks = [k for k in TABLE_K if k <= k_max]
+    return [*_split_columns(splits, ks), *(Column(f"{s} distinct", f"{s}/distinct", digits=2) for s in splits),
+            Column("train reward", "reward"), Column("ESS", "ess")]
+
+
+def _base_row(base: dict[str, SplitResult], columns: list[Column], width: int) -> list[str]:
+    values = {}
+    for split, r in base.items():
+        values.update({f"{split}/greedy": r.greedy_accuracy, f"{split}/distinct": r.distinct_correct,
+                       **{f"{split}/pass@{k}": p for k, p in r.pass_at_k.items()}})
+    cells = [f"{c.scale * values[c.key]:.{c.digits}f}" if c.key in values else "-" for c in columns]
+    return ["base (pi_0)", *["-"] * width, *cells]
+
+
+def results_table(groups: list[Group], columns: list[Column], base: dict[str, SplitResult] | None) -> str:
+    factors = list(groups[0].factors)
+    header = [*factors, "seeds", *(c.header for c in columns)]
+    rows = [_base_row(base, columns, len(factors))] if base else []
+    rows += [[*(str(g.factors[f]) for f in factors), str(len(g.cells)),
+              *(g.metrics[c.key].fmt(c.scale, c.digits) if c.key in g.metrics else "-" for c in columns)]
+             for g in groups]
+    return markdown_table(header, rows)
+
+
+@dataclass
+class Verdict:
+    correction: str
+    eta: int
+    metric: str
+    delta: float  # mean at eta minus mean at eta = 0
+    se: float | None
+    verdict: str
+
+
+def _verdict(delta: float, se: float | None) -> str:
+    if se is None:
+        return "one seed: no standard error"
+    if delta >= -se:
+        return "reaches eta=0"
+    return "degrades" if delta < -2 * se else "below eta=0, within 2 s.e."
+
+
+def staleness_verdicts(groups: list[Group], metrics: list[str]) -> list[Verdict]:
+    """Every eta against eta = 0 of the same correction."""
+    out = []
+    ref = {g.factors["correction"]: g for g in groups if g.factors["eta"] == 0}
+    for g in groups:
+        r = ref.get(g.factors["correction"])
+        if r is None or g is r:
+            continue
+        for m in metrics:
+            a, b = g.metrics.get(m), r.metrics.get(m)
+            if a is None or b is None:
+                continue
+            se = math.sqrt(a.se**2 + b.se**2) if a.se is not None and b.se is not None else None
+            delta = a.mean - b.mean
+            out.append(Verdict(str(g.factors["correction"]), int(g.factors["eta"]), m, delta, se, _verdict(delta, se)))
+    return out
+
+
+def write_summary(out: Path) -> list[Group]:
+    """Summarise the finished cells of the sweep described by out/sweep.json; write the report."""
+    meta = json.loads((out / "sweep.json").read_text())
+    base = load_results(out / "eval" / "base.json")
+    cells = [load_cell(out / "rl" / c["key"], base) for c in meta["cells"]
+             if (out / "rl" / c["key"] / "cell.json").is_file()]
+    if not cells:
+        raise FileNotFoundError(f"no finished cell in {out / 'rl'}")
+    groups = summarize(cells)
+    splits = sorted(base)
+    k_max = max(next(iter(base.values())).pass_at_k)
+    kind, x, panel = meta["kind"], meta["x"], meta["panel"]
+    plots_dir = out / "plots"
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    plots.plot_curves(groups, panel, plots_dir / "curves.png")
+    plots.plot_pass_at_k(groups, panel, plots_dir / "pass_at_k.png")
+    plots.plot_staleness(groups, panel, plots_dir / "staleness.png")
+    plots.plot_summary(groups, x, panel, k_max, splits[0], plots_dir / "summary.png")
+
+    md = [f"# {kind} sweep: {out.name}", "",
+          f"{len(cells)} of {len(meta['cells'])} cells finished, in {len(groups)} groups; mean ± standard error "
+          f"over seeds. Greedy and Pass@k (%) of each cell's final model on the test splits; train reward: "
+          f"mean over the last fifth of the steps; staleness, ESS, clip and kept fractions, mismatch KL: "
+          f"means over the steps; dropped: groups dropped as too stale.", ""]
+    if kind == "staleness":
+        md += [results_table(groups, staleness_columns(splits, k_max), None), ""]
+        verdicts = staleness_verdicts(groups, [f"{splits[0]}/pass@1", "reward"])
+        if verdicts:
+            md += ["## Against eta = 0 (same correction)", "",
+                   markdown_table(["correction", "eta", "metric", "difference", "verdict"], [
+                       [v.correction, str(v.eta), v.metric, Stat(v.delta, v.se, 0).fmt(digits=3), v.verdict]
+                       for v in verdicts]), ""]
+    else:
+        verdicts = []
+        md += [results_table(groups, divergence_columns(splits, k_max), base), ""]
+    if any(c.resumed for c in cells):
+        md += ["Resumed after an interruption (their wall-clock curves hold the pause): "
+               + ", ".join(c.cell.key for c in cells if c.resumed), ""]
+    md += ["Plots: `plots/curves.png`, `plots/pass_at_k.png`, `plots/staleness.png`, `plots/summary.png`.", ""]
+    (out / "summary.md").write_text("\n".join(md))
+    summary = {
+        "kind": kind,
+        "groups": [{"name": g.name, "factors": g.factors, "cells": [c.cell.key for c in g.cells],
+                    "metrics": {k: asdict(v) for k, v in g.metrics.items()}} for g in groups],
+        "cells": [{"key": c.cell.key, "group": c.cell.group, "seed": c.cell.seed, "resumed": c.resumed,
+                   "final_reward": c.final_reward, "staleness_hist": c.staleness_hist, "drops": c.drops,
+                   "diagnostics": c.diagnostics,
+                   "evals": [{"version": e.version, "samples": e.samples, "wall": e.wall,
+                              "splits": {s: asdict(r) for s, r in e.splits.items()}} for e in c.evals]}
+                  for c in cells],
+        "verdicts": [asdict(v) for v in verdicts],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return groups

@@ -1,0 +1,129 @@
+"""Run a sweep: prepare the base model once, then every cell's RL run and its evaluations.
+
+    <out>/config.yaml          the base config (a rerun with a different one is refused)
+    <out>/sweep.json           the cells of the latest invocation
+    <out>/base_model, data/, presample/, eval/base.json     shared by every cell
+    <out>/rl/<cell>/           the cell's RL run (pipeline.train_mode), eval/v<version>.json, cell.json
+
+A cell is finished when its cell.json exists: a rerun skips it, so an interrupted sweep goes on
+where it stopped and a grown grid (more seeds, another eta) runs only the new cells. A cell stopped
+midway resumes from its newest checkpoint (its wall-clock curve then holds the pause; cell.json
+says `resumed`).
+
+Pass@k along a run: every cell checkpoints `eval_points` times; after its run each checkpoint's
+weights are exported to a Hugging Face directory, evaluated like the final model, and deleted.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import ray
+
+from dph_async.app.ablate.cells import Cell, Sweep
+from dph_async.app.progress import console
+from dph_async.config import ConfigError, RunConfig, dump_config, load_config
+from dph_async.paths import RunPaths, checkpoint_dir, final_model
+
+# DeepSpeed's file with the module's full state dict (ZeRO stages 0-2, one model-parallel rank).
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+if TYPE_CHECKING:
+    from dph_async.app.pipeline import Prepared, StageTimer
+
+
+def eval_versions(steps: int, points: int) -> list[int]:
+    """Learner versions evaluated along a run: `points` evenly spaced, the last one the final model."""
+    every = -(-steps // points)
+    return sorted({*range(every, steps, every), steps})
+
+
+def cell_config(preset: str, overrides: list[str], cell: Cell, eval_points: int) -> RunConfig:
+    from dph_async.app.pipeline import validate
+
+    cfg = load_config(preset, [*overrides, *cell.overrides])
+    cfg.learner.checkpoint_every = -(-cfg.learner.steps // eval_points)
+    return validate(cfg, [cell.mode])
+
+
+@ray.remote(max_calls=1)
+def _export_task(base: str, states: str, out: str) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    model.load_state_dict(torch.load(states, map_location="cpu", weights_only=False)["module"])
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return out
+
+
+def export_checkpoint(rl_dir: Path, version: int, base: Path, out: Path) -> Path:
+    """The learner's weights at checkpoint v<version> as a Hugging Face model directory."""
+    states = checkpoint_dir(rl_dir) / f"v{version}" / MODEL_STATES
+    if not states.is_file():
+        raise FileNotFoundError(f"no checkpoint weights at {states} (learner.checkpoint_every must divide {version})")
+    return Path(ray.get(_export_task.remote(str(base), str(states), str(out))))
+
+
+def run_cell(cfg: RunConfig, paths: RunPaths, prepared: Prepared, cell: Cell, eval_points: int,
+             timer: StageTimer) -> None:
+    """Train and evaluate one cell (resuming a stopped one); write its cell.json last."""
+    from dph_async.app.pipeline import evaluate_model, train_mode
+
+    rl_dir = paths.rl(cell.key)
+    resumed = (checkpoint_dir(rl_dir) / "latest").is_file()
+    start = time.time()
+    train_mode(cfg, paths, prepared, cell.mode, rl_dir, timer, name=cell.key)
+    steps = cfg.learner.steps
+    for v in eval_versions(steps, eval_points):
+        out = rl_dir / "eval" / f"v{v}.json"
+        if out.is_file():
+            continue
+        if v == steps:
+            evaluate_model(cfg, final_model(rl_dir), prepared.tests, out)
+        else:
+            model = export_checkpoint(rl_dir, v, prepared.base, rl_dir / "models" / f"v{v}")
+            evaluate_model(cfg, model, prepared.tests, out)
+            shutil.rmtree(model.parent)  # only evaluations are kept: the checkpoint holds the weights
+    record = {**asdict(cell), "steps": steps, "resumed": resumed, "seconds": time.time() - start}
+    (rl_dir / "cell.json").write_text(json.dumps(record, indent=2))
+
+
+def run_sweep(preset: str, overrides: list[str], sweep: Sweep, out: Path, eval_points: int) -> list[str]:
+    """Run the sweep's unfinished cells in `out`; return the keys of the cells run now."""
+    from dph_async.app.launcher import ray_cluster
+    from dph_async.app.pipeline import REFERENCE_POOL_MODES, StageTimer, evaluate_model, prepare, validate
+
+    base = validate(load_config(preset, overrides), sorted({c.mode for c in sweep.cells}))
+    configs = {c.key: cell_config(preset, overrides, c, eval_points) for c in sweep.cells}  # fail before any run
+    paths = RunPaths(out)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    text = dump_config(base)
+    if paths.config.is_file() and paths.config.read_text() != text:
+        raise ConfigError(f"{out} holds a sweep with another base config ({paths.config}); give another --out, "
+                          "or --fresh to start over")
+    paths.config.write_text(text)
+    (out / "sweep.json").write_text(json.dumps({"kind": sweep.kind, "x": sweep.x, "panel": sweep.panel,
+                                                "cells": [asdict(c) for c in sweep.cells]}, indent=2))
+    todo = [c for c in sweep.cells if not (paths.rl(c.key) / "cell.json").is_file()]
+    console.print(f"{sweep.kind} sweep: {len(sweep.cells)} cells, {len(sweep.cells) - len(todo)} finished earlier, "
+                  f"{len(todo)} to run in {out}")
+    timer = StageTimer()
+    with ray_cluster(base):
+        prepared = prepare(base, paths, timer, any(c.mode in REFERENCE_POOL_MODES for c in sweep.cells))
+        evaluate_model(base, prepared.base, prepared.tests, paths.eval / "base.json")
+        start = time.time()
+        for i, cell in enumerate(todo):
+            if i:
+                eta = (time.time() - start) / i * (len(todo) - i)
+                console.print(f"[bold]cell {i + 1}/{len(todo)}[/bold] {cell.key} (about {eta / 60:.0f} min left)")
+            else:
+                console.print(f"[bold]cell 1/{len(todo)}[/bold] {cell.key}")
+            run_cell(configs[cell.key], paths, prepared, cell, eval_points, timer)
+    return [c.key for c in todo]

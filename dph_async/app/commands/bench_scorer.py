@@ -1,0 +1,52 @@
+"""`dph-async bench scorer`: reward throughput and latency, local worker pool against the HTTP service."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+NAME = "bench scorer"
+HELP = "scorer throughput and latency percentiles: local pool against the HTTP service"
+DESCRIPTION = """\
+Requests/s and call-latency percentiles of scoring SQL (the local fixture) and math (math-verify)
+responses at several numbers of concurrent callers (one request per call), plus one caller sending
+batches, for the local worker pool and for `dph-async serve scorer` with the same number of workers.
+Writes JSON and prints a markdown table (docs/benchmarks.md, section Scorer). Example:
+
+    dph-async bench scorer --workers 2 --concurrency 1 4 16 64 --seconds 3
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default: %(default)s)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64],
+                        help="concurrent callers (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="requests per call for the batched row; 1 leaves it out (default: %(default)s)")
+    parser.add_argument("--seconds", type=float, default=3.0,
+                        help="duration of each cell (default: %(default)s)")
+    parser.add_argument("--timeout-s", type=float, default=10.0,
+                        help="per-request deadline (default: %(default)s)")
+    parser.add_argument("--backends", nargs="+", choices=["pool", "http"], default=["pool", "http"])
+    parser.add_argument("--workloads", nargs="+", choices=["sql", "math"], default=["sql", "math"])
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/scorer.json"), help="JSON results")
+
+
+def main(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    import time
+    from dataclasses import asdict
+
+    from dph_async.app.bench import scorer as bench
+
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "command": "dph-async " + " ".join(sys.argv[1:]),
+            "machine": bench.machine(), "workers": args.workers}
+    cells = bench.run(args.workers, args.concurrency, args.batch, args.seconds, args.timeout_s,
+                      args.backends, args.workloads)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**meta, "cells": [asdict(c) for c in cells]}, indent=2))
+    print()
+    print(bench.markdown(cells))
+    print(f"\nwritten to {args.out}")
+    return 0

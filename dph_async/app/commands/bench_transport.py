@@ -1,0 +1,185 @@
+"""`dph-async bench transport`: the rollout wire protocol against bare ZeroMQ, pickle and memcpy."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+NAME = "bench transport"
+HELP = "rollout transport bandwidth: protocol vs bare ZeroMQ vs pickle queues, and replay ops/s"
+DESCRIPTION = """\
+Groups/s and GB/s of rollout groups (n completions x T tokens of token ids, log-probs and versions)
+between two processes over ipc:// and tcp://127.0.0.1: the wire protocol (encode, send, receive,
+decode) against bare ZeroMQ moving the same arrays as raw frames, pickle through
+multiprocessing.Queue (the group with numpy arrays, and as Python lists the way TRL's async GRPO
+holds rollouts), and memcpy of the same bytes. Every repeat runs each mode once in rotating order
+and ratios are taken within a repeat, so other load on the machine shifts both sides alike. Then the
+whole ingest path into a replay process (RolloutSender to acknowledgement, write-ahead log off and
+on) and the replay's insert+sample rate in-process with 100k groups held. Targets for groups of
+1 MiB and more: protocol >= 80% of bare ZeroMQ and >= 10x the pickle queue. Prints tables, writes
+JSON (docs/benchmarks.md, Transport).
+
+    dph-async bench transport --out runs/bench/transport.json
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--n", type=int, default=8, help="completions per group (default: %(default)s)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[512, 2048, 8192, 16384, 32768],
+        help="tokens per completion, one row each (default: %(default)s)",
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (default: %(default)s)")
+    parser.add_argument("--transports", nargs="+", choices=["ipc", "tcp"], default=["ipc", "tcp"])
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="runs of every mode per cell, in rotating order; medians reported (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--mb", type=float, default=600.0, help="megabytes moved per run (200 to 20,000 groups) (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--ingest-tokens",
+        type=int,
+        nargs="*",
+        default=[512, 16384],
+        help="tokens per completion of the ingest-path rows; none skips them (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--replay-held",
+        type=int,
+        default=100_000,
+        help="groups held for the replay rate; 0 skips it (default: %(default)s)",
+    )
+    parser.add_argument("--replay-batch", type=int, default=64, help="groups per batch (default: %(default)s)")
+    parser.add_argument("--replay-seconds", type=float, default=2.0, help="per replay measurement")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/transport.json"), help="JSON results")
+
+
+def main(args: argparse.Namespace) -> int:
+    import json
+    import tempfile
+    import time
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from dph_async.app.bench import transport as bench
+
+    console = Console()
+    if not console.is_terminal:  # a log file: wide enough for the tables
+        console = Console(width=240)
+    shapes = [(args.n, t) for t in args.tokens]
+    result: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": bench.machine(),
+        "args": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")},
+    }
+
+    def progress(cell: bench.Cell) -> None:
+        console.print(
+            f"  {cell.transport} n={cell.n} T={cell.tokens} {cell.mode}: "
+            f"{cell.groups_per_s:,.0f} groups/s, {cell.gb_per_s:.2f} GB/s",
+            highlight=False,
+        )
+
+    rows = bench.bench_transport(shapes, args.transports, args.repeats, args.mb, args.prompt_tokens, progress)
+    result["transport"] = rows
+    table = Table(title="rollout transport between two processes (medians; ratios: median of per-repeat ratios)")
+    for col in (
+        "n x T",
+        "MiB/group",
+        "via",
+        "zmq GB/s",
+        "protocol GB/s",
+        "groups/s",
+        "protocol/zmq",
+        "CPU us/group zmq",
+        "protocol",
+        "protocol CPU/zmq",
+        "pickle GB/s",
+        "protocol/pickle",
+        "pickle lists GB/s",
+        "protocol/lists",
+        "memcpy GB/s",
+    ):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            f"{r['n']} x {r['tokens']}",
+            f"{r['group_bytes'] / 2**20:.2f}",
+            r["transport"],
+            f"{r['zmq']['gb_per_s']:.2f}",
+            f"{r['protocol']['gb_per_s']:.2f}",
+            f"{r['protocol']['groups_per_s']:,.0f}",
+            f"{r['protocol_vs_zmq']:.0%}",
+            f"{r['zmq']['cpu_us_per_group']:,.0f}",
+            f"{r['protocol']['cpu_us_per_group']:,.0f}",
+            f"{r['protocol_cpu_vs_zmq']:.2f}x",
+            f"{r['pickle']['gb_per_s']:.2f}",
+            f"{r['protocol_vs_pickle']:.1f}x",
+            f"{r['pickle_lists']['gb_per_s']:.3f}",
+            f"{r['protocol_vs_pickle_lists']:.0f}x",
+            f"{r['memcpy_gb_per_s']:.1f}",
+        )
+    console.print(table)
+    big = [r for r in rows if r["group_bytes"] >= 2**20]
+    if big:
+        targets = {
+            "protocol_vs_zmq": min(r["protocol_vs_zmq"] for r in big),
+            "protocol_vs_pickle": min(r["protocol_vs_pickle"] for r in big),
+            "protocol_vs_pickle_lists": min(r["protocol_vs_pickle_lists"] for r in big),
+            "protocol_cpu_vs_zmq": max(r["protocol_cpu_vs_zmq"] for r in big),
+        }
+        result["targets_1mib_and_more"] = targets
+        console.print(
+            f"groups >= 1 MiB, worst row: protocol/zmq {targets['protocol_vs_zmq']:.0%} (target >= 80%); "
+            f"protocol/pickle of numpy arrays {targets['protocol_vs_pickle']:.1f}x, of Python lists "
+            f"(TRL's rollout form) {targets['protocol_vs_pickle_lists']:.0f}x (target >= 10x); CPU per group "
+            f"{targets['protocol_cpu_vs_zmq']:.2f}x bare ZeroMQ's",
+            highlight=False,
+        )
+    if args.ingest_tokens:
+        result["ingest"] = []
+        for tokens in args.ingest_tokens:
+            count = bench.count_for(args.n * tokens * 12, args.mb * 1e6)
+            for wal in (False, True):
+                result["ingest"].append(bench.bench_ingest(args.n, tokens, count, args.prompt_tokens, wal))
+        table = Table(title="ingest path: RolloutSender -> replay process (decode, validate, log, ack)")
+        for col in ("n x T", "MiB/group", "write-ahead log", "groups/s", "GB/s", "all acked"):
+            table.add_column(col, justify="right")
+        for r in result["ingest"]:
+            table.add_row(
+                f"{r['n']} x {r['tokens']}",
+                f"{r['group_bytes'] / 2**20:.2f}",
+                "on" if r["wal"] else "off",
+                f"{r['groups_per_s']:,.0f}",
+                f"{r['gb_per_s']:.2f}",
+                str(r["all_acknowledged"]),
+            )
+        console.print(table)
+    if args.replay_held:
+        result["replay"] = [bench.bench_replay(args.replay_held, args.replay_batch, args.replay_seconds)]
+        with tempfile.TemporaryDirectory(prefix="dph-bench-wal-") as wal:
+            result["replay"].append(bench.bench_replay(args.replay_held, args.replay_batch, args.replay_seconds, wal))
+        table = Table(title=f"replay in-process, ~{args.replay_held:,} groups held, batches of {args.replay_batch}")
+        for col in ("write-ahead log", "insert groups/s", "sample groups/s", "insert+sample pairs/s"):
+            table.add_column(col, justify="right")
+        for r in result["replay"]:
+            table.add_row(
+                "on" if r["wal"] else "off",
+                f"{r['insert_groups_per_s']:,.0f}",
+                f"{r['sample_groups_per_s']:,.0f}",
+                f"{r['insert_plus_sample_per_s']:,.0f}",
+            )
+        console.print(table)
+    result["machine"]["load_avg_after"] = list(__import__("os").getloadavg())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    console.print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,52 @@
+"""`dph-async presample`: split training prompts into D_pef and D_exp by sampling the base policy."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "presample"
+HELP = "sample pi_0 k times per prompt; write the reference pool (D_pef) and the RL set (D_exp)"
+DESCRIPTION = """\
+Pre-sampling, the first stage of DPH-RL, on its own. The base model answers every training prompt k
+times (presample.k). Prompts it always solves (presample.min_correct of k, default all) form D_pef:
+their correct samples are written with their per-token pi_0 log-probs as the reference pool. The
+rest form D_exp, the RL training set, in the same verl row format as the input.
+
+Outputs in OUT: reference_pool.parquet, d_exp.parquet, samples.parquet (every sample with its
+score), summary.json.
+
+examples:
+  dph-async presample --model runs/default/base_model --data runs/default/data/train.parquet -o presample
+  dph-async presample --model my_model --data bird_train.parquet -o out presample.k=16 rewards.sql.db_root=dbs
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    p.add_argument("--model", required=True, help="the base model pi_0 (a Hugging Face model directory)")
+    p.add_argument("--data", required=True, help="training prompts, parquet in the verl row format")
+    p.add_argument("--output", "-o", required=True, help="output directory")
+    p.add_argument("--preset", default="default", help="a preset name or a YAML file")
+
+
+def main(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dph_async.app.commands.common import load_cli_config
+
+    cfg = load_cli_config(args.preset, [*args.overrides, f"model.path={args.model}", f"task.data={args.data}"])
+    if cfg is None:
+        return 2
+    from dph_async.app.presample import presample
+    from dph_async.app.progress import console
+    from dph_async.tasks.dataset import DatasetError
+
+    try:
+        s = presample(cfg, Path(args.model), Path(args.data), Path(args.output))
+    except DatasetError as e:
+        console.print(f"[red]error:[/red] {e}")
+        return 2
+    console.print(f"{s.prompts} prompts x {s.samples_per_prompt} samples (accuracy {s.sample_accuracy:.1%}): "
+                  f"D_pef {s.d_pef_prompts} prompts ({s.reference_samples} reference samples), "
+                  f"D_exp {s.d_exp_prompts} prompts -> {args.output}")
+    return 0

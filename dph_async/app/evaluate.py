@@ -1,0 +1,93 @@
+"""Evaluation: greedy accuracy, unbiased Pass@k for k = 1..k_max, and answer diversity, per test set.
+
+Pass@k from n samples with c correct (Chen et al., 2021): 1 - C(n - c, k) / C(n, k), averaged over
+prompts; unbiased for every k <= n. Diversity: distinct correct answers per prompt among the n.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from math import comb
+from pathlib import Path
+
+from actors.engine import SamplingSpec, VLLMEngine
+from dph_async.app.progress import progress
+from dph_async.config import RunConfig
+from dph_async.rewards.scorer import make_scorer
+from dph_async.tasks.dataset import PromptRecord, load_prompts
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n (c correct) is correct."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+@dataclass
+class SplitResult:
+    name: str
+    prompts: int
+    greedy_accuracy: float
+    pass_at_k: dict[int, float]
+    sample_accuracy: float
+    distinct_correct: float  # mean number of distinct correct answers among the n samples
+    seconds: float
+
+
+def _score(scorer, records: list[PromptRecord], texts: list[list[str]]) -> list[list[bool]]:
+    reqs = [r.score_request(t) for r, ts in zip(records, texts, strict=True) for t in ts]
+    flat = iter(res.correct for res in scorer.score_many(reqs))
+    return [[next(flat) for _ in ts] for ts in texts]
+
+
+def evaluate_split(engine: VLLMEngine, scorer, name: str, records: list[PromptRecord], cfg: RunConfig
+                   ) -> SplitResult:
+    start = time.time()
+    ec, n = cfg.eval, cfg.eval.k_max
+    prompts = [r.prompt_ids for r in records]
+    greedy = engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=cfg.sampling.max_tokens))
+    sampled = engine.generate(prompts, SamplingSpec(temperature=ec.temperature, top_p=ec.top_p,
+                                                    max_tokens=cfg.sampling.max_tokens, n=n))
+    greedy_ok = _score(scorer, records, [[g[0].text] for g in greedy])
+    texts = [[s.text for s in group] for group in sampled]
+    ok = _score(scorer, records, texts)
+    counts = [sum(o) for o in ok]
+    return SplitResult(
+        name=name,
+        prompts=len(records),
+        greedy_accuracy=sum(g[0] for g in greedy_ok) / len(records),
+        pass_at_k={k: sum(pass_at_k(n, c, k) for c in counts) / len(records) for k in range(1, n + 1)},
+        sample_accuracy=sum(counts) / (n * len(records)),
+        distinct_correct=sum(len({t for t, good in zip(ts, oks, strict=True) if good})
+                             for ts, oks in zip(texts, ok, strict=True)) / len(records),
+        seconds=time.time() - start,
+    )
+
+
+def evaluate(cfg: RunConfig, model_dir: Path, test_sets: dict[str, Path], out_path: Path | None = None
+             ) -> dict[str, SplitResult]:
+    """Evaluate one model on every test set; optionally write the results as JSON."""
+    engine = VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+                        seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads)
+    results = {}
+    with make_scorer(cfg.rewards) as scorer, progress(transient=True) as bar:
+        task = bar.add_task(f"eval {model_dir.name}", total=len(test_sets))
+        for name, path in test_sets.items():
+            records = load_prompts(path, engine.tokenizer, cfg.model.max_model_len - cfg.sampling.max_tokens,
+                                   limit=cfg.eval.max_prompts)
+            results[name] = evaluate_split(engine, scorer, name, records, cfg)
+            bar.update(task, advance=1)
+    if out_path is not None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps({k: asdict(v) for k, v in results.items()}, indent=2))
+    return results
+
+
+def load_results(path: Path) -> dict[str, SplitResult]:
+    raw = json.loads(path.read_text())
+    # JSON keys are strings: Pass@k's k comes back as an int.
+    return {k: SplitResult(**{**v, "pass_at_k": {int(i): p for i, p in v["pass_at_k"].items()}})
+            for k, v in raw.items()}

@@ -1,0 +1,271 @@
+"""Ray starts and watches the processes of an RL run: one learner (hosting the replay service and
+the weight server) and N vLLM actors, each a Ray actor in its own process.
+
+A local Ray cluster is started by default; `launcher.address` joins an existing one. An actor that
+dies is restarted by Ray (up to `launcher.max_actor_restarts` times) and resumes its prompt stream
+from the replay's record of what it already delivered; the run goes on. Ctrl-C stops everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from dph_async.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """Persistent caches (DeepSpeed's compiled ops) live in ./.cache unless DPH_CACHE_DIR says otherwise."""
+    return Path(os.environ.get("DPH_CACHE_DIR", ".cache")).resolve()
+
+
+def _bind(cfg: RunConfig) -> str:
+    return f"tcp://{cfg.net.host}:0"
+
+
+def log_to_file(path: Path) -> None:
+    """Send this process's stdout and stderr (engine warnings, progress bars) to `path`: the driver's
+    terminal keeps only the run's own progress, and each process's log stays with the run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def ray_cluster(cfg: RunConfig) -> Iterator[None]:
+    """A local Ray cluster (or a connection to `launcher.address`), shut down cleanly on exit."""
+    if not ray.is_initialized():
+        lc = cfg.launcher
+        if lc.address:
+            ray.init(address=lc.address, logging_level=logging.ERROR, log_to_driver=False)
+        else:
+            cpus = lc.num_cpus or max(os.cpu_count() or 1, cfg.actors.num_actors + 2)
+            ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
+                     runtime_env={"env_vars": {"DPH_CACHE_DIR": str(cache_dir())}})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        # DeepSpeed's CPU all-reduce leaves shared-memory buffers behind when ranks exit.
+        for f in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
+            with contextlib.suppress(OSError):
+                os.remove(f)
+
+
+@ray.remote
+class LearnerProcess:
+    """The learner, with the replay service and the weight server in threads of the same process."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str, rl_dir: str, reference_path: str | None,
+                 resume_tag: str | None) -> None:
+        log_to_file(Path(rl_dir) / "logs" / "learner.log")
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("DPH_CACHE_DIR", ".cache"))
+                                                            / "torch_extensions"))
+        import torch
+        from transformers import AutoTokenizer
+
+        from dph_async import net
+        from dph_async.replay_client import ReplayClient
+        from learner.loop import LearnerLoop
+        from learner.publish import WeightServer
+        from learner.trainer import Trainer
+        from replay.service import ReplayService
+
+        torch.set_num_threads(cfg.learner.threads)
+        torch.manual_seed(cfg.seed)
+        security = net.NetSecurity.from_config(cfg.net)
+        self.rl_dir = Path(rl_dir)
+        self.rl_dir.mkdir(parents=True, exist_ok=True)
+        wal = str(self.rl_dir / cfg.replay.wal_dir) if cfg.replay.wal_dir else None
+        self.replay = ReplayService(cfg.replay, _bind(cfg), "tcp://127.0.0.1:0", cfg.learner.groups_per_step,
+                                    reference_path=reference_path, wal_dir=wal, security=security, seed=cfg.seed)
+        self.replay.start_in_thread()
+        self.server = WeightServer(_bind(cfg), security, int(cfg.learner.weight_bucket_mb * 2**20))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        trainer = Trainer(model_dir, cfg.learner, temperature=cfg.sampling.temperature, dtype=cfg.model.dtype,
+                          pad_id=pad, max_response_tokens=cfg.sampling.max_tokens)
+        client = ReplayClient(self.replay.batch_endpoint, security)
+        self.loop = LearnerLoop(cfg, trainer, client, self.server, self.rl_dir)
+        if resume_tag:
+            self.loop.resume(resume_tag)
+        self._stop = threading.Event()
+
+    def addresses(self) -> tuple[str, str]:
+        """Where actors connect; a wildcard bind is advertised as this node's address."""
+        node = ray.util.get_node_ip_address()
+        return tuple(a.replace("0.0.0.0", node).replace("//*:", f"//{node}:")
+                     for a in (self.replay.ingest_endpoint, self.server.address))
+
+    def version(self) -> int:
+        return self.loop.trainer.version
+
+    def run(self) -> dict:
+        return asdict(self.loop.run(self._stop))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def metrics_since(self, index: int) -> list[dict[str, float]]:
+        return self.loop.metrics_since(index)
+
+    def replay_stats(self) -> dict:
+        return self.replay.stats()
+
+    def checkpoint(self) -> str:
+        return str(self.loop.checkpoint())
+
+    def save_model(self, out_dir: str) -> str:
+        self.loop.trainer.module.save_pretrained(out_dir)
+        self.tokenizer.save_pretrained(out_dir)
+        return out_dir
+
+    def close(self) -> None:
+        self.replay.stop()
+        self.server.close()
+
+
+@ray.remote
+class ActorProcess:
+    """One vLLM actor: engine, prompt stream, reward workers, and its connections."""
+
+    def __init__(self, actor_id: int, cfg: RunConfig, model_dir: str, prompts_path: str, ingest: str,
+                 weights: str, log_dir: str) -> None:
+        log_to_file(Path(log_dir) / f"actor{actor_id}.log")
+        from actors.engine import VLLMEngine
+        from actors.rollout import RolloutWorker
+        from actors.weights import WeightClient
+        from dph_async import net
+        from dph_async.replay_client import RolloutSender
+        from dph_async.rewards.scorer import make_scorer
+        from dph_async.tasks.dataset import load_prompts
+
+        security = net.NetSecurity.from_config(cfg.net)
+        engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+                            seed=cfg.seed + 1000 * actor_id, kv_cache_gib=cfg.actors.kv_cache_gib,
+                            threads=cfg.actors.threads)
+        prompts = load_prompts(prompts_path, engine.tokenizer, cfg.model.max_model_len - cfg.sampling.max_tokens)
+        self.worker = RolloutWorker(actor_id, cfg, engine, prompts, RolloutSender(ingest, actor_id, security),
+                                    WeightClient(weights, security, actor_id), make_scorer(cfg.rewards))
+        self._stop = threading.Event()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, max_groups: int | None = None) -> dict:
+        self._stop.clear()
+        return asdict(self.worker.run(self._stop, max_groups))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _wait_restarted(actor: ray.actor.ActorHandle, timeout_s: float = 600.0) -> int:
+    """Block until Ray has brought a dead actor back (its __init__ ran again); return its new pid.
+    Calls to an actor that is restarting fail fast as unavailable, so keep asking."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            return ray.get(actor.pid.remote(), timeout=max(1.0, deadline - time.time()))
+        except ActorUnavailableError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.5)
+        except ActorDiedError:
+            raise RuntimeError("an actor died and Ray will not restart it (launcher.max_actor_restarts)") from None
+
+
+@dataclass
+class RLResult:
+    name: str
+    metrics: list[dict[str, float]]
+    learner: dict
+    actors: list[dict]
+    replay: dict
+    actor_restarts: int
+    wall_seconds: float
+    final_model: str
+    pids: dict[str, int] = field(default_factory=dict)
+
+
+def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_path: Path,
+           reference_path: Path | None, *, resume_tag: str | None = None,
+           on_metrics: Callable[[dict[str, float]], None] | None = None,
+           on_started: Callable[[dict[str, int]], None] | None = None) -> RLResult:
+    """Start the learner and the actors, watch them until the learner has taken `learner.steps` steps,
+    stop everything, and return what happened. Must run inside `ray_cluster(cfg)`."""
+    from dph_async.app.progress import progress
+    from dph_async.paths import final_model
+
+    start = time.time()
+    learner = LearnerProcess.options(num_cpus=1, max_concurrency=4).remote(
+        cfg, str(model_dir), str(rl_dir), str(reference_path) if reference_path else None, resume_tag)
+    ingest, weights = ray.get(learner.addresses.remote())
+    # Ray restarts a dead actor (its __init__ runs again); SPREAD puts actors on different nodes.
+    actor_class = ActorProcess.options(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts,
+                                       max_task_retries=0, scheduling_strategy="SPREAD")
+    actors = [actor_class.remote(i, cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"))
+              for i in range(cfg.actors.num_actors)]
+    pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)}
+    if on_started:
+        on_started(pids)
+    runs = {i: a.run.remote() for i, a in enumerate(actors)}
+    learner_run = learner.run.remote()
+    metrics: list[dict[str, float]] = []
+    restarts = 0
+    first = ray.get(learner.version.remote())
+    try:
+        with progress() as bar:
+            task = bar.add_task(f"RL [{name}]", total=cfg.learner.steps, completed=first)
+            while True:
+                done, _ = ray.wait([learner_run, *runs.values()], num_returns=1, timeout=0.5)
+                for m in ray.get(learner.metrics_since.remote(len(metrics))):
+                    metrics.append(m)
+                    if on_metrics:
+                        on_metrics(m)
+                    bar.update(task, completed=int(m["learner/version"]), description=(
+                        f"RL [{name}] reward {m['reward/mean']:.2f} acc {m['reward/accuracy']:.2f}"))
+                if learner_run in done:
+                    learner_stats = ray.get(learner_run)
+                    break
+                for i, ref in list(runs.items()):
+                    if ref in done:
+                        try:
+                            ray.get(ref)
+                        except RayActorError as e:
+                            restarts += 1
+                            if restarts > cfg.launcher.max_actor_restarts * cfg.actors.num_actors:
+                                raise RuntimeError(f"actor {i} keeps dying; giving up") from e
+                            log.warning("actor %d died (%s); Ray restarts it and it resumes", i, type(e).__name__)
+                            pids[f"actor{i}"] = _wait_restarted(actors[i])
+                        runs[i] = actors[i].run.remote()
+        out = final_model(rl_dir)
+        ray.get(learner.save_model.remote(str(out)))
+    finally:
+        for a in actors:
+            with contextlib.suppress(RayActorError):
+                a.stop.remote()
+        learner.stop.remote()
+    actor_stats = []
+    for ref in runs.values():
+        with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
+            actor_stats.append(ray.get(ref, timeout=60))
+    replay = ray.get(learner.replay_stats.remote())
+    ray.get(learner.close.remote())
+    for handle in [*actors, learner]:
+        ray.kill(handle, no_restart=True)
+    return RLResult(name, metrics, learner_stats, actor_stats, replay, restarts, time.time() - start, str(out), pids)

@@ -1,0 +1,259 @@
+"""`dph-async run`: warm start -> pre-sampling -> asynchronous DPH-RL -> evaluation -> report.
+
+Every stage writes its results under the run directory and is skipped when they are already there,
+so re-running the same command resumes a stopped run (RL continues from its newest checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import ray
+
+from dph_async.app.progress import console
+from dph_async.config import ConfigError, RunConfig, dump_config
+from dph_async.paths import RunPaths, checkpoint_dir, final_model
+
+log = logging.getLogger(__name__)
+
+# Modes that train on D_exp with a divergence on the preserved D_pef samples; the others (plain GRPO
+# and reverse KL) train on every training prompt, as in the DPH-RL scripts.
+REFERENCE_POOL_MODES = ("forward", "js_low_var", "js", "alpha")
+MODES = ("grpo", "forward", "js_low_var", "js", "alpha", "reverse_kl")
+
+
+@dataclass
+class StageTimer:
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, stage: str, start: float) -> None:
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.time() - start
+
+
+def validate(cfg: RunConfig, compare: list[str]) -> RunConfig:
+    """Checks that need more than one key, done before any process starts."""
+    s = cfg.sampling
+    if s.top_p < 1 or s.top_k not in (-1, 0):
+        raise ConfigError("sampling.top_p must be 1 and sampling.top_k -1 for training rollouts: the learner "
+                          "computes log-probs over the full vocabulary, so a truncated sampling support would "
+                          "bias the importance weights (see docs/decisions.md)")
+    if s.n < 2:
+        raise ConfigError("sampling.n must be >= 2: GRPO advantages compare completions of the same prompt")
+    for mode in compare:
+        if mode not in MODES:
+            raise ConfigError(f"--compare: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if cfg.mode == "sync":
+        cfg = cfg.model_copy(deep=True)
+        cfg.replay.max_staleness = 0
+        cfg.learner.sync_every = 1
+    elif cfg.replay.max_staleness < cfg.learner.sync_every - 1:
+        raise ConfigError(f"replay.max_staleness ({cfg.replay.max_staleness}) must be >= learner.sync_every - 1 "
+                          f"({cfg.learner.sync_every - 1}): actors only get weights every sync_every steps")
+    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json)")
+    files = [("task.data", cfg.task.data), *((f"task.test_data.{k}", v) for k, v in cfg.task.test_data.items())]
+    for key, value in files:
+        if value is not None and not Path(value).is_file():
+            raise ConfigError(f"{key}: no such file: {value}")
+    if (cfg.model.path is None) != (cfg.task.data is None):
+        raise ConfigError("give both --model and --data for real work, or neither for the embedded default")
+    return cfg
+
+
+def mode_config(cfg: RunConfig, mode: str) -> RunConfig:
+    out = cfg.model_copy(deep=True)
+    out.learner.loss.divergence = "none" if mode == "grpo" else mode
+    return out
+
+
+# Engines run in fresh Ray worker processes (max_calls=1): their memory goes when the stage ends.
+@ray.remote(max_calls=1)
+def _presample_task(cfg: RunConfig, model_dir: str, train: str, out_dir: str) -> dict:
+    from dph_async.app.launcher import log_to_file
+    from dph_async.app.presample import presample
+
+    log_to_file(Path(out_dir) / "presample.log")
+    return asdict(presample(cfg, Path(model_dir), Path(train), Path(out_dir)))
+
+
+@ray.remote(max_calls=1)
+def _evaluate_task(cfg: RunConfig, model_dir: str, test_sets: dict[str, str], out: str) -> None:
+    from dph_async.app.evaluate import evaluate
+    from dph_async.app.launcher import log_to_file
+
+    log_to_file(Path(out).with_suffix(".log"))
+    evaluate(cfg, Path(model_dir), {k: Path(v) for k, v in test_sets.items()}, Path(out))
+
+
+def prepare_embedded(cfg: RunConfig, paths: RunPaths, timer: StageTimer) -> dict[str, Path]:
+    """Write the embedded task's datasets and warm-start the tiny model into pi_0 (skipped if done)."""
+    from dph_async.tasks.dataset import verl_row, write_rows
+    from dph_async.tasks.embedded import ALPHABET, make_splits
+
+    splits = make_splits(cfg.seed, cfg.task.num_train, cfg.task.num_test)
+    files = {}
+    for name in ("train", "test", "ood_test"):
+        rows = [verl_row(p.prompt, p.data_source, p.ground_truth, i, name) for i, p in enumerate(splits[name])]
+        files[name] = write_rows(rows, paths.data / f"{name}.parquet")
+    if not (paths.base_model / "config.json").is_file():
+        import torch
+
+        from dph_async.app.warmstart import warm_start
+        from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer
+
+        start = time.time()
+        torch.set_num_threads(max(1, cfg.learner.threads * 2))
+        tok = build_tokenizer(ALPHABET)
+        model = build_tiny_llama(cfg.model, len(tok), cfg.seed)
+        tmp = paths.root / "base_model.partial"
+        losses = warm_start(model, tok, splits["warmstart"], cfg, tmp)
+        (tmp / "warmstart_loss.json").write_text(json.dumps(losses))
+        tmp.rename(paths.base_model)
+        timer.add("warm start", start)
+    return files
+
+
+@dataclass
+class Prepared:
+    """What every RL run of a pipeline starts from."""
+
+    base: Path  # pi_0
+    train: Path  # all training prompts
+    tests: dict[str, Path]
+    presample: dict | None  # pre-sampling summary, when a mode needs the reference pool
+    reference_pool: Path | None  # None when pre-sampling kept no sample
+    exploration: Path | None  # D_exp
+
+    def prompts_for(self, mode: str) -> Path:
+        return self.exploration if mode in REFERENCE_POOL_MODES and self.exploration else self.train
+
+    def pool_for(self, mode: str) -> Path | None:
+        return self.reference_pool if mode in REFERENCE_POOL_MODES else None
+
+
+def prepare(cfg: RunConfig, paths: RunPaths, timer: StageTimer, need_pool: bool) -> Prepared:
+    """Base model, datasets and (if needed) pre-sampling; skips what is already done. Inside ray_cluster."""
+    if cfg.model.path is None:
+        files = prepare_embedded(cfg, paths, timer)
+        base, train = paths.base_model, files["train"]
+        tests = {"in_domain": files["test"], "ood": files["ood_test"]}
+    else:
+        base, train = Path(cfg.model.path), Path(cfg.task.data)
+        tests = {k: Path(v) for k, v in cfg.task.test_data.items()}
+    if not need_pool:
+        return Prepared(base, train, tests, None, None, None)
+    if not (paths.presample / "summary.json").is_file():
+        t = time.time()
+        with console.status(f"pre-sampling: {cfg.presample.k} samples per training prompt from pi_0"):
+            ray.get(_presample_task.remote(cfg, str(base), str(train), str(paths.presample)))
+        timer.add("pre-sampling", t)
+    presample = json.loads((paths.presample / "summary.json").read_text())
+    console.print(f"pre-sampling: pi_0 solves {presample['sample_accuracy']:.0%} of samples; D_pef "
+                  f"{presample['d_pef_prompts']} prompts ({presample['reference_samples']} reference samples), "
+                  f"D_exp {presample['d_exp_prompts']} prompts")
+    if presample["reference_samples"] == 0:
+        console.print("[yellow]pre-sampling found no prompt pi_0 always solves: the DPH divergence term is empty")
+    pool = paths.reference_pool if presample["reference_samples"] else None
+    return Prepared(base, train, tests, presample, pool, paths.exploration_data)
+
+
+def evaluate_model(cfg: RunConfig, model_dir: Path, tests: dict[str, Path], out: Path) -> Path:
+    """Evaluate in a fresh Ray worker process (its engine's memory goes when it exits); skip if done."""
+    if not out.is_file() and tests:
+        with console.status(f"evaluating {out.stem}: greedy and {cfg.eval.k_max} samples per test prompt"):
+            ray.get(_evaluate_task.remote(cfg, str(model_dir), {k: str(v) for k, v in tests.items()}, str(out)))
+    return out
+
+
+def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
+    """Run (or resume) everything; return the summary that is also written to summary.json."""
+    from dph_async.app.launcher import ray_cluster
+    from dph_async.app.report import write_report
+
+    modes = compare or ["grpo" if cfg.learner.loss.divergence == "none" else cfg.learner.loss.divergence]
+    cfg = validate(cfg, modes)
+    paths = RunPaths(Path(cfg.output_dir))
+    paths.root.mkdir(parents=True, exist_ok=True)
+    paths.config.write_text(dump_config(cfg))
+    timer = StageTimer()
+    start = time.time()
+    results: dict[str, dict] = {}
+    with ray_cluster(cfg):
+        prepared = prepare(cfg, paths, timer, any(m in REFERENCE_POOL_MODES for m in modes))
+        for mode in modes:
+            results[mode] = train_mode(cfg, paths, prepared, mode, paths.rl(mode), timer)
+        t = time.time()
+        evals = {"base": evaluate_model(cfg, prepared.base, prepared.tests, paths.eval / "base.json")}
+        for mode in modes:
+            evals[mode] = evaluate_model(cfg, final_model(paths.rl(mode)), prepared.tests, paths.eval / f"{mode}.json")
+        timer.add("evaluation", t)
+    summary = {
+        "config": cfg.model_dump(mode="json"),
+        "modes": modes,
+        "presample": prepared.presample,
+        "rl": results,
+        "stage_seconds": timer.seconds,
+        "wall_seconds": time.time() - start,
+    }
+    write_report(paths, summary, {k: v for k, v in evals.items() if v.is_file()})
+    return summary
+
+
+def train_mode(cfg: RunConfig, paths: RunPaths, prepared: Prepared, mode: str, rl_dir: Path, timer: StageTimer,
+               name: str | None = None) -> dict:
+    """One RL run in rl_dir (resumed from its newest checkpoint if it was stopped; skipped if finished).
+    Returns its record (result.json): learner, actor and replay statistics, restarts, wall time."""
+    from dph_async.app.launcher import run_rl
+
+    record = rl_dir / "result.json"
+    if record.is_file():
+        return json.loads(record.read_text())
+    mcfg = mode_config(cfg, mode)
+    latest = checkpoint_dir(rl_dir) / "latest"
+    resume_tag = latest.read_text().strip() if latest.is_file() else None
+    if resume_tag is None and rl_dir.exists():
+        shutil.rmtree(rl_dir)  # a run stopped before its first checkpoint starts over
+    t = time.time()
+    with WandbStream(mcfg, paths, name or mode) as wb:
+        result = run_rl(mcfg, name or mode, rl_dir, prepared.base, prepared.prompts_for(mode),
+                        prepared.pool_for(mode), resume_tag=resume_tag, on_metrics=wb)
+    timer.add(f"rl ({name or mode})", t)
+    data = asdict(result)
+    data.pop("metrics")
+    (rl_dir / "timeline.json").write_text(json.dumps(
+        {"learner": data["learner"].pop("timeline"), "actors": [a.pop("timeline") for a in data["actors"]]}))
+    record.write_text(json.dumps(data, indent=2))
+    return data
+
+
+class WandbStream:
+    """An offline (unless configured) wandb run for one RL mode, fed as metrics stream in."""
+
+    def __init__(self, cfg: RunConfig, paths: RunPaths, mode: str) -> None:
+        self.cfg, self.paths, self.mode = cfg, paths, mode
+        self.run = None
+
+    def __enter__(self):
+        lc = self.cfg.logging
+        if lc.wandb_mode != "disabled":
+            os.environ.setdefault("WANDB_SILENT", "true")
+            import wandb
+
+            name = f"{lc.run_name or self.paths.root.name}-{self.mode}"
+            self.run = wandb.init(project=lc.wandb_project, name=name, id=name.replace("/", "-"), resume="allow",
+                                  dir=str(self.paths.root), mode=lc.wandb_mode, config=self.cfg.model_dump(mode="json"))
+        return self
+
+    def __call__(self, metrics: dict[str, float]) -> None:
+        if self.run is not None:
+            self.run.log(metrics, step=int(metrics["learner/version"]))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.run is not None:
+            self.run.finish()

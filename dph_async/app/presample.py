@@ -1,0 +1,122 @@
+"""Pre-sampling: split the training prompts by what the base policy pi_0 already does.
+
+k samples per prompt from pi_0. A prompt solved by at least `presample.min_correct` of them (all k by
+default: DPH-RL keeps prompts the base "always solves") joins D_pef; its correct samples become
+reference samples, stored with their per-token pi_0 log-probs so no reference model has to be
+loaded during RL. Every other prompt joins D_exp, the RL training set.
+
+The pi_0 log-probs are recomputed with the learner's own model code and kernels at the training
+sampling temperature, so at step 0 the learner's log-probs of a reference sample equal them exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from actors.engine import SamplingSpec, VLLMEngine
+from dph_async.app.progress import progress
+from dph_async.config import RunConfig
+from dph_async.rewards.scorer import make_scorer
+from dph_async.tasks.dataset import PromptRecord, load_prompts
+from learner.batching import Sequence, pack
+from learner.logprobs import response_logprobs
+
+
+@dataclass
+class PresampleSummary:
+    prompts: int
+    samples_per_prompt: int
+    d_pef_prompts: int
+    d_exp_prompts: int
+    reference_samples: int
+    sample_accuracy: float
+    seconds: float
+
+
+def pi0_logprobs(model_dir: Path, prompts: list[np.ndarray], responses: list[np.ndarray], temperature: float,
+                 dtype: str, token_budget: int = 8192) -> list[np.ndarray]:
+    """Per-token log pi_0 of each response, in the order given."""
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32).eval()
+    seqs = [Sequence(p, r, np.zeros(len(r), np.float32), advantage=float(i))
+            for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
+    out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(seqs)
+    with torch.no_grad():
+        for mb in pack(seqs, "reference", token_budget, pad_id=0):
+            logp, _ = response_logprobs(model, mb, temperature)
+            # `advantage` carried each sequence's index through the length-sorted packing.
+            for row, index in enumerate(mb.advantages.long().tolist()):
+                out[index] = logp[row][mb.mask[row]].numpy().astype(np.float32)
+    return out
+
+
+def _verl_rows(records: list[PromptRecord], table: pa.Table, keep: set[str]) -> pa.Table:
+    """The rows of the source table whose prompt id is in `keep` (same columns, unchanged)."""
+    mask = [r.prompt_id in keep for r in records]
+    return table.filter(pa.array(mask))
+
+
+def presample(cfg: RunConfig, model_dir: Path, train_path: Path, out_dir: Path,
+              tokenizer: PreTrainedTokenizerBase | None = None) -> PresampleSummary:
+    """Write out_dir/{samples.parquet, reference_pool.parquet, d_exp.parquet, summary.json}."""
+    import time
+
+    start = time.time()
+    ps = cfg.presample
+    engine = VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+                        seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads)
+    tok = tokenizer or engine.tokenizer
+    records = load_prompts(train_path, tok, cfg.model.max_model_len - cfg.sampling.max_tokens)
+    spec = SamplingSpec(temperature=ps.temperature, top_p=ps.top_p, max_tokens=cfg.sampling.max_tokens, n=ps.k)
+    samples = []
+    with progress() as bar, make_scorer(cfg.rewards) as scorer:
+        task = bar.add_task(f"pre-sampling (k={ps.k})", total=len(records))
+        chunk = 64
+        for i in range(0, len(records), chunk):
+            batch = records[i:i + chunk]
+            outs = engine.generate([r.prompt_ids for r in batch], spec)
+            reqs = [r.score_request(s.text) for r, group in zip(batch, outs, strict=True) for s in group]
+            results = iter(scorer.score_many(reqs))
+            for r, group in zip(batch, outs, strict=True):
+                for s in group:
+                    samples.append((r, s, next(results)))
+            bar.update(task, advance=len(batch))
+    need = ps.min_correct or ps.k
+    correct: dict[str, int] = {}
+    for r, _, res in samples:
+        correct[r.prompt_id] = correct.get(r.prompt_id, 0) + res.correct
+    pef = {pid for pid, c in correct.items() if c >= need}
+    kept = [(r, s, res) for r, s, res in samples if r.prompt_id in pef and res.correct]
+    logps = pi0_logprobs(model_dir, [np.asarray(r.prompt_ids, np.int32) for r, _, _ in kept],
+                         [np.asarray(s.token_ids, np.int32) for _, s, _ in kept], cfg.sampling.temperature,
+                         cfg.model.dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist([
+        {"prompt_id": r.prompt_id, "data_source": r.data_source, "response": s.text,
+         "response_ids": list(s.token_ids), "behaviour_logprobs": list(s.logprobs), "score": res.score,
+         "correct": res.correct, "status": res.status}
+        for r, s, res in samples]), out_dir / "samples.parquet")
+    pq.write_table(pa.table({
+        "sample_id": [f"{r.prompt_id}/{j}" for j, (r, _, _) in enumerate(kept)],
+        "prompt_ids": pa.array([list(r.prompt_ids) for r, _, _ in kept], pa.list_(pa.int32())),
+        "response_ids": pa.array([list(s.token_ids) for _, s, _ in kept], pa.list_(pa.int32())),
+        "ref_logprobs": pa.array([lp.tolist() for lp in logps], pa.list_(pa.float32())),
+        "reward": pa.array([res.score for _, _, res in kept], pa.float64()),
+        "source": [f"d_pef:{r.prompt_id}" for r, _, _ in kept],
+    }), out_dir / "reference_pool.parquet")
+    exp = {r.prompt_id for r in records} - pef
+    pq.write_table(_verl_rows(records, pq.read_table(train_path), exp), out_dir / "d_exp.parquet")
+    summary = PresampleSummary(
+        prompts=len(records), samples_per_prompt=ps.k, d_pef_prompts=len(pef), d_exp_prompts=len(exp),
+        reference_samples=len(kept), sample_accuracy=sum(res.correct for *_, res in samples) / max(len(samples), 1),
+        seconds=time.time() - start)
+    (out_dir / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
+    return summary

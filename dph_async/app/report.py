@@ -1,0 +1,148 @@
+"""The run's report: summary.json, summary.md (the paper-style table), PNG plots, a terminal table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from rich.table import Table
+
+from dph_async.app.evaluate import SplitResult, load_results
+from dph_async.app.progress import console
+from dph_async.paths import RunPaths
+
+TABLE_K = (1, 4, 8, 16)
+
+
+def _metrics(k_max: int) -> list[tuple[str, int | None]]:
+    """(column name, k): k None is greedy accuracy, -1 distinct correct answers, else Pass@k."""
+    return [("Greedy", None), *((f"P@{k}", k) for k in TABLE_K if k <= k_max), ("Distinct", -1)]
+
+
+def _cell(r: SplitResult, k: int | None) -> str:
+    if k is None:
+        return f"{100 * r.greedy_accuracy:.1f}"
+    if k == -1:
+        return f"{r.distinct_correct:.2f}"
+    return f"{100 * r.pass_at_k[k]:.1f}"
+
+
+def _splits_and_metrics(evals: dict[str, dict[str, SplitResult]]) -> tuple[list[str], list[tuple[str, int | None]]]:
+    splits = sorted({s for res in evals.values() for s in res})
+    return splits, _metrics(min(max(r.pass_at_k) for res in evals.values() for r in res.values()))
+
+
+def comparison_rows(evals: dict[str, dict[str, SplitResult]]) -> tuple[list[str], list[list[str]]]:
+    """The paper-style table: one row per model, a column group per test set."""
+    splits, metrics = _splits_and_metrics(evals)
+    header = ["model", *(f"{s} {name}" for s in splits for name, _ in metrics)]
+    rows = [[name, *(_cell(res[s], k) if s in res else "-" for s in splits for _, k in metrics)]
+            for name, res in evals.items()]
+    return header, rows
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def print_tables(evals: dict[str, dict[str, SplitResult]]) -> None:
+    """The comparison on the terminal, one narrow table per test set (models as rows)."""
+    splits, metrics = _splits_and_metrics(evals)
+    for split in splits:
+        table = Table(title=f"{split}: greedy and Pass@k (%), distinct correct answers per prompt")
+        table.add_column("model")
+        for name, _ in metrics:
+            table.add_column(name, justify="right")
+        for name, res in evals.items():
+            if split in res:
+                table.add_row(name, *(_cell(res[split], k) for _, k in metrics))
+        console.print(table)
+
+
+def plot_pass_at_k(evals: dict[str, dict[str, SplitResult]], out: Path) -> None:
+    splits = sorted({s for res in evals.values() for s in res})
+    fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 4), squeeze=False)
+    for ax, split in zip(axes[0], splits, strict=True):
+        for name, res in evals.items():
+            if split in res:
+                ks = sorted(res[split].pass_at_k)
+                ax.plot(ks, [100 * res[split].pass_at_k[k] for k in ks], marker="o", ms=3, label=name,
+                        ls="--" if name == "base" else "-")
+        ax.set(xscale="log", xlabel="k", ylabel="Pass@k (%)", title=split)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def plot_training(curves: dict[str, list[dict[str, float]]], out: Path) -> None:
+    keys = [("reward/mean", "reward"), ("policy/entropy", "entropy"), ("loss/divergence_ref", "divergence (ref)"),
+            ("staleness/mean", "staleness")]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.5))
+    for ax, (key, title) in zip(axes, keys, strict=True):
+        for mode, rows in curves.items():
+            pts = [(r["learner/version"], r[key]) for r in rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), label=mode)
+        ax.set(xlabel="learner step", title=title)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def throughput_rows(rl: dict[str, dict], curves: dict[str, list[dict[str, float]]]) -> list[list[str]]:
+    """Per RL run: each actor's generation tokens/s, the learner's training tokens/s, drops, restarts."""
+    rows = []
+    for mode, r in rl.items():
+        actors = " / ".join(f"{a['tokens_generated'] / max(a['generate_seconds'], 1e-9):,.0f}" for a in r["actors"])
+        learner = r["learner"]
+        tokens = sum(m["batch/fresh_tokens"] for m in curves.get(mode, []))
+        rows.append([mode, f"{r['wall_seconds']:.0f}", str(learner["steps"]), actors,
+                     f"{tokens / max(learner['train_seconds'], 1e-9):,.0f}",
+                     f"{learner['wait_seconds'] / max(r['wall_seconds'], 1e-9):.0%}",
+                     str(sum(r["replay"]["drops"].values())), str(r["actor_restarts"])])
+    return rows
+
+
+THROUGHPUT_HEADER = ["mode", "wall s", "steps", "actor gen tok/s", "learner fresh tok/s", "learner waiting",
+                     "groups dropped", "actor restarts"]
+
+
+def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) -> None:
+    paths.plots.mkdir(parents=True, exist_ok=True)
+    evals = {name: load_results(path) for name, path in eval_files.items()}
+    curves = {}
+    for mode in summary["modes"]:
+        f = paths.rl(mode) / "metrics.jsonl"
+        if f.is_file():
+            curves[mode] = [json.loads(line) for line in f.read_text().splitlines()]
+    if curves:
+        plot_training(curves, paths.plots / "training.png")
+    md = [f"# dph-async run: {paths.root.name}", ""]
+    if evals:
+        summary["eval"] = {name: {s: r.__dict__ for s, r in res.items()} for name, res in evals.items()}
+        plot_pass_at_k(evals, paths.plots / "pass_at_k.png")
+        header, rows = comparison_rows(evals)
+        md += ["Greedy accuracy, unbiased Pass@k (%), and distinct correct answers per prompt.", "",
+               markdown_table(header, rows), ""]
+        print_tables(evals)
+    md += ["## Throughput", "", markdown_table(THROUGHPUT_HEADER, throughput_rows(summary["rl"], curves)), "",
+           "Generation tokens/s is per actor, over its time inside engine steps; the learner's is the fresh "
+           "tokens it trained on over its time in optimizer steps.", ""]
+    md += ["## Stage wall times (s)", "", markdown_table(["stage", "seconds"], [
+        [k, f"{v:.1f}"] for k, v in summary["stage_seconds"].items()]), ""]
+    md += ["Plots: `plots/training.png`, `plots/pass_at_k.png`.", ""]
+    (paths.root / "summary.md").write_text("\n".join(md))
+    (paths.root / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    stages = ", ".join(f"{k} {v:.0f}s" for k, v in summary["stage_seconds"].items())
+    console.print(f"stages: {stages}; total {summary['wall_seconds']:.0f}s")
+    console.print(f"report: {paths.root / 'summary.md'} (plots in {paths.plots}, logs in {paths.root / 'rl'}/*/logs)")

@@ -1,0 +1,72 @@
+"""Supervised warm start of the embedded tiny model into a base policy pi_0.
+
+Targets are drawn uniformly from each problem's correct answers, so pi_0 is varied; a share
+(`warmstart.noise`) is replaced by well-formed wrong answers and training is short, so pi_0 is right
+only sometimes. That leaves RL something to gain and something (diversity, the OOD rule) to lose.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from dph_async.app.progress import progress
+from dph_async.config import RunConfig
+from dph_async.tasks.embedded import Problem
+
+
+def _wrong_answer(p: Problem, rng: random.Random) -> str:
+    k = 2 if p.op == "-" else rng.randint(2, 3)
+    return p.op.join(rng.sample(p.digits, k))
+
+
+def _batch(problems: list[Problem], tok: PreTrainedTokenizerFast, rng: random.Random, noise: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    seqs, masks = [], []
+    for p in problems:
+        answer = _wrong_answer(p, rng) if rng.random() < noise else rng.choice(p.solutions())
+        prompt = [tok.bos_token_id, *tok.encode(p.prompt, add_special_tokens=False)]
+        target = [*tok.encode(answer, add_special_tokens=False), tok.eos_token_id]
+        seqs.append(prompt + target)
+        masks.append([0] * len(prompt) + [1] * len(target))
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
+    loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+    return ids, loss_mask
+
+
+def warm_start(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, problems: list[Problem],
+               cfg: RunConfig, out_dir: Path) -> list[float]:
+    """Train `model` in place on the warm-start problems; save it to out_dir; return the loss curve."""
+    ws = cfg.warmstart
+    rng = random.Random(cfg.seed + 1)
+    torch.manual_seed(cfg.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=ws.lr, total_steps=max(ws.steps, 1), pct_start=0.1)
+    losses = []
+    model.train()
+    with progress() as bar:
+        task = bar.add_task("warm start (SFT)", total=ws.steps)
+        for _ in range(ws.steps):
+            ids, mask = _batch(rng.sample(problems, ws.batch_size), tok, rng, ws.noise)
+            logits = model(input_ids=ids).logits[:, :-1]
+            nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+            loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+            bar.update(task, advance=1, description=f"warm start (SFT) loss {loss.item():.3f}")
+    model.eval()
+    transformers.utils.logging.disable_progress_bar()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return losses

@@ -1,0 +1,52 @@
+"""The tree's layers hold: actors, replay and learner import only the shared core (and the learner the
+kernels), never each other or the application; the shared core never imports the application.
+Read from the source with `ast`, function-level imports included."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# package -> top-level names it must never import
+FORBIDDEN = {
+    "actors": {"replay", "learner", "dph_async.app"},
+    "replay": {"actors", "learner", "kernels", "dph_async.app"},
+    "learner": {"actors", "replay", "dph_async.app"},
+    "kernels": {"actors", "replay", "learner", "dph_async"},
+    "dph_async": {"actors", "replay", "learner", "kernels", "dph_async.app"},
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def sources(package: str) -> list[Path]:
+    files = sorted((ROOT / package).rglob("*.py"))
+    if package == "dph_async":
+        files = [f for f in files if "app" not in f.relative_to(ROOT / package).parts]
+    return files
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_respect_the_layers(package: str) -> None:
+    files = sources(package)
+    assert files, f"no sources found for {package}"
+    bad = []
+    for f in files:
+        for name in imported_modules(f):
+            for banned in FORBIDDEN[package]:
+                if name == banned or name.startswith(banned + "."):
+                    bad.append(f"{f.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
