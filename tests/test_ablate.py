@@ -15,7 +15,8 @@ from dph_async.app.cli import main
 pytestmark = pytest.mark.slow
 
 TINY = ["warmstart.steps=20", "task.num_train=40", "task.num_test=16", "eval.max_prompts=8", "eval.k_max=4",
-        "learner.groups_per_step=4", "sampling.n=4", "sampling.max_tokens=8", "actors.max_inflight_prompts=4"]
+        "learner.groups_per_step=4", "sampling.n=4", "sampling.max_tokens=8", "actors.max_inflight_prompts=4",
+        "learner.loss.objective=grpo"]
 
 
 def sweep(out, etas: list[str]) -> int:

@@ -1,0 +1,192 @@
+"""The learner's batching, shared-prompt log-probs and PPO mini-batch updates, on tiny models in-process.
+
+The shared-prompt forward must give the log-probs and gradients of separate sequences; skipping
+zero-advantage sequences must not change the update; mini-batch updates must record the proximal
+policy before the first update, so that the ratio moves from the second update on.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from dph_async.config import LearnerConfig, LossConfig
+from dph_async.protocol import Batch, Completion, ReferenceSample, RolloutGroup, SamplingInfo
+from dph_async.rewards.result import RewardResult
+from dph_async.tasks.tiny_model import build_tokenizer
+from learner.batching import MiniBatch, Sequence, pack, prepare
+from learner.logprobs import response_logprobs
+
+ROOT = Path(__file__).resolve().parents[1]
+V = 24
+
+
+def tiny(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    model = LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**common))
+    return model.eval()
+
+
+def random_units(seed: int, groups: int = 4, n: int = 5) -> list[list[Sequence]]:
+    rng = np.random.default_rng(seed)
+    units = []
+    for _ in range(groups):
+        prompt = rng.integers(3, V, size=rng.integers(3, 9)).astype(np.int32)
+        units.append([Sequence(prompt, rng.integers(3, V, size=rng.integers(1, 7)).astype(np.int32),
+                               np.zeros(0, np.float32), float(rng.normal())) for _ in range(n)])
+    for u in units:
+        for s in u:
+            s.old_logprobs = np.zeros(len(s.response_ids), np.float32)
+    return units
+
+
+def weighted_logprob_sum(model, units, share: bool) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
+    """Per-sequence log-probs and the gradient of sum_seq advantage * sum_t logp."""
+    model.zero_grad()
+    total, per_seq = 0, {}
+    for mb in pack(units, "fresh", token_budget=60, pad_id=0, share_prompts=share):
+        logp, _ = response_logprobs(model, mb, temperature=0.7)
+        total = total + (logp.sum(1) * mb.advantages).sum()
+        for row, s in enumerate(mb.sequences):
+            per_seq[id(s)] = logp[row, : len(s.response_ids)].detach()
+    total.backward()
+    return per_seq, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_shared_prompt_forward_equals_separate_sequences(kind):
+    model = tiny(kind)
+    units = random_units(seed=1)
+    shared, g_shared = weighted_logprob_sum(model, units, share=True)
+    flat, g_flat = weighted_logprob_sum(model, units, share=False)
+    # The prompts really were shared: fewer prompt rows than responses in some micro-batch.
+    assert any(mb.shares_prompts for mb in pack(units, "fresh", 60, 0, True))
+    for key, value in flat.items():
+        torch.testing.assert_close(shared[key], value, atol=2e-5, rtol=1e-5)
+    for a, b in zip(g_shared, g_flat, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    # And both equal an independent computation: the full logits of each sequence on its own.
+    with torch.no_grad():
+        for u in units:
+            for s in u:
+                ids = torch.tensor(np.concatenate([s.prompt_ids, s.response_ids]), dtype=torch.long)[None]
+                logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1] / 0.7
+                want = torch.log_softmax(logits, -1).gather(1, ids[0, len(s.prompt_ids):, None])[:, 0]
+                torch.testing.assert_close(shared[id(s)], want, atol=2e-5, rtol=1e-5)
+
+
+def test_pack_respects_the_budget_and_keeps_every_sequence_once():
+    units = random_units(seed=2, groups=7, n=6)
+    for budget, share in ((40, True), (40, False), (1000, True)):
+        micro = pack(units, "fresh", budget, 0, share)
+        seen = [id(s) for mb in micro for s in mb.sequences]
+        assert sorted(seen) == sorted(id(s) for u in units for s in u)
+        for mb in micro:
+            p, lp = mb.prompt_ids.shape
+            b, t = mb.response_ids.shape
+            cost = p * lp + b * t
+            assert cost <= budget or b == 1 or (p == 1 and share)
+            assert (mb.prompt_ids[mb.row].shape[0] == b) and bool(mb.mask.any(1).all())
+        if not share:
+            assert not any(mb.shares_prompts for mb in micro)
+
+
+def group(seq: int, rewards: list[float], rng: np.random.Generator, version: int = 0) -> RolloutGroup:
+    prompt = rng.integers(3, V, size=6).astype(np.int32)
+    comps = []
+    for r in rewards:
+        n = int(rng.integers(1, 5))
+        comps.append(Completion(rng.integers(3, V, size=n).astype(np.int32), -rng.random(n).astype(np.float32),
+                                np.full(n, version, np.int32), RewardResult(r, r > 0), "stop"))
+    return RolloutGroup(0, seq, f"p{seq}", "x", prompt, comps, SamplingInfo(1.0, 1.0, -1, 8), 0.0, 0.0)
+
+
+def test_mini_batches_split_groups_and_spread_reference_samples():
+    rng = np.random.default_rng(3)
+    groups = [group(i, [1.0, 0.0, 1.0, 0.0], rng) for i in range(6)]
+    refs = [ReferenceSample(f"r{i}", np.arange(3, 7, dtype=np.int32), np.arange(4, 6, dtype=np.int32),
+                            -np.ones(2, np.float32), 1.0, "t") for i in range(5)]
+    p = prepare(Batch(0, groups, refs, {}), use_std=True, eps=1e-6, filter_zero_spread=False)
+    minis = p.mini_batches(3)
+    assert [len(m.groups) for m in minis] == [2, 2, 2]
+    assert sorted(len(m.reference) for m in minis) == [1, 2, 2]
+    assert sum(m.counts.fresh_tokens for m in minis) == p.counts.fresh_tokens
+    assert sum(m.counts.n_reference for m in minis) == 5
+    assert p.mini_batches(10)[0].counts.n_fresh == 4  # never more mini-batches than groups
+
+
+def test_zero_advantage_sequences_are_skipped_but_counted():
+    rng = np.random.default_rng(4)
+    groups = [group(0, [1.0, 1.0, 1.0], rng), group(1, [1.0, 0.0, 0.0], rng)]
+    mini = prepare(Batch(0, groups, [], {}), use_std=True, eps=1e-6, filter_zero_spread=False).mini_batches(1)[0]
+    assert isinstance(mini, MiniBatch) and mini.counts.n_fresh == 6
+    assert [len(u) for u in mini.fresh_units(skip_zero_advantage=True)] == [3]
+    assert [len(u) for u in mini.fresh_units(skip_zero_advantage=False)] == [3, 3]
+
+
+# --- The trainer (DeepSpeed, one rank, in this process) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    out = tmp_path_factory.mktemp("model")
+    model = tiny("llama")
+    model.save_pretrained(out)
+    build_tokenizer("abcdefghijklmnopqrstu").save_pretrained(out)
+    return str(out)
+
+
+def trainer(model_dir: str, lr: float = 3e-2, **learner):
+    from learner.trainer import Trainer
+
+    loss = learner.pop("loss", {})
+    cfg = LearnerConfig(lr=lr, zero_stage=0, micro_token_budget=64, **learner,
+                        loss=LossConfig(objective="grpo", **loss))
+    return Trainer(model_dir, cfg, temperature=1.0, dtype="float32", pad_id=0, max_response_tokens=8, seed=0)
+
+
+def batch(seed: int) -> Batch:
+    rng = np.random.default_rng(seed)
+    rewards = [[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    return Batch(0, [group(i, r, rng) for i, r in enumerate(rewards)], [], {})
+
+
+def params(t) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in t.module.parameters()]
+
+
+def test_skipping_zero_advantage_sequences_leaves_the_update_unchanged(model_dir):
+    # Adam's first step is lr * g / |g| per element, which amplifies float noise in gradients that
+    # are ~0 whichever way they are summed: a small lr keeps that under the tolerance, while a wrong
+    # update (another denominator, a missing term) would move parameters by ~lr.
+    a = trainer(model_dir, lr=1e-3, skip_zero_advantage=True)
+    b = trainer(model_dir, lr=1e-3, skip_zero_advantage=False)
+    ma, mb = a.train_step(batch(5)), b.train_step(batch(5))
+    assert ma["batch/trained_fresh_tokens"] < mb["batch/trained_fresh_tokens"] == mb["batch/fresh_tokens"]
+    for x, y in zip(params(a), params(b), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+    assert any(not torch.equal(x, y) for x, y in zip(params(a), [p for p in tiny("llama").parameters()],
+                                                      strict=True))
+
+
+def test_mini_batches_count_optimizer_steps_and_move_the_ratio(model_dir):
+    one = trainer(model_dir, loss={"correction": "decoupled"})
+    m = one.train_step(batch(6))
+    assert one.version == 1 and m["learner/optimizer_steps"] == 1
+    assert m["policy/ratio_dev"] == 0  # one update: pi_theta = pi_prox on every token
+
+    many = trainer(model_dir, mini_batches=2, epochs=2, loss={"correction": "decoupled"})
+    m = many.train_step(batch(6))
+    assert many.version == 1 and m["learner/optimizer_steps"] == 4
+    # From the second update on, pi_theta has moved away from the recorded proximal policy.
+    assert m["policy/ratio_dev"] > 1e-4
+    m = many.train_step(batch(7))
+    assert many.version == 2 and m["learner/optimizer_steps"] == 8
