@@ -105,8 +105,7 @@ class RolloutWorker:
         record = self.cursor[seq]
         self._inflight[seq] = []
         start = self._started[seq] = time.time()
-        for j in range(self.cfg.sampling.n):
-            self.engine.add(f"{seq}/{j}", record.prompt_ids, self.spec)
+        self.engine.add(str(seq), record.prompt_ids, self.spec, n=self.cfg.sampling.n)
         self._mark(start, "submit")
 
     def _finish(self, seq: int) -> None:
@@ -167,7 +166,7 @@ class RolloutWorker:
                 if len(self._inflight[seq]) == self.cfg.sampling.n:
                     self._finish(seq)
         if self._inflight:
-            self.engine.abort([f"{seq}/{j}" for seq in self._inflight for j in range(self.cfg.sampling.n)])
+            self.engine.abort([str(seq) for seq in self._inflight])
             self._inflight.clear()
         self.sender.flush(timeout_s=30.0)
         self.stats.wall_seconds = time.time() - self._t0
