@@ -77,6 +77,8 @@ class StepRecord:
     loss: list[torch.Tensor] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     trained_tokens: int = 0
+    # Gradient of each part of the first mini-batch's objective (fresh, reference), when diagnosed.
+    grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     def add_parts(self, parts: dict[str, torch.Tensor]) -> None:
         for k, v in parts.items():
@@ -90,6 +92,17 @@ class StepRecord:
 
 def _flat(out: PolicyLoss, mask: torch.Tensor) -> PolicyLoss:
     return PolicyLoss(*(t.detach()[mask][None] for t in out))
+
+
+def gradient_parts(grads: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+    """Norms of the fresh part's and the reference part's gradients (each already weighted as in the
+    objective) and the cosine between them: how much the divergence pulls against the policy loss."""
+    flat = {k: torch.cat([g.reshape(-1).double() for g in v]) for k, v in grads.items()}
+    out = {f"grad/{k}_norm": float(v.norm()) for k, v in flat.items()}
+    if len(flat) == 2:
+        a, b = flat["fresh"], flat["reference"]
+        out["grad/cosine"] = float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30))
+    return out
 
 
 class Trainer:
@@ -180,8 +193,16 @@ class Trainer:
         record.time("loss", start)
         return share.loss
 
-    def _update(self, mini: MiniBatch, skip: bool, record: StepRecord) -> None:
-        """One optimizer step on one mini-batch."""
+    def _add_grad(self, kind: str, loss: torch.Tensor, record: StepRecord) -> None:
+        """Add d loss / d parameters to the record's gradient of `kind` (a diagnostic: one more backward)."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+        acc = record.grads.get(kind)
+        record.grads[kind] = grads if acc is None else [a + g for a, g in zip(acc, grads, strict=True)]
+
+    def _update(self, mini: MiniBatch, skip: bool, record: StepRecord, diagnose: bool = False) -> None:
+        """One optimizer step on one mini-batch; with `diagnose`, also the gradient of each part."""
         start = time.perf_counter()
         fresh, reference = self._pack(mini, skip)
         micro = [*fresh, *reference]
@@ -193,6 +214,8 @@ class Trainer:
             self.engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
             share = self._fresh_share if mb.kind == "fresh" else self._reference_share
             loss = share(mb, mini, record)
+            if diagnose:
+                self._add_grad(mb.kind, loss, record)
             start = time.perf_counter()
             # Shares already carry their weight in the mini-batch objective: no 1/GAS rescaling.
             self.engine.backward(loss, scale_wrt_gas=False)
@@ -220,9 +243,10 @@ class Trainer:
         if self.updates_per_batch > 1 and lc.correction != "behavior":
             self._record_prox(plans[0][1:], skip, record)
         self.engine.train()
-        for plan in plans:
-            for mini in plan:
-                self._update(mini, skip, record)
+        diagnose = bool(cfg.diagnose_every) and self.version % cfg.diagnose_every == 0
+        for epoch, plan in enumerate(plans):
+            for k, mini in enumerate(plan):
+                self._update(mini, skip, record, diagnose=diagnose and epoch == 0 and k == 0)
         if record.loss:
             self.version += 1
         metrics = self._metrics(batch, p, record, staleness)
@@ -253,6 +277,8 @@ class Trainer:
         if staleness:
             m["staleness/mean"] = sum(staleness) / len(staleness)
             m["staleness/max"] = float(max(staleness))
+        if record.grads:
+            m.update(gradient_parts(record.grads))
         if record.tokens:
             outs, prox, mu, entropy = zip(*record.tokens, strict=True)
             out = PolicyLoss(*(torch.cat(parts, dim=1) for parts in zip(*outs, strict=True)))

@@ -149,7 +149,7 @@ def trainer(model_dir: str, lr: float = 3e-2, **learner):
 
     loss = learner.pop("loss", {})
     cfg = LearnerConfig(lr=lr, zero_stage=0, micro_token_budget=64, **learner,
-                        loss=LossConfig(objective="grpo", **loss))
+                        loss=LossConfig(**{"objective": "grpo", **loss}))
     return Trainer(model_dir, cfg, temperature=1.0, dtype="float32", pad_id=0, max_response_tokens=8, seed=0)
 
 
@@ -190,3 +190,31 @@ def test_mini_batches_count_optimizer_steps_and_move_the_ratio(model_dir):
     assert m["policy/ratio_dev"] > 1e-4
     m = many.train_step(batch(7))
     assert many.version == 2 and m["learner/optimizer_steps"] == 8
+
+
+def test_gradient_parts_norms_and_cosine():
+    from learner.trainer import gradient_parts
+
+    fresh = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])]
+    ref = [torch.tensor([0.0, 2.0]), torch.tensor([[0.0]])]
+    out = gradient_parts({"fresh": fresh, "reference": ref})
+    assert out == pytest.approx({"grad/fresh_norm": 5.0, "grad/reference_norm": 2.0, "grad/cosine": 0.0})
+    out = gradient_parts({"fresh": fresh, "reference": [-2 * g for g in fresh]})
+    assert out["grad/cosine"] == pytest.approx(-1.0)
+
+
+def test_diagnosing_gradient_parts_leaves_the_update_unchanged(model_dir):
+    rng = np.random.default_rng(8)
+    refs = [ReferenceSample(f"r{i}", rng.integers(3, V, size=5).astype(np.int32),
+                            rng.integers(3, V, size=3).astype(np.int32), -np.ones(3, np.float32) * 3, 1.0, "t")
+            for i in range(3)]
+    b = batch(9)
+    b.reference = refs
+    plain = trainer(model_dir, lr=1e-3, loss={"objective": "forward", "coeff": 0.5})
+    diag = trainer(model_dir, lr=1e-3, diagnose_every=1, loss={"objective": "forward", "coeff": 0.5})
+    assert "grad/cosine" not in plain.train_step(b)
+    m = diag.train_step(b)
+    assert m["grad/fresh_norm"] > 0 and m["grad/reference_norm"] > 0 and -1 <= m["grad/cosine"] <= 1
+    assert m["batch/reference_samples"] == 3
+    for x, y in zip(params(plain), params(diag), strict=True):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)

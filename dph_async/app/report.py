@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import matplotlib
@@ -129,7 +130,7 @@ def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) ->
         plot_training(curves, paths.plots / "training.png")
     md = [f"# dph-async run: {paths.root.name}", ""]
     if evals:
-        summary["eval"] = {name: {s: r.__dict__ for s, r in res.items()} for name, res in evals.items()}
+        summary["eval"] = {name: {s: asdict(r) for s, r in res.items()} for name, res in evals.items()}
         plot_pass_at_k(evals, paths.plots / "pass_at_k.png")
         header, rows = comparison_rows(evals)
         md += ["Greedy accuracy, unbiased Pass@k (%), and distinct correct answers per prompt.", "",

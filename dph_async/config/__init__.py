@@ -121,6 +121,9 @@ class LearnerConfig(Section):
     # they count in the denominators but are not run through the model, unless a fresh-token term
     # (entropy bonus, reverse KL) needs them.
     skip_zero_advantage: bool = True
+    # Every this many versions, log the gradient norm of the objective's fresh part and of its
+    # reference-pool part, and their cosine (grad/*): one more backward pass on those steps; 0 = never.
+    diagnose_every: int = Field(0, ge=0)
     # Publish weights to the actors every `sync_every` optimizer steps.
     sync_every: int = Field(1, ge=1)
     # Weights travel in buckets of at most this many bytes.
