@@ -5,8 +5,11 @@
         for mb in pack(mini.fresh_units(...), ...):   # micro-batches within a token budget
 
 A micro-batch holds one sample type, fresh rollouts or reference (D_pef) samples, as the DPH-RL
-reference implementation does. Its layout lets the completions of one prompt share the prompt's
-forward pass: prompt rows [P, Lp] and response rows [B, T], each response naming its prompt row.
+reference implementation does. Its rows are prompts [P, Lp]; each prompt's responses sit back to
+back in one packed row [P, R] (no padding between them), so the completions of a prompt share its
+forward pass and no compute goes to padding (`learner/logprobs.py`). The targets are also laid out
+per response, [B, T], for the loss. A piece whose row would pass `row_tokens` starts a new row
+(repeating the prompt): long responses get a row each, as in the plain layout.
 The learner trains on exactly the token ids the actor generated.
 """
 
@@ -45,12 +48,15 @@ class MicroBatch:
     kind: Kind
     prompt_ids: torch.Tensor  # [P, Lp] right-padded
     prompt_lens: torch.Tensor  # [P]
+    packed_ids: torch.Tensor  # [P, R] each row: its prompt's responses back to back, right-padded
+    segment: torch.Tensor  # [P, R] which response (0..B-1) each packed token belongs to, -1 for padding
     response_ids: torch.Tensor  # [B, T] right-padded (the targets)
     mask: torch.Tensor  # [B, T] bool, True on real response tokens
     row: torch.Tensor  # [B] the prompt row of each response
+    start: torch.Tensor  # [B] where each response starts in its packed row
     old_logprobs: torch.Tensor  # [B, T]
     advantages: torch.Tensor  # [B]
-    sequences: list[Sequence]  # the B sequences, in row order
+    sequences: list[Sequence]  # the B sequences, in order
 
     @property
     def shares_prompts(self) -> bool:
@@ -145,16 +151,17 @@ def prepare(batch: Batch, *, use_std: bool, eps: float, filter_zero_spread: bool
     return PreparedBatch(groups, reference, filtered)
 
 
-def pack(units: list[Unit], kind: Kind, token_budget: int, pad_id: int, share_prompts: bool = True
-         ) -> list[MicroBatch]:
-    """Micro-batches of whole units, longest first, each within `token_budget` padded tokens:
-    prompts x longest prompt + responses x longest response when a unit's sequences share their
-    prompt's forward pass, (prompt + response) per sequence otherwise. A unit too large for the
-    budget is cut into pieces that each repeat the prompt."""
-    if not share_prompts:
-        units = [[s] for u in units for s in u]
-    pieces = [piece for u in units for piece in _cut(u, token_budget)]
-    pieces.sort(key=lambda u: (len(u[0].prompt_ids) + max(len(s.response_ids) for s in u), len(u)), reverse=True)
+def pack(units: list[Unit], kind: Kind, token_budget: int, pad_id: int, share_prompts: bool = True,
+         row_tokens: int = 256) -> list[MicroBatch]:
+    """Micro-batches of rows, longest first, each within `token_budget` tokens (rows x (longest
+    prompt + longest packed row)). A unit's responses share one row up to `row_tokens` response
+    tokens, then continue in another row that repeats the prompt; without `share_prompts` every
+    response has a row of its own."""
+    if share_prompts:
+        pieces = [piece for u in units for piece in _cut(u, row_tokens)]
+    else:
+        pieces = [[s] for u in units for s in u]
+    pieces.sort(key=lambda u: (len(u[0].prompt_ids) + _packed_len(u), len(u)), reverse=True)
     batches: list[list[Unit]] = []
     for u in pieces:
         if batches and _cost([*batches[-1], u]) <= token_budget:
@@ -164,34 +171,55 @@ def pack(units: list[Unit], kind: Kind, token_budget: int, pad_id: int, share_pr
     return [_collate(b, kind, pad_id) for b in batches]
 
 
+def _packed_len(unit: Unit) -> int:
+    return sum(len(s.response_ids) for s in unit)
+
+
 def _cost(units: list[Unit]) -> int:
-    prompt_len = max(len(u[0].prompt_ids) for u in units)
-    response_len = max(len(s.response_ids) for u in units for s in u)
-    return len(units) * prompt_len + sum(len(u) for u in units) * response_len
+    return len(units) * (max(len(u[0].prompt_ids) for u in units) + max(_packed_len(u) for u in units))
 
 
-def _cut(unit: Unit, budget: int) -> list[Unit]:
-    per_piece = max(1, (budget - len(unit[0].prompt_ids)) // max(len(s.response_ids) for s in unit))
-    return [unit[i:i + per_piece] for i in range(0, len(unit), per_piece)]
+def _cut(unit: Unit, row_tokens: int) -> list[Unit]:
+    """Consecutive runs of the unit's sequences whose responses fit `row_tokens` (at least one each)."""
+    pieces: list[Unit] = []
+    for s in unit:
+        if pieces and _packed_len(pieces[-1]) + len(s.response_ids) <= row_tokens:
+            pieces[-1].append(s)
+        else:
+            pieces.append([s])
+    return pieces
 
 
 def _collate(units: list[Unit], kind: Kind, pad_id: int) -> MicroBatch:
     seqs = [s for u in units for s in u]
     p, b = len(units), len(seqs)
     lp = max(len(u[0].prompt_ids) for u in units)
+    r = max(_packed_len(u) for u in units)
     t = max(len(s.response_ids) for s in seqs)
     prompt_ids = torch.full((p, lp), pad_id, dtype=torch.long)
     prompt_lens = torch.tensor([len(u[0].prompt_ids) for u in units], dtype=torch.long)
+    packed_ids = torch.full((p, r), pad_id, dtype=torch.long)
+    segment = torch.full((p, r), -1, dtype=torch.long)
     response_ids = torch.full((b, t), pad_id, dtype=torch.long)
     mask = torch.zeros((b, t), dtype=torch.bool)
     old = torch.zeros((b, t), dtype=torch.float32)
-    row = torch.tensor([i for i, u in enumerate(units) for _ in u], dtype=torch.long)
-    for i, u in enumerate(units):
-        prompt_ids[i, : len(u[0].prompt_ids)] = torch.from_numpy(np.asarray(u[0].prompt_ids, dtype=np.int64))
-    for i, s in enumerate(seqs):
-        r = len(s.response_ids)
-        response_ids[i, :r] = torch.from_numpy(np.asarray(s.response_ids, dtype=np.int64))
-        mask[i, :r] = True
-        old[i, :r] = torch.from_numpy(np.asarray(s.old_logprobs, dtype=np.float32))
+    row = torch.zeros(b, dtype=torch.long)
+    start = torch.zeros(b, dtype=torch.long)
+    i = 0
+    for j, u in enumerate(units):
+        prompt_ids[j, : len(u[0].prompt_ids)] = torch.from_numpy(np.asarray(u[0].prompt_ids, dtype=np.int64))
+        offset = 0
+        for s in u:
+            n = len(s.response_ids)
+            ids = torch.from_numpy(np.asarray(s.response_ids, dtype=np.int64))
+            packed_ids[j, offset:offset + n] = ids
+            segment[j, offset:offset + n] = i
+            response_ids[i, :n] = ids
+            mask[i, :n] = True
+            old[i, :n] = torch.from_numpy(np.asarray(s.old_logprobs, dtype=np.float32))
+            row[i], start[i] = j, offset
+            offset += n
+            i += 1
     adv = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
-    return MicroBatch(kind, prompt_ids, prompt_lens, response_ids, mask, row, old, adv, seqs)
+    return MicroBatch(kind, prompt_ids, prompt_lens, packed_ids, segment, response_ids, mask, row, start, old, adv,
+                      seqs)

@@ -147,7 +147,7 @@ class Trainer:
             # Every sequence has zero advantage: one still runs, so the optimizer steps on the zero
             # gradient exactly as it would without skipping (Adam's moments move either way).
             units = [mini.groups[0][:1]]
-        fresh = pack(units, "fresh", cfg.micro_token_budget, self.pad_id, cfg.share_prompts)
+        fresh = pack(units, "fresh", cfg.micro_token_budget, self.pad_id, cfg.share_prompts, cfg.pack_row_tokens)
         reference = pack([[s] for s in mini.reference], "reference", cfg.micro_token_budget, self.pad_id)
         return fresh, reference
 

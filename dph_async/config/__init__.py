@@ -115,8 +115,10 @@ class LearnerConfig(Section):
     # Micro-batches are packed up to this many (padded) tokens.
     micro_token_budget: int = Field(4096, ge=16)
     # The n completions of a prompt share one forward pass of the prompt (its keys and values feed
-    # every completion): fewer tokens through the model, the same log-probs and gradients.
+    # every completion) and sit back to back in one row, up to `pack_row_tokens` response tokens per
+    # row: fewer tokens through the model and none for padding, the same log-probs and gradients.
     share_prompts: bool = True
+    pack_row_tokens: int = Field(256, ge=1)
     # Sequences whose advantage is 0 (a group with equal rewards) give the policy loss no gradient:
     # they count in the denominators but are not run through the model, unless a fresh-token term
     # (entropy bonus, reverse KL) needs them.
