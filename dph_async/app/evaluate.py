@@ -101,6 +101,36 @@ def evaluate(cfg: RunConfig, model_dir: Path, test_sets: dict[str, Path], out_pa
     return results
 
 
+# Test prompts grouped by what pi_0 did on them (its n samples): like D_pef, like D_exp, or unsolved.
+DIFFICULTY = {"always": "pi_0 always right", "sometimes": "pi_0 sometimes right", "never": "pi_0 never right"}
+
+
+@dataclass
+class SubsetResult:
+    prompts: int
+    pass_at_k: dict[int, float]
+    distinct_correct: float
+
+
+def by_base_difficulty(base: SplitResult, model: SplitResult) -> dict[str, SubsetResult]:
+    """`model`'s Pass@k and distinct correct answers on the test prompts split by how often the base
+    model pi_0 was right on them ("always": all n samples, the D_pef rule; "sometimes"; "never").
+    Both results must hold per-prompt records for the same prompts."""
+    kind = {r.prompt_id: "always" if r.correct == base.samples else "never" if r.correct == 0 else "sometimes"
+            for r in base.per_prompt}
+    out = {}
+    for name in DIFFICULTY:
+        rows = [r for r in model.per_prompt if kind.get(r.prompt_id) == name]
+        if rows:
+            out[name] = SubsetResult(
+                prompts=len(rows),
+                pass_at_k={k: sum(pass_at_k(model.samples, r.correct, k) for r in rows) / len(rows)
+                           for k in range(1, model.samples + 1)},
+                distinct_correct=sum(r.distinct for r in rows) / len(rows),
+            )
+    return out
+
+
 def load_results(path: Path) -> dict[str, SplitResult]:
     raw = json.loads(path.read_text())
     # JSON keys are strings: Pass@k's k comes back as an int.

@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from rich.table import Table
 
-from dph_async.app.evaluate import SplitResult, load_results
+from dph_async.app.evaluate import DIFFICULTY, SplitResult, by_base_difficulty, load_results
 from dph_async.app.progress import console
 from dph_async.paths import RunPaths
 
@@ -43,6 +43,30 @@ def comparison_rows(evals: dict[str, dict[str, SplitResult]]) -> tuple[list[str]
     header = ["model", *(f"{s} {name}" for s in splits for name, _ in metrics)]
     rows = [[name, *(_cell(res[s], k) if s in res else "-" for s in splits for _, k in metrics)]
             for name, res in evals.items()]
+    return header, rows
+
+
+def difficulty_rows(evals: dict[str, dict[str, SplitResult]]) -> tuple[list[str], list[list[str]]]:
+    """Per test set and model: Pass@1, Pass@k_max and distinct correct answers on the prompts pi_0
+    always, sometimes and never solved (where the diversity is kept or lost)."""
+    base = evals.get("base", {})
+    header = ["test set", "model", *(f"{DIFFICULTY[d]}: {m}" for d in DIFFICULTY for m in ("prompts", "P@1", "P@max",
+                                                                                          "distinct"))]
+    rows = []
+    for split, b in sorted(base.items()):
+        if not b.per_prompt:
+            continue
+        for name, res in evals.items():
+            if split not in res or not res[split].per_prompt:
+                continue
+            subsets = by_base_difficulty(b, res[split])
+            cells = []
+            for d in DIFFICULTY:
+                sub = subsets.get(d)
+                cells += ["0", "-", "-", "-"] if sub is None else [
+                    str(sub.prompts), f"{100 * sub.pass_at_k[1]:.1f}", f"{100 * sub.pass_at_k[max(sub.pass_at_k)]:.1f}",
+                    f"{sub.distinct_correct:.2f}"]
+            rows.append([split, name, *cells])
     return header, rows
 
 
@@ -135,6 +159,12 @@ def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) ->
         header, rows = comparison_rows(evals)
         md += ["Greedy accuracy, unbiased Pass@k (%), and distinct correct answers per prompt.", "",
                markdown_table(header, rows), ""]
+        header, rows = difficulty_rows(evals)
+        if rows:
+            md += ["## By what pi_0 did on each test prompt", "",
+                   "The test prompts split by pi_0's own samples: always right (like D_pef, where the DPH "
+                   "divergence trains), sometimes right (like D_exp), never right. Pass@k (%) and distinct "
+                   "correct answers per prompt on each part.", "", markdown_table(header, rows), ""]
         print_tables(evals)
     md += ["## Runs", "", markdown_table(["run", "objective", "coefficient", "trained on"], [
         [name, r["objective"], f"{r['coeff']:g}", "D_exp" if r["prompts"] == "d_exp" else "all training prompts"]
