@@ -35,6 +35,7 @@ class Sequence:
     response_ids: np.ndarray
     old_logprobs: np.ndarray  # behaviour log-probs (fresh) or pi_0 log-probs (reference)
     advantage: float = 0.0
+    reward: float = 0.0
     # log pi_prox of each response token, recorded before the batch's first update (None until then).
     prox: torch.Tensor | None = field(default=None, repr=False)
 
@@ -102,6 +103,7 @@ class PreparedBatch:
     groups: list[Unit]  # fresh sequences with their advantages, one list per prompt
     reference: list[Sequence]
     filtered_groups: int  # zero-spread groups dropped by dynamic filtering
+    skipped_groups: int = 0  # groups the objective formed no unit from (DPO's ties)
 
     @property
     def counts(self) -> Counts:
@@ -138,7 +140,7 @@ def group_sequences(groups: list[RolloutGroup], use_std: bool, eps: float, filte
             filtered += 1
             continue
         adv = grpo_advantages(rewards, use_std=use_std, eps=eps)[0]
-        unit = [Sequence(g.prompt_ids, c.token_ids, c.logprobs, a)
+        unit = [Sequence(g.prompt_ids, c.token_ids, c.logprobs, a, reward=c.reward.score)
                 for c, a in zip(g.completions, adv.tolist(), strict=True) if len(c.token_ids)]
         if unit:
             units.append(unit)

@@ -24,12 +24,16 @@ closed form (tests/test_objectives.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from torch import Tensor
 
 from dph_async.config.loss import LossConfig
+from learner import dpo
 from learner import losses as L
+
+if TYPE_CHECKING:
+    from learner.batching import Unit
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,9 @@ class Objective:
     # `dph-async ablate divergence` tries by default (the seed's ranges).
     default_coeff: ClassVar[float] = 0.0
     sweep_coeffs: ClassVar[tuple[float, ...]] = ()
+    # The loss couples the sequences of a unit (a DPO pair): a unit is never split across rows or
+    # micro-batches.
+    whole_units: ClassVar[bool] = False
 
     @classmethod
     def has_divergence(cls) -> bool:
@@ -103,15 +110,20 @@ class Objective:
     def fresh_divergence(self, logp: Tensor, logp_ref: Tensor) -> Tensor:
         raise NotImplementedError(f"objective {self.name!r} has no divergence on fresh tokens")
 
+    def form_units(self, groups: list[Unit]) -> tuple[list[Unit], int]:
+        """The fresh units to train on, from the batch's groups, and how many groups were skipped."""
+        return groups, 0
+
     def needs_every_fresh_token(self) -> bool:
         """Whether tokens with zero advantage still carry a gradient (so none may be skipped)."""
         return self.uses_reference_model or self.cfg.entropy_coeff != 0
 
     def fresh_share(self, out: L.PolicyLoss, mask: Tensor, counts: Counts, norm: float,
                     entropy: Tensor | None = None, logp: Tensor | None = None,
-                    logp_ref: Tensor | None = None) -> Share:
+                    logp_ref: Tensor | None = None, advantages: Tensor | None = None) -> Share:
         """n_f / (n_f + n_r) * (L_pg - c_H H + c_f D_fresh) for one micro-batch of fresh tokens, with
-        the (mini-)batch's denominators. logp and logp_ref (the frozen model's) for D_fresh."""
+        the (mini-)batch's denominators. logp and logp_ref (the frozen model's) for D_fresh;
+        advantages [B] for objectives whose loss is not the PPO one (DPO)."""
         lc = self.cfg
         count = counts.fresh_denominator(lc.aggregation)
         pg = L.aggregate(out.loss, mask, lc.aggregation, norm, count=count)
@@ -235,6 +247,64 @@ class Alpha(Objective):
 
     def reference_divergence(self, logp: Tensor, logp_ref: Tensor) -> Tensor:
         return L.alpha_divergence(logp, logp_ref, self.cfg.alpha)
+
+
+@register
+class DPO(Objective):
+    """Online DPO with the sigmoid loss (learner/dpo.py): one pair per rollout group, highest against
+    lowest reward, h from pi_theta's and the frozen pi_ref's sequence log-probs; the coefficient is
+    beta. The loss is the mean over the (mini-)batch's pairs; no PPO term, no aggregation choice."""
+
+    name = "dpo"
+    uses_reference_model = True
+    whole_units = True
+    default_coeff = 0.1  # beta, as in DPO and the samplers seed's scripts
+    sweep_coeffs = (0.1, 0.5)
+
+    def pair_loss(self, h: Tensor, reward_margin: Tensor) -> Tensor:
+        return dpo.sigmoid_loss(h, self.coeff)
+
+    def form_units(self, groups: list[Unit]) -> tuple[list[Unit], int]:
+        return dpo.form_pairs(groups)
+
+    def fresh_share(self, out: L.PolicyLoss, mask: Tensor, counts: Counts, norm: float,
+                    entropy: Tensor | None = None, logp: Tensor | None = None,
+                    logp_ref: Tensor | None = None, advantages: Tensor | None = None) -> Share:
+        """sum over this micro-batch's pairs of the pair loss / pairs in the (mini-)batch."""
+        if logp is None or logp_ref is None or advantages is None:
+            raise ValueError(f"objective {self.name!r} needs logp, the reference model's logp and the pairs")
+        logp, logp_ref = L.upcast(logp, logp_ref)
+        m = mask.to(logp.dtype)
+        seq, seq_ref = (logp * m).sum(1), (logp_ref * m).sum(1)
+        (w, l, margin), (w_ref, l_ref, _) = dpo.split_pairs(seq, advantages), dpo.split_pairs(seq_ref, advantages)
+        h = dpo.pair_log_ratio(w, w_ref, l, l_ref)
+        pairs = max(counts.n_fresh // 2, 1)
+        loss = self.pair_loss(h, margin).sum() / pairs
+        parts = {"dpo": loss.detach(), "dpo_accuracy": (h > 0).to(h.dtype).sum().detach() / pairs,
+                 "dpo_log_ratio": h.sum().detach() / pairs}
+        return Share(counts.fresh_weight * loss, parts)
+
+
+@register
+class IPO(DPO):
+    """Online IPO: (h - 1 / (2 beta))^2 on the same pairs."""
+
+    name = "ipo"
+
+    def pair_loss(self, h: Tensor, reward_margin: Tensor) -> Tensor:
+        return dpo.ipo_loss(h, self.coeff)
+
+
+@register
+class DPORevKL(DPO):
+    """The samplers seed's DPO variant (`rev_kl`): cross-entropy to the Bradley-Terry preference of the
+    pair's rewards, sigma(r_w - r_l), instead of a hard label."""
+
+    name = "dpo_rev_kl"
+
+    def pair_loss(self, h: Tensor, reward_margin: Tensor) -> Tensor:
+        return dpo.rev_kl_loss(h, self.coeff, reward_margin)
+
 
 
 class UnknownObjective(ValueError):

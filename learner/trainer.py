@@ -147,7 +147,9 @@ class Trainer:
             # Every sequence has zero advantage: one still runs, so the optimizer steps on the zero
             # gradient exactly as it would without skipping (Adam's moments move either way).
             units = [mini.groups[0][:1]]
-        fresh = pack(units, "fresh", cfg.micro_token_budget, self.pad_id, cfg.share_prompts, cfg.pack_row_tokens)
+        whole = self.objective.whole_units  # a DPO pair stays in one row of one micro-batch
+        fresh = pack(units, "fresh", cfg.micro_token_budget, self.pad_id, cfg.share_prompts or whole,
+                     1 << 30 if whole else cfg.pack_row_tokens)
         reference = pack([[s] for s in mini.reference], "reference", cfg.micro_token_budget, self.pad_id)
         return fresh, reference
 
@@ -175,7 +177,7 @@ class Trainer:
         start = record.time("forward", start)
         out = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.mask, self.loss_cfg, prox)
         share = self.objective.fresh_share(out, mb.mask, mini.counts, self.norm, entropy=entropy, logp=logp,
-                                           logp_ref=logp_ref)
+                                           logp_ref=logp_ref, advantages=mb.advantages)
         m = mb.mask
         prox_tokens = (logp if prox is None else prox).detach()[m][None]
         record.tokens.append((_flat(out, m), prox_tokens, mb.old_logprobs[m][None], entropy.detach()[m][None]))
@@ -236,6 +238,7 @@ class Trainer:
         reference = batch.reference if self.objective.uses_pool else []
         p = prepare(Batch(batch.version, batch.groups, reference, batch.drops), use_std=lc.use_std,
                     eps=lc.adv_eps, filter_zero_spread=lc.filter_zero_spread)
+        p.groups, p.skipped_groups = self.objective.form_units(p.groups)
         skip = cfg.skip_zero_advantage and not self.objective.needs_every_fresh_token()
         rng = random.Random(f"{self.seed}/{self.version}")
         plans = [p.mini_batches(cfg.mini_batches, rng if epoch else None) for epoch in range(cfg.epochs)]
@@ -268,6 +271,7 @@ class Trainer:
             "batch/fresh_tokens": float(counts.fresh_tokens),
             "batch/trained_fresh_tokens": float(record.trained_tokens) / max(self.cfg.epochs, 1),
             "batch/filtered_groups": float(p.filtered_groups),
+            "batch/skipped_groups": float(p.skipped_groups),
             "reward/mean": sum(c.reward.score for c in comps) / max(len(comps), 1),
             "reward/accuracy": sum(c.reward.correct for c in comps) / max(len(comps), 1),
             "batch/response_length": counts.fresh_tokens / max(counts.n_fresh, 1),

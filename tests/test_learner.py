@@ -153,7 +153,7 @@ def trainer(model_dir: str, lr: float = 3e-2, **learner):
     from learner.trainer import Trainer
 
     loss = learner.pop("loss", {})
-    cfg = LearnerConfig(lr=lr, zero_stage=0, micro_token_budget=64, **learner,
+    cfg = LearnerConfig(lr=lr, zero_stage=0, **{"micro_token_budget": 64, **learner},
                         loss=LossConfig(**{"objective": "grpo", **loss}))
     return Trainer(model_dir, cfg, temperature=1.0, dtype="float32", pad_id=0, max_response_tokens=8, seed=0)
 
@@ -232,3 +232,34 @@ def test_diagnosing_gradient_parts_leaves_the_update_unchanged(model_dir):
     assert m["batch/reference_samples"] == 3
     for x, y in zip(g_plain[0], g_diag[0], strict=True):
         torch.testing.assert_close(x, y, atol=1e-7, rtol=1e-5)
+
+
+def test_dpo_trains_on_whole_pairs_with_the_pair_gradient(model_dir):
+    """Online DPO through the trainer: one pair per group with a reward spread (ties skipped and
+    counted), pairs kept whole under a budget that splits groups, and at pi_theta = pi_ref (h = 0) a
+    loss of log 2 and the gradient of mean_pairs softplus(-beta h) from separate forwards."""
+    beta = 0.5
+    t = trainer(model_dir, micro_token_budget=24, share_prompts=False, loss={"objective": "dpo", "coeff": beta})
+    seen = recording_gradients(t)
+    b = batch(10)
+    m = t.train_step(b)
+    assert m["batch/skipped_groups"] == 2 and m["batch/fresh_samples"] == 4
+    assert m["loss/dpo"] == pytest.approx(np.log(2), rel=1e-6) and m["loss/dpo_accuracy"] == 0
+
+    model = tiny("llama")
+    model.zero_grad()
+    total = 0
+    for g in (b.groups[0], b.groups[2]):  # the groups with a spread: first best against first worst
+        rewards = [c.reward.score for c in g.completions]
+        seqs = {}
+        for k in (rewards.index(max(rewards)), rewards.index(min(rewards))):
+            c = g.completions[k]
+            unit = [Sequence(g.prompt_ids, c.token_ids, np.zeros(len(c.token_ids), np.float32))]
+            (mb,) = pack([unit], "fresh", token_budget=1000, pad_id=0, share_prompts=False)
+            seqs[k] = response_logprobs(model, mb, temperature=1.0)[0].sum()
+        w, lo = seqs[rewards.index(max(rewards))], seqs[rewards.index(min(rewards))]
+        h = (w - w.detach()) - (lo - lo.detach())  # pi_ref = pi_theta at the start: h = 0, grad of h
+        total = total + torch.nn.functional.softplus(-beta * h) / 2
+    total.backward()
+    for got, p in zip(seen[0], model.parameters(), strict=True):
+        torch.testing.assert_close(got, p.grad, atol=1e-6, rtol=1e-4)

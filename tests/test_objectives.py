@@ -21,6 +21,10 @@ EXPECTED = {
     "js_low_var": (True, False, L.js_low_var, None),
     "js": (True, True, L.js_reference_half, L.js_online_half),
     "alpha": (True, False, lambda a, b: L.alpha_divergence(a, b, 0.35), None),
+    # online DPO: pair losses on sequence log-probs (tests/test_dpo.py), no per-token divergence
+    "dpo": (False, True, None, None),
+    "ipo": (False, True, None, None),
+    "dpo_rev_kl": (False, True, None, None),
 }
 
 
