@@ -31,6 +31,7 @@ from dph_async.config import LearnerConfig
 from dph_async.protocol import Batch
 from learner.batching import MicroBatch, MiniBatch, PreparedBatch, pack, prepare
 from learner.diagnostics import policy_diagnostics
+from learner.kl_monitor import KLMonitor
 from learner.logprobs import response_logprobs
 from learner.losses import PolicyLoss, policy_loss
 from learner.objectives import Objective, make_objective
@@ -121,9 +122,16 @@ class Trainer:
         torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
         # A frozen copy of pi_0 for objectives with a divergence on fresh tokens (reverse_kl, js, dapo).
-        self.reference_model = None
-        if self.objective.uses_reference_model:
+        # The KL monitor scores against it too.
+        self.reference_model, self.kl_monitor = None, None
+        if self.objective.uses_reference_model or cfg.kl_every:
             self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if cfg.kl_every:
+            eos = model.config.eos_token_id
+            self.kl_monitor = KLMonitor(self.reference_model, every=cfg.kl_every, samples=cfg.kl_samples,
+                                        per_prompt=cfg.kl_per_prompt, temperature=temperature,
+                                        max_tokens=max_response_tokens, eos_id=eos[0] if isinstance(eos, list) else eos,
+                                        pad_id=pad_id, seed=seed)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=deepspeed_config(cfg, dtype))
         self.version = 0
@@ -168,7 +176,7 @@ class Trainer:
         start = time.perf_counter()
         logp, entropy = self._logprobs(self.module, mb, with_entropy=True)
         logp_ref = None
-        if self.reference_model is not None:
+        if self.objective.uses_reference_model:
             with torch.no_grad():
                 logp_ref = self._logprobs(self.reference_model, mb, with_entropy=False)[0]
         prox = mb.prox()
@@ -253,6 +261,9 @@ class Trainer:
         if record.loss:
             self.version += 1
         metrics = self._metrics(batch, p, record, staleness)
+        if self.kl_monitor is not None and self.kl_monitor.due(self.version):
+            kl = self.kl_monitor.measure(self.module, [g.prompt_ids for g in batch.groups], self.version)
+            metrics.update(kl.metrics())
         metrics["learner/step_seconds"] = time.perf_counter() - start
         metrics["learner/tokens_per_s"] = record.trained_tokens / metrics["learner/step_seconds"]
         return metrics

@@ -263,3 +263,12 @@ def test_dpo_trains_on_whole_pairs_with_the_pair_gradient(model_dir):
     total.backward()
     for got, p in zip(seen[0], model.parameters(), strict=True):
         torch.testing.assert_close(got, p.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_kl_monitor_logs_every_n_versions_against_the_start(model_dir):
+    t = trainer(model_dir, kl_every=2, kl_samples=16, kl_per_prompt=4)
+    first, second = t.train_step(batch(11)), t.train_step(batch(12))
+    assert "kl/k1" not in first and second["kl/sequences"] == 16
+    # two updates away from pi_0: k3 >= 0 per sequence, and both estimate the same positive KL
+    assert second["kl/k3"] > 0 and second["kl/k3_se"] > 0 and second["kl/k1_se"] > 0
+    assert abs(second["kl/k1"] - second["kl/k3"]) < 4 * (second["kl/k1_se"] + second["kl/k3_se"])

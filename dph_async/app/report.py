@@ -138,6 +138,19 @@ def throughput_rows(rl: dict[str, dict], curves: dict[str, list[dict[str, float]
     return rows
 
 
+def kl_rows(curves: dict[str, list[dict[str, float]]]) -> list[list[str]]:
+    """Per RL run with a KL monitor (learner.kl_every): its last KL(pi_theta || pi_0) estimates, k1 and
+    k3 +- their standard errors, at the sampling temperature."""
+    rows = []
+    for mode, ms in curves.items():
+        last = [m for m in ms if "kl/k1" in m]
+        if last:
+            m = last[-1]
+            rows.append([mode, f"{m['learner/version']:.0f}", f"{m['kl/k1']:.4g} ± {m['kl/k1_se']:.2g}",
+                         f"{m['kl/k3']:.4g} ± {m['kl/k3_se']:.2g}", f"{m['kl/sequences']:.0f}"])
+    return rows
+
+
 THROUGHPUT_HEADER = ["mode", "wall s", "steps", "actor gen tok/s", "learner fresh tok/s", "learner waiting",
                      "groups dropped", "actor restarts"]
 
@@ -166,6 +179,10 @@ def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) ->
                    "divergence trains), sometimes right (like D_exp), never right. Pass@k (%) and distinct "
                    "correct answers per prompt on each part.", "", markdown_table(header, rows), ""]
         print_tables(evals)
+    if rows := kl_rows(curves):
+        md += ["## KL(pi_theta || pi_0) at the sampling temperature", "",
+               markdown_table(["run", "version", "k1", "k3", "sequences"], rows), "",
+               "On fresh samples of the trained weights (learner/kl_monitor.py), ± one standard error.", ""]
     md += ["## Runs", "", markdown_table(["run", "objective", "coefficient", "trained on"], [
         [name, r["objective"], f"{r['coeff']:g}", "D_exp" if r["prompts"] == "d_exp" else "all training prompts"]
         for name, r in summary["runs"].items()]), ""]
