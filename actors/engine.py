@@ -27,6 +27,7 @@ class Sample:
     versions: list[int] = field(default_factory=list)
     finish_reason: str = ""
     text: str = ""
+    policy_weight: float = 1.0  # which distribution sampled it (actors/mixture.py); 1: the policy
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ class RolloutWorker:
         self._mark(start, "score")
         completions = [
             Completion(np.asarray(s.token_ids, np.int32), np.asarray(s.logprobs, np.float32),
-                       np.asarray(s.versions, np.int32), r, s.finish_reason)
+                       np.asarray(s.versions, np.int32), r, s.finish_reason, s.policy_weight)
             for s, r in zip(samples, results, strict=True)
         ]
         group = RolloutGroup(self.actor_id, seq, record.prompt_id, record.data_source,

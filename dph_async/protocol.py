@@ -26,7 +26,8 @@ from dph_async.rewards.result import RewardResult
 
 # Bump on any change to a message's fields: peers with another version are refused, not misread.
 # 2: Control.version (the learner's version at a snapshot).
-SCHEMA_VERSION = 2
+# 3: Completion.policy_weight (which distribution sampled it: the DPO samplers).
+SCHEMA_VERSION = 3
 
 MiB = 1 << 20
 
@@ -135,18 +136,24 @@ class SamplingInfo:
 class Completion:
     """One sampled response. token_ids include the end-of-sequence token when one was generated;
     logprobs are the behaviour log-probs of the distribution actually sampled; versions[i] is the
-    policy version of the weights that produced token i."""
+    policy version of the weights that produced token i. policy_weight says which distribution
+    sampled it: softmax((a z_theta + (1 - a) z_ref) / temperature) with a = policy_weight, z_theta
+    the logits of those weights and z_ref those of the frozen reference pi_0 (1: the policy itself,
+    0: pi_ref; the `mixp` sampler uses 1.5 and 0.5)."""
 
     token_ids: Int32Array
     logprobs: Float32Array
     versions: Int32Array
     reward: RewardResult
     finish_reason: str
+    policy_weight: float = 1.0
 
     def validate(self) -> None:
         n = len(self.token_ids)
         if n == 0:
             raise ValueError("completion has no tokens")
+        if not -8.0 <= self.policy_weight <= 8.0:  # NaN fails too
+            raise ValueError(f"policy_weight {self.policy_weight} outside [-8, 8]")
         if len(self.logprobs) != n or len(self.versions) != n:
             raise ValueError(_disagree(token_ids=n, logprobs=len(self.logprobs), versions=len(self.versions)))
 

@@ -32,6 +32,7 @@ COMPLETION_TYPE = pa.struct(
         ("versions", pa.list_(pa.int32())),
         ("reward", REWARD_TYPE),
         ("finish_reason", pa.string()),
+        ("policy_weight", pa.float64()),
     ]
 )
 SAMPLING_TYPE = pa.struct(
@@ -90,6 +91,7 @@ def group_columns(groups: Sequence[RolloutGroup]) -> dict[str, pa.Array]:
             list_array([c.versions for c in comps], np.int32),
             reward,
             pa.array([c.finish_reason for c in comps], pa.string()),
+            pa.array([c.policy_weight for c in comps], pa.float64()),
         ],
         fields=list(COMPLETION_TYPE),
     )
@@ -138,8 +140,10 @@ def groups_from(batch: pa.RecordBatch | pa.Table) -> list[RolloutGroup]:
     versions = _split(comp_fields["versions"])
     finish = comp_fields["finish_reason"].to_pylist()
     rewards = [RewardResult(**r) for r in comp_fields["reward"].to_pylist()]
+    weights = comp_fields["policy_weight"].to_pylist()
     completions = [
-        Completion(token_ids[i], logprobs[i], versions[i], rewards[i], finish[i]) for i in range(len(finish))
+        Completion(token_ids[i], logprobs[i], versions[i], rewards[i], finish[i], weights[i])
+        for i in range(len(finish))
     ]
     prompts = _split(col["prompt_ids"])
     samplings = [SamplingInfo(**s) for s in col["sampling"].to_pylist()]

@@ -155,9 +155,15 @@ class ActorProcess:
         from dph_async.tasks.dataset import load_prompts
 
         security = net.NetSecurity.from_config(cfg.net)
-        engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                            seed=cfg.seed + 1000 * actor_id, kv_cache_gib=cfg.actors.kv_cache_gib,
-                            threads=cfg.actors.threads)
+        if cfg.actors.sampler == "online":
+            engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+                                seed=cfg.seed + 1000 * actor_id, kv_cache_gib=cfg.actors.kv_cache_gib,
+                                threads=cfg.actors.threads)
+        else:  # pi_ref is the model the actor starts from: pi_0
+            from actors.mixture import MixtureEngine
+
+            engine = MixtureEngine(model_dir, cfg.actors.sampler, dtype=cfg.model.dtype,
+                                   seed=cfg.seed + 1000 * actor_id, threads=cfg.actors.threads)
         prompts = load_prompts(prompts_path, engine.tokenizer, cfg.model.max_model_len - cfg.sampling.max_tokens)
         self.worker = RolloutWorker(actor_id, cfg, engine, prompts, RolloutSender(ingest, actor_id, security),
                                     WeightClient(weights, security, actor_id), make_scorer(cfg.rewards))

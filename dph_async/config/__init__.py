@@ -89,6 +89,10 @@ class SamplingConfig(Section):
 
 class ActorsConfig(Section):
     num_actors: int = Field(2, ge=1)
+    # Which distribution samples the responses (the DPO samplers, actors/mixture.py): online (the
+    # policy, on vLLM), ref (the frozen pi_0), gshf (half each), mixp (the samplers seed's logit
+    # mixtures of both). All but online run both models with torch in the actor.
+    sampler: Literal["online", "ref", "gshf", "mixp"] = "online"
     # Prompts an actor keeps in its engine at once.
     max_inflight_prompts: int = Field(16, ge=1)
     # vLLM reads this as whole GiB.

@@ -1,0 +1,114 @@
+"""The DPO samplers in the actor: every response records which distribution sampled it and its
+log-probs under that distribution, equal to the learner's own log-probs of pi_theta (online),
+of pi_ref (ref) and to the mixtures computed from both models' full logits (gshf, mixp), before and
+after a weight update; the record survives the wire and the replay's columns."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from actors.engine import SamplingSpec
+from actors.mixture import SAMPLER_WEIGHTS, MixtureEngine, policy_weights
+from dph_async import protocol as P
+from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
+from dph_async.rewards.result import RewardResult
+from dph_async.tasks.tiny_model import build_tokenizer
+from learner.batching import Sequence, pack
+from learner.logprobs import response_logprobs
+from replay.records import group_columns, groups_from
+
+TAU = 0.8
+PROMPT = [3, 7, 5, 9]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    out = tmp_path_factory.mktemp("sampler_model")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    build_tokenizer("abcdefghijklmnopqrstu").save_pretrained(out)
+    return str(out)
+
+
+def _learner_logprobs(model, response: list[int]) -> torch.Tensor:
+    """The learner's log-probs (fused kernel path) of one response at TAU."""
+    unit = [Sequence(np.array(PROMPT), np.array(response), np.zeros(len(response), np.float32))]
+    (mb,) = pack([unit], "fresh", 1000, 0)
+    with torch.no_grad():
+        return response_logprobs(model, mb, TAU, impl="torch")[0][0, : len(response)]
+
+
+def _mixture_logprobs(policy, ref, weight: float, response: list[int]) -> torch.Tensor:
+    """log softmax((a z_theta + (1 - a) z_ref) / TAU) of each response token, from full logits (float64)."""
+    ids = torch.tensor([PROMPT + response])
+    with torch.no_grad():
+        z = policy(input_ids=ids).logits[0].double(), ref(input_ids=ids).logits[0].double()
+    mixed = weight * z[0] + (1 - weight) * z[1]
+    logp = torch.log_softmax(mixed / TAU, -1)[len(PROMPT) - 1: -1]
+    return logp[torch.arange(len(response)), torch.tensor(response)].float()
+
+
+def _check(engine: MixtureEngine, sampler: str) -> None:
+    (samples,) = engine.generate([PROMPT], SamplingSpec(temperature=TAU, max_tokens=6, n=4))
+    assert [s.policy_weight for s in samples] == policy_weights(sampler, 4)
+    for s in samples:
+        got = torch.tensor(s.logprobs)
+        assert len(got) == len(s.token_ids) == len(s.versions) and set(s.versions) == {engine.version}
+        torch.testing.assert_close(got, _mixture_logprobs(engine.policy, engine.ref, s.policy_weight, s.token_ids),
+                                   atol=2e-5, rtol=1e-5)
+        if s.policy_weight in (0.0, 1.0):  # a pure model: the learner's own log-probs of it
+            model = engine.policy if s.policy_weight == 1.0 else engine.ref
+            torch.testing.assert_close(got, _learner_logprobs(model, s.token_ids), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sampler", SAMPLER_WEIGHTS)
+def test_recorded_logprobs_are_those_of_the_distribution_sampled(model_dir, sampler):
+    engine = MixtureEngine(model_dir, sampler, seed=1)
+    _check(engine, sampler)
+    # New weights for pi_theta only: pi_ref stays pi_0, and the records follow.
+    g = torch.Generator().manual_seed(2)
+    new = [(k, v + 0.05 * torch.randn(v.shape, generator=g)) for k, v in engine.policy.state_dict().items()]
+    ref_before = [p.clone() for p in engine.ref.parameters()]
+    engine.load_weights(new, version=3)
+    assert all(torch.equal(a, b) for a, b in zip(ref_before, engine.ref.parameters(), strict=True))
+    _check(engine, sampler)
+
+
+def test_weights_loaded_mid_response_mark_the_later_tokens(model_dir):
+    engine = MixtureEngine(model_dir, "mixp", seed=4)
+    engine.add("0", PROMPT, SamplingSpec(temperature=TAU, max_tokens=6), n=2)
+    first = engine.step()
+    engine.load_weights(list(engine.policy.state_dict().items()), version=1)
+    done = first
+    while engine.has_unfinished():
+        done += engine.step()
+    long = [s for s in done if len(s.token_ids) > 1]
+    assert all(s.versions[0] == 0 and set(s.versions[1:]) == {1} for s in long)
+
+
+def test_unknown_sampler_and_narrow_sampling_are_refused(model_dir):
+    with pytest.raises(ValueError, match="unknown sampler 'mix'"):
+        policy_weights("mix", 2)
+    engine = MixtureEngine(model_dir, "gshf")
+    with pytest.raises(ValueError, match="full support"):
+        engine.add("0", PROMPT, SamplingSpec(temperature=TAU, top_p=0.9), n=2)
+
+
+def test_policy_weight_survives_the_wire_and_the_replay_columns():
+    comps = [Completion(np.array([4, 5], np.int32), np.array([-1.0, -2.0], np.float32), np.array([2, 2], np.int32),
+                        RewardResult(1.0, True), "stop", w) for w in (1.5, 0.5)]
+    group = RolloutGroup(0, 7, "p", "x", np.array(PROMPT, np.int32), comps, SamplingInfo(TAU, 1.0, -1, 6), 0.0, 1.0)
+    back = P.decode(P.encode(group))
+    assert [c.policy_weight for c in back.completions] == [1.5, 0.5]
+    import pyarrow as pa
+
+    table = pa.table(group_columns([group]))
+    assert [c.policy_weight for c in groups_from(table)[0].completions] == [1.5, 0.5]
+    comps[0].policy_weight = float("nan")
+    with pytest.raises(ValueError, match="policy_weight"):
+        comps[0].validate()
