@@ -126,3 +126,13 @@ def test_dpo_objective_shares_add_up_to_the_mean_pair_loss(name, loss):
         d = dval(seq[2 * k] - seq[2 * k + 1], beta, float(margins[k])) / pairs
         torch.testing.assert_close(grad[2 * k], d * mask[2 * k].to(F64))
         torch.testing.assert_close(grad[2 * k + 1], -d * mask[2 * k + 1].to(F64))
+
+
+def test_dpo_preset_loads_with_each_sampler():
+    from dph_async.config import ConfigError, load_config
+
+    for sampler in ("online", "ref", "gshf", "mixp"):
+        cfg = load_config("dpo", [f"actors.sampler={sampler}"])
+        assert cfg.learner.loss.objective == "dpo" and cfg.actors.sampler == sampler and cfg.learner.kl_every > 0
+    with pytest.raises(ConfigError, match=r"actors\.sampler"):
+        load_config("dpo", ["actors.sampler=mix"])
