@@ -258,8 +258,9 @@ class Trainer:
         for epoch, plan in enumerate(plans):
             for k, mini in enumerate(plan):
                 self._update(mini, skip, record, diagnose=diagnose and epoch == 0 and k == 0)
-        if record.loss:
-            self.version += 1
+        # A batch that gave no update (every group filtered, or no DPO pair) still counts: the replay
+        # admits rollouts by version, and would wait forever for a learner that never moves on.
+        self.version += 1
         metrics = self._metrics(batch, p, record, staleness)
         if self.kl_monitor is not None and self.kl_monitor.due(self.version):
             kl = self.kl_monitor.measure(self.module, [g.prompt_ids for g in batch.groups], self.version)

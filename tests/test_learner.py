@@ -272,3 +272,11 @@ def test_kl_monitor_logs_every_n_versions_against_the_start(model_dir):
     # two updates away from pi_0: k3 >= 0 per sequence, and both estimate the same positive KL
     assert second["kl/k3"] > 0 and second["kl/k3_se"] > 0 and second["kl/k1_se"] > 0
     assert abs(second["kl/k1"] - second["kl/k3"]) < 4 * (second["kl/k1_se"] + second["kl/k3_se"])
+
+
+def test_a_batch_without_pairs_still_advances_the_version(model_dir):
+    """All ties: no DPO pair, no optimizer step, but the version moves on (the replay admits by it)."""
+    t = trainer(model_dir, loss={"objective": "dpo"})
+    rng = np.random.default_rng(13)
+    m = t.train_step(Batch(0, [group(i, [1.0, 1.0, 1.0], rng) for i in range(3)], [], {}))
+    assert t.version == 1 and m["batch/skipped_groups"] == 3 and m["learner/optimizer_steps"] == 0
