@@ -112,3 +112,17 @@ def test_policy_weight_survives_the_wire_and_the_replay_columns():
     comps[0].policy_weight = float("nan")
     with pytest.raises(ValueError, match="policy_weight"):
         comps[0].validate()
+
+
+def test_samplers_sweep_has_one_cell_per_sampler_and_seed():
+    from dph_async.app.ablate.cells import samplers_sweep
+    from dph_async.app.cli import build_parser
+
+    sweep = samplers_sweep(["online", "mixp"], [0, 1], "dpo")
+    assert [c.key for c in sweep.cells] == ["online-seed0", "online-seed1", "mixp-seed0", "mixp-seed1"]
+    assert sweep.cells[3].overrides == ("actors.sampler=mixp", "seed=1") and sweep.cells[3].group == "mixp"
+    assert sweep.x == "sampler" and all(c.mode == "dpo" for c in sweep.cells)
+    with pytest.raises(ValueError, match="sampler 'mix'"):
+        samplers_sweep(["mix"], [0], "dpo")
+    args = build_parser().parse_args(["ablate", "samplers", "--samplers", "ref", "gshf"])
+    assert args.preset == "dpo" and args.samplers == ["ref", "gshf"]

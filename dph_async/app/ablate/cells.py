@@ -29,7 +29,7 @@ class Cell:
 
 @dataclass(frozen=True)
 class Sweep:
-    kind: str  # "staleness" or "divergence"
+    kind: str  # "staleness", "divergence" or "samplers"
     cells: list[Cell]
     x: str  # the factor on the x axis of summary plots
     panel: str | None  # the factor that splits plots into panels (None: one panel)
@@ -69,3 +69,16 @@ def divergence_sweep(specs: list[str], coeffs: list[float] | None, seeds: list[i
             cells += [Cell(f"{v.slug}-seed{seed}", v.name, factors, seed, v.name, (f"seed={seed}",))
                       for seed in seeds]
     return Sweep("divergence", cells, x="mode", panel=None)
+
+
+SAMPLERS = ("online", "ref", "gshf", "mixp")
+
+
+def samplers_sweep(samplers: list[str], seeds: list[int], mode: str) -> Sweep:
+    """actors.sampler x seeds for one objective (the preset's; online DPO with the `dpo` preset)."""
+    for s in samplers:
+        if s not in SAMPLERS:
+            raise ValueError(f"sampler {s!r}: choose from {', '.join(SAMPLERS)}")
+    cells = [Cell(f"{s}-seed{seed}", s, {"sampler": s}, seed, mode, (f"actors.sampler={s}", f"seed={seed}"))
+             for s in samplers for seed in seeds]
+    return Sweep("samplers", cells, x="sampler", panel=None)
