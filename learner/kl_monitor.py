@@ -7,8 +7,11 @@ per-token log-probs of both models at the same tau and r_t = pi_base(y_t | .) / 
     k3(y) = sum_t (r_t - 1 - log r_t)       unbiased too (each term's expectation given the prefix is
                                             that step's KL), never negative, lower variance near 0
 
-Each is averaged over the sampled sequences, with its standard error s / sqrt(n) (s the sample
-standard deviation over sequences). Why fresh samples: the batch's own responses come from the
+The estimate is the mean over prompts of each prompt's mean over its sequences, with the standard
+error over prompts (s / sqrt(prompts), s the standard deviation of the prompts' means): the KL
+differs from prompt to prompt, and responses to one prompt are not independent draws from the
+prompt distribution. With a single prompt it is the KL given that prompt, with the standard error
+over its sequences. Why fresh samples: the batch's own responses come from the
 behaviour policies (stale actors, or the ref / mixp samplers), not from pi_theta. Why one
 temperature throughout: sampling at tau but scoring log-probs at 1 (as the samplers seed's KL script
 does) estimates neither KL at tau nor KL at 1 (tests/test_kl_monitor.py shows the gap).
@@ -55,9 +58,19 @@ def mean_and_se(x: Tensor) -> tuple[float, float]:
     return float(x.mean()), se
 
 
-def estimate(k1: Tensor, k3: Tensor) -> KLEstimate:
+def estimate(k1: Tensor, k3: Tensor, prompt: Tensor | None = None) -> KLEstimate:
+    """Mean and standard error of k1 and k3 over sequences, or, given each sequence's prompt index and
+    more than one prompt, over the prompts' means."""
+    if prompt is not None and prompt.unique().numel() > 1:
+        _, idx = prompt.unique(return_inverse=True)
+        count = torch.bincount(idx).double()
+        k1 = torch.bincount(idx, weights=k1) / count
+        k3 = torch.bincount(idx, weights=k3) / count
+        n = int(count.sum())
+    else:
+        n = k1.numel()
     (m1, s1), (m3, s3) = mean_and_se(k1), mean_and_se(k3)
-    return KLEstimate(m1, s1, m3, s3, k1.numel())
+    return KLEstimate(m1, s1, m3, s3, n)
 
 
 @torch.no_grad()
@@ -107,7 +120,8 @@ class KLMonitor:
             left -= n
             responses = sample(model, prompt, n, self.temperature, self.max_tokens, self.eos_id, gen)
             units.append([Sequence(np.asarray(prompt), r, np.zeros(len(r), np.float32)) for r in responses if len(r)])
-        k1s, k3s = [], []
+        prompt_of = {id(s): i for i, u in enumerate(units) for s in u}
+        k1s, k3s, which = [], [], []
         with torch.no_grad():
             for mb in pack([u for u in units if u], "fresh", 1 << 16, self.pad_id):
                 logp, _ = response_logprobs(model, mb, self.temperature, impl="torch")
@@ -115,5 +129,6 @@ class KLMonitor:
                 k1, k3 = sequence_terms(logp, logp_base, mb.mask)
                 k1s.append(k1)
                 k3s.append(k3)
+                which.append(torch.tensor([prompt_of[id(s)] for s in mb.sequences]))
         model.train(was_training)
-        return estimate(torch.cat(k1s), torch.cat(k3s))
+        return estimate(torch.cat(k1s), torch.cat(k3s), torch.cat(which))

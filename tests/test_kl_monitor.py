@@ -118,3 +118,14 @@ def test_report_shows_the_last_kl_estimate_of_each_run():
                     {"learner/version": 5.0}],
               "b": [{"learner/version": 1.0}]}
     assert kl_rows(curves) == [["a", "4", "0.7 ± 0.1", "0.6 ± 0.05", "64"]]
+
+
+def test_with_several_prompts_the_error_is_over_the_prompts_means():
+    k1 = torch.tensor([1.0, 3.0, 10.0, 10.0, 4.0], dtype=F64)
+    prompt = torch.tensor([0, 0, 1, 1, 2])
+    est = estimate(k1, k1, prompt)
+    means = torch.tensor([2.0, 10.0, 4.0], dtype=F64)
+    assert est.k1 == pytest.approx(float(means.mean())) and est.sequences == 5
+    assert est.k1_se == pytest.approx(float(means.std()) / math.sqrt(3))
+    one = estimate(k1, k1, torch.zeros(5, dtype=torch.long))  # one prompt: over its sequences
+    assert one.k1_se == pytest.approx(float(k1.std()) / math.sqrt(5))

@@ -132,10 +132,10 @@ class LearnerConfig(Section):
     diagnose_every: int = Field(0, ge=0)
     # Every this many versions, estimate KL(pi_theta || pi_0) at the sampling temperature on
     # `kl_samples` fresh responses of the current weights (kl_per_prompt to each of the batch's first
-    # prompts): k1 and k3 with standard errors, kl/* (learner/kl_monitor.py); 0 = never.
+    # prompts): k1 and k3 with standard errors over prompts, kl/* (learner/kl_monitor.py); 0 = never.
     kl_every: int = Field(0, ge=0)
     kl_samples: int = Field(64, ge=2)
-    kl_per_prompt: int = Field(8, ge=1)
+    kl_per_prompt: int = Field(4, ge=1)
     # Publish weights to the actors every `sync_every` optimizer steps.
     sync_every: int = Field(1, ge=1)
     # Weights travel in buckets of at most this many bytes.
