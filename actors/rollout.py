@@ -15,12 +15,12 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from actors.engine import Engine, Sample, SamplingSpec
-from actors.weights import WeightClient
+from actors.weights import WeightClient, WeightFetchError
 from dph_async.config import RunConfig
 from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
 from dph_async.replay_client import RolloutSender
@@ -47,6 +47,16 @@ class PromptCursor:
         return self.shard[self._orders[epoch][i]]
 
 
+def sample_seed(seed: int, actor_id: int, seq: int, j: int) -> int:
+    """The sampling seed of completion j at position seq of an actor's stream.
+
+    A completion is then a function of its position and the weights alone, not of what the engine
+    sampled before: an actor restarted (or a run resumed) regenerates a position exactly as the
+    uninterrupted run would have with the same weights.
+    """
+    return random.Random(f"{seed}/{actor_id}/{seq}/{j}").getrandbits(63)
+
+
 @dataclass
 class ActorStats:
     actor_id: int
@@ -58,6 +68,7 @@ class ActorStats:
     weight_loads: int = 0
     weight_load_seconds: float = 0.0
     weight_bytes: int = 0
+    weight_fetch_failures: int = 0  # versions refused (bad checksum, no longer held); the old weights stay
     version: int = 0
     skipped_accepted: int = 0  # positions already accepted before a restart
     wall_seconds: float = 0.0
@@ -93,7 +104,16 @@ class RolloutWorker:
         if ready is None:
             return
         start = time.time()
-        tensors = self.weights.fetch(ready)
+        try:
+            tensors = self.weights.fetch(ready)
+        except WeightFetchError as e:
+            # Nothing of that version reached the engine; generation goes on with the weights it has,
+            # and the next pass asks again (for the newest version, which may be another one).
+            n = self.stats.weight_fetch_failures = self.stats.weight_fetch_failures + 1
+            if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ... failure: a persistent fault does not flood the log
+                log.warning("actor %d: weights not loaded, keeping version %d (%d refused so far): %s",
+                            self.actor_id, self.engine.version, n, e)
+            return
         self.engine.load_weights(tensors, ready.version)
         self.stats.weight_loads += 1
         self.stats.weight_bytes += sum(b.nbytes for b in ready.buckets)
@@ -106,7 +126,8 @@ class RolloutWorker:
         self._inflight[seq] = []
         start = self._started[seq] = time.time()
         for j in range(self.cfg.sampling.n):
-            self.engine.add(f"{seq}/{j}", record.prompt_ids, self.spec)
+            spec = replace(self.spec, seed=sample_seed(self.cfg.seed, self.actor_id, seq, j))
+            self.engine.add(f"{seq}/{j}", record.prompt_ids, spec)
         self._mark(start, "submit")
 
     def _finish(self, seq: int) -> None:
