@@ -12,6 +12,7 @@ sampling temperature, so at step 0 the learner's log-probs of a reference sample
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -58,6 +59,14 @@ def pi0_logprobs(model_dir: Path, prompts: list[np.ndarray], responses: list[np.
     return out
 
 
+def d_pef_prompts(outcomes: Iterable[tuple[str, bool]], need: int) -> set[str]:
+    """The prompts with at least `need` correct samples among their (prompt id, correct) outcomes."""
+    correct: dict[str, int] = {}
+    for prompt_id, ok in outcomes:
+        correct[prompt_id] = correct.get(prompt_id, 0) + ok
+    return {pid for pid, c in correct.items() if c >= need}
+
+
 def _verl_rows(records: list[PromptRecord], table: pa.Table, keep: set[str]) -> pa.Table:
     """The rows of the source table whose prompt id is in `keep` (same columns, unchanged)."""
     mask = [r.prompt_id in keep for r in records]
@@ -89,11 +98,7 @@ def presample(cfg: RunConfig, model_dir: Path, train_path: Path, out_dir: Path,
                 for s in group:
                     samples.append((r, s, next(results)))
             bar.update(task, advance=len(batch))
-    need = ps.min_correct or ps.k
-    correct: dict[str, int] = {}
-    for r, _, res in samples:
-        correct[r.prompt_id] = correct.get(r.prompt_id, 0) + res.correct
-    pef = {pid for pid, c in correct.items() if c >= need}
+    pef = d_pef_prompts(((r.prompt_id, res.correct) for r, _, res in samples), ps.min_correct or ps.k)
     kept = [(r, s, res) for r, s, res in samples if r.prompt_id in pef and res.correct]
     logps = pi0_logprobs(model_dir, [np.asarray(r.prompt_ids, np.int32) for r, _, _ in kept],
                          [np.asarray(s.token_ids, np.int32) for _, s, _ in kept], cfg.sampling.temperature,
