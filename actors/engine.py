@@ -42,7 +42,7 @@ class SamplingSpec:
 class Engine(Protocol):
     version: int
 
-    def add(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec) -> None: ...
+    def add(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec, n: int = 1) -> None: ...
     def step(self) -> list[Sample]: ...
     def has_unfinished(self) -> bool: ...
     def abort(self, keys: Sequence[str]) -> None: ...
@@ -78,7 +78,7 @@ class VLLMEngine:
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.version = version
-        self._live: dict[str, Sample] = {}
+        self._live: dict[str, dict[int, Sample]] = {}  # request key -> completion index -> sample
 
     def _params(self, spec: SamplingSpec, n: int, delta: bool):
         from vllm import SamplingParams
@@ -89,39 +89,46 @@ class VLLMEngine:
             n=n, temperature=spec.temperature, top_p=1.0 if greedy else spec.top_p,
             top_k=-1 if greedy else spec.top_k, max_tokens=spec.max_tokens, logprobs=0, seed=spec.seed,
             output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
+            # Streamed completions are decoded once, when they finish: no per-step detokenising.
+            detokenize=not delta,
         )
 
-    def add(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec) -> None:
-        """Queue one completion (n=1) of `prompt_ids`; a GRPO group is n keys sharing the prompt."""
+    def add(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec, n: int = 1) -> None:
+        """Queue `n` completions of `prompt_ids` as one request (a GRPO group: one prompt to process,
+        shared by its n sequences); `step` returns them as samples keyed `key/0` .. `key/{n-1}`."""
         from vllm.inputs import TokensPrompt
 
         # The salt keeps each weights version's prompt KV apart in the prefix cache: a new request
         # never reuses prompt KV computed by older weights.
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=f"w{self.version}")
-        self.engine.add_request(key, prompt, self._params(spec, 1, True))
-        self._live[key] = Sample(key=key)
+        self.engine.add_request(key, prompt, self._params(spec, n, True))
+        self._live[key] = {j: Sample(key=f"{key}/{j}") for j in range(n)}
 
     def step(self) -> list[Sample]:
         """Run one engine step; return the completions that finished in it."""
         done = []
         for out in self.engine.step():
-            sample = self._live.get(out.request_id)
-            if sample is None:
+            group = self._live.get(out.request_id)
+            if group is None:
                 continue
-            comp = out.outputs[0]
-            sample.token_ids.extend(comp.token_ids)
-            sample.logprobs.extend(next(iter(lp.values())).logprob for lp in comp.logprobs)
-            sample.versions.extend([self.version] * len(comp.token_ids))
+            for comp in out.outputs:
+                sample = group[comp.index]
+                sample.token_ids.extend(comp.token_ids)
+                sample.logprobs.extend(next(iter(lp.values())).logprob for lp in comp.logprobs)
+                sample.versions.extend([self.version] * len(comp.token_ids))
+                if comp.finish_reason is not None:
+                    sample.finish_reason = comp.finish_reason
+                    sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+                    done.append(sample)
             if out.finished:
-                sample.finish_reason = comp.finish_reason or "stop"
-                sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-                done.append(self._live.pop(out.request_id))
+                del self._live[out.request_id]
         return done
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
 
     def abort(self, keys: Sequence[str]) -> None:
+        """Abort the requests `keys` (as given to `add`) and all their completions."""
         self.engine.abort_request(list(keys))
         for k in keys:
             self._live.pop(k, None)

@@ -29,6 +29,10 @@ from dph_async.tasks.dataset import PromptRecord
 
 log = logging.getLogger(__name__)
 
+# Spans kept per actor for the timeline (a few per engine step): enough for a benchmark's runs, and a
+# bound on memory for a run that goes on for days.
+TIMELINE_SPANS = 200_000
+
 
 class PromptCursor:
     """Position `seq` of an actor's stream -> a prompt of its shard; deterministic from the seed."""
@@ -47,14 +51,15 @@ class PromptCursor:
         return self.shard[self._orders[epoch][i]]
 
 
-def sample_seed(seed: int, actor_id: int, seq: int, j: int) -> int:
-    """The sampling seed of completion j at position seq of an actor's stream.
+def sample_seed(seed: int, actor_id: int, seq: int) -> int:
+    """The sampling seed of the group at position seq of an actor's stream (vLLM gives its n
+    completions seed + j).
 
-    A completion is then a function of its position and the weights alone, not of what the engine
-    sampled before: an actor restarted (or a run resumed) regenerates a position exactly as the
-    uninterrupted run would have with the same weights.
+    A group is then a function of its position and the weights alone, not of what the engine sampled
+    before: an actor restarted (or a run resumed) regenerates a position exactly as the uninterrupted
+    run would have with the same weights.
     """
-    return random.Random(f"{seed}/{actor_id}/{seq}/{j}").getrandbits(63)
+    return random.Random(f"{seed}/{actor_id}/{seq}").getrandbits(62)
 
 
 @dataclass
@@ -66,7 +71,10 @@ class ActorStats:
     wait_seconds: float = 0.0  # waiting for tickets or weights
     score_seconds: float = 0.0
     weight_loads: int = 0
-    weight_load_seconds: float = 0.0
+    weight_load_seconds: float = 0.0  # fetch, verify and load into the engine
+    weight_fetch_seconds: float = 0.0  # the fetch and checksum part of it
+    ticket_seconds: float = 0.0  # asking for admission while the engine has work
+    send_seconds: float = 0.0
     weight_bytes: int = 0
     weight_fetch_failures: int = 0  # versions refused (bad checksum, no longer held); the old weights stay
     version: int = 0
@@ -90,17 +98,20 @@ class RolloutWorker:
         self._t0 = time.time()
 
     def _mark(self, start: float, what: str) -> None:
-        """Add to the busy/wait timeline, merging with the previous interval of the same kind."""
+        """Add to the busy/wait timeline, merging with the previous interval of the same kind; past
+        TIMELINE_SPANS spans a long run stops recording (the totals in the stats go on)."""
         end = time.time()
         line = self.stats.timeline
         if line and line[-1][2] == what and start - line[-1][1] < 0.01:
             line[-1] = (line[-1][0], end, what)
-        else:
+        elif len(line) < TIMELINE_SPANS:
             line.append((start, end, what))
 
     def update_weights(self) -> None:
         """Load the newest published weights if they are newer than the engine's."""
+        start = time.time()
         ready = self.weights.newest(self.engine.version)
+        self._mark(start, "query")
         if ready is None:
             return
         start = time.time()
@@ -114,9 +125,11 @@ class RolloutWorker:
                 log.warning("actor %d: weights not loaded, keeping version %d (%d refused so far): %s",
                             self.actor_id, self.engine.version, n, e)
             return
+        fetched = time.time()
         self.engine.load_weights(tensors, ready.version)
         self.stats.weight_loads += 1
         self.stats.weight_bytes += sum(b.nbytes for b in ready.buckets)
+        self.stats.weight_fetch_seconds += fetched - start
         self.stats.weight_load_seconds += time.time() - start
         self.stats.version = ready.version
         self._mark(start, "weights")
@@ -125,9 +138,8 @@ class RolloutWorker:
         record = self.cursor[seq]
         self._inflight[seq] = []
         start = self._started[seq] = time.time()
-        for j in range(self.cfg.sampling.n):
-            spec = replace(self.spec, seed=sample_seed(self.cfg.seed, self.actor_id, seq, j))
-            self.engine.add(f"{seq}/{j}", record.prompt_ids, spec)
+        spec = replace(self.spec, seed=sample_seed(self.cfg.seed, self.actor_id, seq))
+        self.engine.add(str(seq), record.prompt_ids, spec, n=self.cfg.sampling.n)
         self._mark(start, "submit")
 
     def _finish(self, seq: int) -> None:
@@ -145,7 +157,10 @@ class RolloutWorker:
         group = RolloutGroup(self.actor_id, seq, record.prompt_id, record.data_source,
                              np.asarray(record.prompt_ids, np.int32), completions, self.info,
                              self._started.pop(seq), time.time())
+        start = time.time()
         self.sender.send(group)
+        self.stats.send_seconds += time.time() - start
+        self._mark(start, "send")
         self.stats.groups_sent += 1
         self.stats.tokens_generated += sum(len(s.token_ids) for s in samples)
 
@@ -157,15 +172,21 @@ class RolloutWorker:
         self.update_weights()
         slots = self.cfg.actors.max_inflight_prompts
         while not stop.is_set() and (max_groups is None or self.stats.groups_sent < max_groups):
-            start = time.time()
             self.update_weights()
             free = slots - len(self._inflight)
             if max_groups is not None:
                 free = min(free, max_groups - self.stats.groups_sent - len(self._inflight))
+            start = time.time()
             if free > 0:
-                # Idle engine: wait (briefly) at the replay for capacity instead of spinning.
-                granted = self.sender.tickets(free, wait_s=0.0 if self._inflight else 0.2,
-                                              weights_version=self.engine.version)
+                # An idle engine waits (briefly) at the replay for capacity instead of spinning; a busy
+                # one leaves a request parked there and picks up the grant on a later pass.
+                busy = bool(self._inflight)
+                granted = self.sender.tickets(free, wait_s=1.0 if busy else 0.2, weights_version=self.engine.version,
+                                              block=not busy)
+                if busy:
+                    self.stats.ticket_seconds += time.time() - start
+                    self._mark(start, "tickets")
+                    start = time.time()
                 for _ in range(granted):
                     while next_seq in accepted:
                         accepted.discard(next_seq)
@@ -188,7 +209,7 @@ class RolloutWorker:
                 if len(self._inflight[seq]) == self.cfg.sampling.n:
                     self._finish(seq)
         if self._inflight:
-            self.engine.abort([f"{seq}/{j}" for seq in self._inflight for j in range(self.cfg.sampling.n)])
+            self.engine.abort([str(seq) for seq in self._inflight])
             self._inflight.clear()
         self.sender.flush(timeout_s=30.0)
         self.stats.wall_seconds = time.time() - self._t0

@@ -189,7 +189,8 @@ class RolloutSender:
         self._backlog: deque[tuple[int, int]] = deque()  # ids to (re)send
         self._last_progress = time.monotonic()
         self.held = 0  # tickets granted and not yet used by a send
-        self._unclaimed = 0  # tickets granted to a request we had stopped waiting for
+        self._unclaimed = 0  # tickets granted to a request we had stopped waiting for (or never waited on)
+        self._parked_until = 0.0  # a ticket request left parked at the replay may be answered until then
         self.accepted = 0
         self.duplicates = 0
         self.rejected: list[tuple[tuple[int, int] | None, str]] = []  # (group id or None, error)
@@ -218,6 +219,7 @@ class RolloutSender:
         elif isinstance(msg, TicketGrant):
             self.held += msg.granted
             self._unclaimed += msg.granted
+            self._parked_until = 0.0
         elif isinstance(msg, ErrorReply):
             log.error("replay error: %s", msg.error)
 
@@ -275,15 +277,25 @@ class RolloutSender:
         self.held = self._unclaimed = 0
         return info
 
-    def tickets(self, want: int, wait_s: float = 0.0, weights_version: int = -1) -> int:
+    def tickets(self, want: int, wait_s: float = 0.0, weights_version: int = -1, block: bool = True) -> int:
         """Ask for up to `want` admission tickets, waiting up to wait_s for capacity; returns how
         many new prompts the actor may start (including tickets from earlier requests that arrived
-        late). weights_version: the version the actor generates with."""
+        late). weights_version: the version the actor generates with.
+
+        block=False (for an actor whose engine has work): never wait. Claim what was granted so far,
+        and if no request is out, leave one parked at the replay for wait_s; the replay answers it as
+        soon as it has capacity, and a later call claims the grant. One message per grant instead of
+        a round trip per engine step."""
         self.poll(0.0)
         if self._unclaimed:
             claimed, self._unclaimed = min(self._unclaimed, want), max(0, self._unclaimed - want)
             return claimed
         request = TicketRequest(self.actor_id, want, self.held, weights_version, wait_s)
+        if not block:
+            if time.monotonic() >= self._parked_until and self._chan.send(encode(request)):
+                # A lost answer (reconnect) is given up on a little after the replay would have sent it.
+                self._parked_until = time.monotonic() + wait_s + self.reply_timeout_s
+            return 0
         grant = self._call(request, TicketGrant, wait_s)
         self.held += grant.granted
         return grant.granted

@@ -1,12 +1,22 @@
-"""From a replay `Batch` to padded micro-batches packed by a token budget.
+"""From a replay `Batch` to mini-batches (one optimizer step each) and padded micro-batches.
 
-Each micro-batch holds one sample type, fresh rollouts or reference (D_pef) samples, as the DPH-RL
-reference implementation does. The learner trains on exactly the token ids the actor generated.
+    prepared = prepare(batch, ...)                    # sequences with GRPO advantages, per group
+    for mini in prepared.mini_batches(M, rng):        # groups split M ways, reference samples spread
+        for mb in pack(mini.fresh_units(...), ...):   # micro-batches within a token budget
+
+A micro-batch holds one sample type, fresh rollouts or reference (D_pef) samples, as the DPH-RL
+reference implementation does. Its rows are prompts [P, Lp]; each prompt's responses sit back to
+back in one packed row [P, R] (no padding between them), so the completions of a prompt share its
+forward pass and no compute goes to padding (`learner/logprobs.py`). The targets are also laid out
+per response, [B, T], for the loss. A piece whose row would pass `row_tokens` starts a new row
+(repeating the prompt): long responses get a row each, as in the plain layout.
+The learner trains on exactly the token ids the actor generated.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -14,49 +24,113 @@ import torch
 
 from dph_async.protocol import Batch, RolloutGroup
 from learner.losses import grpo_advantages, zero_spread_groups
+from learner.objectives import Counts
 
 Kind = Literal["fresh", "reference"]
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     prompt_ids: np.ndarray
     response_ids: np.ndarray
     old_logprobs: np.ndarray  # behaviour log-probs (fresh) or pi_0 log-probs (reference)
     advantage: float = 0.0
+    # log pi_prox of each response token, recorded before the batch's first update (None until then).
+    prox: torch.Tensor | None = field(default=None, repr=False)
+
+
+# A unit of packing: the sequences of one prompt (a GRPO group, or one reference sample).
+Unit = list[Sequence]
 
 
 @dataclass
 class MicroBatch:
     kind: Kind
-    input_ids: torch.Tensor  # [B, L] prompt + response, right-padded
-    attention_mask: torch.Tensor  # [B, L]
-    positions: torch.Tensor  # [B, T] index of the hidden state that predicts each response token
-    targets: torch.Tensor  # [B, T] response token ids
+    prompt_ids: torch.Tensor  # [P, Lp] right-padded
+    prompt_lens: torch.Tensor  # [P]
+    packed_ids: torch.Tensor  # [P, R] each row: its prompt's responses back to back, right-padded
+    segment: torch.Tensor  # [P, R] which response (0..B-1) each packed token belongs to, -1 for padding
+    response_ids: torch.Tensor  # [B, T] right-padded (the targets)
     mask: torch.Tensor  # [B, T] bool, True on real response tokens
+    row: torch.Tensor  # [B] the prompt row of each response
+    start: torch.Tensor  # [B] where each response starts in its packed row
     old_logprobs: torch.Tensor  # [B, T]
     advantages: torch.Tensor  # [B]
+    sequences: list[Sequence]  # the B sequences, in order
+
+    @property
+    def shares_prompts(self) -> bool:
+        return self.prompt_ids.shape[0] < self.response_ids.shape[0]
 
     @property
     def num_sequences(self) -> int:
-        return self.input_ids.shape[0]
+        return self.response_ids.shape[0]
+
+    def prox(self) -> torch.Tensor | None:
+        """[B, T] log pi_prox if every sequence has it recorded, else None."""
+        if any(s.prox is None for s in self.sequences):
+            return None
+        out = torch.zeros(self.mask.shape, dtype=self.sequences[0].prox.dtype)
+        for i, s in enumerate(self.sequences):
+            out[i, : len(s.response_ids)] = s.prox
+        return out
+
+    def record_prox(self, logp: torch.Tensor) -> None:
+        for i, s in enumerate(self.sequences):
+            s.prox = logp[i, : len(s.response_ids)].detach().clone()
+
+
+@dataclass
+class MiniBatch:
+    """One optimizer step's share of a batch, with the denominators its objective divides by."""
+
+    groups: list[Unit]
+    reference: list[Sequence]
+    counts: Counts
+
+    def fresh_units(self, skip_zero_advantage: bool) -> list[Unit]:
+        """The fresh sequences to run through the model, per prompt. Zero-advantage sequences give the
+        policy loss no gradient (the PPO loss is -A r w); with skip they stay only in `counts`."""
+        if not skip_zero_advantage:
+            return self.groups
+        kept = [[s for s in g if s.advantage != 0.0] for g in self.groups]
+        return [g for g in kept if g]
 
 
 @dataclass
 class PreparedBatch:
-    fresh: list[MicroBatch]
-    reference: list[MicroBatch]
-    n_fresh: int  # fresh samples (completions) trained on
-    n_reference: int
-    fresh_tokens: int
-    reference_tokens: int
+    groups: list[Unit]  # fresh sequences with their advantages, one list per prompt
+    reference: list[Sequence]
     filtered_groups: int  # zero-spread groups dropped by dynamic filtering
+
+    @property
+    def counts(self) -> Counts:
+        return counts_of(self.groups, self.reference)
+
+    def mini_batches(self, n: int, rng: random.Random | None = None) -> list[MiniBatch]:
+        """Split into `n` mini-batches: the groups in order (shuffled with `rng`), as evenly as their
+        number allows, and the reference samples spread the same way; each with its own counts."""
+        groups, reference = list(self.groups), list(self.reference)
+        if rng is not None:
+            rng.shuffle(groups)
+            rng.shuffle(reference)
+        n = max(1, min(n, len(groups) or 1))
+        parts = [groups[len(groups) * i // n: len(groups) * (i + 1) // n] for i in range(n)]
+        refs = [reference[len(reference) * i // n: len(reference) * (i + 1) // n] for i in range(n)]
+        return [MiniBatch(g, r, counts_of(g, r)) for g, r in zip(parts, refs, strict=True)]
+
+
+def counts_of(groups: list[Unit], reference: list[Sequence]) -> Counts:
+    fresh = [s for g in groups for s in g]
+    return Counts(n_fresh=len(fresh), fresh_tokens=sum(len(s.response_ids) for s in fresh),
+                  n_reference=len(reference), reference_tokens=sum(len(s.response_ids) for s in reference))
 
 
 def group_sequences(groups: list[RolloutGroup], use_std: bool, eps: float, filter_zero_spread: bool
-                    ) -> tuple[list[Sequence], int]:
-    """Fresh sequences with their GRPO advantages; drops zero-spread groups if asked (DAPO)."""
-    seqs: list[Sequence] = []
+                    ) -> tuple[list[Unit], int]:
+    """Fresh sequences with their GRPO advantages, one list per group; drops zero-spread groups if
+    asked (DAPO's dynamic filtering)."""
+    units: list[Unit] = []
     filtered = 0
     for g in groups:
         rewards = torch.tensor([[c.reward.score for c in g.completions]], dtype=torch.float64)
@@ -64,62 +138,88 @@ def group_sequences(groups: list[RolloutGroup], use_std: bool, eps: float, filte
             filtered += 1
             continue
         adv = grpo_advantages(rewards, use_std=use_std, eps=eps)[0]
-        for c, a in zip(g.completions, adv.tolist(), strict=True):
-            if len(c.token_ids):
-                seqs.append(Sequence(g.prompt_ids, c.token_ids, c.logprobs, a))
-    return seqs, filtered
+        unit = [Sequence(g.prompt_ids, c.token_ids, c.logprobs, a)
+                for c, a in zip(g.completions, adv.tolist(), strict=True) if len(c.token_ids)]
+        if unit:
+            units.append(unit)
+    return units, filtered
 
 
-def pack(seqs: list[Sequence], kind: Kind, token_budget: int, pad_id: int) -> list[MicroBatch]:
-    """Longest first; a micro-batch grows while (sequences x padded length) stays within the budget."""
-    order = sorted(seqs, key=lambda s: len(s.prompt_ids) + len(s.response_ids), reverse=True)
-    batches: list[list[Sequence]] = []
-    for s in order:
-        length = len(s.prompt_ids) + len(s.response_ids)
-        if batches and (len(batches[-1]) + 1) * max(length, _width(batches[-1])) <= token_budget:
-            batches[-1].append(s)
+def prepare(batch: Batch, *, use_std: bool, eps: float, filter_zero_spread: bool) -> PreparedBatch:
+    groups, filtered = group_sequences(batch.groups, use_std, eps, filter_zero_spread)
+    reference = [Sequence(r.prompt_ids, r.response_ids, r.ref_logprobs) for r in batch.reference if len(r.response_ids)]
+    return PreparedBatch(groups, reference, filtered)
+
+
+def pack(units: list[Unit], kind: Kind, token_budget: int, pad_id: int, share_prompts: bool = True,
+         row_tokens: int = 256) -> list[MicroBatch]:
+    """Micro-batches of rows, longest first, each within `token_budget` tokens (rows x (longest
+    prompt + longest packed row)). A unit's responses share one row up to `row_tokens` response
+    tokens, then continue in another row that repeats the prompt; without `share_prompts` every
+    response has a row of its own."""
+    if share_prompts:
+        pieces = [piece for u in units for piece in _cut(u, row_tokens)]
+    else:
+        pieces = [[s] for u in units for s in u]
+    pieces.sort(key=lambda u: (len(u[0].prompt_ids) + _packed_len(u), len(u)), reverse=True)
+    batches: list[list[Unit]] = []
+    for u in pieces:
+        if batches and _cost([*batches[-1], u]) <= token_budget:
+            batches[-1].append(u)
         else:
-            batches.append([s])
+            batches.append([u])
     return [_collate(b, kind, pad_id) for b in batches]
 
 
-def _width(seqs: list[Sequence]) -> int:
-    return max(len(s.prompt_ids) + len(s.response_ids) for s in seqs)
+def _packed_len(unit: Unit) -> int:
+    return sum(len(s.response_ids) for s in unit)
 
 
-def _collate(seqs: list[Sequence], kind: Kind, pad_id: int) -> MicroBatch:
-    b, width = len(seqs), _width(seqs)
+def _cost(units: list[Unit]) -> int:
+    return len(units) * (max(len(u[0].prompt_ids) for u in units) + max(_packed_len(u) for u in units))
+
+
+def _cut(unit: Unit, row_tokens: int) -> list[Unit]:
+    """Consecutive runs of the unit's sequences whose responses fit `row_tokens` (at least one each)."""
+    pieces: list[Unit] = []
+    for s in unit:
+        if pieces and _packed_len(pieces[-1]) + len(s.response_ids) <= row_tokens:
+            pieces[-1].append(s)
+        else:
+            pieces.append([s])
+    return pieces
+
+
+def _collate(units: list[Unit], kind: Kind, pad_id: int) -> MicroBatch:
+    seqs = [s for u in units for s in u]
+    p, b = len(units), len(seqs)
+    lp = max(len(u[0].prompt_ids) for u in units)
+    r = max(_packed_len(u) for u in units)
     t = max(len(s.response_ids) for s in seqs)
-    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((b, width), dtype=torch.long)
-    positions = torch.zeros((b, t), dtype=torch.long)
-    targets = torch.zeros((b, t), dtype=torch.long)
+    prompt_ids = torch.full((p, lp), pad_id, dtype=torch.long)
+    prompt_lens = torch.tensor([len(u[0].prompt_ids) for u in units], dtype=torch.long)
+    packed_ids = torch.full((p, r), pad_id, dtype=torch.long)
+    segment = torch.full((p, r), -1, dtype=torch.long)
+    response_ids = torch.full((b, t), pad_id, dtype=torch.long)
     mask = torch.zeros((b, t), dtype=torch.bool)
     old = torch.zeros((b, t), dtype=torch.float32)
-    for i, s in enumerate(seqs):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        input_ids[i, :p] = torch.from_numpy(np.asarray(s.prompt_ids, dtype=np.int64))
-        input_ids[i, p:p + r] = torch.from_numpy(np.asarray(s.response_ids, dtype=np.int64))
-        attention[i, :p + r] = 1
-        # The hidden state at position j predicts token j + 1.
-        positions[i, :r] = torch.arange(p - 1, p + r - 1)
-        targets[i, :r] = input_ids[i, p:p + r]
-        mask[i, :r] = True
-        old[i, :r] = torch.from_numpy(np.asarray(s.old_logprobs, dtype=np.float32))
+    row = torch.zeros(b, dtype=torch.long)
+    start = torch.zeros(b, dtype=torch.long)
+    i = 0
+    for j, u in enumerate(units):
+        prompt_ids[j, : len(u[0].prompt_ids)] = torch.from_numpy(np.asarray(u[0].prompt_ids, dtype=np.int64))
+        offset = 0
+        for s in u:
+            n = len(s.response_ids)
+            ids = torch.from_numpy(np.asarray(s.response_ids, dtype=np.int64))
+            packed_ids[j, offset:offset + n] = ids
+            segment[j, offset:offset + n] = i
+            response_ids[i, :n] = ids
+            mask[i, :n] = True
+            old[i, :n] = torch.from_numpy(np.asarray(s.old_logprobs, dtype=np.float32))
+            row[i], start[i] = j, offset
+            offset += n
+            i += 1
     adv = torch.tensor([s.advantage for s in seqs], dtype=torch.float32)
-    return MicroBatch(kind, input_ids, attention, positions, targets, mask, old, adv)
-
-
-def prepare(batch: Batch, *, use_std: bool, eps: float, filter_zero_spread: bool, token_budget: int,
-            pad_id: int) -> PreparedBatch:
-    fresh, filtered = group_sequences(batch.groups, use_std, eps, filter_zero_spread)
-    reference = [Sequence(r.prompt_ids, r.response_ids, r.ref_logprobs) for r in batch.reference if len(r.response_ids)]
-    return PreparedBatch(
-        fresh=pack(fresh, "fresh", token_budget, pad_id),
-        reference=pack(reference, "reference", token_budget, pad_id),
-        n_fresh=len(fresh),
-        n_reference=len(reference),
-        fresh_tokens=sum(len(s.response_ids) for s in fresh),
-        reference_tokens=sum(len(s.response_ids) for s in reference),
-        filtered_groups=filtered,
-    )
+    return MicroBatch(kind, prompt_ids, prompt_lens, packed_ids, segment, response_ids, mask, row, start, old, adv,
+                      seqs)

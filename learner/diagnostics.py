@@ -65,6 +65,8 @@ def policy_diagnostics(
         "is_weight_max": w_max,
         "ess": effective_sample_size(out.is_weight, mask),
         "clip_frac": clipped_fraction(out.clipped, out.mask),
+        # How far pi_theta moved from the ratio's denominator within the batch: 0 with one update.
+        "ratio_dev": masked_mean((out.ratio - 1.0).abs(), mask.to(out.ratio.dtype)),
         "dual_clip_frac": clipped_fraction(out.dual_clipped, out.mask),
         "kept_frac": out.mask.sum() / mask.sum().clamp(min=1),
         "mismatch_kl_k1": k1,

@@ -6,7 +6,9 @@ Small pure functions on torch tensors. Per-token tensors are [B, T], padded, wit
   logp_mu    log pi_mu(y_t)      behaviour: recorded by the actor that sampled y_t
   logp_prox  log pi_prox(y_t)    proximal: the learner's weights at the start of the step, no grad
   logp_ref   log pi_0(y_t)       stored with a preserved reference sample, or from a frozen model
-Every loss is a quantity to minimise. docs/losses.md has the derivations and the choices.
+Every loss is a quantity to minimise. Inputs in bf16 or fp16 are computed in fp32 (`upcast`).
+Which terms a training mode combines, and with what weights, is `learner/objectives.py`;
+docs/losses.md has the derivations and the choices.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from torch import Tensor
 
 from dph_async.config.loss import LossConfig
 
-# Divergences computed on preserved reference samples (D_pef), against their stored pi_0 log-probs.
-REFERENCE_POOL_MODES = ("forward", "js_low_var", "js", "alpha")
-# Divergences that need a frozen reference model's log-probs on the fresh tokens.
-REFERENCE_MODEL_MODES = ("js", "reverse_kl")
-
 LOG_RATIO_CLAMP = 20.0  # |log ratio| bound before exp, as the reference implementation's k3
 K3_CLAMP = 10.0  # |k3| bound, as the reference implementation's k3
+
+
+def upcast(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """Half-precision inputs in fp32: exp, log and differences of log-probs lose too much in bf16
+    (js_low_var by up to 42% relative); fp32 and fp64 stay as they are."""
+    return tuple(t.float() if t.is_floating_point() and t.element_size() < 4 else t for t in tensors)
 
 
 def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
@@ -97,6 +100,42 @@ def ppo_clip(
     return loss, clipped & ~dual, dual
 
 
+def correction_weights(log_w: Tensor, mask: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
+    """The off-policy correction's per-token weight and keep mask, from log w = log(pi_prox / pi_mu)
+    (C = cfg.is_cap; g = exp(mean_t log w), a sequence's geometric-mean weight):
+
+        behavior        1                         keep all
+        decoupled       min(w, C)                 keep all           (truncated IS)
+        masked, token   w                         keep 1/C <= w <= C
+        masked, seq.    min(w, C)                 keep sequences with 1/C <= g <= C
+        areal           w                         keep w <= C        (AReaL's decoupled PPO with a cap)
+        areal_sequence  g on every token          keep g <= C        (AReaL's sequence-level rule)
+
+    Dropped tokens get weight 0 and stay in the caller's denominator (AReaL divides by every token).
+    Returns (weight, keep), both [B, T] and detached; keep is float 0/1 and already includes `mask`.
+    """
+    mask = mask.to(log_w.dtype)
+    c, bound = cfg.is_cap, math.log(cfg.is_cap)
+    seq_log_w = (log_w * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    ones = torch.ones_like(log_w)
+    if cfg.correction == "behavior":
+        weight, keep = ones, ones
+    elif cfg.correction == "decoupled":
+        weight, keep = log_w.exp().clamp(max=c), ones
+    elif cfg.correction == "masked" and cfg.mask_level == "token":
+        weight, keep = log_w.exp(), (log_w.abs() <= bound).to(log_w.dtype)
+    elif cfg.correction == "masked":
+        weight, keep = log_w.exp().clamp(max=c), (seq_log_w.abs() <= bound).to(log_w.dtype).expand_as(log_w)
+    elif cfg.correction == "areal":
+        weight, keep = log_w.exp(), (log_w <= bound).to(log_w.dtype)
+    elif cfg.correction == "areal_sequence":
+        weight = seq_log_w.exp().expand_as(log_w)
+        keep = (seq_log_w <= bound).to(log_w.dtype).expand_as(log_w)
+    else:
+        raise ValueError(f"unknown correction {cfg.correction!r}")
+    return weight.detach(), (keep * mask).detach()
+
+
 def policy_loss(
     logp: Tensor,
     logp_mu: Tensor,
@@ -107,37 +146,25 @@ def policy_loss(
 ) -> PolicyLoss:
     """Per-token PPO loss on fresh tokens with off-policy correction `cfg.correction`:
 
-        behavior:  r = pi_theta / pi_mu,   l = ppo_clip(r, A)          (naive PPO on stale data)
-        decoupled: r = pi_theta / pi_prox, l = min(w, C) ppo_clip(r, A),   w = pi_prox / pi_mu
-        masked:    as decoupled, and tokens with w outside [1/C, C] are dropped (mask_level="token"),
-                   or whole sequences whose geometric-mean w, exp(mean_t log w), is (mask_level="sequence")
+        behavior:   l = ppo_clip(pi_theta / pi_mu, A)
+        otherwise:  l = weight(w) * keep(w) * ppo_clip(pi_theta / pi_prox, A),   w = pi_prox / pi_mu
 
-    C = cfg.is_cap; w is a constant (no gradient). advantages: [B] (one per sequence) or [B, T].
-    logp_prox defaults to logp.detach(): one optimizer step per batch, so the proximal policy is
-    the current weights. When pi_mu = pi_prox, decoupled and masked equal behavior exactly.
+    with weight and keep from `correction_weights` (truncated, masked, or AReaL's rules); w is a
+    constant (no gradient). advantages: [B] (one per sequence) or [B, T]. logp_prox is the policy at
+    the start of the batch, recorded before its first update; it defaults to logp.detach() (one
+    update per batch: the proximal policy is the current weights). When pi_mu = pi_prox every
+    correction equals behavior exactly.
     """
+    logp, logp_mu, advantages = upcast(logp, logp_mu, advantages)
     mask = mask.to(logp.dtype)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    prox = (logp if logp_prox is None else logp_prox).detach()
-    logp_mu = logp_mu.detach()
-    log_w = log_ratio(prox, logp_mu)
-    if cfg.correction == "behavior":
-        log_r = log_ratio(logp, logp_mu)
-        weight = torch.ones_like(logp)
-    else:
-        log_r = log_ratio(logp, prox)
-        weight = log_w.exp().clamp(max=cfg.is_cap)
-    if cfg.correction == "masked":
-        bound = math.log(cfg.is_cap)
-        if cfg.mask_level == "token":
-            keep = log_w.abs() <= bound
-        else:
-            seq_log_w = (log_w * mask).sum(1) / mask.sum(1).clamp(min=1)
-            keep = (seq_log_w.abs() <= bound)[:, None].expand_as(log_w)
-        mask = mask * keep
+    prox = (logp if logp_prox is None else upcast(logp_prox)[0]).detach()
+    log_w = log_ratio(prox, logp_mu.detach())
+    log_r = log_ratio(logp, logp_mu.detach() if cfg.correction == "behavior" else prox)
+    weight, keep = correction_weights(log_w, mask, cfg)
     ratio = log_r.exp()
     loss, clipped, dual = ppo_clip(ratio, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
-    return PolicyLoss(weight * loss * mask, mask, ratio.detach(), log_w.exp(), clipped, dual)
+    return PolicyLoss(weight * keep * loss, keep, ratio.detach(), log_w.exp(), clipped, dual)
 
 
 # --- DPH divergences ------------------------------------------------------------------------------
@@ -154,6 +181,7 @@ def k3(log_r: Tensor) -> Tensor:
 def forward_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
     """DPH-F, on reference tokens y ~ pi_0: k3(u) = u - log u - 1 with u = pi_theta / pi_0 (clamped as k3).
     E_{pi_0}[.] = KL(pi_0 || pi_theta). d/d logp = u - 1 inside the clamps."""
+    logp, logp_ref = upcast(logp, logp_ref)
     return k3(logp - logp_ref)
 
 
@@ -161,6 +189,7 @@ def js_low_var(logp: Tensor, logp_ref: Tensor) -> Tensor:
     """DPH-JS, the "JS generator", on reference tokens: f(u) = u log u - (u + 1) log((u + 1) / 2).
     E_{pi_0}[f(u)] = KL(pi_theta || M) + KL(pi_0 || M) = 2 JS(pi_theta, pi_0), M = (pi_theta + pi_0) / 2.
     f >= 0, f(1) = f'(1) = 0; d/d logp = u log(2u / (1 + u)). No clamps (none in the reference)."""
+    logp, logp_ref = upcast(logp, logp_ref)
     d = logp - logp_ref
     u = d.exp()
     # log((u + 1) / 2) = softplus(d) - log 2: finite where u overflows nothing and 1 + u rounds to 1.
@@ -171,6 +200,7 @@ def js_reference_half(logp: Tensor, logp_ref: Tensor) -> Tensor:
     """`js` ("JS definition") on reference tokens y ~ pi_0: k3 of M / pi_0 = (1 + u) / 2, with
     M = (pi_0 + pi_theta) / 2. E_{pi_0}[.] = KL(pi_0 || M).
     d/d logp = u (u - 1) / (2 (1 + u)) inside the clamps."""
+    logp, logp_ref = upcast(logp, logp_ref)
     return k3(torch.logaddexp(logp, logp_ref) - math.log(2.0) - logp_ref)
 
 
@@ -178,6 +208,7 @@ def js_online_half(logp: Tensor, logp_ref: Tensor) -> Tensor:
     """`js` on fresh tokens y ~ pi_theta with a frozen reference model: k3 of M' / pi_theta,
     M' = (pi_ref + pi_theta) / 2. E_{pi_theta}[.] = KL(pi_theta || M'). The gradient flows through
     pi_theta in both M' and the denominator."""
+    logp, logp_ref = upcast(logp, logp_ref)
     return k3(torch.logaddexp(logp, logp_ref) - math.log(2.0) - logp)
 
 
@@ -187,6 +218,7 @@ def alpha_divergence(logp: Tensor, logp_ref: Tensor, alpha: float) -> Tensor:
     a -> 0 gives KL(pi_theta || pi_0). d/d logp = (u - u^(1-a)) / a. No clamps (none in the reference)."""
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
+    logp, logp_ref = upcast(logp, logp_ref)
     d = logp - logp_ref
     return (torch.exp((1.0 - alpha) * d) - (1.0 - alpha) * d.exp() - alpha) / (alpha * (alpha - 1.0))
 
@@ -194,33 +226,11 @@ def alpha_divergence(logp: Tensor, logp_ref: Tensor, alpha: float) -> Tensor:
 def reverse_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
     """On fresh tokens y ~ pi_theta with a frozen reference model: k3(pi_ref / pi_theta).
     E_{pi_theta}[.] = KL(pi_theta || pi_ref) (verl's `low_var_kl` KL loss)."""
+    logp, logp_ref = upcast(logp, logp_ref)
     return k3(logp_ref - logp)
 
 
-def divergence(mode: str, logp: Tensor, logp_ref: Tensor, alpha: float = 0.2) -> Tensor:
-    """Per-token divergence on preserved reference tokens for `mode` in REFERENCE_POOL_MODES
-    (for `js`, its reference half)."""
-    if mode == "forward":
-        return forward_kl(logp, logp_ref)
-    if mode == "js_low_var":
-        return js_low_var(logp, logp_ref)
-    if mode == "js":
-        return js_reference_half(logp, logp_ref)
-    if mode == "alpha":
-        return alpha_divergence(logp, logp_ref, alpha)
-    raise ValueError(f"no divergence on reference samples for {mode!r}; one of {REFERENCE_POOL_MODES}")
-
-
-def fresh_divergence(mode: str, logp: Tensor, logp_ref: Tensor) -> Tensor:
-    """Per-token divergence on fresh tokens against a frozen reference model, for REFERENCE_MODEL_MODES."""
-    if mode == "reverse_kl":
-        return reverse_kl(logp, logp_ref)
-    if mode == "js":
-        return js_online_half(logp, logp_ref)
-    raise ValueError(f"no divergence on fresh samples for {mode!r}; one of {REFERENCE_MODEL_MODES}")
-
-
-# --- Aggregation and the DPH objective ------------------------------------------------------------
+# --- Aggregation ------------------------------------------------------------
 
 
 def aggregate(
@@ -235,6 +245,7 @@ def aggregate(
     count: the whole batch's denominator (tokens for token-mean, sequences otherwise) when this
     [B, T] is one micro-batch of it, so that the micro-batches' losses add up to the batch's.
     """
+    (per_token,) = upcast(per_token)
     mask = mask.to(per_token.dtype)
     if mode == "token-mean":
         total, denom = masked_sum(per_token, mask), mask.sum() if count is None else count
@@ -250,43 +261,3 @@ def aggregate(
         raise ValueError(f"unknown aggregation {mode!r}")
     # An empty batch gives 0, not NaN; a tensor denominator stays on its device (no host sync).
     return total / torch.as_tensor(denom, dtype=total.dtype, device=total.device).clamp(min=1)
-
-
-def dph_objective(
-    pg: Tensor,
-    n_fresh: int,
-    cfg: LossConfig,
-    div_ref: Tensor | None = None,
-    n_ref: int = 0,
-    div_fresh: Tensor | None = None,
-    entropy: Tensor | None = None,
-) -> Tensor:
-    """The DPH-RL objective from aggregated parts, weighted as the reference implementation does:
-
-        L = [n_f (L_pg - c_H H + c_f D_fresh) + n_r eta D_ref] / (n_f + n_r)
-
-    pg = L_pg on n_f fresh samples; div_ref = D_ref, the divergence on n_r reference samples; div_fresh
-    = D_fresh on the fresh samples (reverse_kl; js's online half); entropy = H, the fresh tokens' mean
-    entropy. eta = cfg.coeff (the seed's sft_loss_coeff, or kl_loss_coef for reverse_kl); c_f = eta for
-    reverse_kl and eta * js_online_fraction for js (the reference adds the online half to that share of
-    fresh micro-batches at random; this is its expectation); c_H = cfg.entropy_coeff.
-
-    Why this weighting: the reference gives each micro-batch one sample type and averages the
-    micro-batches' losses, so each part enters with its share of the samples (256 reference per 2,048
-    fresh in its scripts: the divergence weighs eta * 256 / 2,304). Keeping that keeps the meaning of
-    the seed's coefficient ranges. Linear in its parts: micro-batch partials combine the same way.
-    """
-    mode = cfg.divergence
-    if (div_ref is not None) != (mode in REFERENCE_POOL_MODES and n_ref > 0):
-        raise ValueError(f"divergence {mode!r}, n_ref={n_ref}: give div_ref exactly when both call for it")
-    if (div_fresh is not None) != (mode in REFERENCE_MODEL_MODES):
-        raise ValueError(f"divergence {mode!r}: div_fresh must be given exactly for {REFERENCE_MODEL_MODES}")
-    fresh = pg
-    if entropy is not None and cfg.entropy_coeff:
-        fresh = fresh - cfg.entropy_coeff * entropy
-    if div_fresh is not None:
-        fresh = fresh + cfg.coeff * (cfg.js_online_fraction if mode == "js" else 1.0) * div_fresh
-    total = n_fresh * fresh
-    if div_ref is not None:
-        total = total + n_ref * cfg.coeff * div_ref
-    return total / max(n_fresh + n_ref, 1)

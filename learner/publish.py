@@ -3,7 +3,9 @@
 `publish(model, version)` copies the weights into CPU buckets (one model copy; the two newest
 versions are kept, so an actor that started fetching version v can finish while v+1 appears).
 A server thread answers `WeightsQuery` with the newest manifest and `WeightsRequest` with one
-bucket at a time, so no message holds more than `bucket_bytes` of weights.
+bucket at a time, so no message holds more than `bucket_bytes` of weights. It also pushes each new
+manifest to every actor that has asked before, so actors learn of new weights without asking
+between every engine step (a round trip to this process per step, waiting on its busy learner).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from dph_async.protocol import BucketInfo, ErrorReply, WeightsBucket, WeightsQue
 from dph_async.weights import make_buckets, tensor_to_array
 
 KEEP_VERSIONS = 2
+# Peers the server pushes new manifests to (the most recent askers): a bound on what a flood of
+# identities could make it hold.
+MAX_SUBSCRIBERS = 1024
 
 
 @dataclass
@@ -41,6 +46,14 @@ class WeightServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.address = net.bind(self._sock, addr, security)
+        # publish() runs in the learner's thread, the ROUTER belongs to the server thread: a publish
+        # wakes the server thread through this in-process pair, and the server does the pushing.
+        self._wake_addr = f"inproc://weights-wake-{id(self)}"
+        self._wake_rx = self._ctx.socket(zmq.PULL)
+        self._wake_rx.bind(self._wake_addr)
+        self._wake_tx = self._ctx.socket(zmq.PUSH)
+        self._wake_tx.connect(self._wake_addr)
+        self._subscribers: OrderedDict[bytes, None] = OrderedDict()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
         self._thread.start()
@@ -61,6 +74,7 @@ class WeightServer:
             while len(self._versions) > KEEP_VERSIONS:
                 self._versions.popitem(last=False)
         nbytes = sum(info.nbytes for info, _ in buckets)
+        self._wake_tx.send(b"")
         return PublishStats(version, nbytes, len(buckets), time.perf_counter() - start)
 
     def _answer(self, msg: protocol.Message) -> protocol.Message:
@@ -81,20 +95,45 @@ class WeightServer:
                 return WeightsBucket(msg.version, info.index, info.names, arrays, info.checksum, info.dtypes)
         return ErrorReply(f"the weight server does not answer {type(msg).__name__}", kind="type")
 
+    def _push_newest(self) -> None:
+        """Send the newest manifest to every subscriber (dropped by ZeroMQ for one that is gone)."""
+        with self._lock:
+            if not self._versions:
+                return
+            version = next(reversed(self._versions))
+            frames = protocol.encode(WeightsReady(version, [info for info, _ in self._versions[version]]))
+        for ident in self._subscribers:
+            self._sock.send_multipart([ident, *frames], copy=False)
+
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(100):
+            events = dict(poller.poll(100))
+            if self._wake_rx in events:
+                while self._wake_rx.poll(0):
+                    self._wake_rx.recv()
+                self._push_newest()
+            if self._sock not in events:
                 continue
             ident, *frames = self._sock.recv_multipart(copy=False)
             try:
-                reply = self._answer(protocol.decode(frames))
+                msg = protocol.decode(frames)
+                reply = self._answer(msg)
             except protocol.ProtocolError as e:
-                reply = ErrorReply(str(e), kind=e.kind)
+                msg, reply = None, ErrorReply(str(e), kind=e.kind)
+            if isinstance(msg, WeightsQuery):
+                key = bytes(ident.buffer)
+                self._subscribers[key] = None
+                self._subscribers.move_to_end(key)
+                while len(self._subscribers) > MAX_SUBSCRIBERS:
+                    self._subscribers.popitem(last=False)
             self._sock.send_multipart([ident, *protocol.encode(reply)], copy=False)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close(0)
+        self._wake_rx.close(0)
+        self._wake_tx.close(0)

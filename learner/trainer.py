@@ -1,16 +1,25 @@
-"""One DeepSpeed optimizer step on a replay batch: log-probs through the fused kernels, the losses,
-diagnostics. The policy version is the number of optimizer steps applied.
+"""Training on one replay batch: PPO mini-batch updates of the configured objective, through DeepSpeed.
 
-Micro-batches accumulate gradients up to one optimizer step: each contributes its share of the
-batch objective (the aggregation's batch-wide denominators and the DPH sample-share weighting), so
-their sum is the batch loss whatever the packing. One step per batch also makes the proximal policy
-the current weights: log pi_prox is log pi_theta before the step, detached.
+    version v = rollout batches trained; optimizer steps = v x mini_batches x epochs
+
+A batch is split into `mini_batches` parts, one optimizer step each, for `epochs` passes (the later
+ones reshuffled, seeded by the version so a resumed run repeats them). The proximal policy of the
+decoupled correction is the policy at the start of the batch: its log-probs are recorded before the
+first update (the first mini-batch's from its own forward pass, the others' from a no-grad pass),
+so the clip and the correction act from the second update on. With one update per batch the
+proximal policy is the current one and nothing extra runs.
+
+Micro-batches accumulate gradients up to each optimizer step; each contributes its share of the
+mini-batch objective (`learner.objectives`: batch-wide denominators and the DPH sample-share
+weighting), so their sum is the mini-batch loss whatever the packing.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import random
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,18 +29,11 @@ from transformers import AutoModelForCausalLM
 
 from dph_async.config import LearnerConfig
 from dph_async.protocol import Batch
-from learner.batching import MicroBatch, PreparedBatch, prepare
+from learner.batching import MicroBatch, MiniBatch, PreparedBatch, pack, prepare
 from learner.diagnostics import policy_diagnostics
 from learner.logprobs import response_logprobs
-from learner.losses import (
-    REFERENCE_MODEL_MODES,
-    PolicyLoss,
-    aggregate,
-    divergence,
-    dph_objective,
-    fresh_divergence,
-    policy_loss,
-)
+from learner.losses import PolicyLoss, policy_loss
+from learner.objectives import Objective, make_objective
 
 
 def deepspeed_config(cfg: LearnerConfig, dtype: str) -> dict:
@@ -59,8 +61,6 @@ def init_distributed() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        import socket
-
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
@@ -68,36 +68,61 @@ def init_distributed() -> None:
 
 
 @dataclass
-class _Collected:
-    """Detached per-token values of one step's fresh tokens, for the diagnostics."""
+class StepRecord:
+    """What one batch's updates saw: the fresh tokens' per-token outputs (flattened, detached), the
+    objective's parts summed per mini-batch, and the time in each phase."""
 
+    tokens: list[tuple[PolicyLoss, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    loss: list[torch.Tensor] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+    trained_tokens: int = 0
+    # Gradient of each part of the first mini-batch's objective (fresh, reference), when diagnosed.
+    grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
-    def add(self, **tensors: torch.Tensor) -> None:
-        for k, v in tensors.items():
-            self.parts.setdefault(k, []).append(v.detach().reshape(1, -1))
+    def add_parts(self, parts: dict[str, torch.Tensor]) -> None:
+        for k, v in parts.items():
+            self.parts.setdefault(k, []).append(v)
 
-    def cat(self, key: str) -> torch.Tensor:
-        return torch.cat(self.parts[key], dim=1)
+    def time(self, phase: str, start: float) -> float:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - start
+        return now
+
+
+def _flat(out: PolicyLoss, mask: torch.Tensor) -> PolicyLoss:
+    return PolicyLoss(*(t.detach()[mask][None] for t in out))
+
+
+def gradient_parts(grads: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+    """Norms of the fresh part's and the reference part's gradients (each already weighted as in the
+    objective) and the cosine between them: how much the divergence pulls against the policy loss."""
+    flat = {k: torch.cat([g.reshape(-1).double() for g in v]) for k, v in grads.items()}
+    out = {f"grad/{k}_norm": float(v.norm()) for k, v in flat.items()}
+    if len(flat) == 2:
+        a, b = flat["fresh"], flat["reference"]
+        out["grad/cosine"] = float(a @ b / (a.norm() * b.norm()).clamp(min=1e-30))
+    return out
 
 
 class Trainer:
     def __init__(self, model_dir: str, cfg: LearnerConfig, *, temperature: float, dtype: str, pad_id: int,
-                 max_response_tokens: int) -> None:
+                 max_response_tokens: int, seed: int = 0) -> None:
         import deepspeed
 
         if cfg.zero_stage > 2:
             raise ValueError("learner.zero_stage: 3 is not supported with the fused log-prob kernels "
                              "(they read the whole LM head); use 0, 1 or 2")
+        self.objective: Objective = make_objective(cfg.loss)
         init_distributed()
-        self.cfg, self.loss_cfg = cfg, cfg.loss
+        self.cfg, self.loss_cfg, self.seed = cfg, cfg.loss, seed
         self.temperature, self.pad_id = temperature, pad_id
         self.norm = cfg.loss.aggregation_norm or max_response_tokens
         torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
-        # reverse_kl and js need log-probs of a frozen reference model on fresh tokens.
+        # A frozen copy of pi_0 for objectives with a divergence on fresh tokens (reverse_kl, js, dapo).
         self.reference_model = None
-        if cfg.loss.divergence in REFERENCE_MODEL_MODES:
+        if self.objective.uses_reference_model:
             self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=deepspeed_config(cfg, dtype))
@@ -107,101 +132,158 @@ class Trainer:
     def module(self) -> torch.nn.Module:
         return self.engine.module
 
+    @property
+    def updates_per_batch(self) -> int:
+        return self.cfg.mini_batches * self.cfg.epochs
+
     def _logprobs(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return response_logprobs(model, mb, self.temperature, with_entropy=with_entropy, impl=self.cfg.kernel)
 
-    def _reference_logprobs(self, mb: MicroBatch) -> torch.Tensor:
-        with torch.no_grad():
-            return self._logprobs(self.reference_model, mb, with_entropy=False)[0]
+    def _pack(self, mini: MiniBatch, skip: bool) -> tuple[list[MicroBatch], list[MicroBatch]]:
+        cfg = self.cfg
+        units = mini.fresh_units(skip)
+        if not units and mini.groups:
+            # Every sequence has zero advantage: one still runs, so the optimizer steps on the zero
+            # gradient exactly as it would without skipping (Adam's moments move either way).
+            units = [mini.groups[0][:1]]
+        fresh = pack(units, "fresh", cfg.micro_token_budget, self.pad_id, cfg.share_prompts, cfg.pack_row_tokens)
+        reference = pack([[s] for s in mini.reference], "reference", cfg.micro_token_budget, self.pad_id)
+        return fresh, reference
 
-    def _fresh_loss(self, mb: MicroBatch, p: PreparedBatch, seen: _Collected) -> torch.Tensor:
-        lc = self.loss_cfg
-        logp, entropy = self._logprobs(self.module, mb, with_entropy=True)
-        out: PolicyLoss = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.mask, lc)
-        count = p.fresh_tokens if lc.aggregation == "token-mean" else p.n_fresh
-        pg = aggregate(out.loss, out.mask, lc.aggregation, self.norm, count=count)
-        ent = aggregate(entropy, mb.mask, "token-mean", count=p.fresh_tokens)
-        div_fresh = None
-        if lc.divergence in REFERENCE_MODEL_MODES:
-            per_tok = fresh_divergence(lc.divergence, logp, self._reference_logprobs(mb))
-            div_fresh = aggregate(per_tok, mb.mask, lc.aggregation, self.norm, count=count)
-        m = mb.mask
-        seen.add(logp=logp[m], mu=mb.old_logprobs[m], w=out.is_weight[m], ratio=out.ratio[m],
-                 clipped=out.clipped[m], dual=out.dual_clipped[m], kept=out.mask[m], entropy=entropy[m])
-        zero = pg.new_zeros(())
-        has_ref = lc.divergence not in ("none", "reverse_kl") and p.n_reference > 0
-        return dph_objective(pg, p.n_fresh, lc, div_ref=zero if has_ref else None, n_ref=p.n_reference,
-                             div_fresh=div_fresh, entropy=ent)
-
-    def _reference_loss(self, mb: MicroBatch, p: PreparedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        lc = self.loss_cfg
-        logp, _ = self._logprobs(self.module, mb, with_entropy=False)
-        per_tok = divergence(lc.divergence, logp, mb.old_logprobs, lc.alpha)
-        count = p.reference_tokens if lc.aggregation == "token-mean" else p.n_reference
-        div = aggregate(per_tok, mb.mask, lc.aggregation, self.norm, count=count)
-        zero = div.new_zeros(())
-        fresh_div = zero if lc.divergence in REFERENCE_MODEL_MODES else None
-        return dph_objective(zero, p.n_fresh, lc, div_ref=div, n_ref=p.n_reference, div_fresh=fresh_div), div
-
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        """Apply one optimizer step on `batch`; returns the step's metrics."""
-        lc = self.loss_cfg
+    def _record_prox(self, minis: list[MiniBatch], skip: bool, record: StepRecord) -> None:
+        """log pi_prox of every sequence these mini-batches will train on, under the current weights."""
         start = time.perf_counter()
-        staleness = [self.version - g.min_version for g in batch.groups]
-        use_reference = lc.divergence not in ("none", "reverse_kl")
-        if not use_reference:
-            batch.reference = []
-        p = prepare(batch, use_std=lc.use_std, eps=lc.adv_eps, filter_zero_spread=lc.filter_zero_spread,
-                    token_budget=self.cfg.micro_token_budget, pad_id=self.pad_id)
-        micro = [*p.fresh, *p.reference]
-        seen = _Collected()
-        total = 0.0
-        div_ref = 0.0
+        self.engine.eval()
+        with torch.no_grad():
+            for mini in minis:
+                for mb in self._pack(mini, skip)[0]:
+                    mb.record_prox(self._logprobs(self.module, mb, with_entropy=False)[0])
         self.engine.train()
+        record.time("proximal", start)
+
+    def _fresh_share(self, mb: MicroBatch, mini: MiniBatch, record: StepRecord) -> torch.Tensor:
+        start = time.perf_counter()
+        logp, entropy = self._logprobs(self.module, mb, with_entropy=True)
+        logp_ref = None
+        if self.reference_model is not None:
+            with torch.no_grad():
+                logp_ref = self._logprobs(self.reference_model, mb, with_entropy=False)[0]
+        prox = mb.prox()
+        if prox is None and self.updates_per_batch > 1:
+            mb.record_prox(logp)  # the batch's first update: the current policy is the proximal one
+        start = record.time("forward", start)
+        out = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.mask, self.loss_cfg, prox)
+        share = self.objective.fresh_share(out, mb.mask, mini.counts, self.norm, entropy=entropy, logp=logp,
+                                           logp_ref=logp_ref)
+        m = mb.mask
+        prox_tokens = (logp if prox is None else prox).detach()[m][None]
+        record.tokens.append((_flat(out, m), prox_tokens, mb.old_logprobs[m][None], entropy.detach()[m][None]))
+        record.trained_tokens += int(m.sum())
+        record.add_parts(share.parts)
+        record.time("loss", start)
+        return share.loss
+
+    def _reference_share(self, mb: MicroBatch, mini: MiniBatch, record: StepRecord) -> torch.Tensor:
+        start = time.perf_counter()
+        logp, _ = self._logprobs(self.module, mb, with_entropy=False)
+        start = record.time("forward", start)
+        share = self.objective.reference_share(logp, mb.old_logprobs, mb.mask, mini.counts, self.norm)
+        record.add_parts(share.parts)
+        record.time("loss", start)
+        return share.loss
+
+    def _add_grad(self, kind: str, loss: torch.Tensor, record: StepRecord) -> None:
+        """Add d loss / d parameters to the record's gradient of `kind` (a diagnostic: one more backward)."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+        acc = record.grads.get(kind)
+        record.grads[kind] = grads if acc is None else [a + g for a, g in zip(acc, grads, strict=True)]
+
+    def _update(self, mini: MiniBatch, skip: bool, record: StepRecord, diagnose: bool = False) -> None:
+        """One optimizer step on one mini-batch; with `diagnose`, also the gradient of each part."""
+        start = time.perf_counter()
+        fresh, reference = self._pack(mini, skip)
+        micro = [*fresh, *reference]
+        record.time("batching", start)
+        if not micro:
+            return
+        total = torch.zeros(())
         for i, mb in enumerate(micro):
             self.engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
-            if mb.kind == "fresh":
-                loss = self._fresh_loss(mb, p, seen)
-            else:
-                loss, div = self._reference_loss(mb, p)
-                div_ref += div.detach().item()
-            # Partials already carry their share of the batch objective: no 1/GAS rescaling.
+            share = self._fresh_share if mb.kind == "fresh" else self._reference_share
+            loss = share(mb, mini, record)
+            if diagnose:
+                self._add_grad(mb.kind, loss, record)
+            start = time.perf_counter()
+            # Shares already carry their weight in the mini-batch objective: no 1/GAS rescaling.
             self.engine.backward(loss, scale_wrt_gas=False)
-            total += loss.detach().item()
-        if micro:
-            self.engine.step()
+            record.time("backward", start)
+            total = total + loss.detach()
+        record.loss.append(total)
+        start = time.perf_counter()
+        self.engine.step()
+        record.time("optimizer", start)
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """Train on `batch` (mini_batches x epochs optimizer steps); the version advances by one.
+        Returns the batch's metrics."""
+        lc, cfg = self.loss_cfg, self.cfg
+        start = time.perf_counter()
+        record = StepRecord()
+        staleness = [self.version - g.min_version for g in batch.groups]
+        reference = batch.reference if self.objective.uses_pool else []
+        p = prepare(Batch(batch.version, batch.groups, reference, batch.drops), use_std=lc.use_std,
+                    eps=lc.adv_eps, filter_zero_spread=lc.filter_zero_spread)
+        skip = cfg.skip_zero_advantage and not self.objective.needs_every_fresh_token()
+        rng = random.Random(f"{self.seed}/{self.version}")
+        plans = [p.mini_batches(cfg.mini_batches, rng if epoch else None) for epoch in range(cfg.epochs)]
+        record.time("batching", start)
+        if self.updates_per_batch > 1 and lc.correction != "behavior":
+            self._record_prox(plans[0][1:], skip, record)
+        self.engine.train()
+        diagnose = bool(cfg.diagnose_every) and self.version % cfg.diagnose_every == 0
+        for epoch, plan in enumerate(plans):
+            for k, mini in enumerate(plan):
+                self._update(mini, skip, record, diagnose=diagnose and epoch == 0 and k == 0)
+        if record.loss:
             self.version += 1
-        metrics = self._metrics(batch, p, seen, total, div_ref, staleness)
+        metrics = self._metrics(batch, p, record, staleness)
         metrics["learner/step_seconds"] = time.perf_counter() - start
-        metrics["learner/tokens_per_s"] = (p.fresh_tokens + p.reference_tokens) / metrics["learner/step_seconds"]
+        metrics["learner/tokens_per_s"] = record.trained_tokens / metrics["learner/step_seconds"]
         return metrics
 
-    def _metrics(self, batch: Batch, p: PreparedBatch, seen: _Collected, loss: float, div_ref: float,
-                 staleness: list[int]) -> dict[str, float]:
+    def _metrics(self, batch: Batch, p: PreparedBatch, record: StepRecord, staleness: list[int]) -> dict[str, float]:
         comps = [c for g in batch.groups for c in g.completions]
+        counts = p.counts
+        updates = max(len(record.loss), 1)
         m: dict[str, float] = {
             "learner/version": float(self.version),
-            "loss/total": loss,
-            "loss/divergence_ref": div_ref,
+            "learner/optimizer_steps": float(self.engine.global_steps),
+            "loss/total": float(sum(record.loss)) / updates,
             "batch/groups": float(len(batch.groups)),
-            "batch/fresh_samples": float(p.n_fresh),
-            "batch/reference_samples": float(p.n_reference),
-            "batch/fresh_tokens": float(p.fresh_tokens),
+            "batch/fresh_samples": float(counts.n_fresh),
+            "batch/reference_samples": float(counts.n_reference),
+            "batch/fresh_tokens": float(counts.fresh_tokens),
+            "batch/trained_fresh_tokens": float(record.trained_tokens) / max(self.cfg.epochs, 1),
             "batch/filtered_groups": float(p.filtered_groups),
-            "batch/micro_batches": float(len(p.fresh) + len(p.reference)),
             "reward/mean": sum(c.reward.score for c in comps) / max(len(comps), 1),
             "reward/accuracy": sum(c.reward.correct for c in comps) / max(len(comps), 1),
-            "batch/response_length": p.fresh_tokens / max(p.n_fresh, 1),
+            "batch/response_length": counts.fresh_tokens / max(counts.n_fresh, 1),
         }
+        m.update({f"loss/{k}": float(sum(v)) / updates for k, v in record.parts.items()})
+        m.update({f"time/{k}": v for k, v in record.seconds.items()})
         if staleness:
             m["staleness/mean"] = sum(staleness) / len(staleness)
             m["staleness/max"] = float(max(staleness))
-        if seen.parts:
-            ones = torch.ones_like(seen.cat("logp"))
-            out = PolicyLoss(loss=ones, mask=seen.cat("kept").float(), ratio=seen.cat("ratio"),
-                             is_weight=seen.cat("w"), clipped=seen.cat("clipped"), dual_clipped=seen.cat("dual"))
-            diag = policy_diagnostics(out, ones, seen.cat("logp"), seen.cat("mu"), seen.cat("entropy"))
+        if record.grads:
+            m.update(gradient_parts(record.grads))
+        if record.tokens:
+            outs, prox, mu, entropy = zip(*record.tokens, strict=True)
+            out = PolicyLoss(*(torch.cat(parts, dim=1) for parts in zip(*outs, strict=True)))
+            ones = torch.ones_like(out.ratio)
+            diag = policy_diagnostics(out, ones, torch.cat(prox, 1), torch.cat(mu, 1), torch.cat(entropy, 1))
             m.update({f"policy/{k}": v for k, v in diag.items()})
         return m
 

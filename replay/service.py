@@ -241,7 +241,10 @@ class ReplayService:
                 self._send(self._batch, identity, ErrorReply(f"message refused: {msg}", msg.kind))
             elif isinstance(msg, BatchRequest):
                 self._parked_batch = None  # a new request (or a retry) replaces a parked one
+                before = self.core.version
                 batch = self.core.request(msg)
+                if self.core.version > before:
+                    self._release_outdated_tickets()
                 if batch is None:
                     self._parked_batch = _Parked(identity, msg, time.monotonic() + msg.wait_s)
                 else:
@@ -270,6 +273,16 @@ class ReplayService:
             return ControlReply(True, self.core.restore(msg.path))
         except (ReplayStateError, OSError, pa.ArrowException) as e:
             return ControlReply(False, f"{msg.command} failed: {e}")
+
+    def _release_outdated_tickets(self) -> None:
+        """The learner asked at a new version, so it has published those weights: answer now the parked
+        ticket requests of actors on older weights that got nothing, so they fetch the new weights
+        instead of waiting out their request (staleness would refuse them tickets until they do)."""
+        for actor, parked in list(self._parked_tickets.items()):
+            assert isinstance(parked.request, TicketRequest)
+            if 0 <= parked.request.weights_version < self.core.version:
+                del self._parked_tickets[actor]
+                self._send(self._ingest, parked.identity, self.core.tickets(parked.request))
 
     def _serve_parked(self) -> None:
         now = time.monotonic()

@@ -9,7 +9,8 @@ import pytest
 import ray
 
 from dph_async.app.cli import main
-from dph_async.app.pipeline import MODES, validate
+from dph_async.app.pipeline import validate
+from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, LearnerConfig, load_config, presets
 
 
@@ -22,7 +23,7 @@ def refusal(overrides: list[str], preset: str = "default") -> str:
 @pytest.mark.parametrize(("override", "key", "allowed"), [
     ("learner.stepz=3", "learner.stepz", "steps, groups_per_step"),
     ("nope=1", "nope", "seed, output_dir, mode"),
-    ("learner.loss.divergense=forward", "learner.loss.divergense", "divergence"),
+    ("learner.loss.objectiv=forward", "learner.loss.objectiv", "objective"),
 ])
 def test_a_wrong_key_is_named_with_the_keys_allowed_there(override, key, allowed):
     msg = refusal([override])
@@ -31,7 +32,7 @@ def test_a_wrong_key_is_named_with_the_keys_allowed_there(override, key, allowed
 
 @pytest.mark.parametrize(("override", "key", "says"), [
     ("mode=fast", "mode", "'async' or 'sync'"),
-    ("learner.loss.divergence=kl", "learner.loss.divergence", "'forward'"),
+    ("learner.loss.correction=naive", "learner.loss.correction", "'behavior', 'decoupled'"),
     ("learner.steps=0", "learner.steps", "greater than or equal to 1"),
     ("learner.steps=many", "learner.steps", "valid integer"),
     ("sampling.top_p=1.5", "sampling.top_p", "less than or equal to 1"),
@@ -67,9 +68,9 @@ def test_settings_the_run_cannot_honour_are_refused_before_it_starts(override, s
         validate(load_config("default", [override]), [])
 
 
-def test_compare_names_the_modes():
-    with pytest.raises(ConfigError, match="--compare: unknown mode 'gpro'; choose from " + ", ".join(MODES)):
-        validate(load_config("default"), ["grpo", "gpro"])
+def test_compare_names_the_objectives():
+    with pytest.raises(ConfigError, match="unknown objective 'gpro'; registered: grpo, "):
+        validate(load_config("default"), [RunSpec.parse("grpo"), RunSpec.parse("gpro")])
 
 
 def test_sync_mode_sets_its_own_staleness_and_sync():

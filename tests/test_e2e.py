@@ -17,6 +17,7 @@ from conftest import small_config
 
 from dph_async.app.launcher import RLResult, ray_cluster, run_rl
 from dph_async.app.pipeline import StageTimer, prepare
+from dph_async.app.specs import RunSpec
 from dph_async.paths import RunPaths
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,7 @@ def prepared(small_base):
     """The shared small base (pi_0 and the pre-sampled pools) inside a Ray cluster for this module."""
     cfg = small_config(small_base)
     with ray_cluster(cfg):
-        yield small_base, prepare(cfg, RunPaths(small_base), StageTimer(), need_pool=True)
+        yield small_base, prepare(cfg, RunPaths(small_base), StageTimer(), need_presample=True)
 
 
 def consumed(rl_dir: Path) -> list[dict]:
@@ -40,10 +41,10 @@ def group_ids(rl_dir: Path) -> list[tuple[int, int]]:
 
 def train(prepared, name: str, *overrides: str, mode: str = "js_low_var", **kwargs) -> tuple[RLResult, Path]:
     root, prep = prepared
-    cfg = small_config(root, *overrides)
-    cfg.learner.loss.divergence = mode
+    spec = RunSpec.parse(mode)
+    cfg = spec.apply(small_config(root, *overrides))
     rl_dir = root / name
-    return run_rl(cfg, name, rl_dir, prep.base, prep.prompts_for(mode), prep.pool_for(mode), **kwargs), rl_dir
+    return run_rl(cfg, name, rl_dir, prep.base, prep.prompts_for(spec), prep.pool_for(spec), **kwargs), rl_dir
 
 
 def test_async_respects_staleness_and_trains(prepared):
@@ -51,6 +52,7 @@ def test_async_respects_staleness_and_trains(prepared):
     result, rl_dir = train(prepared, "async", "learner.steps=5", f"replay.max_staleness={eta}")
     assert len(result.metrics) == 5
     assert all(math.isfinite(m["loss/total"]) for m in result.metrics)
+    assert all(m["batch/reference_samples"] > 0 for m in result.metrics)  # the DPH term had samples
     steps = consumed(rl_dir)
     assert [s["version"] for s in steps] == list(range(5))
     for step in steps:

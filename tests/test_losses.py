@@ -170,21 +170,6 @@ def test_k3_clamps_switch_off_forgotten_tokens():
         L.alpha_divergence(logp, logp_ref, 1.0)
 
 
-def test_divergence_dispatch():
-    logp, logp_ref = categorical_pair(seed=15)
-    torch.testing.assert_close(L.divergence("forward", logp, logp_ref), L.forward_kl(logp, logp_ref))
-    torch.testing.assert_close(L.divergence("js", logp, logp_ref), L.js_reference_half(logp, logp_ref))
-    torch.testing.assert_close(
-        L.divergence("alpha", logp, logp_ref, 0.5), L.alpha_divergence(logp, logp_ref, 0.5)
-    )
-    torch.testing.assert_close(L.fresh_divergence("js", logp, logp_ref), L.js_online_half(logp, logp_ref))
-    torch.testing.assert_close(L.fresh_divergence("reverse_kl", logp, logp_ref), L.reverse_kl(logp, logp_ref))
-    with pytest.raises(ValueError, match="reference samples"):
-        L.divergence("reverse_kl", logp, logp_ref)
-    with pytest.raises(ValueError, match="fresh samples"):
-        L.fresh_divergence("forward", logp, logp_ref)
-
-
 # --- GRPO -----------------------------------------------------------------------------------------
 
 
@@ -339,52 +324,79 @@ def test_aggregation_modes_and_micro_batches():
         L.aggregate(loss, mask, "seq-sum-norm")
 
 
-def test_dph_objective_matches_the_reference_micro_batch_average():
-    """The reference trains micro-batches of one type each and averages their losses: with equal
-    lengths, that average equals [n_f L_pg + n_r eta D_ref] / (n_f + n_r) exactly."""
-    g = torch.Generator().manual_seed(22)
-    n_f, n_r, t, micro, eta = 16, 4, 6, 2, 0.05
-    pg_tok = torch.randn(n_f, t, generator=g, dtype=F64)
-    div_tok = torch.rand(n_r, t, generator=g, dtype=F64)
-    full = torch.ones(1, t)
-    per_mb = [
-        L.aggregate(pg_tok[i : i + micro], full.expand(micro, t), "token-mean") for i in range(0, n_f, micro)
-    ]
-    per_mb += [
-        eta * L.aggregate(div_tok[i : i + micro], full.expand(micro, t), "token-mean")
-        for i in range(0, n_r, micro)
-    ]
-    reference = torch.stack(per_mb).mean()
-    config = cfg(divergence="js_low_var", coeff=eta)
-    ours = L.dph_objective(
-        L.aggregate(pg_tok, torch.ones(n_f, t), "token-mean"),
-        n_f,
-        config,
-        div_ref=L.aggregate(div_tok, torch.ones(n_r, t), "token-mean"),
-        n_ref=n_r,
-    )
-    torch.testing.assert_close(ours, reference)
+# --- Off-policy corrections against scalar closed forms ---------------------------------------------
 
 
-def test_dph_objective_fresh_terms():
-    pg, d_fresh, ent = (
-        torch.tensor(0.7, dtype=F64),
-        torch.tensor(0.3, dtype=F64),
-        torch.tensor(2.0, dtype=F64),
-    )
-    rkl = cfg(divergence="reverse_kl", coeff=0.02, entropy_coeff=0.01)
-    torch.testing.assert_close(
-        L.dph_objective(pg, 10, rkl, div_fresh=d_fresh, entropy=ent), pg + 0.02 * d_fresh - 0.01 * ent
-    )
-    jsd = cfg(divergence="js", coeff=0.1, js_online_fraction=0.1)
-    d_ref = torch.tensor(0.4, dtype=F64)
-    torch.testing.assert_close(
-        L.dph_objective(pg, 6, jsd, div_ref=d_ref, n_ref=2, div_fresh=d_fresh),
-        (6 * (pg + 0.01 * d_fresh) + 2 * 0.1 * d_ref) / 8,
-    )
-    none = cfg(divergence="none")
-    torch.testing.assert_close(L.dph_objective(pg, 10, none), pg)
-    with pytest.raises(ValueError, match="div_ref"):
-        L.dph_objective(pg, 10, cfg(divergence="forward"), n_ref=2)
-    with pytest.raises(ValueError, match="div_fresh"):
-        L.dph_objective(pg, 10, rkl)
+def scalar_ppo(r: float, a: float, lo: float = 0.2, hi: float = 0.28, c: float = 3.0) -> tuple[float, float]:
+    """(loss, d loss / d log r) of the clipped, dual-clipped PPO loss for one token, case by case."""
+    unclipped, clipped = -a * r, -a * min(max(r, 1 - lo), 1 + hi)
+    loss, grad = (unclipped, -a * r) if unclipped >= clipped else (clipped, 0.0)
+    if a < 0 and loss > -a * c:
+        loss, grad = -a * c, 0.0
+    return loss, grad
+
+
+def expected_correction(correction: str, level: str, logp, logp_mu, logp_prox, mask, adv, cap):
+    """Per-token loss and gradient, token by token in Python floats, from the rules' definitions."""
+    b, t = logp.shape
+    loss, grad = torch.zeros(b, t, dtype=F64), torch.zeros(b, t, dtype=F64)
+    for i in range(b):
+        toks = [j for j in range(t) if mask[i, j]]
+        g = math.exp(sum(logp_prox[i, j].item() - logp_mu[i, j].item() for j in toks) / max(len(toks), 1))
+        for j in toks:
+            w = math.exp(logp_prox[i, j].item() - logp_mu[i, j].item())
+            base = logp_mu if correction == "behavior" else logp_prox
+            r = math.exp(logp[i, j].item() - base[i, j].item())
+            weight = {
+                "behavior": 1.0,
+                "decoupled": min(w, cap),
+                "masked": (w if 1 / cap <= w <= cap else 0.0) if level == "token"
+                else (min(w, cap) if 1 / cap <= g <= cap else 0.0),
+                "areal": w if w <= cap else 0.0,
+                "areal_sequence": g if g <= cap else 0.0,
+            }[correction]
+            l, d = scalar_ppo(r, adv[i].item())
+            loss[i, j], grad[i, j] = weight * l, weight * d
+    return loss, grad
+
+
+@pytest.mark.parametrize(("correction", "level"), [
+    ("behavior", "token"), ("decoupled", "token"), ("masked", "token"), ("masked", "sequence"),
+    ("areal", "token"), ("areal_sequence", "token"),
+])
+def test_correction_rules_match_their_definitions(correction, level):
+    cap = 1.3
+    logp, logp_mu, logp_prox, mask, adv = random_batch(seed=23, b=8, t=7)
+    out, g = loss_and_grad(logp, logp_mu, adv, mask, cfg(correction=correction, mask_level=level, is_cap=cap),
+                           logp_prox)
+    want_loss, want_grad = expected_correction(correction, level, logp, logp_mu, logp_prox, mask, adv, cap)
+    torch.testing.assert_close(out.loss, want_loss, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(g, want_grad, atol=1e-12, rtol=1e-12)
+
+
+def test_areal_rule_zeroes_tokens_above_the_cap_and_keeps_them_in_the_denominator():
+    """AReaL's decoupled loss: w > C gives weight 0 (not C), and the token-mean still divides by every
+    token; the truncated rule keeps those tokens at weight C. Both sides of the cap occur here."""
+    cap = 1.2
+    logp, logp_mu, logp_prox, mask, adv = random_batch(seed=24, b=10, t=9)
+    w = (logp_prox - logp_mu).exp()
+    above = (w > cap) & mask
+    assert above.any() and (~above & mask).any()
+    areal = L.policy_loss(logp, logp_mu, adv, mask, cfg(correction="areal", is_cap=cap), logp_prox)
+    trunc = L.policy_loss(logp, logp_mu, adv, mask, cfg(correction="decoupled", is_cap=cap), logp_prox)
+    assert (areal.loss[above] == 0).all() and (trunc.loss[above] != 0).all()
+    torch.testing.assert_close(areal.loss[~above], trunc.loss[~above] * w[~above] / w[~above].clamp(max=cap))
+    agg = L.aggregate(areal.loss, mask, "token-mean")
+    torch.testing.assert_close(agg, areal.loss.sum() / mask.sum())
+
+
+@pytest.mark.parametrize("name", ["forward", "js_low_var", "js_reference_half", "js_online_half", "reverse_kl"])
+def test_half_precision_inputs_are_computed_in_fp32(name):
+    """bf16 log-probs: the divergence of the rounded inputs, computed in fp32, not in bf16."""
+    g = torch.Generator().manual_seed(25)
+    logp = (-torch.rand(400, generator=g) * 6).bfloat16()
+    logp_ref = (logp.float() + 0.05 * torch.randn(400, generator=g)).bfloat16()
+    got = DIVERGENCES[name](logp, logp_ref)
+    want = DIVERGENCES[name](logp.double(), logp_ref.double())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-4)

@@ -13,6 +13,7 @@ from dph_async.rewards.fixtures import build_sql_fixture
 from dph_async.rewards.pool import RewardPool, ScoreRequest
 from dph_async.rewards.registry import UnknownDataSource
 from dph_async.rewards.scorer import make_scorer
+from dph_async.tasks.embedded import IN_DOMAIN
 
 # math-verify runs for minutes comparing a tower of powers against a number.
 HANGS = ScoreRequest("math", r"\boxed{9^{9^{9^{9}}}}", "5", {})
@@ -134,16 +135,28 @@ def test_batch_deadline(pool):
     assert [r.status for r in results] == ["timeout", "timeout", "timeout"]
 
 
-def test_close_stops_workers_and_factory_picks_the_pool(cfg):
+def test_factory_scores_inline_rewards_here_and_the_rest_in_a_pool_it_starts_and_stops(cfg):
+    """The embedded task's reward is registered inline: scored in this process, no worker started. A
+    countdown request starts the pool; closing the scorer stops its workers."""
+    embedded = ScoreRequest(IN_DOMAIN, "2+7", {"digits": "25789", "target": 9, "op": "+"}, {})
+    wrong = ScoreRequest(IN_DOMAIN, "2+8", {"digits": "25789", "target": 9, "op": "+"}, {})
     scorer = make_scorer(cfg)
-    assert isinstance(scorer, RewardPool)
     with scorer:
-        assert scorer.score_many([good(7)])[0].correct
-        workers = [w for w in (scorer._slots.get() for _ in range(scorer._workers)) if w is not None]
+        assert [r.correct for r in scorer.score_many([embedded, wrong])] == [True, False]
+        assert scorer._remote is None
+        assert [r.correct for r in scorer.score_many([good(7), embedded, wrong, good(3)])] == [True, True, False, True]
+        pool = scorer._remote
+        assert isinstance(pool, RewardPool)
+        workers = [w for w in (pool._slots.get() for _ in range(pool._workers)) if w is not None]
         for w in workers:
-            scorer._slots.put(w)
-        for _ in range(scorer._workers - len(workers)):
-            scorer._slots.put(None)
+            pool._slots.put(w)
+        for _ in range(pool._workers - len(workers)):
+            pool._slots.put(None)
     assert workers and all(w.proc.poll() is not None for w in workers)
+    # inline=false: the same reward goes through the pool, with the same verdicts.
+    with make_scorer(cfg.model_copy(update={"inline": False})) as remote:
+        assert [r.correct for r in remote.score_many([embedded, wrong])] == [True, False]
+        assert isinstance(remote._remote, RewardPool)
     with pytest.raises(RuntimeError, match="closed"):
-        scorer.score_many([good(8)])
+        pool.score_many([good(8)])
+

@@ -193,8 +193,8 @@ def test_two_versions_stay_fetchable_while_a_fetch_is_in_progress(server, client
     ready = client.newest(0)
     call, published = client._call, []
 
-    def publish_during_fetch(msg, timeout_s):
-        reply = call(msg, timeout_s)
+    def publish_during_fetch(msg, *args):
+        reply = call(msg, *args)
         if isinstance(msg, WeightsRequest) and len(published) < publish_count:
             v = server.latest + 1
             server.publish(models[v], version=v)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from math import comb
 from pathlib import Path
 
@@ -27,6 +27,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 @dataclass
+class PromptResult:
+    """One test prompt: how many of the n samples were correct, how many distinct correct answers."""
+
+    prompt_id: str
+    correct: int
+    distinct: int
+    greedy: bool
+
+
+@dataclass
 class SplitResult:
     name: str
     prompts: int
@@ -35,6 +45,8 @@ class SplitResult:
     sample_accuracy: float
     distinct_correct: float  # mean number of distinct correct answers among the n samples
     seconds: float
+    samples: int = 0  # n, samples per prompt
+    per_prompt: list[PromptResult] = field(default_factory=list)
 
 
 def _score(scorer, records: list[PromptRecord], texts: list[list[str]]) -> list[list[bool]]:
@@ -55,15 +67,18 @@ def evaluate_split(engine: VLLMEngine, scorer, name: str, records: list[PromptRe
     texts = [[s.text for s in group] for group in sampled]
     ok = _score(scorer, records, texts)
     counts = [sum(o) for o in ok]
+    distinct = [len({t for t, good in zip(ts, oks, strict=True) if good}) for ts, oks in zip(texts, ok, strict=True)]
     return SplitResult(
         name=name,
         prompts=len(records),
         greedy_accuracy=sum(g[0] for g in greedy_ok) / len(records),
         pass_at_k={k: sum(pass_at_k(n, c, k) for c in counts) / len(records) for k in range(1, n + 1)},
         sample_accuracy=sum(counts) / (n * len(records)),
-        distinct_correct=sum(len({t for t, good in zip(ts, oks, strict=True) if good})
-                             for ts, oks in zip(texts, ok, strict=True)) / len(records),
+        distinct_correct=sum(distinct) / len(records),
         seconds=time.time() - start,
+        samples=n,
+        per_prompt=[PromptResult(r.prompt_id, c, d, g[0]) for r, c, d, g in zip(records, counts, distinct, greedy_ok,
+                                                                                strict=True)],
     )
 
 
@@ -89,5 +104,6 @@ def evaluate(cfg: RunConfig, model_dir: Path, test_sets: dict[str, Path], out_pa
 def load_results(path: Path) -> dict[str, SplitResult]:
     raw = json.loads(path.read_text())
     # JSON keys are strings: Pass@k's k comes back as an int.
-    return {k: SplitResult(**{**v, "pass_at_k": {int(i): p for i, p in v["pass_at_k"].items()}})
+    return {k: SplitResult(**{**v, "pass_at_k": {int(i): p for i, p in v["pass_at_k"].items()},
+                              "per_prompt": [PromptResult(**r) for r in v.get("per_prompt", [])]})
             for k, v in raw.items()}

@@ -98,7 +98,7 @@ class LearnerProcess:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         trainer = Trainer(model_dir, cfg.learner, temperature=cfg.sampling.temperature, dtype=cfg.model.dtype,
-                          pad_id=pad, max_response_tokens=cfg.sampling.max_tokens)
+                          pad_id=pad, max_response_tokens=cfg.sampling.max_tokens, seed=cfg.seed)
         client = ReplayClient(self.replay.batch_endpoint, security)
         self.loop = LearnerLoop(cfg, trainer, client, self.server, self.rl_dir)
         if resume_tag:

@@ -17,15 +17,11 @@ from pathlib import Path
 import ray
 
 from dph_async.app.progress import console
+from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config
 from dph_async.paths import RunPaths, checkpoint_dir, final_model
 
 log = logging.getLogger(__name__)
-
-# Modes that train on D_exp with a divergence on the preserved D_pef samples; the others (plain GRPO
-# and reverse KL) train on every training prompt, as in the DPH-RL scripts.
-REFERENCE_POOL_MODES = ("forward", "js_low_var", "js", "alpha")
-MODES = ("grpo", "forward", "js_low_var", "js", "alpha", "reverse_kl")
 
 
 @dataclass
@@ -36,7 +32,7 @@ class StageTimer:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + time.time() - start
 
 
-def validate(cfg: RunConfig, compare: list[str]) -> RunConfig:
+def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
     """Checks that need more than one key, done before any process starts."""
     s = cfg.sampling
     if s.top_p < 1 or s.top_k not in (-1, 0):
@@ -45,9 +41,8 @@ def validate(cfg: RunConfig, compare: list[str]) -> RunConfig:
                           "bias the importance weights (see docs/decisions.md)")
     if s.n < 2:
         raise ConfigError("sampling.n must be >= 2: GRPO advantages compare completions of the same prompt")
-    for mode in compare:
-        if mode not in MODES:
-            raise ConfigError(f"--compare: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    for spec in specs:
+        spec.objective_class()
     if cfg.mode == "sync":
         cfg = cfg.model_copy(deep=True)
         cfg.replay.max_staleness = 0
@@ -64,12 +59,6 @@ def validate(cfg: RunConfig, compare: list[str]) -> RunConfig:
     if (cfg.model.path is None) != (cfg.task.data is None):
         raise ConfigError("give both --model and --data for real work, or neither for the embedded default")
     return cfg
-
-
-def mode_config(cfg: RunConfig, mode: str) -> RunConfig:
-    out = cfg.model_copy(deep=True)
-    out.learner.loss.divergence = "none" if mode == "grpo" else mode
-    return out
 
 
 # Engines run in fresh Ray worker processes (max_calls=1): their memory goes when the stage ends.
@@ -126,18 +115,30 @@ class Prepared:
     base: Path  # pi_0
     train: Path  # all training prompts
     tests: dict[str, Path]
-    presample: dict | None  # pre-sampling summary, when a mode needs the reference pool
+    presample: dict | None  # pre-sampling summary, when a run needs it
     reference_pool: Path | None  # None when pre-sampling kept no sample
     exploration: Path | None  # D_exp
 
-    def prompts_for(self, mode: str) -> Path:
-        return self.exploration if mode in REFERENCE_POOL_MODES and self.exploration else self.train
+    def prompts_for(self, spec: RunSpec) -> Path:
+        if not spec.trains_on_d_exp:
+            return self.train
+        if self.exploration is None or self.presample is None:
+            raise ConfigError(f"{spec.name} trains on D_exp, but this pipeline did not pre-sample")
+        if self.presample["d_exp_prompts"] == 0:
+            raise ConfigError(f"{spec.name} trains on D_exp, but pi_0 solves every training prompt: D_exp is empty")
+        return self.exploration
 
-    def pool_for(self, mode: str) -> Path | None:
-        return self.reference_pool if mode in REFERENCE_POOL_MODES else None
+    def pool_for(self, spec: RunSpec) -> Path | None:
+        if not spec.uses_pool:
+            return None
+        if self.reference_pool is None:
+            raise ConfigError(f"{spec.name} trains a divergence on the reference pool, but pre-sampling kept no "
+                              "reference sample (no prompt met the D_pef rule): lower presample.min_correct or "
+                              "warm-start longer")
+        return self.reference_pool
 
 
-def prepare(cfg: RunConfig, paths: RunPaths, timer: StageTimer, need_pool: bool) -> Prepared:
+def prepare(cfg: RunConfig, paths: RunPaths, timer: StageTimer, need_presample: bool) -> Prepared:
     """Base model, datasets and (if needed) pre-sampling; skips what is already done. Inside ray_cluster."""
     if cfg.model.path is None:
         files = prepare_embedded(cfg, paths, timer)
@@ -146,7 +147,7 @@ def prepare(cfg: RunConfig, paths: RunPaths, timer: StageTimer, need_pool: bool)
     else:
         base, train = Path(cfg.model.path), Path(cfg.task.data)
         tests = {k: Path(v) for k, v in cfg.task.test_data.items()}
-    if not need_pool:
+    if not need_presample:
         return Prepared(base, train, tests, None, None, None)
     if not (paths.presample / "summary.json").is_file():
         t = time.time()
@@ -157,8 +158,6 @@ def prepare(cfg: RunConfig, paths: RunPaths, timer: StageTimer, need_pool: bool)
     console.print(f"pre-sampling: pi_0 solves {presample['sample_accuracy']:.0%} of samples; D_pef "
                   f"{presample['d_pef_prompts']} prompts ({presample['reference_samples']} reference samples), "
                   f"D_exp {presample['d_exp_prompts']} prompts")
-    if presample["reference_samples"] == 0:
-        console.print("[yellow]pre-sampling found no prompt pi_0 always solves: the DPH divergence term is empty")
     pool = paths.reference_pool if presample["reference_samples"] else None
     return Prepared(base, train, tests, presample, pool, paths.exploration_data)
 
@@ -172,12 +171,17 @@ def evaluate_model(cfg: RunConfig, model_dir: Path, tests: dict[str, Path], out:
 
 
 def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
-    """Run (or resume) everything; return the summary that is also written to summary.json."""
+    """Run (or resume) everything; return the summary that is also written to summary.json.
+    compare: run specs (OBJECTIVE[:COEFF][@PROMPTS]) trained from the same base, else the config's own run."""
     from dph_async.app.launcher import ray_cluster
     from dph_async.app.report import write_report
 
-    modes = compare or ["grpo" if cfg.learner.loss.divergence == "none" else cfg.learner.loss.divergence]
-    cfg = validate(cfg, modes)
+    specs = [RunSpec.parse(c) for c in compare] if compare else [RunSpec.of(cfg)]
+    if compare and cfg.learner.loss.coeff is not None:
+        console.print("[yellow]learner.loss.coeff does not apply under --compare: each run takes its objective's "
+                      "reference coefficient, or the one given as OBJECTIVE:COEFF")
+    cfg = validate(cfg, specs)
+    modes = [s.name for s in specs]
     paths = RunPaths(Path(cfg.output_dir))
     paths.root.mkdir(parents=True, exist_ok=True)
     paths.config.write_text(dump_config(cfg))
@@ -185,17 +189,20 @@ def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
     start = time.time()
     results: dict[str, dict] = {}
     with ray_cluster(cfg):
-        prepared = prepare(cfg, paths, timer, any(m in REFERENCE_POOL_MODES for m in modes))
-        for mode in modes:
-            results[mode] = train_mode(cfg, paths, prepared, mode, paths.rl(mode), timer)
+        prepared = prepare(cfg, paths, timer, any(s.needs_presampling for s in specs))
+        for spec in specs:
+            results[spec.name] = train_mode(cfg, paths, prepared, spec, paths.rl(spec.slug), timer)
         t = time.time()
         evals = {"base": evaluate_model(cfg, prepared.base, prepared.tests, paths.eval / "base.json")}
-        for mode in modes:
-            evals[mode] = evaluate_model(cfg, final_model(paths.rl(mode)), prepared.tests, paths.eval / f"{mode}.json")
+        for spec in specs:
+            evals[spec.name] = evaluate_model(cfg, final_model(paths.rl(spec.slug)), prepared.tests,
+                                              paths.eval / f"{spec.slug}.json")
         timer.add("evaluation", t)
     summary = {
         "config": cfg.model_dump(mode="json"),
         "modes": modes,
+        "runs": {spec.name: {"dir": spec.slug, "objective": spec.objective, "coeff": spec.effective_coeff,
+                             "prompts": "d_exp" if spec.trains_on_d_exp else "all"} for spec in specs},
         "presample": prepared.presample,
         "rl": results,
         "stage_seconds": timer.seconds,
@@ -205,7 +212,7 @@ def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
     return summary
 
 
-def train_mode(cfg: RunConfig, paths: RunPaths, prepared: Prepared, mode: str, rl_dir: Path, timer: StageTimer,
+def train_mode(cfg: RunConfig, paths: RunPaths, prepared: Prepared, spec: RunSpec, rl_dir: Path, timer: StageTimer,
                name: str | None = None) -> dict:
     """One RL run in rl_dir (resumed from its newest checkpoint if it was stopped; skipped if finished).
     Returns its record (result.json): learner, actor and replay statistics, restarts, wall time."""
@@ -214,16 +221,17 @@ def train_mode(cfg: RunConfig, paths: RunPaths, prepared: Prepared, mode: str, r
     record = rl_dir / "result.json"
     if record.is_file():
         return json.loads(record.read_text())
-    mcfg = mode_config(cfg, mode)
+    mcfg = spec.apply(cfg)
+    name = name or spec.name
     latest = checkpoint_dir(rl_dir) / "latest"
     resume_tag = latest.read_text().strip() if latest.is_file() else None
     if resume_tag is None and rl_dir.exists():
         shutil.rmtree(rl_dir)  # a run stopped before its first checkpoint starts over
     t = time.time()
-    with WandbStream(mcfg, paths, name or mode) as wb:
-        result = run_rl(mcfg, name or mode, rl_dir, prepared.base, prepared.prompts_for(mode),
-                        prepared.pool_for(mode), resume_tag=resume_tag, on_metrics=wb)
-    timer.add(f"rl ({name or mode})", t)
+    with WandbStream(mcfg, paths, spec.slug) as wb:
+        result = run_rl(mcfg, name, rl_dir, prepared.base, prepared.prompts_for(spec),
+                        prepared.pool_for(spec), resume_tag=resume_tag, on_metrics=wb)
+    timer.add(f"rl ({name})", t)
     data = asdict(result)
     data.pop("metrics")
     (rl_dir / "timeline.json").write_text(json.dumps(

@@ -12,8 +12,9 @@ sampling temperature, so at step 0 the learner's log-probs of a reference sample
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +23,11 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from actors.engine import SamplingSpec, VLLMEngine
+from actors.engine import Sample, SamplingSpec, VLLMEngine
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
-from dph_async.rewards.scorer import make_scorer
+from dph_async.rewards.result import RewardResult
+from dph_async.rewards.scorer import Scorer, make_scorer
 from dph_async.tasks.dataset import PromptRecord, load_prompts
 from learner.batching import Sequence, pack
 from learner.logprobs import response_logprobs
@@ -47,15 +49,14 @@ def pi0_logprobs(model_dir: Path, prompts: list[np.ndarray], responses: list[np.
     """Per-token log pi_0 of each response, in the order given."""
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32).eval()
-    seqs = [Sequence(p, r, np.zeros(len(r), np.float32), advantage=float(i))
-            for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
+    seqs = [Sequence(p, r, np.zeros(len(r), np.float32)) for p, r in zip(prompts, responses, strict=True)]
+    index = {id(s): i for i, s in enumerate(seqs)}
     out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(seqs)
     with torch.no_grad():
-        for mb in pack(seqs, "reference", token_budget, pad_id=0):
+        for mb in pack([[s] for s in seqs], "reference", token_budget, pad_id=0):
             logp, _ = response_logprobs(model, mb, temperature)
-            # `advantage` carried each sequence's index through the length-sorted packing.
-            for row, index in enumerate(mb.advantages.long().tolist()):
-                out[index] = logp[row][mb.mask[row]].numpy().astype(np.float32)
+            for row, s in enumerate(mb.sequences):
+                out[index[id(s)]] = logp[row][mb.mask[row]].numpy().astype(np.float32)
     return out
 
 
@@ -73,11 +74,26 @@ def _verl_rows(records: list[PromptRecord], table: pa.Table, keep: set[str]) -> 
     return table.filter(pa.array(mask))
 
 
+def _sample(engine: VLLMEngine, scorer: Scorer, records: list[PromptRecord], spec: SamplingSpec,
+            description: str) -> list[tuple[PromptRecord, Sample, RewardResult]]:
+    """spec.n scored samples of every prompt, in prompt order."""
+    out = []
+    with progress() as bar:
+        task = bar.add_task(description, total=len(records))
+        chunk = 64
+        for i in range(0, len(records), chunk):
+            batch = records[i:i + chunk]
+            groups = engine.generate([r.prompt_ids for r in batch], spec)
+            reqs = [r.score_request(s.text) for r, group in zip(batch, groups, strict=True) for s in group]
+            results = iter(scorer.score_many(reqs))
+            out += [(r, s, next(results)) for r, group in zip(batch, groups, strict=True) for s in group]
+            bar.update(task, advance=len(batch))
+    return out
+
+
 def presample(cfg: RunConfig, model_dir: Path, train_path: Path, out_dir: Path,
               tokenizer: PreTrainedTokenizerBase | None = None) -> PresampleSummary:
     """Write out_dir/{samples.parquet, reference_pool.parquet, d_exp.parquet, summary.json}."""
-    import time
-
     start = time.time()
     ps = cfg.presample
     engine = VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
@@ -85,21 +101,15 @@ def presample(cfg: RunConfig, model_dir: Path, train_path: Path, out_dir: Path,
     tok = tokenizer or engine.tokenizer
     records = load_prompts(train_path, tok, cfg.model.max_model_len - cfg.sampling.max_tokens)
     spec = SamplingSpec(temperature=ps.temperature, top_p=ps.top_p, max_tokens=cfg.sampling.max_tokens, n=ps.k)
-    samples = []
-    with progress() as bar, make_scorer(cfg.rewards) as scorer:
-        task = bar.add_task(f"pre-sampling (k={ps.k})", total=len(records))
-        chunk = 64
-        for i in range(0, len(records), chunk):
-            batch = records[i:i + chunk]
-            outs = engine.generate([r.prompt_ids for r in batch], spec)
-            reqs = [r.score_request(s.text) for r, group in zip(batch, outs, strict=True) for s in group]
-            results = iter(scorer.score_many(reqs))
-            for r, group in zip(batch, outs, strict=True):
-                for s in group:
-                    samples.append((r, s, next(results)))
-            bar.update(task, advance=len(batch))
-    pef = d_pef_prompts(((r.prompt_id, res.correct) for r, _, res in samples), ps.min_correct or ps.k)
-    kept = [(r, s, res) for r, s, res in samples if r.prompt_id in pef and res.correct]
+    with make_scorer(cfg.rewards) as scorer:
+        samples = _sample(engine, scorer, records, spec, f"pre-sampling (k={ps.k})")
+        pef = d_pef_prompts(((r.prompt_id, res.correct) for r, _, res in samples), ps.min_correct or ps.k)
+        if ps.reference_rule == "all_correct":
+            kept = [(r, s, res) for r, s, res in samples if r.prompt_id in pef and res.correct]
+        else:  # one fresh pi_0 sample per D_pef prompt, kept if correct (the reference implementation)
+            fresh = _sample(engine, scorer, [r for r in records if r.prompt_id in pef], replace(spec, n=1),
+                            "reference samples (one per D_pef prompt)")
+            kept = [(r, s, res) for r, s, res in fresh if res.correct]
     logps = pi0_logprobs(model_dir, [np.asarray(r.prompt_ids, np.int32) for r, _, _ in kept],
                          [np.asarray(s.token_ids, np.int32) for _, s, _ in kept], cfg.sampling.temperature,
                          cfg.model.dtype)

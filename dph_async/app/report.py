@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import matplotlib
@@ -122,19 +123,22 @@ def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) ->
     evals = {name: load_results(path) for name, path in eval_files.items()}
     curves = {}
     for mode in summary["modes"]:
-        f = paths.rl(mode) / "metrics.jsonl"
+        f = paths.rl(summary["runs"][mode]["dir"]) / "metrics.jsonl"
         if f.is_file():
             curves[mode] = [json.loads(line) for line in f.read_text().splitlines()]
     if curves:
         plot_training(curves, paths.plots / "training.png")
     md = [f"# dph-async run: {paths.root.name}", ""]
     if evals:
-        summary["eval"] = {name: {s: r.__dict__ for s, r in res.items()} for name, res in evals.items()}
+        summary["eval"] = {name: {s: asdict(r) for s, r in res.items()} for name, res in evals.items()}
         plot_pass_at_k(evals, paths.plots / "pass_at_k.png")
         header, rows = comparison_rows(evals)
         md += ["Greedy accuracy, unbiased Pass@k (%), and distinct correct answers per prompt.", "",
                markdown_table(header, rows), ""]
         print_tables(evals)
+    md += ["## Runs", "", markdown_table(["run", "objective", "coefficient", "trained on"], [
+        [name, r["objective"], f"{r['coeff']:g}", "D_exp" if r["prompts"] == "d_exp" else "all training prompts"]
+        for name, r in summary["runs"].items()]), ""]
     md += ["## Throughput", "", markdown_table(THROUGHPUT_HEADER, throughput_rows(summary["rl"], curves)), "",
            "Generation tokens/s is per actor, over its time inside engine steps; the learner's is the fresh "
            "tokens it trained on over its time in optimizer steps.", ""]

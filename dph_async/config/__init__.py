@@ -39,6 +39,10 @@ class TaskConfig(Section):
     data: str | None = None
     # Test sets as name=path pairs (e.g. {"bird_dev": "data/bird_dev.parquet"}); empty = embedded splits.
     test_data: dict[str, str] = Field(default_factory=dict)
+    # Which training prompts RL draws from: auto = what the objective asks for (D_exp for objectives
+    # with a reference pool, every prompt otherwise, as the DPH-RL scripts do); d_exp = the prompts
+    # pre-sampling left for exploration (GRPO on D_exp is the control for the DPH objectives).
+    prompts: Literal["auto", "all", "d_exp"] = "auto"
     # Embedded task sizes.
     num_train: int = Field(400, ge=8)
     num_test: int = Field(200, ge=8)
@@ -64,6 +68,11 @@ class PresampleConfig(Section):
     min_correct: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    # Which samples of a D_pef prompt become reference samples: every correct one of the k
+    # (all_correct), or one fresh pi_0 sample per D_pef prompt, kept if correct (one_fresh: the
+    # reference implementation's rule; its file repeated three times changes nothing here, where the
+    # pool is drawn without replacement pass by pass).
+    reference_rule: Literal["all_correct", "one_fresh"] = "all_correct"
 
 
 class SamplingConfig(Section):
@@ -89,9 +98,15 @@ class ActorsConfig(Section):
 
 
 class LearnerConfig(Section):
+    # Rollout batches to train on. Each batch is one policy version (docs/decisions.md).
     steps: int = Field(150, ge=1)
-    # Prompts (GRPO groups) per optimizer step.
+    # Prompts (GRPO groups) per rollout batch.
     groups_per_step: int = Field(16, ge=1)
+    # PPO updates per batch: the batch is split into `mini_batches` parts (by groups; the reference
+    # samples spread evenly), one optimizer step each, repeated for `epochs` passes (reshuffled). The
+    # proximal log-probs are recorded once, before the first update, so clip and correction act.
+    mini_batches: int = Field(1, ge=1)
+    epochs: int = Field(1, ge=1)
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
@@ -99,6 +114,18 @@ class LearnerConfig(Section):
     zero_stage: int = 1
     # Micro-batches are packed up to this many (padded) tokens.
     micro_token_budget: int = Field(4096, ge=16)
+    # The n completions of a prompt share one forward pass of the prompt (its keys and values feed
+    # every completion) and sit back to back in one row, up to `pack_row_tokens` response tokens per
+    # row: fewer tokens through the model and none for padding, the same log-probs and gradients.
+    share_prompts: bool = True
+    pack_row_tokens: int = Field(256, ge=1)
+    # Sequences whose advantage is 0 (a group with equal rewards) give the policy loss no gradient:
+    # they count in the denominators but are not run through the model, unless a fresh-token term
+    # (entropy bonus, reverse KL) needs them.
+    skip_zero_advantage: bool = True
+    # Every this many versions, log the gradient norm of the objective's fresh part and of its
+    # reference-pool part, and their cosine (grad/*): one more backward pass on those steps; 0 = never.
+    diagnose_every: int = Field(0, ge=0)
     # Publish weights to the actors every `sync_every` optimizer steps.
     sync_every: int = Field(1, ge=1)
     # Weights travel in buckets of at most this many bytes.

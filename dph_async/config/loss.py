@@ -9,8 +9,7 @@ from pydantic import Field
 
 from dph_async.config.base import Section
 
-Correction = Literal["behavior", "decoupled", "masked"]
-Divergence = Literal["none", "forward", "js_low_var", "js", "alpha", "reverse_kl"]
+Correction = Literal["behavior", "decoupled", "masked", "areal", "areal_sequence"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]
 
 
@@ -26,17 +25,20 @@ class LossConfig(Section):
     clip_high: float = Field(0.28, ge=0)
     dual_clip: float | None = Field(3.0, gt=1)
 
-    # Off-policy correction; is_cap is C, the truncation (decoupled) or mask bound (masked) of pi_prox/pi_mu.
+    # Off-policy correction of pi_prox / pi_mu with cap C = is_cap: decoupled truncates at C, masked
+    # drops tokens (or sequences) outside [1/C, C], areal / areal_sequence are AReaL's rules (zero
+    # above C per token / by the sequence's geometric mean). learner/losses.py has the table.
     correction: Correction = "decoupled"
     is_cap: float = Field(2.0, gt=1)
     mask_level: Literal["token", "sequence"] = "token"
 
-    # DPH-RL divergence. forward, js_low_var, alpha (and js's first half) train on preserved reference
-    # samples; reverse_kl (and js's second half) need a frozen reference model's log-probs on fresh tokens.
-    # coeff is the seed's `sft_loss_coeff` (`kl_loss_coef` for reverse_kl); the divergence enters with
-    # weight coeff x its share of the step's samples, as in the reference implementation (docs/losses.md).
-    divergence: Divergence = "js_low_var"
-    coeff: float = Field(0.1, ge=0)
+    # The training objective: grpo, dapo, reverse_kl, forward, js_low_var, js, alpha (learner/objectives.py
+    # registers them; `dph-async config --objectives` lists what each needs). coeff is its divergence's
+    # coefficient (the seed's sft_loss_coeff, kl_loss_coef for reverse_kl/dapo); None takes the
+    # objective's reference default. A divergence on preserved samples enters with weight coeff x their
+    # share of the step's samples, as in the reference implementation (docs/losses.md).
+    objective: str = "js_low_var"
+    coeff: float | None = Field(None, ge=0)
     alpha: float = Field(0.2, gt=0, lt=1)
     # `js` only: share of fresh micro-batches that get the online half in the reference (its default
     # 1/10); here every fresh token gets it with weight coeff x this share, the same expectation.

@@ -81,7 +81,12 @@ class VerifierConfig(Section):
 
 class RewardConfig(Section):
     # Worker processes per actor that score completions; each call has a deadline and can be killed.
+    # Started on the first request that needs them.
     workers: int = Field(1, ge=1)
+    # Score rewards registered `inline` (bounded pure functions that execute nothing from the response,
+    # such as the embedded task's) in the caller's process: no worker round trip. false sends every
+    # reward to the workers or scorer services.
+    inline: bool = True
     timeout_s: float = Field(10.0, gt=0)
     memory_limit_mb: int = Field(1024, ge=64)
     # HTTP scorer services (`dph-async serve scorer`); empty means the local worker pool.

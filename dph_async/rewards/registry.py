@@ -6,6 +6,8 @@
     @register("_mathverify", suffix=True)      # "deepscaler_mathverify", "aime_mathverify", ...
     def mathverify(...): ...
 
+    @register("my_task", inline=True)          # safe to score in the caller's process (see below)
+
 Lookup: an exact name wins; otherwise the longest registered suffix tag that the source ends with.
 Anything else raises `UnknownDataSource`: a mistyped source must not be scored by some default.
 The built-in reward modules register themselves when first imported; they are imported lazily, on the
@@ -36,6 +38,10 @@ BUILTIN_MODULES = [
 
 _exact: dict[str, RewardFn] = {}
 _suffix: dict[str, RewardFn] = {}
+# Rewards registered with inline=True: pure functions whose cost is bounded by the response's length
+# and that execute nothing from it (no SQL, no parser that can hang), so a caller may score them in
+# its own process instead of a killable worker.
+_inline: set[RewardFn] = set()
 _missing: dict[str, str] = {}
 _loaded = False
 _lock = threading.Lock()
@@ -61,8 +67,9 @@ class UnknownDataSource(ValueError):
         return msg
 
 
-def register(name: str, *, suffix: bool = False) -> Callable[[RewardFn], RewardFn]:
-    """Register a reward function under an exact data_source, or a suffix tag with `suffix=True`."""
+def register(name: str, *, suffix: bool = False, inline: bool = False) -> Callable[[RewardFn], RewardFn]:
+    """Register a reward function under an exact data_source, or a suffix tag with `suffix=True`;
+    `inline=True` declares it safe to run in the caller's process (see `_inline`)."""
     if not name:
         raise ValueError("a reward name must not be empty")
     table = _suffix if suffix else _exact
@@ -74,6 +81,8 @@ def register(name: str, *, suffix: bool = False) -> Callable[[RewardFn], RewardF
             owner = f"{other.__module__}.{other.__name__}"
             raise ValueError(f"reward {kind} {name!r} is already registered by {owner}")
         table[name] = fn
+        if inline:
+            _inline.add(fn)
         return fn
 
     return decorator
@@ -109,6 +118,14 @@ def get_reward_fn(data_source: str) -> RewardFn:
     if tags:
         return _suffix[max(tags, key=len)]
     raise UnknownDataSource(data_source)
+
+
+def is_inline(data_source: str) -> bool:
+    """Whether the reward for `data_source` may run in the caller's process (False if unknown)."""
+    try:
+        return get_reward_fn(data_source) in _inline
+    except UnknownDataSource:
+        return False
 
 
 def registered() -> dict[str, list[str]]:

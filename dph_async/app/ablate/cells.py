@@ -8,9 +8,13 @@ learner initialisation of its random state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import get_args
 
-CORRECTIONS = ("behavior", "decoupled", "masked")
+from dph_async.app.specs import RunSpec
+from dph_async.config.loss import Correction
+
+CORRECTIONS = get_args(Correction)
 
 
 @dataclass(frozen=True)
@@ -19,7 +23,7 @@ class Cell:
     group: str  # the cell without its seed
     factors: dict[str, str | int | float]  # e.g. {"eta": 4, "correction": "decoupled"}
     seed: int
-    mode: str  # the pipeline's mode: grpo, forward, js_low_var, alpha, js, reverse_kl
+    mode: str  # the run spec (dph_async/app/specs.py): objective, coefficient, prompts
     overrides: tuple[str, ...] = field(default=())
 
 
@@ -46,19 +50,22 @@ def staleness_sweep(etas: list[int], corrections: list[str], seeds: list[int], m
     return Sweep("staleness", cells, x="eta", panel="correction")
 
 
-def divergence_sweep(modes: list[str], coeffs: list[float], seeds: list[int]) -> Sweep:
-    """DPH divergence mode x coefficient x seeds; `grpo` (no divergence) takes no coefficient."""
-    from dph_async.app.pipeline import MODES
-
-    for m in modes:
-        if m not in MODES:
-            raise ValueError(f"mode {m!r}: choose from {', '.join(MODES)}")
+def divergence_sweep(specs: list[str], coeffs: list[float] | None, seeds: list[int]) -> Sweep:
+    """Run specs x coefficients x seeds. A spec's own coefficient (forward:0.05) is used as given;
+    otherwise every value of `coeffs`, or, without them, the objective's reference values
+    (`sweep_coeffs`; an objective without a divergence takes none)."""
     cells = []
-    for mode in modes:
-        for coeff in [None] if mode == "grpo" else coeffs:
-            group = mode if coeff is None else f"{mode}-c{coeff:g}"
-            factors = {"mode": mode, "coeff": 0.0 if coeff is None else coeff}
-            extra = () if coeff is None else (f"learner.loss.coeff={coeff}",)
-            cells += [Cell(f"{group}-seed{seed}", group, factors, seed, mode, (*extra, f"seed={seed}"))
+    for text in specs:
+        spec = RunSpec.parse(text)
+        objective = spec.objective_class()
+        values = coeffs or objective.sweep_coeffs
+        if spec.coeff is None and objective.has_divergence() and values:
+            variants = [replace(spec, coeff=c) for c in values]
+        else:
+            variants = [spec]
+        for v in variants:
+            factors = {"mode": v.objective if v.prompts == "auto" else f"{v.objective}@{v.prompts}",
+                       "coeff": v.effective_coeff}
+            cells += [Cell(f"{v.slug}-seed{seed}", v.name, factors, seed, v.name, (f"seed={seed}",))
                       for seed in seeds]
     return Sweep("divergence", cells, x="mode", panel=None)

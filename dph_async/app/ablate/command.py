@@ -28,13 +28,14 @@ def add_common_arguments(p: argparse.ArgumentParser, out: str) -> None:
 
 
 def run(args: argparse.Namespace, make_sweep: Callable[[str], object]) -> int:
-    """Build the sweep (make_sweep gets the base config's pipeline mode), run it, write the report."""
+    """Build the sweep (make_sweep gets the base config's run spec), run it, write the report."""
     import shutil
 
     from dph_async.app.ablate.report import write_summary
     from dph_async.app.ablate.sweep import run_sweep
     from dph_async.app.commands.common import guarded, load_cli_config
     from dph_async.app.progress import console
+    from dph_async.app.specs import RunSpec
 
     flags = {"learner.steps": args.steps, "model.path": args.model, "task.data": args.data}
     overrides = [*SWEEP_DEFAULTS, *args.overrides, f"output_dir={args.out}",
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace, make_sweep: Callable[[str], object]) -> int:
         console.print(f"[red]error:[/red] --eval-points must be >= 1 (got {args.eval_points})")
         return 2
     try:
-        sweep = make_sweep("grpo" if cfg.learner.loss.divergence == "none" else cfg.learner.loss.divergence)
+        sweep = make_sweep(RunSpec.of(cfg).name)
     except ValueError as e:
         console.print(f"[red]error:[/red] {e}")
         return 2

@@ -27,6 +27,7 @@ import ray
 
 from dph_async.app.ablate.cells import Cell, Sweep
 from dph_async.app.progress import console
+from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config, load_config
 from dph_async.paths import RunPaths, checkpoint_dir, final_model
 
@@ -48,7 +49,7 @@ def cell_config(preset: str, overrides: list[str], cell: Cell, eval_points: int)
 
     cfg = load_config(preset, [*overrides, *cell.overrides])
     cfg.learner.checkpoint_every = -(-cfg.learner.steps // eval_points)
-    return validate(cfg, [cell.mode])
+    return validate(cfg, [RunSpec.parse(cell.mode)])
 
 
 @ray.remote(max_calls=1)
@@ -79,7 +80,7 @@ def run_cell(cfg: RunConfig, paths: RunPaths, prepared: Prepared, cell: Cell, ev
     rl_dir = paths.rl(cell.key)
     resumed = (checkpoint_dir(rl_dir) / "latest").is_file()
     start = time.time()
-    train_mode(cfg, paths, prepared, cell.mode, rl_dir, timer, name=cell.key)
+    train_mode(cfg, paths, prepared, RunSpec.parse(cell.mode), rl_dir, timer, name=cell.key)
     steps = cfg.learner.steps
     for v in eval_versions(steps, eval_points):
         out = rl_dir / "eval" / f"v{v}.json"
@@ -100,9 +101,10 @@ def run_sweep(preset: str, overrides: list[str], sweep: Sweep, out: Path, eval_p
     """Run the sweep's unfinished cells in `out`; return the keys of the cells run now. `fresh` (the
     caller has deleted the cells) also lets a different base config start over, shared base included."""
     from dph_async.app.launcher import ray_cluster
-    from dph_async.app.pipeline import REFERENCE_POOL_MODES, StageTimer, evaluate_model, prepare, validate
+    from dph_async.app.pipeline import StageTimer, evaluate_model, prepare, validate
 
-    base = validate(load_config(preset, overrides), sorted({c.mode for c in sweep.cells}))
+    specs = [RunSpec.parse(m) for m in sorted({c.mode for c in sweep.cells})]
+    base = validate(load_config(preset, overrides), specs)
     configs = {c.key: cell_config(preset, overrides, c, eval_points) for c in sweep.cells}  # fail before any run
     paths = RunPaths(out)
     paths.root.mkdir(parents=True, exist_ok=True)
@@ -121,7 +123,7 @@ def run_sweep(preset: str, overrides: list[str], sweep: Sweep, out: Path, eval_p
                   f"{len(todo)} to run in {out}")
     timer = StageTimer()
     with ray_cluster(base):
-        prepared = prepare(base, paths, timer, any(c.mode in REFERENCE_POOL_MODES for c in sweep.cells))
+        prepared = prepare(base, paths, timer, any(s.needs_presampling for s in specs))
         evaluate_model(base, prepared.base, prepared.tests, paths.eval / "base.json")
         start = time.time()
         for i, cell in enumerate(todo):

@@ -33,6 +33,7 @@ from dph_async.app.bench.timeline import (
     steady_window,
     weight_delays,
 )
+from dph_async.app.specs import RunSpec
 from dph_async.config import RunConfig
 from dph_async.paths import RunPaths
 
@@ -179,7 +180,7 @@ def plan(cfg: RunConfig, actor_counts: list[int], repeats: int = 1) -> dict[str,
     return runs
 
 
-def _run_one(cfg: RunConfig, paths: RunPaths, prepared, mode: str, name: str, timer) -> list[CpuSample] | None:
+def _run_one(cfg: RunConfig, paths: RunPaths, prepared, spec: RunSpec, name: str, timer) -> list[CpuSample] | None:
     """Train one benchmark run (skipped if finished) and return its CPU samples (None if not recorded)."""
     import shutil
 
@@ -192,7 +193,7 @@ def _run_one(cfg: RunConfig, paths: RunPaths, prepared, mode: str, name: str, ti
     if rl_dir.exists():
         shutil.rmtree(rl_dir)  # a half-finished run would time only its resumed part: start it over
     with ProcessTreeCPU() as sampler:
-        train_mode(cfg, paths, prepared, mode, rl_dir, timer, name=name)
+        train_mode(cfg, paths, prepared, spec, rl_dir, timer, name=name)
     cpu_file.write_text(json.dumps([asdict(s) for s in sampler.samples]))
     return sampler.samples
 
@@ -201,10 +202,10 @@ def run_bench(cfg: RunConfig, out: Path, actor_counts: list[int], skip: int, mac
               repeats: int = 1) -> BenchResult:
     """Run (or resume: finished runs are kept) the benchmark in `out`; write bench.json."""
     from dph_async.app.launcher import ray_cluster
-    from dph_async.app.pipeline import REFERENCE_POOL_MODES, StageTimer, prepare
+    from dph_async.app.pipeline import StageTimer, prepare
     from dph_async.config import dump_config
 
-    mode = "grpo" if cfg.learner.loss.divergence == "none" else cfg.learner.loss.divergence
+    spec = RunSpec.of(cfg)
     runs = plan(cfg, actor_counts, repeats)
     paths = RunPaths(out)
     paths.root.mkdir(parents=True, exist_ok=True)
@@ -212,9 +213,9 @@ def run_bench(cfg: RunConfig, out: Path, actor_counts: list[int], skip: int, mac
     timer = StageTimer()
     figures: dict[str, RunFigures] = {}
     with ray_cluster(cfg):
-        prepared = prepare(cfg, paths, timer, mode in REFERENCE_POOL_MODES)
+        prepared = prepare(cfg, paths, timer, spec.needs_presampling)
         for name, rcfg in runs.items():
-            cpu = _run_one(rcfg, paths, prepared, mode, name, timer)
+            cpu = _run_one(rcfg, paths, prepared, spec, name, timer)
             figures[name] = measure(name, rcfg, paths.rl(name), skip, cpu)
     cores = len(os.sched_getaffinity(0))
     pairs = [compare(figures[s], figures[a], cores) for s, a in pair_names(repeats)]

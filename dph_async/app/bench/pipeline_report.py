@@ -20,7 +20,8 @@ from dph_async.app.bench.timeline import OTHER, Timeline, steady_window
 from dph_async.app.report import markdown_table
 
 COLORS = {"train": "#1f77b4", "publish": "#9467bd", "checkpoint": "#7f7f7f", "generate": "#2ca02c",
-          "submit": "#bcbd22", "score": "#ff7f0e", "weights": "#d62728", "wait": "#e5e5e5", OTHER: "#f7e8c6"}
+          "submit": "#bcbd22", "score": "#ff7f0e", "weights": "#d62728", "send": "#17becf", "query": "#8c564b",
+          "tickets": "#e377c2", "wait": "#e5e5e5", OTHER: "#f7e8c6"}
 
 
 

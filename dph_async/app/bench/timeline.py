@@ -2,7 +2,10 @@
 
 An RL run writes `timeline.json`: for the learner and for each actor, wall-clock spans (start, end,
 what). Learner spans are "wait" (for a batch), "train", "publish" and "checkpoint"; actor spans are
-"submit" (handing a prompt's n requests to the engine), "generate", "score", "weights" and "wait".
+"submit" (handing a prompt's request to the engine), "generate" (engine steps), "score", "send" (a
+group to the replay), "weights" (fetch, verify and load new weights), "query" (asking the weight
+server for a newer version), "tickets" (asking for admission while the engine has work) and "wait"
+(the engine idle, waiting for admission or weights).
 Time inside a process's window that no span covers is "other" (sending, bookkeeping, Python between
 spans).
 
@@ -22,7 +25,8 @@ OTHER = "other"
 # generation: the learner waits while the actors load weights, generate and score).
 TRAIN_PHASE = ("train", "publish", "checkpoint")
 # Where spans overlap, the moment counts as the first of these (work before waiting).
-PRIORITY = ("train", "generate", "submit", "score", "weights", "publish", "checkpoint", "wait")
+PRIORITY = ("train", "generate", "submit", "score", "send", "weights", "query", "tickets", "publish", "checkpoint",
+            "wait")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ etas or seeds runs only the new cells. Output: summary.md, summary.json, plots/ 
 examples:
   dph-async ablate staleness                                  # 5 etas x 3 corrections x 3 seeds
   dph-async ablate staleness --etas 0 4 --corrections behavior decoupled --seeds 0 1 2 3 4
-  dph-async ablate staleness learner.loss.divergence=none     # plain GRPO instead of DPH-JS
+  dph-async ablate staleness learner.loss.objective=grpo      # plain GRPO instead of DPH-JS
   dph-async ablate staleness --report-only                    # redo the summary from finished cells
 """
 

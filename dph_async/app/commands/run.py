@@ -20,7 +20,8 @@ checkpoint.
 
 examples:
   dph-async run                                          # the embedded default
-  dph-async run --compare grpo,forward,js_low_var        # the paper-style comparison table
+  dph-async run --compare grpo,grpo@d_exp,js_low_var     # the paper-style comparison, with its control
+  dph-async run --compare forward:0.05,js_low_var:0.05   # objectives at chosen coefficients
   dph-async run --preset forward learner.steps=200 replay.max_staleness=2
   dph-async run --model path/to/hf_model --data train.parquet task.test_data.bird_dev=dev.parquet
   dph-async run mode=sync                                # the synchronous GRPO baseline, same code
@@ -29,13 +30,14 @@ examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="dotted config overrides, e.g. learner.loss.divergence=forward (see `dph-async config`)")
+                   help="dotted config overrides, e.g. learner.loss.objective=forward (see `dph-async config`)")
     p.add_argument("--preset", default="default", help="a preset name (dph-async config --list) or a YAML file")
     p.add_argument("--output", "-o", help="run directory (default: output_dir of the config, runs/default)")
     p.add_argument("--model", help="a Hugging Face causal-LM directory (sets model.path)")
     p.add_argument("--data", help="training prompts: parquet in the verl row format (sets task.data)")
-    p.add_argument("--compare", help="comma-separated modes trained from the same base: grpo (no divergence), "
-                   "forward, js_low_var, js, alpha, reverse_kl")
+    p.add_argument("--compare", help="comma-separated runs trained from the same base, each "
+                   "OBJECTIVE[:COEFF][@all|@d_exp]: grpo, dapo, reverse_kl, forward, js_low_var, js, alpha "
+                   "(without :COEFF, the objective's reference coefficient; @d_exp trains on D_exp only)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,0 +1,234 @@
+"""The learner's batching, shared-prompt log-probs and PPO mini-batch updates, on tiny models in-process.
+
+The shared-prompt forward must give the log-probs and gradients of separate sequences; skipping
+zero-advantage sequences must not change the update; mini-batch updates must record the proximal
+policy before the first update, so that the ratio moves from the second update on.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from dph_async.config import LearnerConfig, LossConfig
+from dph_async.protocol import Batch, Completion, ReferenceSample, RolloutGroup, SamplingInfo
+from dph_async.rewards.result import RewardResult
+from dph_async.tasks.tiny_model import build_tokenizer
+from learner.batching import MiniBatch, Sequence, pack, prepare
+from learner.logprobs import response_logprobs
+
+ROOT = Path(__file__).resolve().parents[1]
+V = 24
+
+
+def tiny(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    model = LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama" else Qwen2ForCausalLM(Qwen2Config(**common))
+    return model.eval()
+
+
+def random_units(seed: int, groups: int = 4, n: int = 5) -> list[list[Sequence]]:
+    rng = np.random.default_rng(seed)
+    units = []
+    for _ in range(groups):
+        prompt = rng.integers(3, V, size=rng.integers(3, 9)).astype(np.int32)
+        units.append([Sequence(prompt, rng.integers(3, V, size=rng.integers(1, 7)).astype(np.int32),
+                               np.zeros(0, np.float32), float(rng.normal())) for _ in range(n)])
+    for u in units:
+        for s in u:
+            s.old_logprobs = np.zeros(len(s.response_ids), np.float32)
+    return units
+
+
+def weighted_logprob_sum(model, units, share: bool) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
+    """Per-sequence log-probs and the gradient of sum_seq advantage * sum_t logp."""
+    model.zero_grad()
+    total, per_seq = 0, {}
+    for mb in pack(units, "fresh", token_budget=60, pad_id=0, share_prompts=share):
+        logp, _ = response_logprobs(model, mb, temperature=0.7)
+        total = total + (logp.sum(1) * mb.advantages).sum()
+        for row, s in enumerate(mb.sequences):
+            per_seq[id(s)] = logp[row, : len(s.response_ids)].detach()
+    total.backward()
+    return per_seq, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_shared_prompt_forward_equals_separate_sequences(kind):
+    model = tiny(kind)
+    units = random_units(seed=1)
+    shared, g_shared = weighted_logprob_sum(model, units, share=True)
+    flat, g_flat = weighted_logprob_sum(model, units, share=False)
+    # The prompts really were shared: fewer prompt rows than responses in some micro-batch.
+    assert any(mb.shares_prompts for mb in pack(units, "fresh", 60, 0, True))
+    for key, value in flat.items():
+        torch.testing.assert_close(shared[key], value, atol=2e-5, rtol=1e-5)
+    for a, b in zip(g_shared, g_flat, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    # And both equal an independent computation: the full logits of each sequence on its own.
+    with torch.no_grad():
+        for u in units:
+            for s in u:
+                ids = torch.tensor(np.concatenate([s.prompt_ids, s.response_ids]), dtype=torch.long)[None]
+                logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1] / 0.7
+                want = torch.log_softmax(logits, -1).gather(1, ids[0, len(s.prompt_ids):, None])[:, 0]
+                torch.testing.assert_close(shared[id(s)], want, atol=2e-5, rtol=1e-5)
+
+
+def test_pack_respects_the_budget_and_keeps_every_sequence_once():
+    units = random_units(seed=2, groups=7, n=6)
+    for budget, share in ((40, True), (40, False), (1000, True)):
+        micro = pack(units, "fresh", budget, 0, share)
+        seen = [id(s) for mb in micro for s in mb.sequences]
+        assert sorted(seen) == sorted(id(s) for u in units for s in u)
+        for mb in micro:
+            p, lp = mb.prompt_ids.shape
+            cost = p * (lp + mb.packed_ids.shape[1])
+            assert cost <= budget or p == 1
+            assert bool(mb.mask.any(1).all())
+            # Every response token sits in its prompt's packed row, at its start offset.
+            for i, s in enumerate(mb.sequences):
+                n = len(s.response_ids)
+                got = mb.packed_ids[mb.row[i], mb.start[i]:mb.start[i] + n]
+                assert got.tolist() == list(s.response_ids) and (mb.segment[mb.row[i], mb.start[i]:][:n] == i).all()
+        if not share:
+            assert not any(mb.shares_prompts for mb in micro)
+
+
+def group(seq: int, rewards: list[float], rng: np.random.Generator, version: int = 0) -> RolloutGroup:
+    prompt = rng.integers(3, V, size=6).astype(np.int32)
+    comps = []
+    for r in rewards:
+        n = int(rng.integers(1, 5))
+        comps.append(Completion(rng.integers(3, V, size=n).astype(np.int32), -rng.random(n).astype(np.float32),
+                                np.full(n, version, np.int32), RewardResult(r, r > 0), "stop"))
+    return RolloutGroup(0, seq, f"p{seq}", "x", prompt, comps, SamplingInfo(1.0, 1.0, -1, 8), 0.0, 0.0)
+
+
+def test_mini_batches_split_groups_and_spread_reference_samples():
+    rng = np.random.default_rng(3)
+    groups = [group(i, [1.0, 0.0, 1.0, 0.0], rng) for i in range(6)]
+    refs = [ReferenceSample(f"r{i}", np.arange(3, 7, dtype=np.int32), np.arange(4, 6, dtype=np.int32),
+                            -np.ones(2, np.float32), 1.0, "t") for i in range(5)]
+    p = prepare(Batch(0, groups, refs, {}), use_std=True, eps=1e-6, filter_zero_spread=False)
+    minis = p.mini_batches(3)
+    assert [len(m.groups) for m in minis] == [2, 2, 2]
+    assert sorted(len(m.reference) for m in minis) == [1, 2, 2]
+    assert sum(m.counts.fresh_tokens for m in minis) == p.counts.fresh_tokens
+    assert sum(m.counts.n_reference for m in minis) == 5
+    assert p.mini_batches(10)[0].counts.n_fresh == 4  # never more mini-batches than groups
+
+
+def test_zero_advantage_sequences_are_skipped_but_counted():
+    rng = np.random.default_rng(4)
+    groups = [group(0, [1.0, 1.0, 1.0], rng), group(1, [1.0, 0.0, 0.0], rng)]
+    mini = prepare(Batch(0, groups, [], {}), use_std=True, eps=1e-6, filter_zero_spread=False).mini_batches(1)[0]
+    assert isinstance(mini, MiniBatch) and mini.counts.n_fresh == 6
+    assert [len(u) for u in mini.fresh_units(skip_zero_advantage=True)] == [3]
+    assert [len(u) for u in mini.fresh_units(skip_zero_advantage=False)] == [3, 3]
+
+
+# --- The trainer (DeepSpeed, one rank, in this process) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    out = tmp_path_factory.mktemp("model")
+    model = tiny("llama")
+    model.save_pretrained(out)
+    build_tokenizer("abcdefghijklmnopqrstu").save_pretrained(out)
+    return str(out)
+
+
+def trainer(model_dir: str, lr: float = 3e-2, **learner):
+    """A one-rank trainer on the tiny model (ZeRO stage 0: gradients stay on the parameters)."""
+    from learner.trainer import Trainer
+
+    loss = learner.pop("loss", {})
+    cfg = LearnerConfig(lr=lr, zero_stage=0, micro_token_budget=64, **learner,
+                        loss=LossConfig(**{"objective": "grpo", **loss}))
+    return Trainer(model_dir, cfg, temperature=1.0, dtype="float32", pad_id=0, max_response_tokens=8, seed=0)
+
+
+def batch(seed: int) -> Batch:
+    rng = np.random.default_rng(seed)
+    rewards = [[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    return Batch(0, [group(i, r, rng) for i, r in enumerate(rewards)], [], {})
+
+
+def recording_gradients(t) -> list[list[torch.Tensor]]:
+    """Record the accumulated gradients each time the trainer's engine steps (ZeRO stage 0 keeps
+    them on the parameters). Gradients, not updated parameters, are compared: Adam's first step,
+    lr * g / |g|, turns float noise in a gradient that is ~0 into a full step."""
+    seen: list[list[torch.Tensor]] = []
+    step = t.engine.step
+
+    def observed_step(*args, **kwargs):
+        seen.append([p.grad.detach().clone() for p in t.module.parameters()])
+        return step(*args, **kwargs)
+
+    t.engine.step = observed_step
+    return seen
+
+
+def test_skipping_zero_advantage_sequences_leaves_the_update_unchanged(model_dir):
+    a = trainer(model_dir, skip_zero_advantage=True)
+    b = trainer(model_dir, skip_zero_advantage=False)
+    ga, gb = recording_gradients(a), recording_gradients(b)
+    ma, mb = a.train_step(batch(5)), b.train_step(batch(5))
+    assert ma["batch/trained_fresh_tokens"] < mb["batch/trained_fresh_tokens"] == mb["batch/fresh_tokens"]
+    assert len(ga) == len(gb) == 1 and any(bool(g.abs().max() > 1e-3) for g in ga[0])
+    for x, y in zip(ga[0], gb[0], strict=True):
+        torch.testing.assert_close(x, y, atol=1e-7, rtol=1e-5)
+
+
+def test_mini_batches_count_optimizer_steps_and_move_the_ratio(model_dir):
+    one = trainer(model_dir, loss={"correction": "decoupled"})
+    m = one.train_step(batch(6))
+    assert one.version == 1 and m["learner/optimizer_steps"] == 1
+    assert m["policy/ratio_dev"] == 0  # one update: pi_theta = pi_prox on every token
+
+    many = trainer(model_dir, mini_batches=2, epochs=2, loss={"correction": "decoupled"})
+    m = many.train_step(batch(6))
+    assert many.version == 1 and m["learner/optimizer_steps"] == 4
+    # From the second update on, pi_theta has moved away from the recorded proximal policy.
+    assert m["policy/ratio_dev"] > 1e-4
+    m = many.train_step(batch(7))
+    assert many.version == 2 and m["learner/optimizer_steps"] == 8
+
+
+def test_gradient_parts_norms_and_cosine():
+    from learner.trainer import gradient_parts
+
+    fresh = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])]
+    ref = [torch.tensor([0.0, 2.0]), torch.tensor([[0.0]])]
+    out = gradient_parts({"fresh": fresh, "reference": ref})
+    assert out == pytest.approx({"grad/fresh_norm": 5.0, "grad/reference_norm": 2.0, "grad/cosine": 0.0})
+    out = gradient_parts({"fresh": fresh, "reference": [-2 * g for g in fresh]})
+    assert out["grad/cosine"] == pytest.approx(-1.0)
+
+
+def test_diagnosing_gradient_parts_leaves_the_update_unchanged(model_dir):
+    rng = np.random.default_rng(8)
+    refs = [ReferenceSample(f"r{i}", rng.integers(3, V, size=5).astype(np.int32),
+                            rng.integers(3, V, size=3).astype(np.int32), -np.ones(3, np.float32) * 3, 1.0, "t")
+            for i in range(3)]
+    b = batch(9)
+    b.reference = refs
+    plain = trainer(model_dir, loss={"objective": "forward", "coeff": 0.5})
+    diag = trainer(model_dir, diagnose_every=1, loss={"objective": "forward", "coeff": 0.5})
+    g_plain, g_diag = recording_gradients(plain), recording_gradients(diag)
+    assert "grad/cosine" not in plain.train_step(b)
+    m = diag.train_step(b)
+    assert m["grad/fresh_norm"] > 0 and m["grad/reference_norm"] > 0 and -1 <= m["grad/cosine"] <= 1
+    assert m["batch/reference_samples"] == 3
+    for x, y in zip(g_plain[0], g_diag[0], strict=True):
+        torch.testing.assert_close(x, y, atol=1e-7, rtol=1e-5)
