@@ -46,7 +46,7 @@ def small_base(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("small-base")
     cfg = small_config(root)
     with ray_cluster(cfg):
-        prepare(cfg, RunPaths(root), StageTimer(), need_pool=True)
+        prepare(cfg, RunPaths(root), StageTimer(), need_presample=True)
     return root
 
 
