@@ -82,6 +82,7 @@ def test_batch_budget_bounds_the_answer_time(client):
 
 def test_metrics(client):
     client.post("/v1/score", json={"requests": [item(5)]})
+    client.post("/v1/score", content=b"{not json")  # its own 400: the test must not rely on another's
     text = client.get("/metrics").text
     assert 'dph_scorer_items_total{data_source="countdown",status="ok"}' in text
     assert 'dph_scorer_batches_total{code="200"}' in text and 'dph_scorer_batches_total{code="400"}' in text
