@@ -82,6 +82,7 @@ def test_batch_budget_bounds_the_answer_time(client):
 
 def test_metrics(client):
     client.post("/v1/score", json={"requests": [item(5)]})
+    client.post("/v1/score", content=b"{not json")  # its own 400: the test must not rely on another's
     text = client.get("/metrics").text
     assert 'dph_scorer_items_total{data_source="countdown",status="ok"}' in text
     assert 'dph_scorer_batches_total{code="200"}' in text and 'dph_scorer_batches_total{code="400"}' in text
@@ -120,7 +121,7 @@ class _Flaky(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def test_client_retries_with_backoff_then_gives_statuses():
+def test_client_retries_with_backoff_then_gives_statuses(closed_port):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -130,7 +131,7 @@ def test_client_retries_with_backoff_then_gives_statuses():
             results = c.score_many(requests)
         assert _Flaky.calls == 3 and [r.correct for r in results] == [True] * 3
         start = time.monotonic()
-        with ScorerClient(["http://127.0.0.1:9"], timeout_s=5, retries=2) as c:  # nothing listens there
+        with ScorerClient([f"http://127.0.0.1:{closed_port}"], timeout_s=5, retries=2) as c:
             down = c.score_many(requests)
         assert time.monotonic() - start < 5
         assert all(r.status == "error" and "unavailable" in r.detail and r.scorer_failed for r in down)
@@ -145,7 +146,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_serve_scorer_command_end_to_end(fixture_dir, cfg):
+def test_serve_scorer_command_end_to_end(fixture_dir, cfg, closed_port):
     port = _free_port()
     root = fixture_dir / "databases"
     server = subprocess.Popen(
@@ -160,12 +161,15 @@ def test_serve_scorer_command_end_to_end(fixture_dir, cfg):
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
+                assert server.poll() is None, "the scorer service exited"
                 time.sleep(0.1)
+        else:
+            pytest.fail("the scorer service never became healthy")
         rows = [json.loads(line) for line in (fixture_dir / "responses.jsonl").read_text().splitlines()]
         requests = [ScoreRequest(r["data_source"], r["response"], r["reward_model"]["ground_truth"],
                                  r["extra_info"]) for r in rows]
         # The first URL is dead: the client moves on to the live one.
-        remote_cfg = cfg.model_copy(update={"scorer_urls": ["http://127.0.0.1:9", url],
+        remote_cfg = cfg.model_copy(update={"scorer_urls": [f"http://127.0.0.1:{closed_port}", url],
                                             "client_batch_size": 8})
         with make_scorer(remote_cfg) as remote, make_scorer(cfg) as local:
             got, want = remote.score_many(requests), local.score_many(requests)
@@ -179,7 +183,7 @@ def test_serve_scorer_command_end_to_end(fixture_dir, cfg):
                 remote.score_many([ScoreRequest("nope_ds", "x", None, {})])
     finally:
         server.terminate()
-        assert server.wait(timeout=20) is not None
+        assert server.wait(timeout=20) == 0  # SIGTERM is a clean stop, not a crash
     refused = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "serve", "scorer", "--host", "0.0.0.0"],
                              capture_output=True, text=True, env={**os.environ, "DPH_SCORER_TOKEN": ""})
     assert refused.returncode == 2 and "--insecure" in refused.stderr

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from dph_async.config.base import Section
 from dph_async.config.loss import LossConfig
@@ -111,7 +111,7 @@ class LearnerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     # ZeRO stage 0-2 (stage 3 shards the LM head, which the fused log-prob kernels read whole).
-    zero_stage: int = Field(1, ge=0, le=2)
+    zero_stage: int = 1
     # Micro-batches are packed up to this many (padded) tokens.
     micro_token_budget: int = Field(4096, ge=16)
     # The n completions of a prompt share one forward pass of the prompt (its keys and values feed
@@ -134,6 +134,13 @@ class LearnerConfig(Section):
     threads: int = Field(1, ge=1)
     kernel: Literal["auto", "torch", "triton"] = "auto"
     loss: LossConfig = Field(default_factory=LossConfig)
+
+    @field_validator("zero_stage")
+    @classmethod
+    def _zero_stage(cls, stage: int) -> int:
+        if stage not in (0, 1, 2):
+            raise ValueError("use 0, 1 or 2: ZeRO-3 shards the LM head, which the fused log-prob kernels read whole")
+        return stage
 
 
 class EvalConfig(Section):
