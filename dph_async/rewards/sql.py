@@ -143,11 +143,13 @@ def score_sql(response: str, ground_truth: Any, extra_info: dict,
     deadline = context.deadline()
     gold = cache.get((path, gt.gold_sql))
     if gold is None:
+        context.stage("reference", format_ok=True)
         gold = sandbox.run(path, gt.gold_sql, deadline)
         cache.put((path, gt.gold_sql), gold)
     if gold.status != "ok":
         # Not the response's fault: the dataset's gold query does not run here.
         return failure("error", f"gold query failed ({gold.status}): {gold.detail}", format_ok=True)
+    context.stage("response", format_ok=True)
     pred = sandbox.run(path, sql, deadline)
     if pred.status != "ok":
         return failure(pred.status, pred.detail, format_ok=True)
