@@ -8,9 +8,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -163,22 +161,9 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_serve_scorer_command_end_to_end(fixture_dir, cfg):
-    port = _free_port()
+def test_serve_scorer_command_end_to_end(fixture_dir, cfg, scorer_process):
     root = fixture_dir / "databases"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "dph_async.app.cli", "serve", "scorer", "--port", str(port),
-         "rewards.workers=1", "rewards.timeout_s=2", f"rewards.sql.db_root={root}"],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+    with scorer_process("rewards.workers=1", "rewards.timeout_s=2", f"rewards.sql.db_root={root}") as (url, _):
         rows = [json.loads(line) for line in (fixture_dir / "responses.jsonl").read_text().splitlines()]
         requests = [ScoreRequest(r["data_source"], r["response"], r["reward_model"]["ground_truth"],
                                  r["extra_info"]) for r in rows]
@@ -195,9 +180,6 @@ def test_serve_scorer_command_end_to_end(fixture_dir, cfg):
             assert sum(r.correct for r in got) == 24
             with pytest.raises(UnknownDataSource, match="nope_ds"):
                 remote.score_many([ScoreRequest("nope_ds", "x", None, {})])
-    finally:
-        server.terminate()
-        assert server.wait(timeout=20) is not None
     refused = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "serve", "scorer", "--host", "0.0.0.0"],
                              capture_output=True, text=True, env={**os.environ, "DPH_SCORER_TOKEN": ""})
     assert refused.returncode == 2 and "--insecure" in refused.stderr

@@ -56,7 +56,10 @@ def extract_sql(response: str) -> str | None:
 
 def parse_ground_truth(ground_truth: Any, extra_info: dict) -> SqlGroundTruth:
     if isinstance(ground_truth, str) and ground_truth.lstrip().startswith("{"):
-        ground_truth = json.loads(ground_truth)
+        try:
+            ground_truth = json.loads(ground_truth)
+        except RecursionError:  # the dataset's row, not the response: an error, never "rejected"
+            raise ValueError("SQL ground_truth JSON is nested too deep") from None
     if isinstance(ground_truth, dict):
         fields = ground_truth
         gold = fields.get("gold_sql")
