@@ -132,6 +132,11 @@ class LearnerConfig(Section):
     # Weights travel in buckets of at most this many bytes.
     weight_bucket_mb: float = Field(32.0, gt=0)
     checkpoint_every: int = Field(10, ge=0)
+    # Checkpoints kept: the newest N (0 keeps all) plus `keep_versions`; older ones are deleted once a
+    # new one is complete (learner/retention.py).
+    keep_checkpoints: int = Field(3, ge=0)
+    # Versions whose checkpoints are never deleted (an ablation sets its evaluation points here).
+    keep_versions: list[int] = Field(default_factory=list)
     threads: int = Field(1, ge=1)
     kernel: Literal["auto", "torch", "triton"] = "auto"
     loss: LossConfig = Field(default_factory=LossConfig)
