@@ -232,9 +232,11 @@ class RLResult:
 def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_path: Path,
            reference_path: Path | None, *, resume_tag: str | None = None,
            on_metrics: Callable[[dict[str, float]], None] | None = None,
-           on_started: Callable[[dict[str, int]], None] | None = None) -> RLResult:
-    """Start the learner and the actors, watch them until the learner has taken `learner.steps` steps,
-    stop everything, and return what happened. Must run inside `ray_cluster(cfg)`."""
+           on_started: Callable[[dict[str, int]], None] | None = None,
+           stop: threading.Event | None = None) -> RLResult:
+    """Start the learner and the actors, watch them until the learner has taken `learner.steps` steps
+    (or `stop` is set: the learner finishes its step, and the run ends as if those were all), stop
+    everything, and return what happened. Must run inside `ray_cluster(cfg)`."""
     from dph_async.app.progress import progress
     from dph_async.paths import final_model
 
@@ -266,6 +268,8 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                         on_metrics(m)
                     bar.update(task, completed=int(m["learner/version"]), description=(
                         f"RL [{name}] reward {m['reward/mean']:.2f} acc {m['reward/accuracy']:.2f}"))
+                if stop is not None and stop.is_set():
+                    learner.stop.remote()
                 if learner_run in done:
                     learner_stats = ray.get(learner_run)
                     break
