@@ -101,6 +101,16 @@ class BodyParser:
         self._decoder = msgspec.msgpack.Decoder(Parsed | Refusal)
         self.restarts = 0
 
+    def warm_up(self) -> None:
+        """Start every child now rather than on first use (a service does this before serving)."""
+        children = [self._children.get() for _ in range(self._processes)]
+        for child in children:
+            try:
+                child = child or self._start()
+            except RuntimeError:
+                child = None  # tried again on first use, where the failure becomes a 503
+            self._children.put(child)
+
     def _start(self) -> Child:
         hello = json.dumps({"max_items": self.max_items}).encode()
         return Child(MODULE, self.memory_limit_mb, hello, STARTUP_TIMEOUT_S)

@@ -143,6 +143,7 @@ def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> Fast
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool = RewardPool(cfg.workers, cfg.timeout_s, cfg.memory_limit_mb, config=cfg)
         await asyncio.get_running_loop().run_in_executor(executor, pool.warm_up)
+        await asyncio.get_running_loop().run_in_executor(parse_threads, parser.warm_up)
         pools.append(pool)
         try:
             yield
