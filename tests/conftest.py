@@ -2,20 +2,28 @@
 
 `small_base`: one warm-started tiny base model with its pre-sampled pools (D_pef, D_exp), made once
 per session and reused by every end-to-end module (they copy it or train from it, never change it).
+`scorer_process`: the scorer service in a process of its own.
 `ipc`: ipc:// endpoints in Linux's abstract socket namespace: no file, so no 107-byte path limit
 however long TMPDIR is, and nothing left behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import subprocess
+import sys
+import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # The small size of every end-to-end run: seconds per stage on two cores. So short a warm start
 # leaves pi_0 right a few percent of the time: a prompt joins D_pef with one correct sample of its
@@ -81,3 +89,36 @@ def closed_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         yield s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _scorer(*args: str) -> Iterator[tuple[str, int]]:
+    """`dph-async serve scorer --port 0 ARGS` in its own process, until ready: (url, pid)."""
+    server = subprocess.Popen([sys.executable, "-m", "dph_async.app.cli", "serve", "scorer", "--port", "0", *args],
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = server.stderr.readline()  # "scorer: N workers, http://127.0.0.1:PORT"
+        url = line.strip().rsplit(" ", 1)[-1]
+        assert url.startswith("http://127.0.0.1:"), line
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert server.poll() is None, "the scorer service exited"
+                time.sleep(0.1)
+        else:
+            pytest.fail("the scorer service never became healthy")
+        yield url, server.pid
+    finally:
+        server.terminate()
+        code = server.wait(timeout=20)
+        server.stderr.close()
+    assert code == 0, f"the scorer service did not stop cleanly on SIGTERM (exit {code})"
+
+
+@pytest.fixture(scope="session")
+def scorer_process() -> Callable[..., contextlib.AbstractContextManager[tuple[str, int]]]:
+    """A function starting the scorer service in a process of its own: `with scorer_process(*args) as
+    (url, pid)`."""
+    return _scorer

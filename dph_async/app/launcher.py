@@ -66,6 +66,19 @@ def ray_cluster(cfg: RunConfig) -> Iterator[None]:
                 os.remove(f)
 
 
+def _learner_endpoints(cfg: RunConfig, loop, replay, rl_dir: Path) -> list:
+    """/health and /metrics of the replay and of the learner (two endpoints, one process)."""
+    from dph_async.paths import endpoints_dir
+    from dph_async.telemetry import start_endpoint
+    from learner.telemetry import LearnerCollector, learner_health
+    from replay.telemetry import ReplayCollector, replay_health
+
+    out = endpoints_dir(rl_dir)
+    endpoints = [start_endpoint("replay", [ReplayCollector(replay)], lambda: replay_health(replay), cfg.net, 0, out),
+                 start_endpoint("learner", [LearnerCollector(loop)], lambda: learner_health(loop), cfg.net, 1, out)]
+    return [e for e in endpoints if e is not None]
+
+
 @ray.remote
 class LearnerProcess:
     """The learner, with the replay service and the weight server in threads of the same process."""
@@ -104,6 +117,7 @@ class LearnerProcess:
         if resume_tag:
             self.loop.resume(resume_tag)
         self._stop = threading.Event()
+        self.endpoints = _learner_endpoints(cfg, self.loop, self.replay, self.rl_dir)
 
     def addresses(self) -> tuple[str, str]:
         """Where actors connect; a wildcard bind is advertised as this node's address."""
@@ -135,8 +149,20 @@ class LearnerProcess:
         return out_dir
 
     def close(self) -> None:
+        for endpoint in self.endpoints:
+            endpoint.close()
         self.replay.stop()
         self.server.close()
+
+
+def _actor_endpoint(cfg: RunConfig, worker, rl_dir: Path):
+    from actors.telemetry import ActorCollector, actor_health
+    from dph_async.paths import endpoints_dir
+    from dph_async.telemetry import start_endpoint
+
+    i = worker.actor_id
+    return start_endpoint(f"actor{i}", [ActorCollector(worker)], lambda: actor_health(worker), cfg.net, 2 + i,
+                          endpoints_dir(rl_dir))
 
 
 @ray.remote
@@ -162,6 +188,7 @@ class ActorProcess:
         self.worker = RolloutWorker(actor_id, cfg, engine, prompts, RolloutSender(ingest, actor_id, security),
                                     WeightClient(weights, security, actor_id), make_scorer(cfg.rewards))
         self._stop = threading.Event()
+        self.endpoint = _actor_endpoint(cfg, self.worker, Path(log_dir).parent)
 
     def pid(self) -> int:
         return os.getpid()
@@ -205,9 +232,11 @@ class RLResult:
 def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_path: Path,
            reference_path: Path | None, *, resume_tag: str | None = None,
            on_metrics: Callable[[dict[str, float]], None] | None = None,
-           on_started: Callable[[dict[str, int]], None] | None = None) -> RLResult:
-    """Start the learner and the actors, watch them until the learner has taken `learner.steps` steps,
-    stop everything, and return what happened. Must run inside `ray_cluster(cfg)`."""
+           on_started: Callable[[dict[str, int]], None] | None = None,
+           stop: threading.Event | None = None) -> RLResult:
+    """Start the learner and the actors, watch them until the learner has taken `learner.steps` steps
+    (or `stop` is set: the learner finishes its step, and the run ends as if those were all), stop
+    everything, and return what happened. Must run inside `ray_cluster(cfg)`."""
     from dph_async.app.progress import progress
     from dph_async.paths import final_model
 
@@ -239,6 +268,8 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                         on_metrics(m)
                     bar.update(task, completed=int(m["learner/version"]), description=(
                         f"RL [{name}] reward {m['reward/mean']:.2f} acc {m['reward/accuracy']:.2f}"))
+                if stop is not None and stop.is_set():
+                    learner.stop.remote()
                 if learner_run in done:
                     learner_stats = ray.get(learner_run)
                     break

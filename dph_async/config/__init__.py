@@ -21,7 +21,8 @@ from dph_async.config.loss import LossConfig
 from dph_async.config.replay import ReplayConfig
 from dph_async.config.rewards import RewardConfig
 
-__all__ = ["ConfigError", "LossConfig", "ReplayConfig", "RewardConfig", "RunConfig", "load_config", "presets"]
+__all__ = ["ConfigError", "LossConfig", "NetConfig", "ReplayConfig", "RewardConfig", "RunConfig", "load_config",
+           "presets"]
 
 
 class ModelConfig(Section):
@@ -131,6 +132,11 @@ class LearnerConfig(Section):
     # Weights travel in buckets of at most this many bytes.
     weight_bucket_mb: float = Field(32.0, gt=0)
     checkpoint_every: int = Field(10, ge=0)
+    # Checkpoints kept: the newest N (0 keeps all) plus `keep_versions`; older ones are deleted once a
+    # new one is complete (learner/retention.py).
+    keep_checkpoints: int = Field(3, ge=0)
+    # Versions whose checkpoints are never deleted (an ablation sets its evaluation points here).
+    keep_versions: list[int] = Field(default_factory=list)
     threads: int = Field(1, ge=1)
     kernel: Literal["auto", "torch", "triton"] = "auto"
     loss: LossConfig = Field(default_factory=LossConfig)
@@ -163,6 +169,12 @@ class NetConfig(Section):
     # A non-loopback bind needs CURVE keys (a directory made by `dph-async keys`) or insecure=true.
     curve_keys: str | None = None
     insecure: bool = False
+    # Every long-running process serves GET /health and /metrics (read-only) here; the URLs are written
+    # to <run>/rl/<mode>/endpoints/*.json. Port 0: the OS chooses; N: replay N, learner N + 1, actor i
+    # N + 2 + i.
+    metrics: bool = True
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(0, ge=0, le=65535)
 
 
 class LoggingConfig(Section):

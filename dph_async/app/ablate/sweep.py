@@ -49,6 +49,7 @@ def cell_config(preset: str, overrides: list[str], cell: Cell, eval_points: int)
 
     cfg = load_config(preset, [*overrides, *cell.overrides])
     cfg.learner.checkpoint_every = -(-cfg.learner.steps // eval_points)
+    cfg.learner.keep_versions = eval_versions(cfg.learner.steps, eval_points)  # exported after the run
     return validate(cfg, [RunSpec.parse(cell.mode)])
 
 
