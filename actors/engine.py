@@ -86,6 +86,7 @@ class VLLMEngine:
         self.version = version
         self._live: dict[str, dict[int, Sample]] = {}  # request key -> completion index -> sample
         self._inplace: InPlaceLoader | None = None
+        self.inplace_loading = True  # False: every load through vLLM's reload path (to compare the two)
         self.loads = {"inplace": 0, "reload": 0}  # weight loads by path
 
     def _params(self, spec: SamplingSpec, n: int, delta: bool):
@@ -150,7 +151,7 @@ class VLLMEngine:
         if self._inplace is None:
             # The in-process engine core runs the model in this process: apply_model hands it over.
             self._inplace = InPlaceLoader(self.llm.apply_model(_the_model)[0])
-        if self._inplace.load(named):
+        if self.inplace_loading and self._inplace.load(named):
             self.loads["inplace"] += 1
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})

@@ -14,11 +14,11 @@ straight into place, with a plan made once from the model:
   padding rows stay zero, as vLLM's loader leaves them.
 
 On the CPU a linear layer keeps no weight after loading: `process_weights_after_loading` packs it
-for the GEMM kernel (oneDNN) and drops the parameter. Such a layer gets a buffer of its whole
-(stacked) weight here; after the copy the buffer becomes its weight again and the layer's own
-`process_weights_after_loading` packs it, so the kernels see exactly what a fresh engine built from
-the same weights sees. Layers that keep their weight (embeddings, the LM head) are processed again
-too, since their kernels may hold a packed copy.
+for the GEMM kernel (oneDNN) and drops the parameter. Such a layer gets its received weight back
+(its shards concatenated, for a stacked one) and its own `process_weights_after_loading` packs it
+again, so the kernels see exactly what a fresh engine built from the same weights sees, and no
+second copy of the weights is kept. Layers that keep their weight (embeddings, the LM head) get the
+values copied in and are processed again too, since their kernels may hold a packed copy.
 
 What the plan cannot place (names of another layout, a quantized or tensor-parallel layer, an
 update that leaves part of a stacked weight unset) is reported as None; the engine then loads the
@@ -103,12 +103,10 @@ def _target(model: nn.Module, name: str, shape: tuple[int, ...]) -> Target | Non
     return Target(layer, attr, start, rows, tuple(shape))
 
 
-def _covers(layer: nn.Module, attr: str, targets: list[Target], full_rows: int, padded: bool) -> bool:
-    """Whether the targets fill every row of a dropped weight (its buffer starts empty each plan),
-    or, for a padded embedding, its first rows."""
-    spans = sorted((t.start, t.start + t.rows) for t in targets)
+def _covers(targets: list[Target], full_rows: int, padded: bool) -> bool:
+    """Whether the targets fill every row of a weight (the first rows, for a padded embedding)."""
     end = 0
-    for a, b in spans:
+    for a, b in sorted((t.start, t.start + t.rows) for t in targets):
         if a != end:
             return False
         end = b
@@ -116,14 +114,13 @@ def _covers(layer: nn.Module, attr: str, targets: list[Target], full_rows: int, 
 
 
 class InPlaceLoader:
-    """Copies checkpoint tensors into a vLLM model's parameters; `load` returns False when it
-    cannot place them (nothing is copied then)."""
+    """Puts checkpoint tensors into a vLLM model's parameters; `load` returns False when it cannot
+    place them (nothing is changed then)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._plan: dict[str, Target] | None = None
         self._signature: Signature | None = None
-        self._buffers: dict[int, torch.Tensor] = {}  # id(layer) -> full weight of a layer that dropped it
 
     def _make_plan(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Target] | None:
         plan: dict[str, Target] = {}
@@ -135,18 +132,11 @@ class InPlaceLoader:
         by_slot: dict[tuple[int, str], list[Target]] = {}
         for target in plan.values():
             by_slot.setdefault((id(target.layer), target.attr), []).append(target)
-        buffers = {}
         for targets in by_slot.values():
             layer, attr = targets[0].layer, targets[0].attr
-            full = _full_shape(layer, attr)
-            dropped = getattr(layer, attr).numel() == 0
-            padded = hasattr(layer, "org_vocab_size") and attr == "weight"
-            if not _covers(layer, attr, targets, full[0], padded and not dropped):
+            padded = hasattr(layer, "org_vocab_size") and getattr(layer, attr).numel() > 0
+            if not _covers(targets, _full_shape(layer, attr)[0], padded):
                 return None
-            if dropped:
-                buffers[id(layer)] = torch.empty(full, dtype=getattr(layer, attr).dtype,
-                                                 device=getattr(layer, attr).device)
-        self._buffers = buffers
         return plan
 
     def load(self, named: Sequence[tuple[str, torch.Tensor]]) -> bool:
@@ -155,19 +145,22 @@ class InPlaceLoader:
             self._plan, self._signature = self._make_plan(named), signature
         if self._plan is None:
             return False
+        dropped: dict[int, list[tuple[int, torch.Tensor]]] = {}  # layers whose packing dropped the weight
         touched: dict[int, nn.Module] = {}
         with torch.no_grad():
             for name, t in named:
                 target = self._plan[name]
-                layer = target.layer
-                dest = self._buffers.get(id(layer)) if target.attr == "weight" else None
-                if dest is None:
-                    dest = getattr(layer, target.attr).data
-                dest[target.start:target.start + target.rows].copy_(t)
-                touched[id(layer)] = layer
+                layer = touched[id(target.layer)] = target.layer
+                param = getattr(layer, target.attr)
+                if param.numel() == 0:
+                    dropped.setdefault(id(layer), []).append((target.start, t))
+                else:
+                    param.data[target.start:target.start + target.rows].copy_(t)
             for key, layer in touched.items():
-                if key in self._buffers:
-                    layer.weight = nn.Parameter(self._buffers[key], requires_grad=False)
+                if key in dropped:
+                    shards = [t for _, t in sorted(dropped[key], key=lambda s: s[0])]
+                    weight = shards[0] if len(shards) == 1 else torch.cat(shards)
+                    layer.weight = nn.Parameter(weight.to(layer.weight.dtype), requires_grad=False)
                 if hasattr(layer, "cpu_linear"):  # the CPU kernels hold a packed copy: pack again
                     layer.quant_method.process_weights_after_loading(layer)
         return True
