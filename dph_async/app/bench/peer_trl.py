@@ -103,8 +103,8 @@ class StepTimer(TrainerCallback):
         metrics = t._metrics["train"]
         self.steps.append({"step_s": end - self.start, **t.phase,
                            "completions": t.args.per_device_train_batch_size,
-                           "tokens": int(round(metrics["completions/mean_length"][-1] *
-                                               t.args.per_device_train_batch_size)),
+                           "tokens": round(metrics["completions/mean_length"][-1] *
+                                           t.args.per_device_train_batch_size),
                            "reward_mean": float(metrics["reward"][-1])})
 
 
@@ -118,8 +118,9 @@ def main() -> None:
     unknown = sorted({p["data_source"] for p in prompts} - REWARDS.keys())
     if unknown:
         raise SystemExit(f"no reward for data_source {unknown} in the peer environment (only the embedded task's)")
-    data = Dataset.from_list([{"prompt": t, "data_source": p["data_source"], "ground_truth": json.dumps(p["ground_truth"])}
-                              for t, p in zip(texts, prompts, strict=True)])
+    rows = [{"prompt": t, "data_source": p["data_source"], "ground_truth": json.dumps(p["ground_truth"])}
+            for t, p in zip(texts, prompts, strict=True)]
+    data = Dataset.from_list(rows)
     batch = spec["prompts_per_step"] * spec["n"]
     args = GRPOConfig(
         output_dir=str(out.parent / "trl-output"), use_vllm=False, bf16=False, use_cpu=True,
