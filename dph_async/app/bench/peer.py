@@ -89,15 +89,18 @@ def ensure_trl(cache: Path, log) -> tuple[Path | None, str]:
         return python, ""
     log(f"installing TRL into {venv} (once; about a minute): torch=={torch.__version__}, {', '.join(TRL_PACKAGES)}")
     out = cache / "peer-trl-install.log"
-    cache.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
-        steps = [[sys.executable, "-m", "venv", str(venv)],
-                 [str(python), "-m", "pip", "install", f"torch=={torch.__version__}"],
-                 [str(python), "-m", "pip", "install", *TRL_PACKAGES]]
-        for cmd in steps:
-            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False).returncode != 0:
-                return None, f"TRL could not be installed ({' '.join(cmd[-3:])} failed; log: {out})"
-    stamp.touch()
+    steps = [[sys.executable, "-m", "venv", str(venv)],
+             [str(python), "-m", "pip", "install", f"torch=={torch.__version__}"],
+             [str(python), "-m", "pip", "install", *TRL_PACKAGES]]
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with out.open("w") as f:
+            for cmd in steps:
+                if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False).returncode != 0:
+                    return None, f"TRL could not be installed ({' '.join(cmd[-3:])} failed; log: {out})"
+        stamp.touch()
+    except OSError as e:
+        return None, f"TRL could not be installed in {venv}: {e}"
     return python, ""
 
 

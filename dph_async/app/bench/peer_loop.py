@@ -76,7 +76,7 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
     positions = (attention.cumsum(1) - 1).clamp(min=0)
     logits = model(input_ids=torch.cat([prompt_ids, ids], 1), attention_mask=attention,
                    position_ids=positions).logits[:, prompt_ids.shape[1] - 1:-1]
-    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, ids[..., None])[..., 0]
+    return torch.log_softmax(logits / temperature, -1).gather(-1, ids[..., None])[..., 0]
 
 
 def train(spec: PeerSpec, out: Path) -> None:
