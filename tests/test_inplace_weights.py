@@ -2,13 +2,15 @@
 built from the same weights (fp32): a tiny Llama and a tiny Qwen2 (stacked q/k/v and gate/up
 parameters, q/k/v biases, a padded vocabulary), sampled with the same seeds.
 
-Each model runs in a child process (a vLLM engine per process, as in an actor): the child builds
-an engine from weights A, loads weights B in place, samples, then samples from a fresh engine on B.
+The engines run in one child process (vLLM engines live in processes of their own, as in an
+actor): per architecture it builds an engine from weights A, loads weights B in place, samples,
+then samples from a fresh engine on B.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from actors.engine import SamplingSpec, VLLMEngine
 
-def main():
-    a, b, out = map(Path, sys.argv[1:4])
+def compare(a, b):
     spec = SamplingSpec(temperature=1.0, max_tokens=12, n=4, seed=7)
     prompts = [[1, 5, 6, 7, 8], [1, 9, 3], [1, 4, 4, 4, 4, 4, 4, 2, 3]]
     engine = VLLMEngine(str(a), max_model_len=32)
@@ -36,8 +37,12 @@ def main():
     loaded = engine.generate(prompts, spec)
     fresh = VLLMEngine(str(b), max_model_len=32).generate(prompts, spec)
     dump = lambda gs: [[(s.token_ids, s.logprobs) for s in g] for g in gs]
-    out.write_text(json.dumps({"loads": engine.loads, "before": dump(before), "loaded": dump(loaded),
-                               "fresh": dump(fresh)}))
+    return {"loads": engine.loads, "before": dump(before), "loaded": dump(loaded), "fresh": dump(fresh)}
+
+def main():
+    out, *pairs = sys.argv[1:]
+    out = Path(out)
+    out.write_text(json.dumps({pairs[i]: compare(pairs[i + 1], pairs[i + 2]) for i in range(0, len(pairs), 3)}))
 
 if __name__ == "__main__":
     main()
@@ -74,17 +79,16 @@ def _pair(arch: str, tmp: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_inplace_load_matches_a_fresh_engine(arch, tmp_path):
-    a, b = _pair(arch, tmp_path)
+def test_inplace_load_matches_a_fresh_engine(tmp_path):
+    pairs = [str(x) for arch in ("llama", "qwen2") for x in (arch, *_pair(arch, tmp_path))]
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     out = tmp_path / "out.json"
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(script), str(a), str(b), str(out)], cwd=root, capture_output=True,
-                          text=True, timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    proc = subprocess.run([sys.executable, str(script), str(out), *pairs], cwd=root, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(out.read_text())
-    assert res["loads"] == {"inplace": 1, "reload": 0}
-    assert res["loaded"] == res["fresh"]  # same tokens, bit-identical log-probs
-    assert res["loaded"] != res["before"]  # the load changed what the engine computes
+    for arch, res in json.loads(out.read_text()).items():
+        assert res["loads"] == {"inplace": 1, "reload": 0}, arch
+        assert res["loaded"] == res["fresh"], arch  # same tokens, bit-identical log-probs
+        assert res["loaded"] != res["before"], arch  # the load changed what the engine computes
