@@ -16,6 +16,8 @@ from typing import Protocol
 
 import torch
 
+from actors.inplace_weights import InPlaceLoader
+
 
 @dataclass
 class Sample:
@@ -65,6 +67,10 @@ def configure_vllm_env(kv_cache_gib: int, threads: int) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _the_model(model: torch.nn.Module) -> torch.nn.Module:
+    return model
+
+
 class VLLMEngine:
     """vLLM's LLMEngine driven request by request, with per-token policy versions."""
 
@@ -80,6 +86,9 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.version = version
         self._live: dict[str, dict[int, Sample]] = {}  # request key -> completion index -> sample
+        self._inplace: InPlaceLoader | None = None
+        self.inplace_loading = True  # False: every load through vLLM's reload path (to compare the two)
+        self.loads = {"inplace": 0, "reload": 0}  # weight loads by path
 
     def _params(self, spec: SamplingSpec, n: int, delta: bool):
         from vllm import SamplingParams
@@ -135,8 +144,20 @@ class VLLMEngine:
             self._live.pop(k, None)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load new weights in place; running requests continue on them (their KV cache is kept)."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+        """Load new weights in place; running requests continue on them (their KV cache is kept).
+
+        Copied straight into the model's parameters (actors/inplace_weights.py); what that cannot
+        place goes through vLLM's `reload_weights`."""
+        named = list(tensors)
+        if self._inplace is None:
+            # The in-process engine core runs the model in this process: apply_model hands it over.
+            self._inplace = InPlaceLoader(self.llm.apply_model(_the_model)[0])
+        if self.inplace_loading and self._inplace.load(named):
+            self.loads["inplace"] += 1
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
+            self._inplace = None  # the reload rebuilt the layers' parameters: plan again next time
+            self.loads["reload"] += 1
         self.version = version
 
     def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec) -> list[list[Sample]]:

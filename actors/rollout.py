@@ -15,12 +15,12 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from actors.engine import Engine, Sample, SamplingSpec
-from actors.weights import WeightClient
+from actors.weights import WeightClient, WeightFetchError
 from dph_async.config import RunConfig
 from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
 from dph_async.replay_client import RolloutSender
@@ -51,6 +51,17 @@ class PromptCursor:
         return self.shard[self._orders[epoch][i]]
 
 
+def sample_seed(seed: int, actor_id: int, seq: int) -> int:
+    """The sampling seed of the group at position seq of an actor's stream (vLLM gives its n
+    completions seed + j).
+
+    A group is then a function of its position and the weights alone, not of what the engine sampled
+    before: an actor restarted (or a run resumed) regenerates a position exactly as the uninterrupted
+    run would have with the same weights.
+    """
+    return random.Random(f"{seed}/{actor_id}/{seq}").getrandbits(62)
+
+
 @dataclass
 class ActorStats:
     actor_id: int
@@ -65,6 +76,7 @@ class ActorStats:
     ticket_seconds: float = 0.0  # asking for admission while the engine has work
     send_seconds: float = 0.0
     weight_bytes: int = 0
+    weight_fetch_failures: int = 0  # versions refused (bad checksum, no longer held); the old weights stay
     version: int = 0
     skipped_accepted: int = 0  # positions already accepted before a restart
     wall_seconds: float = 0.0
@@ -103,7 +115,16 @@ class RolloutWorker:
         if ready is None:
             return
         start = time.time()
-        tensors = self.weights.fetch(ready)
+        try:
+            tensors = self.weights.fetch(ready)
+        except WeightFetchError as e:
+            # Nothing of that version reached the engine; generation goes on with the weights it has,
+            # and the next pass asks again (for the newest version, which may be another one).
+            n = self.stats.weight_fetch_failures = self.stats.weight_fetch_failures + 1
+            if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ... failure: a persistent fault does not flood the log
+                log.warning("actor %d: weights not loaded, keeping version %d (%d refused so far): %s",
+                            self.actor_id, self.engine.version, n, e)
+            return
         fetched = time.time()
         self.engine.load_weights(tensors, ready.version)
         self.stats.weight_loads += 1
@@ -117,7 +138,8 @@ class RolloutWorker:
         record = self.cursor[seq]
         self._inflight[seq] = []
         start = self._started[seq] = time.time()
-        self.engine.add(str(seq), record.prompt_ids, self.spec, n=self.cfg.sampling.n)
+        spec = replace(self.spec, seed=sample_seed(self.cfg.seed, self.actor_id, seq))
+        self.engine.add(str(seq), record.prompt_ids, spec, n=self.cfg.sampling.n)
         self._mark(start, "submit")
 
     def _finish(self, seq: int) -> None:

@@ -32,6 +32,8 @@ class WeightClient:
         self._heard = 0.0  # when the server last said anything (monotonic)
         self.bytes_fetched = 0
         self.fetch_seconds = 0.0
+        self.checksum_seconds = 0.0  # of fetch_seconds: verifying the buckets (the rest is the transfer)
+        self.checksum_cpu_seconds = 0.0
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -87,8 +89,11 @@ class WeightClient:
             assert isinstance(reply, WeightsBucket)
             if reply.index != info.index or reply.names != info.names:
                 raise WeightFetchError(f"version {ready.version}: bucket {info.index} does not match its manifest")
+            verify, verify_cpu = time.perf_counter(), time.thread_time()
             if checksum(reply.arrays) != info.checksum or reply.checksum != info.checksum:
                 raise WeightFetchError(f"version {ready.version}: bucket {info.index} failed its checksum")
+            self.checksum_seconds += time.perf_counter() - verify
+            self.checksum_cpu_seconds += time.thread_time() - verify_cpu
             for name, arr, tag, shape in zip(info.names, reply.arrays, info.dtypes, info.shapes, strict=True):
                 tensors.append((name, array_to_tensor(arr, tag, shape)))
             self.bytes_fetched += info.nbytes

@@ -58,3 +58,8 @@ def checkpoint_dir(rl_dir: Path) -> Path:
 
 def final_model(rl_dir: Path) -> Path:
     return rl_dir / "final_model"
+
+
+def endpoints_dir(rl_dir: Path) -> Path:
+    """Where each process of an RL run writes the URL of its /health and /metrics endpoint."""
+    return rl_dir / "endpoints"

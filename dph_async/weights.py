@@ -7,11 +7,12 @@ so a torn transfer never reaches the engine.
 
 from __future__ import annotations
 
-import zlib
+import warnings
 from collections.abc import Iterable
 
 import numpy as np
 import torch
+import xxhash
 
 from dph_async.protocol import BucketInfo
 
@@ -33,20 +34,25 @@ def tensor_to_array(t: torch.Tensor) -> tuple[np.ndarray, str]:
 
 
 def array_to_tensor(arr: np.ndarray, tag: str, shape: list[int]) -> torch.Tensor:
+    """A tensor over `arr`'s memory, without copying: a received array is a read-only view of its
+    message frame, and the engine copies it into its own parameters (the tensor must not be written)."""
     if tag not in _FROM_TAG:
         raise TypeError(f"unknown dtype tag {tag!r}")
-    t = torch.from_numpy(np.ascontiguousarray(arr).copy())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        t = torch.from_numpy(np.ascontiguousarray(arr))
     if tag == "bfloat16":
         t = t.view(torch.bfloat16)
     return t.reshape(shape)
 
 
 def checksum(arrays: Iterable[np.ndarray]) -> str:
-    """CRC-32 over the bucket's bytes, in order: cheap next to the copy, catches torn or mixed buckets."""
-    crc = 0
+    """XXH3-64 over the bucket's bytes, in order: catches torn or mixed buckets, and runs at about
+    twice memcpy's speed (CRC-32 took 3.5 memcpys' time, the largest cost of loading weights)."""
+    h = xxhash.xxh3_64()
     for a in arrays:
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(a)).cast("B"), crc)
-    return f"{crc:08x}"
+        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.hexdigest()
 
 
 Bucket = tuple[BucketInfo, list[np.ndarray]]

@@ -103,6 +103,7 @@ class PreparedBatch:
     groups: list[Unit]  # fresh sequences with their advantages, one list per prompt
     reference: list[Sequence]
     filtered_groups: int  # zero-spread groups dropped by dynamic filtering
+    scorer_failed: int = 0  # completions left out because their reward is the scorer's failure, not a 0
     skipped_groups: int = 0  # groups the objective formed no unit from (DPO's ties)
 
     @property
@@ -129,28 +130,35 @@ def counts_of(groups: list[Unit], reference: list[Sequence]) -> Counts:
 
 
 def group_sequences(groups: list[RolloutGroup], use_std: bool, eps: float, filter_zero_spread: bool
-                    ) -> tuple[list[Unit], int]:
+                    ) -> tuple[list[Unit], int, int]:
     """Fresh sequences with their GRPO advantages, one list per group; drops zero-spread groups if
-    asked (DAPO's dynamic filtering)."""
+    asked (DAPO's dynamic filtering). Completions whose reward is a scorer failure (a dead worker, an
+    unreachable service, a bad ground truth: `RewardResult.scorer_failed`) say nothing about the
+    response: they are left out before the group's mean and spread are taken, and counted.
+    Returns (units, filtered groups, completions left out)."""
     units: list[Unit] = []
-    filtered = 0
+    filtered = failed = 0
     for g in groups:
-        rewards = torch.tensor([[c.reward.score for c in g.completions]], dtype=torch.float64)
+        scored = [c for c in g.completions if not c.reward.scorer_failed]
+        failed += len(g.completions) - len(scored)
+        if not scored:
+            continue
+        rewards = torch.tensor([[c.reward.score for c in scored]], dtype=torch.float64)
         if filter_zero_spread and bool(zero_spread_groups(rewards)[0]):
             filtered += 1
             continue
         adv = grpo_advantages(rewards, use_std=use_std, eps=eps)[0]
         unit = [Sequence(g.prompt_ids, c.token_ids, c.logprobs, a, reward=c.reward.score)
-                for c, a in zip(g.completions, adv.tolist(), strict=True) if len(c.token_ids)]
+                for c, a in zip(scored, adv.tolist(), strict=True) if len(c.token_ids)]
         if unit:
             units.append(unit)
-    return units, filtered
+    return units, filtered, failed
 
 
 def prepare(batch: Batch, *, use_std: bool, eps: float, filter_zero_spread: bool) -> PreparedBatch:
-    groups, filtered = group_sequences(batch.groups, use_std, eps, filter_zero_spread)
+    groups, filtered, failed = group_sequences(batch.groups, use_std, eps, filter_zero_spread)
     reference = [Sequence(r.prompt_ids, r.response_ids, r.ref_logprobs) for r in batch.reference if len(r.response_ids)]
-    return PreparedBatch(groups, reference, filtered)
+    return PreparedBatch(groups, reference, filtered, failed)
 
 
 def pack(units: list[Unit], kind: Kind, token_budget: int, pad_id: int, share_prompts: bool = True,

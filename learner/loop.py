@@ -19,6 +19,7 @@ from dph_async.config import RunConfig
 from dph_async.paths import checkpoint_dir
 from dph_async.protocol import Batch, ReferenceSample, RolloutGroup
 from dph_async.replay_client import ReplayClient
+from learner import retention
 from learner.publish import WeightServer
 from learner.trainer import Trainer
 
@@ -83,6 +84,7 @@ class LearnerLoop:
         replay_dir = self.checkpoint_dir / tag / "replay"
         self.replay.snapshot(str(replay_dir.resolve()), self.trainer.version)
         self.trainer.save(self.checkpoint_dir, {"replay": str(replay_dir), "metrics": len(self.metrics)})
+        retention.prune(self.checkpoint_dir, self.cfg.learner.keep_checkpoints, self.cfg.learner.keep_versions)
         self.stats.checkpoint_seconds += self._span(start, "checkpoint")
         return self.checkpoint_dir / tag
 

@@ -283,6 +283,7 @@ class Trainer:
             "batch/fresh_tokens": float(counts.fresh_tokens),
             "batch/trained_fresh_tokens": float(record.trained_tokens) / max(self.cfg.epochs, 1),
             "batch/filtered_groups": float(p.filtered_groups),
+            "batch/scorer_failed": float(p.scorer_failed),
             "batch/skipped_groups": float(p.skipped_groups),
             "reward/mean": sum(c.reward.score for c in comps) / max(len(comps), 1),
             "reward/accuracy": sum(c.reward.correct for c in comps) / max(len(comps), 1),

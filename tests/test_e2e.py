@@ -1,8 +1,7 @@
 """The real system at a small size: Ray, vLLM actors in their own processes, the replay service, the
-DeepSpeed learner, ZeroMQ between them. Async and sync runs, resume against an uninterrupted run, an
-actor killed mid-run, and Ctrl-C in the middle of `dph-async run`: it exits with 130 within seconds,
-leaving no process of its session (Ray's services, the learner, the vLLM actors) and no new
-shared-memory file.
+DeepSpeed learner, ZeroMQ between them: an async run within its staleness bound, and an actor killed
+mid-run. (Sync mode, resume against an uninterrupted run, per-token log-probs and Ctrl-C go through
+the `dph-async run` command in tests/test_run_command.py.)
 """
 
 from __future__ import annotations
@@ -11,42 +10,24 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import small_config
 
 from dph_async.app.launcher import RLResult, ray_cluster, run_rl
-from dph_async.app.pipeline import StageTimer, prepare, validate
+from dph_async.app.pipeline import StageTimer, prepare
 from dph_async.app.specs import RunSpec
-from dph_async.config import RunConfig, load_config
 from dph_async.paths import RunPaths
 
 pytestmark = pytest.mark.slow
 
-SMALL = [
-    "warmstart.steps=60", "task.num_train=64", "task.num_test=16", "learner.groups_per_step=4",
-    "sampling.n=4", "sampling.max_tokens=10", "eval.k_max=4", "eval.max_prompts=8", "actors.max_inflight_prompts=4",
-    "logging.wandb_mode=disabled", "learner.checkpoint_every=0",
-    # A barely warm-started pi_0 rarely solves a prompt k times out of k: keep any prompt it solved
-    # once, so the DPH objective has a reference pool to train on.
-    "presample.min_correct=1",
-]
-
-
-def small_config(tmp: Path, *overrides: str) -> RunConfig:
-    return validate(load_config("default", [*SMALL, f"output_dir={tmp}", *overrides]), [])
-
-
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    """A warm-started tiny base model and the pre-sampled pools, shared by the tests of this module."""
-    root = tmp_path_factory.mktemp("e2e")
-    cfg = small_config(root)
+def prepared(small_base):
+    """The shared small base (pi_0 and the pre-sampled pools) inside a Ray cluster for this module."""
+    cfg = small_config(small_base)
     with ray_cluster(cfg):
-        yield root, prepare(cfg, RunPaths(root), StageTimer(), need_presample=True)
+        yield small_base, prepare(cfg, RunPaths(small_base), StageTimer(), need_presample=True)
 
 
 def consumed(rl_dir: Path) -> list[dict]:
@@ -86,33 +67,6 @@ def test_async_respects_staleness_and_trains(prepared):
     assert (rl_dir / "final_model" / "config.json").is_file()
 
 
-def test_sync_actor_logprobs_follow_the_learner(prepared):
-    result, rl_dir = train(prepared, "sync", "learner.steps=4", "mode=sync", "replay.max_staleness=0")
-    for step in consumed(rl_dir):
-        # Every group of step v was generated entirely by the weights of version v ...
-        assert all(oldest == newest == step["version"] for _, _, oldest, newest in step["groups"])
-    for m in result.metrics:
-        # ... and the actors' behaviour log-probs are the learner's own at that version: the new
-        # weights reached the engines (a stale engine would show a KL far above float noise).
-        assert m["staleness/max"] == 0
-        assert abs(m["policy/mismatch_kl_k1"]) < 1e-3 and m["policy/mismatch_kl_k3"] < 1e-3
-
-
-def test_resume_matches_uninterrupted_run(prepared):
-    common = ["mode=sync", "actors.num_actors=1", "learner.checkpoint_every=2"]
-    full, full_dir = train(prepared, "full", "learner.steps=4", *common)
-    # Stopped after step 3 (the last checkpoint is at version 2) ...
-    _, part_dir = train(prepared, "part", "learner.steps=3", *common)
-    tag = (part_dir / "checkpoints" / "latest").read_text().strip()
-    assert tag == "v2"
-    # ... and resumed from it: step 3 is redone with the same data, then step 4.
-    resumed, _ = train(prepared, "part", "learner.steps=4", *common, resume_tag=tag)
-    assert resumed.metrics[-1]["learner/version"] == full.metrics[-1]["learner/version"] == 4
-    ids = group_ids(part_dir)
-    assert ids == group_ids(full_dir)
-    assert len(ids) == len(set(ids)) == 4 * 4
-
-
 def test_killed_actor_is_restarted_and_run_completes(prepared):
     pids: dict[str, int] = {}
     killed: list[int] = []
@@ -131,45 +85,3 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
     assert result.metrics[-1]["learner/version"] == 8
     ids = group_ids(rl_dir)
     assert len(ids) == len(set(ids)) == 8 * 4
-
-
-def session_members(sid: int) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid=,sess=,args="], capture_output=True, text=True, check=True).stdout
-    return [line.strip() for line in out.splitlines() if line.split()[1] == str(sid)]
-
-
-def test_ctrl_c_during_rl_stops_everything(tmp_path: Path):
-    shm_before = set(os.listdir("/dev/shm"))
-    with (tmp_path / "run.log").open("w") as log:  # the child keeps its own copy of the descriptor
-        # A session of its own, like a terminal's foreground job; SIGINT handled by default even where
-        # the test runner was started with it ignored (background jobs of a non-interactive shell).
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dph_async.app.cli", "run", "--output", str(tmp_path / "out"),
-             *SMALL, "learner.steps=100000", "learner.checkpoint_every=10"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
-    try:
-        deadline = time.time() + 600
-        while not list((tmp_path / "out").glob("rl/*/logs/actor*.log")):
-            assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
-            assert time.time() < deadline, "RL did not start"
-            time.sleep(1)
-        time.sleep(10)  # the actors and the learner are working
-        assert proc.poll() is None
-        members = session_members(proc.pid)
-        assert len(members) > 3, members  # the check below sees the run's processes
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
-        assert proc.wait(timeout=120) == 130
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    left: list[str] = []
-    for _ in range(20):  # processes being reaped take a moment to leave the table
-        left = session_members(proc.pid)
-        if not left:
-            break
-        time.sleep(0.5)
-    assert not left, left
-    assert set(os.listdir("/dev/shm")) - shm_before == set()
-    assert "interrupted" in (tmp_path / "run.log").read_text()

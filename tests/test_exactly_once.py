@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -39,32 +38,27 @@ def actor(addr: str, actor_id: int) -> int:
     return 0 if ok else 1
 
 
-def start_replay(sock_dir: str, wal_dir: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dph_async.app.cli", "serve", "replay", "--ingest", f"ipc://{sock_dir}/in",
-           "--batch", f"ipc://{sock_dir}/out", "--wal-dir", str(wal_dir), "--groups-per-batch", str(BATCH),
+def start_replay(ingest: str, batch: str, wal_dir: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "dph_async.app.cli", "serve", "replay", "--ingest", ingest,
+           "--batch", batch, "--wal-dir", str(wal_dir), "--groups-per-batch", str(BATCH),
            "replay.max_staleness=1000000"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def start_actor(sock_dir: str, actor_id: int) -> subprocess.Popen:
-    cmd = [sys.executable, __file__, "actor", f"ipc://{sock_dir}/in", str(actor_id)]
+def start_actor(ingest: str, actor_id: int) -> subprocess.Popen:
+    cmd = [sys.executable, __file__, "actor", ingest, str(actor_id)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_every_group_arrives_exactly_once_across_replay_crashes(tmp_path):
+def test_every_group_arrives_exactly_once_across_replay_crashes(tmp_path, ipc):
     from dph_async.replay_client import ReplayClient
 
-    sock_dir = tempfile.mkdtemp(prefix="dph-eo-")  # short: ipc paths are limited to ~100 bytes
-    replay = start_replay(sock_dir, tmp_path / "wal")
-    actors = [
-        subprocess.Popen(
-            [sys.executable, __file__, "actor", f"ipc://{sock_dir}/in", str(i)], stdout=subprocess.PIPE, text=True
-        )
-        for i in range(ACTORS)
-    ]
-    client = ReplayClient(f"ipc://{sock_dir}/out", reply_timeout_s=1.0, request_timeout_s=60)
+    ingest, out = ipc("in"), ipc("out")
+    replay = start_replay(ingest, out, tmp_path / "wal")
+    actors = [start_actor(ingest, i) for i in range(ACTORS)]
+    client = ReplayClient(out, reply_timeout_s=1.0, request_timeout_s=60)
     received: list[tuple[int, int]] = []
     kills = [(300, "replay"), (500, "actor"), (800, "replay")]
     done = threading.Event()
@@ -79,9 +73,9 @@ def test_every_group_arrives_exactly_once_across_replay_crashes(tmp_path):
                 victim.send_signal(signal.SIGKILL)
                 victim.wait()
                 if who == "replay":
-                    replay = start_replay(sock_dir, tmp_path / "wal")
+                    replay = start_replay(ingest, out, tmp_path / "wal")
                 else:  # it resumes: skips what was accepted, regenerates what was in flight
-                    actors[0] = start_actor(sock_dir, 0)
+                    actors[0] = start_actor(ingest, 0)
 
     thread = threading.Thread(target=killer)
     thread.start()

@@ -3,9 +3,12 @@ worker pool and the scorer service serving."""
 
 import hashlib
 import random
+import socket
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -189,3 +192,197 @@ def test_service_survives_a_hostile_batch(cfg, fixture_dir):
         good = {"data_source": "bird", "response": sql(TRUTH["gold_sql"]), "ground_truth": TRUTH}
         assert client.post("/v1/score", json={"requests": [good]}).json()["results"][0]["correct"]
     assert not any(Path(p).exists() for p in paths.values())
+
+
+# --- Blame: who is at fault when a worker has to be killed ------------------------------------------
+
+SLOW_REFERENCE = "(" * 60 + "1" + ")" * 60  # the LaTeX parser needs about 10 s for it
+
+
+def test_a_reference_that_has_to_be_killed_is_the_datasets_error(pool):
+    result = pool.score_many([ScoreRequest("math", r"\boxed{1}", SLOW_REFERENCE, {})])[0]
+    assert result.status == "error" and result.scorer_failed and "reference" in result.detail, result
+    assert result.format_ok  # the response had its boxed answer
+
+
+def test_a_killed_response_keeps_the_format_it_had(pool):
+    result = pool.score_many([ScoreRequest("math", r"\boxed{9^{9^{9^{9}}}}", "5", {})])[0]
+    assert result.status == "timeout" and not result.scorer_failed, result
+    assert result.format_ok, result
+
+
+def test_a_deep_ground_truth_is_the_callers_error_not_the_responses(pool):
+    """100k levels, as a Python value and as the JSON text DPH-RL's SQL rows carry: neither is the
+    response's fault (not `rejected`), both are the scorer's input failing (`error`, masked)."""
+    deep: object = 1
+    for _ in range(100_000):
+        deep = {"a": deep}
+    text = '{"a":' * 100_000 + "1" + "}" * 100_000
+    results = pool.score_many([ScoreRequest("bird", sql(TRUTH["gold_sql"]), text, {}),
+                               ScoreRequest("countdown", "<answer>1 + 2</answer>", deep, {})])
+    for result in results:
+        assert result.status == "error" and result.scorer_failed and "deep" in result.detail, result
+    good = ScoreRequest("countdown", "<answer>2 * 12</answer>", {"target": 24, "numbers": [2, 12]}, {})
+    assert pool.score_many([good])[0].correct
+
+
+@pytest.mark.slow
+def test_the_batch_deadline_includes_worker_start_up(cfg):
+    """One worker, 1 s per request, 2 s for the batch: the kill of the first costs a worker start-up
+    (0.6-1 s here), which must come out of the batch's time, not be added to it."""
+    with RewardPool(1, 1.0, 1024, config=cfg) as one:
+        one.warm_up()
+        hang = ScoreRequest("math", r"\boxed{9^{9^{9^{9}}}}", "5", {})
+        start = time.monotonic()
+        results = one.score_many([hang, hang, hang], deadline=start + 2.0)
+        elapsed = time.monotonic() - start
+        assert elapsed < 2.0 + 0.3, (elapsed, results)
+        assert results[0].status == "timeout"
+        assert all(r.status in ("timeout", "error") for r in results)
+        # What never started tells nothing about the response: it is the scorer's failure.
+        assert all(r.scorer_failed for r in results if "not started" in r.detail)
+
+
+# --- The scorer service as a hostile peer's target ------------------------------------------------
+
+HEADER_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def served(fixture_dir, scorer_process):
+    """The service in its own process (so its event loop is measured, not ours): (url, pid)."""
+    with scorer_process("--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S),
+                        "rewards.workers=1", f"rewards.sql.db_root={fixture_dir / 'databases'}") as server:
+        yield server
+
+
+def _rss_mb(pid: int, field: str = "VmRSS") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def _post_in_thread(url: str, body: bytes) -> tuple[threading.Thread, list]:
+    out: list = []
+
+    def post() -> None:
+        out.append(httpx.post(f"{url}/v1/score", content=body, timeout=120,
+                              headers={"Content-Type": "application/json"}))
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    return thread, out
+
+
+def _health_latencies(url: str, thread: threading.Thread) -> list[float]:
+    latencies = []
+    with httpx.Client(timeout=30) as client:
+        while thread.is_alive():
+            start = time.monotonic()
+            assert client.get(f"{url}/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.05)
+    return latencies
+
+
+@pytest.mark.slow
+def test_a_body_of_millions_of_tiny_items_neither_stalls_the_service_nor_stays_in_its_memory(served):
+    url, pid = served
+    tiny = b'{"data_source":"countdown","response":"","ground_truth":0}'
+    body = b'{"requests":[' + b",".join([tiny] * 1_000_000) + b"]}"  # 60 MB
+    rss_before = _rss_mb(pid)
+    thread, reply = _post_in_thread(url, body)
+    latencies = _health_latencies(url, thread)
+    thread.join()
+    assert reply[0].status_code == 413 and "requests in one batch" in reply[0].json()["detail"]
+    assert latencies and max(latencies) < 0.5, max(latencies)
+    assert _rss_mb(pid) < rss_before + 150  # the service held the bytes, never a million objects
+
+
+@pytest.mark.slow
+def test_a_ground_truth_bomb_is_built_only_in_a_worker(served):
+    url, pid = served
+    bomb = b"[" + b",".join([b"{}"] * 6_000_000) + b"]"  # 12 MB of JSON, ~0.5 GB as Python objects
+    item = b'{"data_source":"countdown","response":"<answer>1 + 2</answer>","ground_truth":' + bomb + b"}"
+    reply = httpx.post(f"{url}/v1/score", content=b'{"requests":[' + item + b"]}", timeout=120)
+    assert reply.status_code == 200
+    (result,) = reply.json()["results"]
+    assert result["status"] == "error", result  # the ground truth's fault: masked by the learner
+    assert _rss_mb(pid, "VmHWM") < 300  # the service's peak: it never built the ground truth
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_a_100k_deep_ground_truth_is_refused_as_the_callers_fault(served):
+    url, _ = served
+    deep = b'{"a":' * 100_000 + b"1" + b"}" * 100_000
+    item = b'{"data_source":"countdown","response":"<answer>1 + 2</answer>","ground_truth":' + deep + b"}"
+    reply = httpx.post(f"{url}/v1/score", content=b'{"requests":[' + item + b"]}", timeout=60)
+    assert reply.status_code == 400 and "nested too deep" in reply.json()["detail"], reply.text[:300]
+
+
+@pytest.mark.slow
+def test_slow_clients_are_cut_off(served):
+    """200 connections: half never finish their headers, half trickle their body. All are closed by the
+    service within its header and body timeouts, and /health answers meanwhile."""
+    url, _ = served
+    port = int(url.rsplit(":", 1)[1])
+    socks = []
+    for i in range(200):
+        s = socket.create_connection(("127.0.0.1", port))
+        if i % 2:
+            s.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        else:
+            s.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+        s.setblocking(False)
+        socks.append(s)
+    closed: set[int] = set()
+    start = time.monotonic()
+    while len(closed) < len(socks) and time.monotonic() - start < HEADER_TIMEOUT_S + BODY_TIMEOUT_S + 5:
+        health = time.monotonic()
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        assert time.monotonic() - health < 0.5
+        for i, s in enumerate(socks):
+            if i in closed:
+                continue
+            try:
+                if i % 2:
+                    s.send(b" ")  # one byte now and then: a trickle
+                if s.recv(65536) == b"":
+                    closed.add(i)
+            except BlockingIOError:
+                pass
+            except OSError:  # reset by the service
+                closed.add(i)
+        time.sleep(0.2)
+    for s in socks:
+        s.close()
+    assert len(closed) == len(socks), f"{len(socks) - len(closed)} slow connections still open"
+
+
+# --- The learner never trains a scorer's failure as a true zero -------------------------------------
+
+def test_scorer_failures_are_masked_by_the_learner_and_counted():
+    """A group of 4: right (1), wrong (0), and two whose scorer died (error, 0). Trained on: the two
+    scored completions, with advantages over their rewards alone, (r - mean) / (unbiased std + eps)."""
+    import numpy as np
+
+    from dph_async.protocol import Batch, Completion, RolloutGroup, SamplingInfo
+    from dph_async.rewards.result import RewardResult, failure
+    from learner.batching import prepare
+
+    rewards = [RewardResult(1.0, True), RewardResult(0.0, False), failure("error", "reward worker died"),
+               failure("error", "scorer service unavailable")]
+    comps = [Completion(np.full(3, 10 + i, np.int32), np.full(3, -0.5, np.float32), np.zeros(3, np.int32), r, "stop")
+             for i, r in enumerate(rewards)]
+    group = RolloutGroup(0, 0, "p0", "x", np.array([1, 2], np.int32), comps, SamplingInfo(1.0, 1.0, -1, 8), 0.0, 0.0)
+    eps = 1e-6
+    prepared = prepare(Batch(0, [group], [], {}), use_std=True, eps=eps, filter_zero_spread=False)
+    assert prepared.scorer_failed == 2
+    (unit,) = prepared.groups
+    assert [int(s.response_ids[0]) for s in unit] == [10, 11]  # the failed ones' tokens are not trained
+    mean, std = 0.5, float(np.std([1.0, 0.0], ddof=1))
+    assert [s.advantage for s in unit] == pytest.approx([(1 - mean) / (std + eps), (0 - mean) / (std + eps)],
+                                                        rel=1e-12)

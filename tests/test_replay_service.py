@@ -20,8 +20,8 @@ CFG = ReplayConfig(max_staleness=100, admission=False, max_group_mb=0.05)
 
 
 @pytest.fixture
-def service(tmp_path):
-    svc = ReplayService(CFG, f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", 4, wal_dir=str(tmp_path / "wal"))
+def service(tmp_path, ipc):
+    svc = ReplayService(CFG, ipc("in"), ipc("out"), 4, wal_dir=str(tmp_path / "wal"))
     svc.start_in_thread()
     yield svc
     svc.stop()
@@ -114,8 +114,8 @@ def test_the_same_request_id_gets_the_same_batch(service):
     sender.close()
 
 
-def test_the_sender_resends_across_a_service_restart(tmp_path):
-    addr_in, addr_out = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
+def test_the_sender_resends_across_a_service_restart(tmp_path, ipc):
+    addr_in, addr_out = ipc("in"), ipc("out")
     first = ReplayService(CFG, addr_in, addr_out, 4, wal_dir=str(tmp_path / "wal"))
     first.start_in_thread()
     sender = RolloutSender(addr_in, 3, reply_timeout_s=2)
@@ -151,15 +151,22 @@ def test_snapshot_restore_and_shutdown_over_the_client(tmp_path, service):
     client.close()
 
 
-def test_binding_beyond_loopback_needs_keys_or_the_insecure_flag(tmp_path):
+def test_binding_beyond_loopback_needs_keys_or_the_insecure_flag(ipc):
     assert is_local_endpoint("tcp://127.0.0.1:5555") and is_local_endpoint("ipc:///tmp/x")
     assert is_local_endpoint("tcp://[::1]:5") and not is_local_endpoint("tcp://0.0.0.0:5")
     assert not is_local_endpoint("tcp://*:5") and not is_local_endpoint("tcp://10.1.2.3:5")
     with pytest.raises(InsecureBindError, match=r"refusing to bind tcp://0\.0\.0\.0:0"):
-        ReplayService(CFG, "tcp://0.0.0.0:0", f"ipc://{tmp_path}/out", 4)
-    svc = ReplayService(CFG, "tcp://0.0.0.0:0", f"ipc://{tmp_path}/out2", 4, security=NetSecurity(insecure=True))
+        ReplayService(CFG, "tcp://0.0.0.0:0", ipc("out"), 4)
+    # With the flag it binds every interface and serves: a client on loopback gets through.
+    svc = ReplayService(CFG, "tcp://0.0.0.0:0", "tcp://0.0.0.0:0", 4, security=NetSecurity(insecure=True))
     svc.start_in_thread()
-    svc.stop()
+    try:
+        assert svc.batch_endpoint.startswith("tcp://0.0.0.0:") and not svc.batch_endpoint.endswith(":0")
+        client = ReplayClient(f"tcp://127.0.0.1:{svc.batch_endpoint.rsplit(':', 1)[1]}", request_timeout_s=10)
+        assert client.stats()["accepted"] == 0
+        client.close()
+    finally:
+        svc.stop()
 
 
 def test_curve_admits_only_authorized_clients(tmp_path):
@@ -181,12 +188,12 @@ def test_curve_admits_only_authorized_clients(tmp_path):
         svc.stop()
 
 
-def test_a_reply_survives_the_server_leaving_right_after_it(tmp_path):
+def test_a_reply_survives_the_server_leaving_right_after_it(ipc):
     """The answer to "shutdown" arrives as the replay disconnects: it must still be readable."""
     from dph_async.protocol import ControlReply
     from dph_async.replay_client import _Channel
 
-    addr = f"ipc://{tmp_path}/s"
+    addr = ipc("s")
     ctx = zmq.Context()
     server = ctx.socket(zmq.ROUTER)
     server.bind(addr)
@@ -203,7 +210,7 @@ def test_a_reply_survives_the_server_leaving_right_after_it(tmp_path):
     assert isinstance(reply, ControlReply) and reply.detail == "bye"
 
 
-def test_serve_replay_command_refuses_an_open_bind_and_stops_on_sigterm(tmp_path):
+def test_serve_replay_command_refuses_an_open_bind_and_stops_on_sigterm(tmp_path, ipc):
     import signal
     import subprocess
     import sys
@@ -211,12 +218,13 @@ def test_serve_replay_command_refuses_an_open_bind_and_stops_on_sigterm(tmp_path
     base = [sys.executable, "-m", "dph_async.app.cli", "serve", "replay", "--wal-dir", str(tmp_path / "wal")]
     refused = subprocess.run([*base, "--ingest", "tcp://0.0.0.0:0"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "refusing to bind tcp://0.0.0.0:0" in refused.stderr
+    addr_in, addr_out = ipc("in"), ipc("out")
     proc = subprocess.Popen(
-        [*base, "--ingest", f"ipc://{tmp_path}/in", "--batch", f"ipc://{tmp_path}/out"],
+        [*base, "--ingest", addr_in, "--batch", addr_out],
         stderr=subprocess.PIPE,
         text=True,
     )
-    client = ReplayClient(f"ipc://{tmp_path}/out", request_timeout_s=30)
+    client = ReplayClient(addr_out, request_timeout_s=30)
     assert client.stats()["accepted"] == 0
     client.close()
     proc.send_signal(signal.SIGTERM)

@@ -87,10 +87,10 @@ def test_actors_behind_on_weights_get_fewer_tickets():
     assert core.tickets(TicketRequest(0, 100, outstanding=0, weights_version=2)).granted == 16
 
 
-def test_steady_workload_over_sockets_has_no_drops(tmp_path):
+def test_steady_workload_over_sockets_has_no_drops(ipc):
     b, steps = 4, 12
     cfg = ReplayConfig(max_staleness=1, admission=True, wal_dir=None)
-    service = ReplayService(cfg, f"ipc://{tmp_path}/ingest", f"ipc://{tmp_path}/batch", b)
+    service = ReplayService(cfg, ipc("ingest"), ipc("batch"), b)
     service.start_in_thread()
     stop = threading.Event()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dph_async.config.rewards import TINYV_TEMPLATE, RewardConfig
-from dph_async.rewards import context
+from dph_async.rewards import context, verifier
 from dph_async.rewards.pool import RewardPool
 from dph_async.rewards.verifier import build_prompt, parse_verdict
 from dph_async.rewards.worker import ScoreRequest, score_one
@@ -81,8 +81,12 @@ def server():
 
 
 @pytest.fixture
-def cfg(server):
+def cfg(server, monkeypatch):
     server.reply, server.prompts[:] = "True", []
+    server.models_asked = 0
+    # A fresh process-global verifier: its verdict cache survives a config equal by value (as it
+    # should in a worker), so without this one test's verdicts would answer another's questions.
+    monkeypatch.setattr(verifier, "_verifier", None)
     config = RewardConfig()
     config.verifier.url = server.url
     config.verifier.timeout_s = 0.5
@@ -160,8 +164,8 @@ def test_a_failing_verifier_is_a_status_not_a_wrong_answer(cfg, server, reply):
     assert len(server.prompts) == 2
 
 
-def test_a_verifier_that_is_down(cfg):
-    cfg.verifier.url = "http://127.0.0.1:9/v1"  # discard port: nothing listens
+def test_a_verifier_that_is_down(cfg, closed_port):
+    cfg.verifier.url = f"http://127.0.0.1:{closed_port}/v1"
     result = score(WRONG_BY_RULE)
     assert result.status == "verifier_error" and "ConnectError" in result.detail
     cfg.verifier.mode, cfg.verifier.weight = "mixed", 0.5
@@ -174,7 +178,7 @@ def test_thinking_verifier_and_verdict_cache(cfg, server):
     assert score(WRONG_BY_RULE).correct
     assert score(WRONG_BY_RULE).correct
     assert len(server.prompts) == 1  # the second verdict came from the cache
-    assert server.models_asked >= 1  # model name discovered from /v1/models
+    assert server.models_asked == 1  # the model name, discovered once from /v1/models
 
 
 def test_missing_question_is_a_dataset_error(cfg):

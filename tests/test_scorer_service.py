@@ -8,11 +8,10 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from dph_async.config.rewards import RewardConfig
 from dph_async.rewards.client import ScorerClient
@@ -23,6 +22,12 @@ from dph_async.rewards.service import ServiceSettings, make_app
 from dph_async.rewards.worker import ScoreRequest
 
 HANGS = {"data_source": "math", "response": r"\boxed{9^{9^{9^{9}}}}", "ground_truth": "5"}
+
+
+def scrape(text: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a Prometheus exposition, parsed with prometheus_client's own parser."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def item(i: int) -> dict:
@@ -44,7 +49,7 @@ def cfg(fixture_dir):
 
 @pytest.fixture(scope="module")
 def client(cfg):
-    app = make_app(cfg, ServiceSettings(max_queued=8, max_body_bytes=2**20, max_budget_s=30))
+    app = make_app(cfg, ServiceSettings(max_queued_bytes=4000, max_body_bytes=2**20, max_items=8, max_budget_s=30))
     with TestClient(app) as c:
         yield c
 
@@ -67,25 +72,36 @@ def test_refusals_are_clear_http_errors(client):
     missing = client.post("/v1/score", json={"requests": [{"data_source": "countdown"}]})
     assert missing.status_code == 400 and "response" in missing.json()["detail"]
     assert client.post("/v1/score", content=b"x" * (2**20 + 1)).status_code == 413
-    overloaded = client.post("/v1/score", json={"requests": [item(i) for i in range(9)]})
+    too_many = client.post("/v1/score", json={"requests": [item(i) for i in range(9)]})
+    assert too_many.status_code == 413 and "9 requests" in too_many.json()["detail"]
+    # Admission counts bytes: a 5 kB body does not fit the 4 kB the service admits at once.
+    overloaded = client.post("/v1/score", json={"requests": [{**item(1), "response": "y" * 5000}]})
     assert overloaded.status_code == 503 and overloaded.headers["Retry-After"] == "1"
-    assert client.get("/health").json()["in_flight"] == 0
+    health = client.get("/health").json()
+    assert health["in_flight"] == 0 and health["queued_bytes"] == 0
 
 
 def test_batch_budget_bounds_the_answer_time(client):
     start = time.monotonic()
     reply = client.post("/v1/score", json={"requests": [HANGS, HANGS, HANGS, item(3)], "budget_s": 0.5})
     assert time.monotonic() - start < 3.0
-    assert [r["status"] for r in reply.json()["results"]] == ["timeout"] * 4
+    # Two hanging ones ran on the two workers and were killed; the others never started (the scorer's
+    # failure: nothing was learned about them).
+    assert [r["status"] for r in reply.json()["results"]] == ["timeout", "timeout", "error", "error"]
     assert client.post("/v1/score", json={"requests": [item(4)]}).json()["results"][0]["correct"]
 
 
 def test_metrics(client):
     client.post("/v1/score", json={"requests": [item(5)]})
-    text = client.get("/metrics").text
-    assert 'dph_scorer_items_total{data_source="countdown",status="ok"}' in text
-    assert 'dph_scorer_batches_total{code="200"}' in text and 'dph_scorer_batches_total{code="400"}' in text
-    assert "dph_scorer_item_latency_seconds_bucket{le=\"+Inf\"}" in text and "dph_scorer_workers 2" in text
+    before = scrape(client.get("/metrics").text)
+    client.post("/v1/score", json={"requests": [item(6), item(7)]})
+    after = scrape(client.get("/metrics").text)
+    ok = ("dph_scorer_items_total", (("data_source", "countdown"), ("status", "ok")))
+    batches = ("dph_scorer_batches_total", (("code", "200"),))
+    latencies = ("dph_scorer_item_latency_seconds_count", ())
+    assert after[ok] == before[ok] + 2 and after[batches] == before[batches] + 1
+    assert after[latencies] == before[latencies] + 2
+    assert after[("dph_scorer_workers", ())] == 2 and after[("process_resident_memory_bytes", ())] > 10e6
 
 
 def test_shared_token(cfg):
@@ -120,7 +136,7 @@ class _Flaky(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def test_client_retries_with_backoff_then_gives_statuses():
+def test_client_retries_with_backoff_then_gives_statuses(closed_port):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -130,7 +146,7 @@ def test_client_retries_with_backoff_then_gives_statuses():
             results = c.score_many(requests)
         assert _Flaky.calls == 3 and [r.correct for r in results] == [True] * 3
         start = time.monotonic()
-        with ScorerClient(["http://127.0.0.1:9"], timeout_s=5, retries=2) as c:  # nothing listens there
+        with ScorerClient([f"http://127.0.0.1:{closed_port}"], timeout_s=5, retries=2) as c:
             down = c.score_many(requests)
         assert time.monotonic() - start < 5
         assert all(r.status == "error" and "unavailable" in r.detail and r.scorer_failed for r in down)
@@ -145,31 +161,18 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_serve_scorer_command_end_to_end(fixture_dir, cfg):
-    port = _free_port()
+def test_serve_scorer_command_end_to_end(fixture_dir, cfg, scorer_process, closed_port):
     root = fixture_dir / "databases"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "dph_async.app.cli", "serve", "scorer", "--port", str(port),
-         "rewards.workers=1", "rewards.timeout_s=2", f"rewards.sql.db_root={root}"],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+    with scorer_process("rewards.workers=1", "rewards.timeout_s=2", f"rewards.sql.db_root={root}") as (url, _):
         rows = [json.loads(line) for line in (fixture_dir / "responses.jsonl").read_text().splitlines()]
         requests = [ScoreRequest(r["data_source"], r["response"], r["reward_model"]["ground_truth"],
                                  r["extra_info"]) for r in rows]
         # The first URL is dead: the client moves on to the live one.
-        remote_cfg = cfg.model_copy(update={"scorer_urls": ["http://127.0.0.1:9", url],
+        remote_cfg = cfg.model_copy(update={"scorer_urls": [f"http://127.0.0.1:{closed_port}", url],
                                             "client_batch_size": 8})
         with make_scorer(remote_cfg) as remote, make_scorer(cfg) as local:
             got, want = remote.score_many(requests), local.score_many(requests)
-            assert isinstance(remote._remote, ScorerClient)  # no inline reward here: all went to the service
+            assert isinstance(remote._remote, ScorerClient)
             def key(results):
                 return [(r.score, r.correct, r.status) for r in results]
 
@@ -177,9 +180,6 @@ def test_serve_scorer_command_end_to_end(fixture_dir, cfg):
             assert sum(r.correct for r in got) == 24
             with pytest.raises(UnknownDataSource, match="nope_ds"):
                 remote.score_many([ScoreRequest("nope_ds", "x", None, {})])
-    finally:
-        server.terminate()
-        assert server.wait(timeout=20) is not None
     refused = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "serve", "scorer", "--host", "0.0.0.0"],
                              capture_output=True, text=True, env={**os.environ, "DPH_SCORER_TOKEN": ""})
     assert refused.returncode == 2 and "--insecure" in refused.stderr

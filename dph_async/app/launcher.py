@@ -66,44 +66,68 @@ def ray_cluster(cfg: RunConfig) -> Iterator[None]:
                 os.remove(f)
 
 
+def _learner_endpoints(cfg: RunConfig, loop, replay, rl_dir: Path) -> list:
+    """/health and /metrics of the replay and of the learner (two endpoints, one process)."""
+    from dph_async.paths import endpoints_dir
+    from dph_async.telemetry import start_endpoint
+    from learner.telemetry import LearnerCollector, learner_health
+    from replay.telemetry import ReplayCollector, replay_health
+
+    out = endpoints_dir(rl_dir)
+    endpoints = [start_endpoint("replay", [ReplayCollector(replay)], lambda: replay_health(replay), cfg.net, 0, out),
+                 start_endpoint("learner", [LearnerCollector(loop)], lambda: learner_health(loop), cfg.net, 1, out)]
+    return [e for e in endpoints if e is not None]
+
+
 @ray.remote
 class LearnerProcess:
     """The learner, with the replay service and the weight server in threads of the same process."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, rl_dir: str, reference_path: str | None,
                  resume_tag: str | None) -> None:
+        """Binds the replay and the weight server only, so that the actors can be started (their
+        engines built) while `setup` builds the trainer: the two slowest parts of start-up overlap."""
         log_to_file(Path(rl_dir) / "logs" / "learner.log")
+        from dph_async import net
+        from learner.publish import WeightServer
+        from replay.service import ReplayService
+
+        self.cfg, self.model_dir, self.resume_tag = cfg, model_dir, resume_tag
+        self.security = net.NetSecurity.from_config(cfg.net)
+        self.rl_dir = Path(rl_dir)
+        self.rl_dir.mkdir(parents=True, exist_ok=True)
+        wal = str(self.rl_dir / cfg.replay.wal_dir) if cfg.replay.wal_dir else None
+        self.replay = ReplayService(cfg.replay, _bind(cfg), "tcp://127.0.0.1:0", cfg.learner.groups_per_step,
+                                    reference_path=reference_path, wal_dir=wal, security=self.security,
+                                    seed=cfg.seed)
+        self.replay.start_in_thread()
+        self.server = WeightServer(_bind(cfg), self.security, int(cfg.learner.weight_bucket_mb * 2**20))
+        self._stop = threading.Event()
+        self.endpoints: list = []
+
+    def setup(self) -> None:
+        """Build the trainer (model, DeepSpeed engine) and the learner loop; resume if asked."""
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("DPH_CACHE_DIR", ".cache"))
                                                             / "torch_extensions"))
         import torch
         from transformers import AutoTokenizer
 
-        from dph_async import net
         from dph_async.replay_client import ReplayClient
         from learner.loop import LearnerLoop
-        from learner.publish import WeightServer
         from learner.trainer import Trainer
-        from replay.service import ReplayService
 
+        cfg = self.cfg
         torch.set_num_threads(cfg.learner.threads)
         torch.manual_seed(cfg.seed)
-        security = net.NetSecurity.from_config(cfg.net)
-        self.rl_dir = Path(rl_dir)
-        self.rl_dir.mkdir(parents=True, exist_ok=True)
-        wal = str(self.rl_dir / cfg.replay.wal_dir) if cfg.replay.wal_dir else None
-        self.replay = ReplayService(cfg.replay, _bind(cfg), "tcp://127.0.0.1:0", cfg.learner.groups_per_step,
-                                    reference_path=reference_path, wal_dir=wal, security=security, seed=cfg.seed)
-        self.replay.start_in_thread()
-        self.server = WeightServer(_bind(cfg), security, int(cfg.learner.weight_bucket_mb * 2**20))
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        trainer = Trainer(model_dir, cfg.learner, temperature=cfg.sampling.temperature, dtype=cfg.model.dtype,
+        trainer = Trainer(self.model_dir, cfg.learner, temperature=cfg.sampling.temperature, dtype=cfg.model.dtype,
                           pad_id=pad, max_response_tokens=cfg.sampling.max_tokens, seed=cfg.seed)
-        client = ReplayClient(self.replay.batch_endpoint, security)
+        client = ReplayClient(self.replay.batch_endpoint, self.security)
         self.loop = LearnerLoop(cfg, trainer, client, self.server, self.rl_dir)
-        if resume_tag:
-            self.loop.resume(resume_tag)
-        self._stop = threading.Event()
+        if self.resume_tag:
+            self.loop.resume(self.resume_tag)
+        self.endpoints = _learner_endpoints(cfg, self.loop, self.replay, self.rl_dir)
 
     def addresses(self) -> tuple[str, str]:
         """Where actors connect; a wildcard bind is advertised as this node's address."""
@@ -135,8 +159,20 @@ class LearnerProcess:
         return out_dir
 
     def close(self) -> None:
+        for endpoint in self.endpoints:
+            endpoint.close()
         self.replay.stop()
         self.server.close()
+
+
+def _actor_endpoint(cfg: RunConfig, worker, rl_dir: Path):
+    from actors.telemetry import ActorCollector, actor_health
+    from dph_async.paths import endpoints_dir
+    from dph_async.telemetry import start_endpoint
+
+    i = worker.actor_id
+    return start_endpoint(f"actor{i}", [ActorCollector(worker)], lambda: actor_health(worker), cfg.net, 2 + i,
+                          endpoints_dir(rl_dir))
 
 
 @ray.remote
@@ -168,6 +204,7 @@ class ActorProcess:
         self.worker = RolloutWorker(actor_id, cfg, engine, prompts, RolloutSender(ingest, actor_id, security),
                                     WeightClient(weights, security, actor_id), make_scorer(cfg.rewards))
         self._stop = threading.Event()
+        self.endpoint = _actor_endpoint(cfg, self.worker, Path(log_dir).parent)
 
     def pid(self) -> int:
         return os.getpid()
@@ -206,14 +243,19 @@ class RLResult:
     wall_seconds: float
     final_model: str
     pids: dict[str, int] = field(default_factory=dict)
+    # Seconds from the start of the run to: actors_ready (every engine built), learner_ready (trainer
+    # built), first_step (the first metrics arrive), last_step, end (final model written, all stopped).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_path: Path,
            reference_path: Path | None, *, resume_tag: str | None = None,
            on_metrics: Callable[[dict[str, float]], None] | None = None,
-           on_started: Callable[[dict[str, int]], None] | None = None) -> RLResult:
-    """Start the learner and the actors, watch them until the learner has taken `learner.steps` steps,
-    stop everything, and return what happened. Must run inside `ray_cluster(cfg)`."""
+           on_started: Callable[[dict[str, int]], None] | None = None,
+           stop: threading.Event | None = None) -> RLResult:
+    """Start the learner and the actors, watch them until the learner has taken `learner.steps` steps
+    (or `stop` is set: the learner finishes its step, and the run ends as if those were all), stop
+    everything, and return what happened. Must run inside `ray_cluster(cfg)`."""
     from dph_async.app.progress import progress
     from dph_async.paths import final_model
 
@@ -226,7 +268,11 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                                        max_task_retries=0, scheduling_strategy="SPREAD")
     actors = [actor_class.remote(i, cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"))
               for i in range(cfg.actors.num_actors)]
+    setup = learner.setup.remote()  # builds the trainer while the actors build their engines
     pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)}
+    phases = {"actors_ready": time.time() - start}
+    ray.get(setup)
+    phases["learner_ready"] = time.time() - start
     if on_started:
         on_started(pids)
     runs = {i: a.run.remote() for i, a in enumerate(actors)}
@@ -243,10 +289,14 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                     metrics.append(m)
                     if on_metrics:
                         on_metrics(m)
+                    phases.setdefault("first_step", time.time() - start)
                     bar.update(task, completed=int(m["learner/version"]), description=(
                         f"RL [{name}] reward {m['reward/mean']:.2f} acc {m['reward/accuracy']:.2f}"))
+                if stop is not None and stop.is_set():
+                    learner.stop.remote()
                 if learner_run in done:
                     learner_stats = ray.get(learner_run)
+                    phases["last_step"] = time.time() - start
                     break
                 for i, ref in list(runs.items()):
                     if ref in done:
@@ -274,4 +324,5 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     ray.get(learner.close.remote())
     for handle in [*actors, learner]:
         ray.kill(handle, no_restart=True)
-    return RLResult(name, metrics, learner_stats, actor_stats, replay, restarts, time.time() - start, str(out), pids)
+    phases["end"] = time.time() - start
+    return RLResult(name, metrics, learner_stats, actor_stats, replay, restarts, phases["end"], str(out), pids, phases)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -59,6 +60,14 @@ def pi0_logprobs(model_dir: Path, prompts: list[np.ndarray], responses: list[np.
     return out
 
 
+def d_pef_prompts(outcomes: Iterable[tuple[str, bool]], need: int) -> set[str]:
+    """The prompts with at least `need` correct samples among their (prompt id, correct) outcomes."""
+    correct: dict[str, int] = {}
+    for prompt_id, ok in outcomes:
+        correct[prompt_id] = correct.get(prompt_id, 0) + ok
+    return {pid for pid, c in correct.items() if c >= need}
+
+
 def _verl_rows(records: list[PromptRecord], table: pa.Table, keep: set[str]) -> pa.Table:
     """The rows of the source table whose prompt id is in `keep` (same columns, unchanged)."""
     mask = [r.prompt_id in keep for r in records]
@@ -94,11 +103,7 @@ def presample(cfg: RunConfig, model_dir: Path, train_path: Path, out_dir: Path,
     spec = SamplingSpec(temperature=ps.temperature, top_p=ps.top_p, max_tokens=cfg.sampling.max_tokens, n=ps.k)
     with make_scorer(cfg.rewards) as scorer:
         samples = _sample(engine, scorer, records, spec, f"pre-sampling (k={ps.k})")
-        need = ps.min_correct or ps.k
-        correct: dict[str, int] = {}
-        for r, _, res in samples:
-            correct[r.prompt_id] = correct.get(r.prompt_id, 0) + res.correct
-        pef = {pid for pid, c in correct.items() if c >= need}
+        pef = d_pef_prompts(((r.prompt_id, res.correct) for r, _, res in samples), ps.min_correct or ps.k)
         if ps.reference_rule == "all_correct":
             kept = [(r, s, res) for r, s, res in samples if r.prompt_id in pef and res.correct]
         else:  # one fresh pi_0 sample per D_pef prompt, kept if correct (the reference implementation)

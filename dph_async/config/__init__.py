@@ -14,14 +14,15 @@ from typing import Any, Literal
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from dph_async.config.base import Section
 from dph_async.config.loss import LossConfig
 from dph_async.config.replay import ReplayConfig
 from dph_async.config.rewards import RewardConfig
 
-__all__ = ["ConfigError", "LossConfig", "ReplayConfig", "RewardConfig", "RunConfig", "load_config", "presets"]
+__all__ = ["ConfigError", "LossConfig", "NetConfig", "ReplayConfig", "RewardConfig", "RunConfig", "load_config",
+           "presets"]
 
 
 class ModelConfig(Section):
@@ -115,7 +116,7 @@ class LearnerConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     # ZeRO stage 0-2 (stage 3 shards the LM head, which the fused log-prob kernels read whole).
-    zero_stage: int = Field(1, ge=0, le=2)
+    zero_stage: int = 1
     # Micro-batches are packed up to this many (padded) tokens.
     micro_token_budget: int = Field(4096, ge=16)
     # The n completions of a prompt share one forward pass of the prompt (its keys and values feed
@@ -141,9 +142,21 @@ class LearnerConfig(Section):
     # Weights travel in buckets of at most this many bytes.
     weight_bucket_mb: float = Field(32.0, gt=0)
     checkpoint_every: int = Field(10, ge=0)
+    # Checkpoints kept: the newest N (0 keeps all) plus `keep_versions`; older ones are deleted once a
+    # new one is complete (learner/retention.py).
+    keep_checkpoints: int = Field(3, ge=0)
+    # Versions whose checkpoints are never deleted (an ablation sets its evaluation points here).
+    keep_versions: list[int] = Field(default_factory=list)
     threads: int = Field(1, ge=1)
     kernel: Literal["auto", "torch", "triton"] = "auto"
     loss: LossConfig = Field(default_factory=LossConfig)
+
+    @field_validator("zero_stage")
+    @classmethod
+    def _zero_stage(cls, stage: int) -> int:
+        if stage not in (0, 1, 2):
+            raise ValueError("use 0, 1 or 2: ZeRO-3 shards the LM head, which the fused log-prob kernels read whole")
+        return stage
 
 
 class EvalConfig(Section):
@@ -166,6 +179,12 @@ class NetConfig(Section):
     # A non-loopback bind needs CURVE keys (a directory made by `dph-async keys`) or insecure=true.
     curve_keys: str | None = None
     insecure: bool = False
+    # Every long-running process serves GET /health and /metrics (read-only) here; the URLs are written
+    # to <run>/rl/<mode>/endpoints/*.json. Port 0: the OS chooses; N: replay N, learner N + 1, actor i
+    # N + 2 + i.
+    metrics: bool = True
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(0, ge=0, le=65535)
 
 
 class LoggingConfig(Section):

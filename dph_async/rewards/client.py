@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from pydantic import ValidationError
+import msgspec
 
 from dph_async.rewards.registry import UnknownDataSource
 from dph_async.rewards.result import RewardResult, failure
@@ -75,8 +75,7 @@ class ScorerClient:
         return [result for f in futures for result in f.result()]
 
     def _score_chunk(self, chunk: list[ScoreRequest]) -> list[RewardResult]:
-        body = ScoreBatch(requests=[ScoreItem.from_request(r) for r in chunk], budget_s=self.timeout_s)
-        payload = body.model_dump_json().encode()
+        payload = msgspec.json.encode(ScoreBatch([ScoreItem.from_request(r) for r in chunk], self.timeout_s))
         first = self._pick()
         problem = ""
         for attempt in range(self.retries + 1):
@@ -110,9 +109,9 @@ class ScorerClient:
             wait = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
             raise _Retryable(f"HTTP {reply.status_code}", wait)
         try:
-            results = ScoreReply.model_validate_json(reply.content).results
-        except ValidationError as e:
-            raise _Retryable(f"malformed reply: {e.error_count()} problems") from e
+            results = msgspec.json.decode(reply.content, type=ScoreReply).results
+        except msgspec.DecodeError as e:
+            raise _Retryable(f"malformed reply: {e}"[:300]) from e
         if len(results) != expected:
             raise _Retryable(f"reply has {len(results)} results for {expected} requests")
         return results

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
+from dph_async.rewards import context
 from dph_async.rewards.registry import register
 from dph_async.rewards.result import RewardResult, failure
 
@@ -75,6 +76,7 @@ def countdown_reward(response: str, ground_truth: Any, extra_info: dict) -> Rewa
     expression = last_answer(response)
     if expression is None:
         return failure("parse_error", "no <answer>...</answer> in the response")
+    context.stage("response", format_ok=True)
     try:
         value, used = evaluate_arithmetic(expression)
     except Rejected as e:

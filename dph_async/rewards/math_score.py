@@ -20,6 +20,7 @@ from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+from dph_async.rewards import context
 from dph_async.rewards.registry import register
 from dph_async.rewards.result import RewardResult, failure
 
@@ -60,9 +61,11 @@ def _as_latex(answer: str) -> str:
 
 def math_equal(gold: str, answer: str) -> bool | None:
     """math-verify's verdict on `answer` against `gold`; None when the answer does not parse."""
+    context.stage("reference", format_ok=True)
     gold_parsed = parse(_as_latex(gold), extraction_config=_EXTRACTION, parsing_timeout=None)
     if not gold_parsed:
         raise ValueError(f"ground truth {gold[:80]!r} could not be parsed")
+    context.stage("response", format_ok=True)
     answer_parsed = parse(f"\\boxed{{{answer}}}", extraction_config=_EXTRACTION, parsing_timeout=None)
     if not answer_parsed:
         return None

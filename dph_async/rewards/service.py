@@ -3,14 +3,18 @@
 Endpoints:
 - POST /v1/score: a batch (see `wire`); 200 with one result per request, in order. 400 for a malformed
   body or an unknown data_source (the body names it), 401 without the shared token when one is set,
-  413 for a body over the size limit, 503 with Retry-After when accepting the batch would put more
-  than `max_queued` requests in the queue (the client backs off and retries).
-- GET /health: {"status": "ok", workers, in_flight, restarts, timeout_s}.
-- GET /metrics: Prometheus text (items by data_source and status, latency histogram, HTTP codes).
+  408 for a body that does not arrive within `body_timeout_s`, 413 for a body over `max_body_bytes`
+  or with more than `max_items` requests, 503 with Retry-After when admitting the body would put more
+  than `max_queued_bytes` of bodies in the service (the client backs off and retries).
+- GET /health: {"status": "ok", workers, in_flight, queued_bytes, restarts, timeout_s}.
+- GET /metrics: Prometheus text (items by data_source and status, latency histogram, HTTP codes,
+  process memory and file descriptors).
 
-Every batch has a deadline (its `budget_s`, at most `max_budget_s`): the pool starts no request after
-it and kills any still running at it, so an answer always comes in time. Scoring runs in threads off
-the event loop, which only parses, admits and answers.
+What the service trusts of a peer: nothing but the token. The event loop only reads bytes (bounded,
+timed, admitted by size before they are read where Content-Length says) and answers; bodies are parsed
+in killable child processes (`body`), ground truths built only inside the reward workers, and scoring
+waits in threads. Every batch has a deadline (its `budget_s`, at most `max_budget_s`) that includes
+waiting for a worker: the answer always comes by then.
 """
 
 from __future__ import annotations
@@ -23,66 +27,131 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import ValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dph_async.config.rewards import RewardConfig
+from dph_async.rewards.body import BodyParser, BodyRefused
 from dph_async.rewards.pool import RewardPool
 from dph_async.rewards.registry import UnknownDataSource, get_reward_fn
 from dph_async.rewards.service_metrics import ServiceMetrics
-from dph_async.rewards.wire import ScoreBatch, ScoreReply
+from dph_async.rewards.wire import ScoreReply
+
+MiB = 2**20
 
 
 @dataclass(frozen=True)
 class ServiceSettings:
-    # Requests admitted (scoring or waiting) at once; more gets 503 so clients back off.
-    max_queued: int = 4096
+    # Bytes of request bodies admitted at once (being read, parsed, queued or scored); more gets 503.
+    max_queued_bytes: int = 256 * MiB
+    max_body_bytes: int = 64 * MiB
+    # Requests in one batch (the client sends 64 by default).
+    max_items: int = 4096
     # The longest a batch may take, whatever budget the client asks for.
     max_budget_s: float = 600.0
-    max_body_bytes: int = 64 * 2**20
+    # A body must arrive within this long after its headers (slow or stalled senders are cut off).
+    body_timeout_s: float = 60.0
+    # Parser children, their memory cap and deadline per body.
+    parsers: int = 2
+    parser_memory_mb: int = 1024
+    parse_timeout_s: float = 10.0
     # Shared secret required as "Authorization: Bearer <token>" on /v1/score; None: no check.
     token: str | None = None
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _Refused(Exception):
+    def __init__(self, code: int, error: str, detail: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail)
+        self.code, self.error, self.detail, self.headers = code, error, detail, headers or {}
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing to hold more than `limit` bytes (whatever Content-Length claims)."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _BodyTooLarge
-        chunks.append(chunk)
-    return b"".join(chunks)
+class _Admission:
+    """Bytes of bodies in the service; a body is admitted chunk by chunk, and released when answered."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held = limit, 0
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.limit:
+            raise _Refused(503, "overloaded", f"{self.held} bytes of requests in the service; retry later",
+                           {"Retry-After": "1"})
+        self.held += n
 
 
-def _error(code: int, error: str, detail: str, **extra: object) -> JSONResponse:
-    return JSONResponse({"error": error, "detail": detail, **extra}, status_code=code)
+async def _read_body(request: Request, settings: ServiceSettings, admission: _Admission) -> tuple[bytes, int]:
+    """The body, admitted by size before reading where Content-Length allows, and as it arrives
+    (whatever Content-Length claims); returns it with the bytes taken from `admission`."""
+    declared = request.headers.get("content-length", "")
+    taken = 0
+    if declared.isdigit():
+        if int(declared) > settings.max_body_bytes:
+            raise _Refused(413, "too_large", f"body over {settings.max_body_bytes} bytes; send smaller batches")
+        admission.take(int(declared))
+        taken = int(declared)
+    chunks: list[bytes] = []
+
+    async def receive() -> None:
+        nonlocal taken
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > settings.max_body_bytes:
+                raise _Refused(413, "too_large", f"body over {settings.max_body_bytes} bytes; send smaller batches")
+            if size > taken:
+                admission.take(size - taken)
+                taken = size
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive(), settings.body_timeout_s)
+    except asyncio.TimeoutError:
+        admission.held -= taken
+        raise _Refused(408, "timeout", f"body not received within {settings.body_timeout_s:g} s",
+                       {"Connection": "close"}) from None
+    except _Refused:
+        admission.held -= taken
+        raise
+    return b"".join(chunks), taken
+
+
+def _error(e: _Refused | BodyRefused, **extra: object) -> JSONResponse:
+    headers = getattr(e, "headers", None)
+    return JSONResponse({"error": e.error, "detail": e.detail, **extra}, status_code=e.code, headers=headers)
 
 
 def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> FastAPI:
     """The service app; its pool of `cfg.workers` processes lives as long as the app runs."""
     settings = settings or ServiceSettings()
-    metrics = ServiceMetrics()
-    state: dict[str, int] = {"in_flight": 0}
+    admission = _Admission(settings.max_queued_bytes)
+    state = {"in_flight": 0}
     pools: list[RewardPool] = []
+    parser = BodyParser(settings.parsers, settings.parser_memory_mb, settings.max_items, settings.parse_timeout_s)
+    metrics = ServiceMetrics({
+        "in_flight": ("Requests being scored or waiting for a worker", lambda: state["in_flight"]),
+        "queued_bytes": ("Bytes of request bodies admitted and not yet answered", lambda: admission.held),
+        "worker_restarts": ("Reward workers replaced after a kill or a crash",
+                            lambda: pools[0].restarts if pools else 0),
+        "workers": ("Reward worker processes", lambda: cfg.workers),
+    })
     # Threads that wait on the pool; batches beyond them queue here, already admitted.
     executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="scorer-batch")
+    parse_threads = ThreadPoolExecutor(max_workers=settings.parsers, thread_name_prefix="scorer-parse")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool = RewardPool(cfg.workers, cfg.timeout_s, cfg.memory_limit_mb, config=cfg)
         await asyncio.get_running_loop().run_in_executor(executor, pool.warm_up)
+        await asyncio.get_running_loop().run_in_executor(parse_threads, parser.warm_up)
         pools.append(pool)
         try:
             yield
         finally:
             pool.close()
+            parser.close()
             executor.shutdown(wait=False, cancel_futures=True)
+            parse_threads.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="dph-async scorer", lifespan=lifespan)
 
@@ -92,50 +161,44 @@ def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> Fast
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {settings.token}".encode()):
                 metrics.record_batch(401)
-                return _error(401, "unauthorized", "missing or wrong bearer token")
+                return _error(_Refused(401, "unauthorized", "missing or wrong bearer token"))
+        arrived = time.monotonic()  # the budget counts from here: reading and parsing come out of it
+        taken = 0
+        loop = asyncio.get_running_loop()
         try:
-            batch = ScoreBatch.model_validate_json(await _read_body(request, settings.max_body_bytes))
-        except _BodyTooLarge:
-            metrics.record_batch(413)
-            detail = f"body over {settings.max_body_bytes} bytes; send smaller batches"
-            return _error(413, "too_large", detail)
-        except ValidationError as e:
-            metrics.record_batch(400)
-            return _error(400, "bad_request", str(e)[:2000])
-        sources = [item.data_source for item in batch.requests]
-        for source in set(sources):
             try:
-                get_reward_fn(source)
-            except UnknownDataSource as e:
-                metrics.record_batch(400)
-                return _error(400, "unknown_data_source", str(e), data_source=source)
-        n = len(batch.requests)
-        if state["in_flight"] + n > settings.max_queued:
-            metrics.record_batch(503)
-            return JSONResponse({"error": "overloaded", "detail": f"{state['in_flight']} requests queued"},
-                                status_code=503, headers={"Retry-After": "1"})
-        budget = min(batch.budget_s or settings.max_budget_s, settings.max_budget_s)
-        deadline = time.monotonic() + budget
-        requests = [item.to_request() for item in batch.requests]
-        state["in_flight"] += n
-        try:
-            loop = asyncio.get_running_loop()
-            results = await loop.run_in_executor(executor, pools[0].score_many, requests, deadline)
+                body, taken = await _read_body(request, settings, admission)
+                budget_s, requests = await loop.run_in_executor(parse_threads, parser.parse, body)
+                del body
+            except (_Refused, BodyRefused) as e:
+                metrics.record_batch(e.code)
+                return _error(e)
+            sources = [r.data_source for r in requests]
+            for source in set(sources):
+                try:
+                    get_reward_fn(source)
+                except UnknownDataSource as e:
+                    metrics.record_batch(400)
+                    return _error(_Refused(400, "unknown_data_source", str(e)), data_source=source)
+            deadline = arrived + min(budget_s or settings.max_budget_s, settings.max_budget_s)
+            state["in_flight"] += len(requests)
+            try:
+                results = await loop.run_in_executor(executor, pools[0].score_many, requests, deadline)
+            finally:
+                state["in_flight"] -= len(requests)
+            metrics.record_batch(200, sources, results)
+            return Response(msgspec.json.encode(ScoreReply(results)), media_type="application/json")
         finally:
-            state["in_flight"] -= n
-        metrics.record_batch(200, sources, results)
-        return Response(ScoreReply(results=results).model_dump_json(), media_type="application/json")
+            admission.held -= taken
 
     @app.get("/health")
     async def health() -> dict:
         pool = pools[0]
         return {"status": "ok", "workers": cfg.workers, "in_flight": state["in_flight"],
-                "restarts": pool.restarts, "timeout_s": cfg.timeout_s}
+                "queued_bytes": admission.held, "restarts": pool.restarts, "timeout_s": cfg.timeout_s}
 
     @app.get("/metrics")
-    async def metrics_text() -> PlainTextResponse:
-        gauges = {"in_flight": float(state["in_flight"]), "worker_restarts": float(pools[0].restarts),
-                  "workers": float(cfg.workers)}
-        return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4")
+    async def metrics_text() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

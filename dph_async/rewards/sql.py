@@ -56,7 +56,10 @@ def extract_sql(response: str) -> str | None:
 
 def parse_ground_truth(ground_truth: Any, extra_info: dict) -> SqlGroundTruth:
     if isinstance(ground_truth, str) and ground_truth.lstrip().startswith("{"):
-        ground_truth = json.loads(ground_truth)
+        try:
+            ground_truth = json.loads(ground_truth)
+        except RecursionError:  # the dataset's row, not the response: an error, never "rejected"
+            raise ValueError("SQL ground_truth JSON is nested too deep") from None
     if isinstance(ground_truth, dict):
         fields = ground_truth
         gold = fields.get("gold_sql")
@@ -143,11 +146,13 @@ def score_sql(response: str, ground_truth: Any, extra_info: dict,
     deadline = context.deadline()
     gold = cache.get((path, gt.gold_sql))
     if gold is None:
+        context.stage("reference", format_ok=True)
         gold = sandbox.run(path, gt.gold_sql, deadline)
         cache.put((path, gt.gold_sql), gold)
     if gold.status != "ok":
         # Not the response's fault: the dataset's gold query does not run here.
         return failure("error", f"gold query failed ({gold.status}): {gold.detail}", format_ok=True)
+    context.stage("response", format_ok=True)
     pred = sandbox.run(path, sql, deadline)
     if pred.status != "ok":
         return failure(pred.status, pred.detail, format_ok=True)

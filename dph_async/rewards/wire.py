@@ -1,48 +1,48 @@
-"""The scorer service's JSON bodies, validated on both ends.
+"""The scorer service's JSON bodies, one schema for both ends (msgspec).
 
 POST /v1/score   {"requests": [{"data_source", "response", "ground_truth", "extra_info"}, ...],
                   "budget_s": 30.0}
             ->   {"results": [{"score", "correct", "format_ok", "status", "latency_s", "detail"}, ...]}
 `budget_s` (optional) is how long the caller will wait: the service answers within it, marking what it
-could not score in time as "timeout".
+could not score in time.
+
+`ground_truth` and `extra_info` stay encoded (`msgspec.Raw`) on the service's side: they are skipped
+over, not built, and decoded only in the reward worker that scores the request (`JsonText`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+import msgspec
 
 from dph_async.rewards.result import RewardResult
-from dph_async.rewards.worker import ScoreRequest
+from dph_async.rewards.worker import JsonText, ScoreRequest
 
 # The environment variable holding the shared token the service requires and the client sends.
 TOKEN_ENV = "DPH_SCORER_TOKEN"
 
 
-class ScoreItem(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ScoreItem(msgspec.Struct, forbid_unknown_fields=True):
     data_source: str
     response: str
-    ground_truth: Any = None
-    extra_info: dict[str, Any] = Field(default_factory=dict)
+    ground_truth: msgspec.Raw = msgspec.Raw(b"null")
+    extra_info: msgspec.Raw = msgspec.Raw(b"{}")
 
     def to_request(self) -> ScoreRequest:
-        return ScoreRequest(self.data_source, self.response, self.ground_truth, self.extra_info)
+        return ScoreRequest(self.data_source, self.response, JsonText(self.ground_truth),
+                            JsonText(self.extra_info))
 
     @classmethod
     def from_request(cls, req: ScoreRequest) -> ScoreItem:
-        return cls(data_source=req.data_source, response=req.response, ground_truth=req.ground_truth,
-                   extra_info=req.extra_info or {})
+        return cls(req.data_source, req.response, msgspec.Raw(msgspec.json.encode(req.ground_truth)),
+                   msgspec.Raw(msgspec.json.encode(req.extra_info or {})))
 
 
-class ScoreBatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ScoreBatch(msgspec.Struct, forbid_unknown_fields=True):
     requests: list[ScoreItem]
-    budget_s: float | None = Field(None, gt=0)
+    budget_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
-class ScoreReply(BaseModel):
+class ScoreReply(msgspec.Struct):
     results: list[RewardResult]

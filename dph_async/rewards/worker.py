@@ -1,20 +1,18 @@
 """The reward worker process: resource limits, then a loop scoring one request at a time.
 
-A worker is a fresh interpreter (`python -m dph_async.rewards.worker`), not a fork: it inherits none
-of the caller's threads (vLLM, torch) and never re-imports the caller's main module, as
-multiprocessing's spawn and forkserver children do. It runs in its own process group, so a Ctrl-C
-meant for the caller does not reach it; the caller stops it by closing the pipe.
+A worker is a `Child` (dph_async/rewards/child.py): a fresh interpreter in its own process group with
+a capped address space and no right to write a file. Rewards run model-written SQL and feed
+model-written math to parsers that can hang; the worker is the unit the parent kills when a call
+overruns.
 
-Rewards run model-written SQL and feed model-written math to parsers that can hang; the worker is the
-unit the parent kills when a call overruns. It also caps its own address space (so a memory bomb ends
-in MemoryError, not in the machine swapping) and the size of any file it could write (0 bytes).
+Messages to the parent, JSON: {"stage": "reference" | "response", "format_ok": bool} while scoring
+(what the reward reported through `context.stage`, so that a kill is blamed right), then
+{"result": {RewardResult fields}}.
 """
 
 from __future__ import annotations
 
 import json
-import resource
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -23,12 +21,19 @@ from typing import Any
 
 from dph_async.config.rewards import RewardConfig
 from dph_async.rewards import context
+from dph_async.rewards.child import limit_resources
 from dph_async.rewards.registry import get_reward_fn, load_builtins
 from dph_async.rewards.result import RewardResult, failure
 
 # The worker's own deadline comes a little before the parent's kill, so that a query which merely
 # runs long (a recursive CTE) ends cleanly with status "timeout" instead of costing a new process.
 SOFT_DEADLINE_SHARE = 0.9
+
+
+class JsonText(bytes):
+    """A JSON value not decoded yet. The scorer service leaves each request's ground_truth and
+    extra_info encoded, so only the worker, under its memory limit, builds them: a nested bomb costs
+    a worker, never the service."""
 
 
 @dataclass
@@ -38,20 +43,38 @@ class ScoreRequest:
     data_source: str
     response: str
     ground_truth: Any
-    extra_info: dict
+    extra_info: dict | JsonText
+
+
+def _decoded(value: Any, what: str) -> Any:
+    if not isinstance(value, JsonText):
+        return value
+    try:
+        return json.loads(value)
+    except RecursionError:
+        raise ValueError(f"{what} is nested too deep") from None
+    except MemoryError:
+        raise ValueError(f"{what} is too large to decode within the worker's memory limit") from None
 
 
 def score_one(req: ScoreRequest) -> RewardResult:
     """Score one request in this process, turning every failure into a status."""
     start = time.perf_counter()
     limit = context.config().max_response_chars
+    try:
+        ground_truth = _decoded(req.ground_truth, "ground_truth")
+        extra_info = _decoded(req.extra_info, "extra_info") or {}
+        if not isinstance(extra_info, dict):
+            raise ValueError(f"extra_info must be an object, got {type(extra_info).__name__}")
+    except ValueError as e:  # the caller's data, not the response: no information about it
+        return replace(failure("error", str(e)), latency_s=time.perf_counter() - start)
     if not isinstance(req.response, str):
         result = failure("error", f"response must be a string, got {type(req.response).__name__}")
     elif len(req.response) > limit:
         result = failure("rejected", f"response has {len(req.response)} characters; the limit is {limit}")
     else:
         try:
-            result = get_reward_fn(req.data_source)(req.response, req.ground_truth, req.extra_info or {})
+            result = get_reward_fn(req.data_source)(req.response, ground_truth, extra_info)
         except MemoryError:
             result = failure("rejected", "memory limit reached while scoring")
         except RecursionError:
@@ -59,16 +82,6 @@ def score_one(req: ScoreRequest) -> RewardResult:
         except Exception as e:
             result = failure("error", f"{type(e).__name__}: {e}"[:500])
     return replace(result, latency_s=time.perf_counter() - start)
-
-
-def _limit_resources(memory_limit_mb: int) -> None:
-    cap = memory_limit_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    # A write past RLIMIT_FSIZE should fail with an error, not kill the worker with SIGXFSZ.
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    sys.dont_write_bytecode = True
 
 
 def serve(conn: Connection, memory_limit_mb: int) -> None:
@@ -79,7 +92,9 @@ def serve(conn: Connection, memory_limit_mb: int) -> None:
     """
     context.configure(RewardConfig.model_validate_json(conn.recv_bytes()))
     load_builtins()
-    _limit_resources(memory_limit_mb)
+    limit_resources(memory_limit_mb)
+    context.on_stage(lambda stage, format_ok: conn.send_bytes(
+        json.dumps({"stage": stage, "format_ok": format_ok}).encode()))
     conn.send_bytes(b"ready")
     while True:
         try:
@@ -90,9 +105,12 @@ def serve(conn: Connection, memory_limit_mb: int) -> None:
             return
         budget_s, req = message
         context.set_deadline(time.monotonic() + SOFT_DEADLINE_SHARE * budget_s)
-        conn.send_bytes(json.dumps(asdict(score_one(req))).encode())
+        conn.send_bytes(json.dumps({"result": asdict(score_one(req))}).encode())
 
 
 if __name__ == "__main__":
     # python -m dph_async.rewards.worker <socket fd> <memory limit MB>
-    serve(Connection(int(sys.argv[1])), int(sys.argv[2]))
+    # Run the package's copy of this module, not __main__'s, so pickled classes are the same ones.
+    from dph_async.rewards.worker import serve as _serve
+
+    _serve(Connection(int(sys.argv[1])), int(sys.argv[2]))

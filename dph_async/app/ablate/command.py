@@ -22,7 +22,8 @@ def add_common_arguments(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--model", help="a Hugging Face causal-LM directory (sets model.path)")
     p.add_argument("--data", help="training prompts: parquet in the verl row format (sets task.data)")
     p.add_argument("--preset", default="default", help="a preset name or a YAML file (default: %(default)s)")
-    p.add_argument("--fresh", action="store_true", help="delete the finished cells in --out and run them again")
+    p.add_argument("--fresh", action="store_true", help="delete the finished cells in --out and run them again "
+                   "(with a different base config, the shared base model and pre-sampling too)")
     p.add_argument("--report-only", action="store_true", help="only rewrite the summary from the finished cells")
 
 
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace, make_sweep: Callable[[str], object]) -> int:
         if args.fresh and (args.out / "rl").exists():
             shutil.rmtree(args.out / "rl")
         if not args.report_only:
-            run_sweep(args.preset, overrides, sweep, args.out, args.eval_points)
+            run_sweep(args.preset, overrides, sweep, args.out, args.eval_points, fresh=args.fresh)
         write_summary(args.out)
         console.print(f"report: {args.out / 'summary.md'}")
 

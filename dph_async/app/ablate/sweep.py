@@ -49,6 +49,7 @@ def cell_config(preset: str, overrides: list[str], cell: Cell, eval_points: int)
 
     cfg = load_config(preset, [*overrides, *cell.overrides])
     cfg.learner.checkpoint_every = -(-cfg.learner.steps // eval_points)
+    cfg.learner.keep_versions = eval_versions(cfg.learner.steps, eval_points)  # exported after the run
     return validate(cfg, [RunSpec.parse(cell.mode)])
 
 
@@ -96,8 +97,10 @@ def run_cell(cfg: RunConfig, paths: RunPaths, prepared: Prepared, cell: Cell, ev
     (rl_dir / "cell.json").write_text(json.dumps(record, indent=2))
 
 
-def run_sweep(preset: str, overrides: list[str], sweep: Sweep, out: Path, eval_points: int) -> list[str]:
-    """Run the sweep's unfinished cells in `out`; return the keys of the cells run now."""
+def run_sweep(preset: str, overrides: list[str], sweep: Sweep, out: Path, eval_points: int,
+              fresh: bool = False) -> list[str]:
+    """Run the sweep's unfinished cells in `out`; return the keys of the cells run now. `fresh` (the
+    caller has deleted the cells) also lets a different base config start over, shared base included."""
     from dph_async.app.launcher import ray_cluster
     from dph_async.app.pipeline import StageTimer, evaluate_model, prepare, validate
 
@@ -108,8 +111,11 @@ def run_sweep(preset: str, overrides: list[str], sweep: Sweep, out: Path, eval_p
     paths.root.mkdir(parents=True, exist_ok=True)
     text = dump_config(base)
     if paths.config.is_file() and paths.config.read_text() != text:
-        raise ConfigError(f"{out} holds a sweep with another base config ({paths.config}); give another --out, "
-                          "or --fresh to start over")
+        if not fresh:
+            raise ConfigError(f"{out} holds a sweep with another base config ({paths.config}); give another "
+                              "--out, or --fresh to start over")
+        for shared in (paths.base_model, paths.data, paths.presample, paths.eval):  # made from the old config
+            shutil.rmtree(shared, ignore_errors=True)
     paths.config.write_text(text)
     (out / "sweep.json").write_text(json.dumps({"kind": sweep.kind, "x": sweep.x, "panel": sweep.panel,
                                                 "cells": [asdict(c) for c in sweep.cells]}, indent=2))

@@ -17,7 +17,9 @@ preset or YAML file) and key=value overrides; flags override both. The write-ahe
         replay.max_staleness=2 learner.groups_per_step=64
 
 Endpoints bind 127.0.0.1 unless told otherwise; another address needs CURVE keys (--curve-keys, a
-directory made by `dph-async keys`) or --insecure. SIGINT/SIGTERM stop it cleanly.
+directory made by `dph-async keys`) or --insecure. SIGINT/SIGTERM stop it cleanly. GET /health and
+/metrics are served on net.metrics_host (port net.metrics_port, 0: the OS chooses); the URL is printed
+and written to <output_dir>/endpoints/replay.json for `dph-async status`.
 """
 
 INGEST_PORT = 5555
@@ -76,10 +78,20 @@ def main(args: argparse.Namespace) -> int:
         return 2
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())
-    print(f"replay: ingest {service.ingest_endpoint}, batch {service.batch_endpoint}", file=sys.stderr, flush=True)
+    from dph_async.telemetry import start_endpoint
+    from replay.telemetry import ReplayCollector, replay_health
+
+    endpoint = start_endpoint("replay", [ReplayCollector(service)], lambda: replay_health(service), cfg.net, 0,
+                              Path(cfg.output_dir) / "endpoints")
+    metrics = f", metrics {endpoint.url}" if endpoint is not None else ""
+    print(f"replay: ingest {service.ingest_endpoint}, batch {service.batch_endpoint}{metrics}", file=sys.stderr,
+          flush=True)
     try:
         service.serve_forever()
     except OSError as e:
         print(f"error: write-ahead log: {e}", file=sys.stderr)
         return 1
+    finally:
+        if endpoint is not None:
+            endpoint.close()
     return 0

@@ -16,6 +16,11 @@ Serve the verifiable rewards over HTTP, so actors on other machines can score wi
 overrides, e.g.
 
     dph-async serve scorer --port 5001 rewards.workers=4 rewards.sql.db_root=data/bird/databases
+    dph-async serve scorer --port 0 --max-body-mb 16 --header-timeout-s 5   # the OS picks the port
+
+Limits against hostile or broken clients (docs/data_plane.md, "Hostile peers"): request headers
+within --header-timeout-s, bodies within --body-timeout-s and --max-body-mb, at most --max-items
+requests per batch, and at most --max-queued-mb of bodies in the service at once (503 beyond).
 
 The service binds 127.0.0.1. Another address needs a shared token in $DPH_SCORER_TOKEN (clients send
 the same variable's value) or --insecure.
@@ -26,13 +31,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (rewards.*)")
     parser.add_argument("--config", default="default", help="preset name or YAML file (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=5001, help="port (default: %(default)s)")
-    parser.add_argument("--max-queued", type=int, default=4096,
-                        help="requests admitted at once before answering 503 (default: %(default)s)")
-    parser.add_argument("--max-budget-s", type=float, default=600.0,
-                        help="longest time one batch may take (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=5001, help="port; 0 lets the OS choose (default: %(default)s)")
+    parser.add_argument("--max-queued-mb", type=float, default=256.0,
+                        help="request bodies admitted at once, in MB, before answering 503 (default: %(default)s)")
     parser.add_argument("--max-body-mb", type=float, default=64.0,
                         help="largest request body accepted (default: %(default)s)")
+    parser.add_argument("--max-items", type=int, default=4096,
+                        help="most requests in one batch (default: %(default)s)")
+    parser.add_argument("--max-budget-s", type=float, default=600.0,
+                        help="longest time one batch may take (default: %(default)s)")
+    parser.add_argument("--header-timeout-s", type=float, default=10.0,
+                        help="a connection must send its request headers within this long (default: %(default)s)")
+    parser.add_argument("--body-timeout-s", type=float, default=60.0,
+                        help="a request body must arrive within this long (default: %(default)s)")
     parser.add_argument("--insecure", action="store_true",
                         help="allow a non-loopback bind without a shared token")
 
@@ -61,12 +72,18 @@ def main(args: argparse.Namespace) -> int:
               "(a shared token) or pass --insecure", file=sys.stderr)
         return 2
 
-    import uvicorn
-
     from dph_async.rewards.service import ServiceSettings, make_app
+    from dph_async.rewards.service_http import bind, serve
 
-    settings = ServiceSettings(max_queued=args.max_queued, max_budget_s=args.max_budget_s,
-                               max_body_bytes=int(args.max_body_mb * 2**20), token=token)
-    print(f"scorer: {cfg.workers} workers, http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    uvicorn.run(make_app(cfg, settings), host=args.host, port=args.port, log_level="warning")
+    settings = ServiceSettings(max_queued_bytes=int(args.max_queued_mb * 2**20),
+                               max_body_bytes=int(args.max_body_mb * 2**20), max_items=args.max_items,
+                               max_budget_s=args.max_budget_s, body_timeout_s=args.body_timeout_s, token=token)
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
+    print(f"scorer: {cfg.workers} workers, http://{args.host}:{port}", file=sys.stderr, flush=True)
+    serve(make_app(cfg, settings), sock, header_timeout_s=args.header_timeout_s)
     return 0

@@ -1,0 +1,105 @@
+"""`dph-async bench peer`: dph-async against single-process GRPO trainers on the same work."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+NAME = "bench peer"
+HELP = "the same GRPO work through dph-async, an in-repo single-process loop and TRL's GRPOTrainer"
+DESCRIPTION = """\
+Run the same GRPO work (learner.steps steps of learner.groups_per_step prompts x sampling.n
+completions, the same model, prompts, max tokens, lr and temperature) through:
+  dph-async   an RL run of the config (async, actors.num_actors vLLM actors, replay.max_staleness)
+  loop        a single-process loop in this repository (HF generate, the project's GRPO loss, AdamW)
+  trl         TRL's GRPOTrainer (use_vllm=False, fp32, beta=0, num_iterations=1), installed on first
+              use into its own environment under --cache (about a minute); if that fails, the bench
+              says so and reports the others
+Repeats rotate the order of the systems. Reported over each run's steady state (the steps after
+--skip): seconds per step, completions/s, tokens/s, per-phase times (generate, reward, forward,
+backward, optimizer for the loops; the learner's wait and training for dph-async, with its timeline
+in rl/), the machine's load and the cores others used; then medians over the repeats and the ratio
+dph-async completions/s / the peer's. The default preset is plain GRPO (what the peers do).
+
+--user-case builds a user's case and benchmarks it: a tiny HF Llama (4 layers, hidden 128, fp32,
+a 16-id character tokenizer, briefly trained), verl-format parquet prompts, 16 prompts x 8 samples,
+completions of at most 8 tokens, lr 1e-4 (files under --out/user_case).
+
+Output in --out: bench.json, bench.md, rl/ (dph-async's runs), peers/ (the peers' results and logs).
+Finished runs are kept: the same command again only redoes the report (--fresh starts over).
+
+examples:
+  dph-async bench peer                                  # embedded default, 3 repeats
+  dph-async bench peer --user-case --out runs/bench/peer-user
+  dph-async bench peer --model path/to/hf_model --data train.parquet --steps 30
+  dph-async bench peer --systems loop trl --repeats 5   # the peers alone
+  dph-async bench peer --set replay.max_staleness=2
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from dph_async.app.bench.peer import SYSTEMS
+
+    p.add_argument("--out", "-o", type=Path, default=Path("runs/bench/peer"), help="output directory "
+                   "(default: %(default)s)")
+    p.add_argument("--steps", type=int, default=40, help="steps per run, every system (default: %(default)s)")
+    p.add_argument("--skip", type=int, default=5, help="first steps left out of the steady state "
+                   "(default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every system, order rotating "
+                   "(default: %(default)s)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems "
+                   "(default: all)")
+    p.add_argument("--model", help="a Hugging Face causal-LM directory (sets model.path)")
+    p.add_argument("--data", help="training prompts: parquet in the verl row format (sets task.data)")
+    p.add_argument("--user-case", action="store_true", help="build and benchmark the tiny-Llama user case")
+    p.add_argument("--preset", default="grpo", help="a preset name or a YAML file (default: %(default)s)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a dotted config override, repeatable")
+    p.add_argument("--cache", type=Path, default=Path(".cache"), help="where TRL's environment is made "
+                   "(default: %(default)s)")
+    p.add_argument("--fresh", action="store_true", help="delete earlier runs in --out and measure again")
+
+
+def main(args: argparse.Namespace) -> int:
+    import shutil
+
+    from dph_async.app.bench import peer
+    from dph_async.app.bench.pipeline import BENCH_DEFAULTS
+    from dph_async.app.bench.transport import machine
+    from dph_async.app.commands.common import guarded, load_cli_config
+    from dph_async.app.progress import console
+
+    if args.user_case and (args.model or args.data):
+        console.print("[red]error:[/red] --user-case builds its own model and data: leave out --model/--data")
+        return 2
+    if args.steps <= args.skip:
+        console.print(f"[red]error:[/red] --steps ({args.steps}) must be more than --skip ({args.skip})")
+        return 2
+    if args.fresh:
+        for sub in ("rl", "peers"):
+            shutil.rmtree(args.out / sub, ignore_errors=True)
+
+    def work() -> None:
+        from dph_async.app.pipeline import validate
+
+        model, data, extra = args.model, args.data, []
+        if args.user_case:
+            with console.status("user case: writing the prompts and training the tiny Llama briefly"):
+                base, train = peer.make_user_case(args.out / "user_case", seed=0)
+            model, data, extra = str(base), str(train), list(peer.USER_CASE)
+        flags = {"learner.steps": args.steps, "model.path": model, "task.data": data}
+        cfg = load_cli_config(args.preset, [*BENCH_DEFAULTS, *extra, *args.overrides, f"output_dir={args.out}",
+                                            *(f"{k}={v}" for k, v in flags.items() if v is not None)])
+        if cfg is None:
+            raise SystemExit(2)
+        cfg = validate(cfg, [])
+        res = peer.run(cfg, args.out, args.repeats, args.skip, machine(), args.systems, args.cache,
+                       log=lambda m: console.print(m, highlight=False))
+        (args.out / "bench.md").write_text(peer.markdown(res))
+        for system, m in res.medians.items():
+            ratio = f"; dph-async / {system}: {res.ratios[system]:.2f}x" if system in res.ratios else ""
+            console.print(f"{system}: {m['step_s']:.3f} s/step, {m['completions_per_s']:.0f} completions/s{ratio}",
+                          highlight=False)
+        console.print(f"report: {args.out / 'bench.md'}")
+
+    return guarded(work, "finished runs are kept; the same command goes on from there")

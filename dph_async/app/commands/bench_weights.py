@@ -1,0 +1,72 @@
+"""`dph-async bench weights`: published weights into a vLLM actor, GB/s against memcpy."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+NAME = "bench weights"
+HELP = "weight sync: publish -> loaded in a vLLM actor, per stage, against memcpy"
+DESCRIPTION = """\
+Make a model of >= 100 M parameters (random init, a Llama config; kept in --models for the next
+run), publish versions of it through the learner's weight server, and load each into a vLLM actor
+in a child process: its weight client fetches the buckets over the weight socket, verifies their
+checksums and loads them into its engine. Reports GB/s of every stage (snapshot into buckets,
+transfer, checksum, load into the engine, publish -> loaded) against memcpy of the same bytes on
+this machine, for the in-place load (the default) and vLLM's reload path, rounds alternating.
+Target: the actor's fetch + verify + load at >= 50% of memcpy. Needs ~4 GB of memory at the default
+size. Output: --out/bench.json and bench.md.
+
+examples:
+  dph-async bench weights                              # 134 M parameters, 6 rounds
+  dph-async bench weights --layers 24 --rounds 10      # 248 M parameters
+  dph-async bench weights --bucket-mb 128 --out runs/bench/weights-128
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", "-o", type=Path, default=Path("runs/bench/weights"), help="output directory "
+                   "(default: %(default)s)")
+    p.add_argument("--models", type=Path, default=Path(".cache/bench-models"), help="where the made model "
+                   "is kept (default: %(default)s)")
+    p.add_argument("--hidden", type=int, default=768, help="hidden size (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=12, help="decoder layers (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=6, help="versions published after the warm-up, alternating "
+                   "the in-place and the reload path (default: %(default)s)")
+    p.add_argument("--bucket-mb", type=float, default=32.0, help="weight bucket size in MiB, as "
+                   "learner.weight_bucket_mb (default: %(default)s)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from dph_async.app.bench import weights as bench
+    from dph_async.app.bench.transport import machine
+    from dph_async.app.commands.common import guarded
+    from dph_async.app.progress import console
+
+    if args.hidden % 64:
+        console.print("[red]error:[/red] --hidden must be a multiple of 64 (heads of 64)")
+        return 2
+    shape = bench.ModelShape(hidden=args.hidden, layers=args.layers, heads=args.hidden // 64,
+                             intermediate=args.hidden * 8 // 3 // 64 * 64, vocab=args.vocab)
+
+    def show(r: bench.Round, nbytes: int) -> None:
+        console.print(f"  {r.path:8s} memcpy {r.memcpy_s * 1e3:5.0f} ms, snapshot {r.snapshot_s * 1e3:5.0f}, transfer "
+                      f"{r.transfer_s * 1e3:5.0f}, checksum {r.checksum_s * 1e3:5.0f}, load {r.load_s * 1e3:5.0f}: "
+                      f"actor {nbytes / r.actor_s / 1e9:.2f} GB/s ({r.memcpy_s / r.actor_s:.0%} of memcpy), "
+                      f"publish -> loaded {r.publish_to_loaded_s * 1e3:.0f} ms", highlight=False)
+
+    def work() -> None:
+        args.models.mkdir(parents=True, exist_ok=True)
+        console.print(f"{shape.name}: making it (once) and starting the actor's engine")
+        res = bench.run(shape, args.models, args.rounds, args.bucket_mb, machine(), on_round=show)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench.json").write_text(res.to_json())
+        (args.out / "bench.md").write_text(bench.markdown(res))
+        for path, s in res.summary.items():
+            console.print(f"{path}: actor fetch+verify+load {s['actor']:.2f} GB/s = {s['actor_of_memcpy']:.0%} of "
+                          f"memcpy ({s['memcpy']:.2f} GB/s), in CPU-seconds {s['cpu_actor_of_memcpy']:.0%}; "
+                          f"publish -> loaded {s['publish_to_loaded']:.2f} GB/s", highlight=False)
+        console.print(f"report: {args.out / 'bench.md'}")
+
+    return guarded(work, "nothing is kept but the made model")

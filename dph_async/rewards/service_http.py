@@ -1,0 +1,76 @@
+"""Serving the scorer app over HTTP (uvicorn), with the limits a hostile peer needs.
+
+uvicorn times out idle keep-alive connections, but not a client that never finishes its headers: a
+connection that sends nothing, or a byte a second, is held for ever (200 of them held 20 s and more,
+all open). `TimedH11Protocol` closes a connection whose request headers are not complete within
+`header_timeout_s` of its opening or of the previous response; the app bounds the body
+(`ServiceSettings.body_timeout_s`), and `limit_concurrency` bounds connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import h11
+import uvicorn
+from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEADER_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 1024
+
+
+class TimedH11Protocol(H11Protocol):
+    header_timeout_s = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_overdue)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_overdue(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:  # the request's headers are complete
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()  # the next request on this connection gets the same time for its headers
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; port 0 lets the OS choose (see `getsockname()`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def serve(app: FastAPI, sock: socket.socket, header_timeout_s: float = HEADER_TIMEOUT_S,
+          max_connections: int = MAX_CONNECTIONS) -> None:
+    """Serve `app` on `sock` until SIGINT/SIGTERM."""
+    protocol = type("Protocol", (TimedH11Protocol,), {"header_timeout_s": header_timeout_s})
+    config = uvicorn.Config(app, http=protocol, log_level="warning", limit_concurrency=max_connections,
+                            timeout_keep_alive=5)
+    uvicorn.Server(config).run(sockets=[sock])

@@ -1,0 +1,74 @@
+"""The learner's Prometheus metrics and health, read from its `LearnerLoop` at each scrape."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Per-step metrics summed into counters: (metrics key, Prometheus name, help).
+TOTALS = (
+    ("batch/fresh_tokens", "dph_learner_fresh_tokens", "Fresh response tokens in the batches trained on"),
+    ("batch/fresh_samples", "dph_learner_fresh_samples", "Fresh completions trained on"),
+    ("batch/scorer_failed", "dph_learner_scorer_failed", "Completions left out: the scorer failed on them"),
+    ("batch/filtered_groups", "dph_learner_filtered_groups", "Zero-spread groups dropped by dynamic filtering"),
+)
+
+
+def checkpoint_usage(directory: Path) -> tuple[int, int]:
+    """(checkpoints, bytes) under a learner's checkpoint directory."""
+    dirs = [d for d in directory.glob("v*") if d.is_dir()] if directory.is_dir() else []
+    size = sum(f.stat().st_size for d in dirs for f in d.rglob("*") if f.is_file())
+    return len(dirs), size
+
+
+class LearnerCollector(Collector):
+    def __init__(self, loop) -> None:
+        self.loop = loop
+        self._seen = 0
+        self._totals = {key: 0.0 for key, _, _ in TOTALS}
+        self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def _update(self) -> dict[str, float]:
+        with self._lock:
+            new = self.loop.metrics_since(self._seen)
+            self._seen += len(new)
+            for m in new:
+                for key in self._totals:
+                    self._totals[key] += m.get(key, 0.0)
+            if new:
+                self._last = new[-1]
+            return dict(self._totals)
+
+    def collect(self) -> Iterator[Metric]:
+        totals = self._update()
+        stats, last = self.loop.stats, self._last
+        yield GaugeMetricFamily("dph_learner_version", "Optimizer steps applied", value=self.loop.trainer.version)
+        yield CounterMetricFamily("dph_learner_steps", "Steps taken by this process", value=stats.steps)
+        for key, name, doc in TOTALS:
+            yield CounterMetricFamily(name, doc, value=totals[key])
+        yield GaugeMetricFamily("dph_learner_tokens_per_second", "Tokens per second of the last step",
+                                value=last.get("learner/tokens_per_s", 0.0))
+        yield GaugeMetricFamily("dph_learner_reward_mean", "Mean reward of the last batch",
+                                value=last.get("reward/mean", 0.0))
+        yield GaugeMetricFamily("dph_learner_staleness_max", "Largest staleness in the last batch",
+                                value=last.get("staleness/max", 0.0))
+        seconds = CounterMetricFamily("dph_learner_seconds", "Time spent, by activity", labels=["what"])
+        for what in ("train", "wait", "publish", "checkpoint"):
+            seconds.add_metric([what], getattr(stats, f"{what}_seconds"))
+        yield seconds
+        drops = CounterMetricFamily("dph_learner_drops", "Groups the replay dropped, by reason", labels=["reason"])
+        for reason, n in stats.drops.items():
+            drops.add_metric([reason], n)
+        yield drops
+        count, size = checkpoint_usage(self.loop.checkpoint_dir)
+        yield GaugeMetricFamily("dph_learner_checkpoints", "Checkpoints on disk", value=count)
+        yield GaugeMetricFamily("dph_learner_checkpoint_bytes", "Bytes of checkpoints on disk", value=size)
+
+
+def learner_health(loop) -> dict:
+    return {"version": loop.trainer.version, "steps": loop.stats.steps}

@@ -1,0 +1,124 @@
+"""Fixtures shared across modules.
+
+`small_base`: one warm-started tiny base model with its pre-sampled pools (D_pef, D_exp), made once
+per session and reused by every end-to-end module (they copy it or train from it, never change it).
+`scorer_process`: the scorer service in a process of its own.
+`ipc`: ipc:// endpoints in Linux's abstract socket namespace: no file, so no 107-byte path limit
+however long TMPDIR is, and nothing left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The small size of every end-to-end run: seconds per stage on two cores. So short a warm start
+# leaves pi_0 right a few percent of the time: a prompt joins D_pef with one correct sample of its
+# eight, so that the reference pool (and the DPH term) is not empty.
+SMALL = [
+    "warmstart.steps=100", "presample.min_correct=1", "task.num_train=64", "task.num_test=16",
+    "learner.groups_per_step=4", "sampling.n=4", "sampling.max_tokens=10", "eval.k_max=4", "eval.max_prompts=8",
+    "actors.max_inflight_prompts=4", "logging.wandb_mode=disabled", "learner.checkpoint_every=0",
+]
+# What a run directory takes from the shared base: the stages before RL.
+BASE_PARTS = ("base_model", "data", "presample")
+
+
+def small_config(root: Path, *overrides: str):
+    from dph_async.app.pipeline import validate
+    from dph_async.config import load_config
+
+    return validate(load_config("default", [*SMALL, f"output_dir={root}", *overrides]), [])
+
+
+@pytest.fixture(scope="session")
+def small_base(tmp_path_factory) -> Path:
+    """A run directory holding pi_0 (warm start), the datasets and the pre-sampling of the small size."""
+    from dph_async.app.launcher import ray_cluster
+    from dph_async.app.pipeline import StageTimer, prepare
+    from dph_async.paths import RunPaths
+
+    root = tmp_path_factory.mktemp("small-base")
+    cfg = small_config(root)
+    with ray_cluster(cfg):
+        prepare(cfg, RunPaths(root), StageTimer(), need_presample=True)
+    return root
+
+
+def copy_base(base: Path, root: Path) -> None:
+    """Start a run directory from the shared base: its warm start and pre-sampling are then skipped."""
+    root.mkdir(parents=True, exist_ok=True)
+    for part in BASE_PARTS:
+        shutil.copytree(base / part, root / part)
+
+
+def ipc_endpoint(name: str) -> str:
+    """A unique abstract-namespace endpoint (`ipc://@...`), short whatever the temporary directory."""
+    return f"ipc://@dph-{os.getpid()}-{uuid.uuid4().hex[:12]}-{name}"
+
+
+@pytest.fixture
+def ipc():
+    """ipc_endpoint, as a fixture: `ipc("ingest")`."""
+    return ipc_endpoint
+
+
+def session_members(sid: int) -> list[str]:
+    """`pid sid command` of every process in session `sid`."""
+    out = subprocess.run(["ps", "-eo", "pid=,sess=,args="], capture_output=True, text=True, check=True).stdout
+    return [line.strip() for line in out.splitlines() if line.split()[1] == str(sid)]
+
+
+@pytest.fixture
+def closed_port():
+    """A loopback TCP port nothing listens on, for as long as the test runs: bound here but never
+    listening, so connections to it are refused (no guess that some well-known port is closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _scorer(*args: str) -> Iterator[tuple[str, int]]:
+    """`dph-async serve scorer --port 0 ARGS` in its own process, until ready: (url, pid)."""
+    server = subprocess.Popen([sys.executable, "-m", "dph_async.app.cli", "serve", "scorer", "--port", "0", *args],
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = server.stderr.readline()  # "scorer: N workers, http://127.0.0.1:PORT"
+        url = line.strip().rsplit(" ", 1)[-1]
+        assert url.startswith("http://127.0.0.1:"), line
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert server.poll() is None, "the scorer service exited"
+                time.sleep(0.1)
+        else:
+            pytest.fail("the scorer service never became healthy")
+        yield url, server.pid
+    finally:
+        server.terminate()
+        code = server.wait(timeout=20)
+        server.stderr.close()
+    assert code == 0, f"the scorer service did not stop cleanly on SIGTERM (exit {code})"
+
+
+@pytest.fixture(scope="session")
+def scorer_process() -> Callable[..., contextlib.AbstractContextManager[tuple[str, int]]]:
+    """A function starting the scorer service in a process of its own: `with scorer_process(*args) as
+    (url, pid)`."""
+    return _scorer

@@ -1,0 +1,93 @@
+"""The benchmarks run, at a tiny size: `dph-async bench` (sync against async with the real processes)
+and `dph-async bench transport`, checking the fields of the JSON they write and that the figures in it
+agree with each other and with the runs' own records (the arithmetic alone is tests/test_bench_*.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import SMALL, copy_base
+
+from dph_async.app.bench.figures import RunFigures, WeightSync
+from dph_async.app.bench.pipeline import Comparison
+from dph_async.app.bench.timeline import ideal_speedup
+from dph_async.app.bench.transport import synthetic_group
+from dph_async.app.cli import main
+
+pytestmark = pytest.mark.slow
+
+STEPS, SKIP = 8, 2
+
+
+@pytest.fixture(scope="module")
+def pipeline_bench(small_base, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "pipeline"
+    copy_base(small_base, out)  # warm start and pre-sampling are not what is measured
+    sets = [x for item in SMALL for x in ("--set", item)]
+    assert main(["bench", "--out", str(out), "--steps", str(STEPS), "--skip", str(SKIP), *sets]) == 0
+    return out
+
+
+def test_pipeline_bench_json(pipeline_bench):
+    out = pipeline_bench
+    res = json.loads((out / "bench.json").read_text())
+    assert set(res) == {"date", "machine", "config", "skip", "runs", "comparison", "pairs", "scaling",
+                        "stage_seconds"}
+    assert res["skip"] == SKIP and res["config"]["learner"]["steps"] == STEPS
+    assert {"cpu", "cores", "load_avg", "load_avg_end"} <= set(res["machine"])
+    assert set(res["runs"]) == {"sync", "async"}
+    fields = set(RunFigures.__dataclass_fields__)
+    for name, run in res["runs"].items():
+        assert set(run) == fields, name
+        assert set(run["weights"]) == set(WeightSync.__dataclass_fields__)
+        assert run["mode"] == name and run["steps"] == STEPS - SKIP
+        assert run["groups_per_step"] == 4 and run["window_s"] > 0
+        assert run["step_s"] == pytest.approx(run["window_s"] / run["steps"])
+        assert run["samples_per_s"] == pytest.approx(4 * 4 / run["step_s"])  # groups x n per step
+        # From the run's own records: its result.json and metrics.
+        result = json.loads((out / "rl" / name / "result.json").read_text())
+        assert result["learner"]["steps"] == STEPS
+        assert run["weights"]["publishes"] == STEPS + 1  # the initial weights, then every step
+        assert run["weights"]["loads"] == sum(a["weight_loads"] for a in result["actors"]) >= 1
+        assert sum(run["staleness_hist"].values()) == STEPS * 4
+        assert max(int(s) for s in run["staleness_hist"]) <= run["eta"]
+        assert 0 <= run["all_waiting"] <= 1 and all(0 <= v <= 1 for v in run["learner_busy"].values())
+        assert run["cpu_cores"] is None or run["cpu_cores"]["learner"] >= 0
+    assert res["runs"]["sync"]["eta"] == 0 and res["runs"]["async"]["eta"] == 1
+    c = res["comparison"]
+    assert set(c) == set(Comparison.__dataclass_fields__) and len(res["pairs"]) == 1
+    sync, async_ = res["runs"]["sync"], res["runs"]["async"]
+    assert c["speedup"] == pytest.approx(sync["step_s"] / async_["step_s"])
+    assert (c["generate_s"], c["train_s"]) == pytest.approx((sync["generate_s"], sync["train_s"]))
+    assert c["ideal"] == pytest.approx(ideal_speedup(sync["generate_s"], sync["train_s"]))
+    assert c["of_ideal"] == pytest.approx(c["speedup"] / c["ideal"])
+    assert (out / "bench.md").read_text().count("|") > 20
+    assert {p.name for p in (out / "plots").glob("*.png")} >= {"timeline.png", "busy.png"}
+
+
+def test_transport_bench_json(tmp_path):
+    out = tmp_path / "transport.json"
+    n, tokens, prompt = 2, 16, 8
+    assert main(["bench", "transport", "--n", str(n), "--tokens", str(tokens), "--prompt-tokens", str(prompt),
+                 "--transports", "ipc", "--repeats", "1", "--mb", "0.2", "--ingest-tokens", str(tokens),
+                 "--replay-held", "300", "--replay-seconds", "0.2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert {"date", "machine", "args", "transport", "ingest", "replay"} <= set(res)
+    assert "load_avg_after" in res["machine"]
+    (row,) = res["transport"]
+    assert (row["n"], row["tokens"], row["transport"]) == (n, tokens, "ipc")
+    assert row["group_bytes"] == synthetic_group(0, 0, n=n, tokens=tokens, prompt_tokens=prompt).nbytes
+    for mode in ("zmq", "protocol", "pickle", "pickle_lists"):
+        m = row[mode]
+        assert m["groups_per_s"] > 0 and m["cpu_us_per_group"] > 0
+        assert m["gb_per_s"] == pytest.approx(m["groups_per_s"] * row["group_bytes"] / 1e9)
+    for base in ("zmq", "pickle", "pickle_lists"):  # one repeat: the ratio of the two rates
+        assert row[f"protocol_vs_{base}"] == pytest.approx(row["protocol"]["groups_per_s"] / row[base]["groups_per_s"])
+    assert row["memcpy_gb_per_s"] > 0 and row["protocol_cpu_vs_zmq"] > 0
+    assert [(r["tokens"], r["wal"], r["all_acknowledged"]) for r in res["ingest"]] == [(tokens, False, True),
+                                                                                     (tokens, True, True)]
+    assert [r["wal"] for r in res["replay"]] == [False, True]
+    for r in res["replay"]:
+        assert r["held"] >= 300 and r["insert_groups_per_s"] > 0 and r["sample_groups_per_s"] > 0

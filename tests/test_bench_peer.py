@@ -1,0 +1,110 @@
+"""`dph-async bench peer` and `bench weights`: the single-process loop's pieces against brute force,
+the summaries against their closed forms, and a short run of the loop on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from dph_async.app.bench.peer import PeerRun, ensure_trl, summarise
+from dph_async.app.bench.peer_loop import PeerSpec, completion_mask, response_logprobs
+from dph_async.app.bench.weights import Round, _summary
+
+
+def test_completion_mask_keeps_tokens_up_to_the_first_eos():
+    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 2, 3, 4]])
+    expected = [[True, True, False, False], [True] * 4, [True, False, False, False]]
+    assert completion_mask(ids, eos=2).tolist() == expected
+
+
+def _tiny_llama(vocab: int = 11):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).double().eval()
+
+
+def test_loop_logprobs_match_each_sequence_alone():
+    """Left-padded prompts and right-padded completions in one batch give every token the log-prob of
+    its sequence run alone, unpadded (float64, at temperature 0.7)."""
+    model = _tiny_llama()
+    prompts = [[1, 5, 6, 7], [1, 8]]
+    completions = [[3, 4, 2], [9]]
+    width, t = 4, 3
+    prompt_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([c + [0] * (t - len(c)) for c in completions])
+    mask = torch.tensor([[i < len(c) for i in range(t)] for c in completions])
+    with torch.no_grad():
+        got = response_logprobs(model, prompt_ids, prompt_mask, ids, mask, 0.7)
+        for b, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            logits = model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:-1] / 0.7
+            alone = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None])[:, 0]
+            torch.testing.assert_close(got[b, :len(c)], alone, rtol=0, atol=1e-12)
+
+
+def _run(system: str, repeat: int, step_s: float, completions_per_s: float) -> PeerRun:
+    return PeerRun(system, repeat, 10, step_s, completions_per_s, 4 * completions_per_s, {"generate": step_s / 2},
+                   1.0, (1.0, 1.0), 0.0, 0.5)
+
+
+def test_summary_takes_medians_and_the_ratio_of_medians():
+    runs = [_run("dph-async", 1, 0.5, 256), _run("dph-async", 2, 0.4, 320), _run("dph-async", 3, 0.9, 142),
+            _run("loop", 1, 0.2, 640), _run("loop", 2, 0.3, 427), _run("trl", 1, 0.25, 512)]
+    medians, ratios = summarise(runs)
+    assert medians["dph-async"]["completions_per_s"] == 256
+    assert medians["dph-async"]["phase generate"] == 0.25
+    assert medians["loop"]["step_s"] == pytest.approx(0.25)
+    assert ratios == {"loop": pytest.approx(256 / 533.5), "trl": pytest.approx(0.5)}
+
+
+def test_weights_summary_is_bytes_over_median_seconds():
+    cpu = {"memcpy": 0.1, "snapshot": 1.0, "transfer": 0.5, "checksum": 0.1, "load": 0.4}
+    rounds = [Round("inplace", 0.1, 2.0, 1.0, 0.2, s, 4.0, cpu) for s in (0.8, 0.3, 1.8)]
+    s = _summary(rounds, nbytes=10**9)["inplace"]
+    assert s["load"] == pytest.approx(1 / 0.8)
+    assert s["actor"] == pytest.approx(1 / 2.0)  # 1.0 + 0.2 + 0.8, the median round
+    assert s["actor_of_memcpy"] == pytest.approx(0.1 / 2.0)
+    assert s["cpu_actor_of_memcpy"] == pytest.approx(0.1 / 1.0)
+
+
+def test_trl_install_failure_is_reported_not_raised(tmp_path):
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where the environment's folder should go")
+    python, why = ensure_trl(blocker, log=lambda m: None)
+    assert python is None and "could not be installed" in why
+
+
+@pytest.mark.slow
+def test_loop_runs_the_work_and_times_its_phases(tmp_path):
+    """Two steps of the loop on a random tiny Llama and the embedded task's prompts."""
+    from dph_async.tasks.dataset import verl_row, write_rows
+    from dph_async.tasks.embedded import ALPHABET, make_splits
+    from dph_async.tasks.tiny_model import build_tokenizer
+
+    model = _tiny_llama(vocab=16).float()
+    model.save_pretrained(tmp_path / "model")
+    build_tokenizer(ALPHABET).save_pretrained(tmp_path / "model")
+    train = make_splits(0, 16, 8)["train"]
+    data = write_rows([verl_row(p.prompt, p.data_source, p.ground_truth, i, "train") for i, p in enumerate(train)],
+                      tmp_path / "train.parquet")
+    spec = PeerSpec(model=str(tmp_path / "model"), data=str(data), steps=2, prompts_per_step=4, n=3, max_tokens=5,
+                    lr=1e-3, temperature=1.0, grad_clip=1.0, weight_decay=0.0, seed=0, max_prompt_tokens=48)
+    (tmp_path / "spec.json").write_text(json.dumps(asdict(spec)))
+    subprocess.run([sys.executable, "-m", "dph_async.app.bench.peer_loop", str(tmp_path / "spec.json"),
+                    str(tmp_path / "out.json")], check=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert len(out["steps"]) == 2
+    for s in out["steps"]:
+        assert s["completions"] == 12 and 12 <= s["tokens"] <= 60
+        phases = sum(s[p] for p in ("generate", "reward", "forward", "backward", "optimizer"))
+        assert 0 < phases <= s["step_s"] + 1e-9

@@ -1,0 +1,92 @@
+"""Config refusals, each with the message the docs promise: a wrong key or value names its dotted key
+and what is allowed (README); a truncated sampling support is refused before any process starts
+(docs/decisions.md); ZeRO-3 is refused with its reason; the CLI exits 2 with the message.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from dph_async.app.cli import main
+from dph_async.app.pipeline import validate
+from dph_async.app.specs import RunSpec
+from dph_async.config import ConfigError, LearnerConfig, load_config, presets
+
+
+def refusal(overrides: list[str], preset: str = "default") -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(preset, overrides)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(("override", "key", "allowed"), [
+    ("learner.stepz=3", "learner.stepz", "steps, groups_per_step"),
+    ("nope=1", "nope", "seed, output_dir, mode"),
+    ("learner.loss.objectiv=forward", "learner.loss.objectiv", "objective"),
+])
+def test_a_wrong_key_is_named_with_the_keys_allowed_there(override, key, allowed):
+    msg = refusal([override])
+    assert f"{key}: unknown key (allowed here: " in msg and allowed in msg
+
+
+@pytest.mark.parametrize(("override", "key", "says"), [
+    ("mode=fast", "mode", "'async' or 'sync'"),
+    ("learner.loss.correction=naive", "learner.loss.correction", "'behavior', 'decoupled'"),
+    ("learner.steps=0", "learner.steps", "greater than or equal to 1"),
+    ("learner.steps=many", "learner.steps", "valid integer"),
+    ("sampling.top_p=1.5", "sampling.top_p", "less than or equal to 1"),
+])
+def test_a_wrong_value_is_named_with_what_is_allowed(override, key, says):
+    msg = refusal([override])
+    value = override.split("=")[1]
+    assert f"{key}: " in msg and says in msg and value in msg.split(f"{key}: ")[1].split("(got ")[1]
+
+
+def test_zero_3_is_refused_with_its_reason():
+    msg = refusal(["learner.zero_stage=3"])
+    assert "learner.zero_stage" in msg and "use 0, 1 or 2" in msg and "LM head" in msg
+    assert [LearnerConfig(zero_stage=s).zero_stage for s in (0, 1, 2)] == [0, 1, 2]
+
+
+def test_unknown_preset_and_malformed_override():
+    assert all(p in refusal([], preset="nonexistent") for p in presets())
+    assert "not of the form key=value" in refusal(["learner.steps"])
+    assert "config file not found" in refusal([], preset="missing.yaml")
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ("sampling.top_p=0.9", "sampling.top_p must be 1 and sampling.top_k -1"),
+    ("sampling.top_k=50", "sampling.top_p must be 1 and sampling.top_k -1"),
+    ("sampling.n=1", "sampling.n must be >= 2"),
+    ("learner.sync_every=3", "replay.max_staleness (1) must be >= learner.sync_every - 1 (2)"),
+    ("model.path=/nonexistent", "not a Hugging Face model directory"),
+    ("task.data=/nonexistent.parquet", "task.data: no such file"),
+])
+def test_settings_the_run_cannot_honour_are_refused_before_it_starts(override, says):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        validate(load_config("default", [override]), [])
+
+
+def test_compare_names_the_objectives():
+    with pytest.raises(ConfigError, match="unknown objective 'gpro'; registered: grpo, "):
+        validate(load_config("default"), [RunSpec.parse("grpo"), RunSpec.parse("gpro")])
+
+
+def test_sync_mode_sets_its_own_staleness_and_sync():
+    cfg = validate(load_config("default", ["mode=sync", "replay.max_staleness=4", "learner.sync_every=3"]), [])
+    assert (cfg.replay.max_staleness, cfg.learner.sync_every) == (0, 1)
+
+
+@pytest.mark.parametrize(("override", "says"), [
+    ("learner.zero_stage=3", "ZeRO-3 shards the LM head"),
+    ("sampling.top_p=0.5", "sampling.top_p must be 1"),
+    ("learner.stepz=3", "learner.stepz: unknown key"),
+])
+def test_the_cli_exits_2_with_the_message_and_starts_nothing(override, says, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", override, "--output", str(out)]) == 2
+    printed = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert "error:" in printed and says in printed
+    assert not ray.is_initialized()
+    assert not (out / "base_model").exists() and not (out / "rl").exists()

@@ -1,0 +1,369 @@
+"""`dph-async run` as a user runs it, at the small size, in sync mode with one actor, comparing two modes.
+
+One uninterrupted run, and the same command SIGKILLed (the driver's whole process group) in the
+middle of the second mode's RL and then run again. What that proves:
+- a complete run writes summary.json, summary.md with the comparison table, and the plots, whose
+  content is that of the evaluations and metrics written beside them; a second invocation of a
+  finished run redoes nothing;
+- resume is the uninterrupted run: the same groups, losses, final weights and optimizer state, bit
+  for bit (sync mode with one actor makes the run a function of its seed);
+- the actors' behaviour log-probs are the learner's at the version stamped on every token, per token
+  (vLLM's CPU kernels against the learner's, within float tolerance), and the pi_0 log-probs stored
+  with the reference samples are the learner's at step 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib.figure
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import SMALL, copy_base, session_members
+from safetensors.torch import load_file
+
+from dph_async.app.evaluate import load_results
+from dph_async.app.report import TABLE_K, write_report
+from dph_async.paths import RunPaths
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10
+MODES = ("grpo", "js_low_var")
+RUN = ["mode=sync", "actors.num_actors=1", f"learner.steps={STEPS}", "learner.checkpoint_every=2"]
+# Per-token |behaviour - learner| log-prob: vLLM's CPU kernels and the learner's agree to ~3e-5 in fp32.
+LOGPROB_TOL = 2e-4
+MODEL_STATES = "mp_rank_00_model_states.pt"
+# Wall-clock figures (and time/*): the only metrics two runs of the same seed may disagree on.
+TIMING = ("learner/step_seconds", "learner/tokens_per_s")
+
+
+def command(out: Path) -> list[str]:
+    return [sys.executable, "-m", "dph_async.app.cli", "run", "--output", str(out), *SMALL, *RUN,
+            "--compare", ",".join(MODES)]
+
+
+def start(out: Path) -> subprocess.Popen:
+    """The command in a session of its own (a terminal's foreground job), output to out.log."""
+    with (out.parent / f"{out.name}.log").open("a") as log:
+        return subprocess.Popen(command(out), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, out: Path) -> None:
+    rc = proc.wait(timeout=900)
+    assert rc == 0, (out.parent / f"{out.name}.log").read_text()[-4000:]
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.is_file() else []
+
+
+def wait_gone(sid: int, timeout_s: float = 60.0) -> None:
+    """Until no process of session `sid` is left (a killed one's children may take a moment)."""
+    deadline = time.time() + timeout_s
+    while (left := session_members(sid)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes of the killed run still alive: {left}"
+
+
+@pytest.fixture(scope="module")
+def runs(small_base, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("run-command")
+    full, killed = root / "full", root / "killed"
+    for out in (full, killed):
+        copy_base(small_base, out)
+    finish(start(full), full)
+
+    proc = start(killed)
+    metrics = killed / "rl" / MODES[1] / "metrics.jsonl"
+    while len(lines(metrics)) < 3:  # the first mode is done; the second has passed its checkpoint v2 (of 5)
+        assert proc.poll() is None, (root / "killed.log").read_text()[-4000:]
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    wait_gone(proc.pid)
+    latest = (killed / "rl" / MODES[1] / "checkpoints" / "latest").read_text().strip()
+    checkpoint_mtime = (killed / "rl" / MODES[1] / "checkpoints" / latest / MODEL_STATES).stat().st_mtime_ns
+    steps_at_kill = len(lines(metrics))
+    finish(start(killed), killed)  # the same command again: resumes
+
+    finished = {p: p.stat().st_mtime_ns for p in sorted(full.rglob("*")) if p.is_file()
+                and p.parent.name in ("eval", "final_model", *MODES)}
+    second = subprocess.run(command(full), capture_output=True, text=True, timeout=600)
+    return {"full": full, "killed": killed, "latest": latest, "checkpoint_mtime": checkpoint_mtime,
+            "steps_at_kill": steps_at_kill, "finished": finished, "second": second}
+
+
+def metrics_of(rl_dir: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(x).items() if k not in TIMING and not k.startswith("time/")}
+            for x in lines(rl_dir / "metrics.jsonl")]
+
+
+def tensors(obj, prefix: str = "") -> dict[str, object]:
+    """Every leaf of a (nested) checkpoint object by its path: tensors as tensors, the rest as values."""
+    if isinstance(obj, dict):
+        return {k: v for key, val in obj.items() for k, v in tensors(val, f"{prefix}/{key}").items()}
+    if isinstance(obj, list | tuple):
+        return {k: v for i, val in enumerate(obj) for k, v in tensors(val, f"{prefix}/{i}").items()}
+    return {prefix: obj}
+
+
+def assert_same_checkpoint(a: Path, b: Path, roots: tuple[Path, Path]) -> None:
+    """All files of two DeepSpeed checkpoint tags: every tensor bitwise, every other value equal
+    (paths compared relative to their run directory)."""
+    names = sorted(p.name for p in a.glob("*.pt"))
+    assert names and names == sorted(p.name for p in b.glob("*.pt"))
+    assert any("optim_states" in n for n in names), names
+    for name in names:
+        left = tensors(torch.load(a / name, map_location="cpu", weights_only=False))
+        right = tensors(torch.load(b / name, map_location="cpu", weights_only=False))
+        assert left.keys() == right.keys(), name
+        for key, x in left.items():
+            y = right[key]
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), f"{name}{key} differs"
+            elif isinstance(x, str):
+                assert x.replace(str(roots[0]), "") == y.replace(str(roots[1]), ""), f"{name}{key}"
+            else:
+                assert x == y, f"{name}{key}: {x!r} != {y!r}"
+
+
+# --- A complete run and its report -------------------------------------------------------------------
+
+
+def test_complete_run_writes_the_report(runs):
+    full = runs["full"]
+    summary = json.loads((full / "summary.json").read_text())
+    assert summary["modes"] == list(MODES)
+    evals = {name: load_results(full / "eval" / f"{name}.json") for name in ("base", *MODES)}
+    assert set(summary["eval"]) == set(evals)
+    for mode in MODES:
+        assert summary["rl"][mode]["learner"]["steps"] == STEPS
+        assert len(metrics_of(full / "rl" / mode)) == STEPS
+        assert (full / "rl" / mode / "final_model" / "model.safetensors").is_file()
+    # The comparison table: one row per model, the figures of its evaluation file.
+    table = [line for line in (full / "summary.md").read_text().splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    assert header[0] == "model"
+    rows = {r[0]: r for r in ([c.strip() for c in line.strip("|").split("|")] for line in table[1:])}
+    for name, res in evals.items():
+        row = rows[name]
+        for split, result in res.items():
+            assert row[header.index(f"{split} Greedy")] == f"{100 * result.greedy_accuracy:.1f}"
+            for k in TABLE_K:
+                if k <= 4:
+                    assert row[header.index(f"{split} P@{k}")] == f"{100 * result.pass_at_k[k]:.1f}"
+            assert row[header.index(f"{split} Distinct")] == f"{result.distinct_correct:.2f}"
+
+
+def test_plots_show_the_data_written_beside_them(runs, tmp_path, monkeypatch):
+    """Render the report again from the run's own files, look inside the figures, and check that the
+    PNGs the run wrote are those figures."""
+    full = runs["full"]
+    figures: dict[str, matplotlib.figure.Figure] = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def keep(fig, path, *args, **kwargs):
+        figures[Path(path).name] = fig
+        return save(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    paths = RunPaths(tmp_path)
+    for mode in MODES:
+        (tmp_path / "rl" / mode).mkdir(parents=True)
+        (tmp_path / "rl" / mode / "metrics.jsonl").write_bytes((full / "rl" / mode / "metrics.jsonl").read_bytes())
+    summary = json.loads((full / "summary.json").read_text())
+    eval_files = {name: full / "eval" / f"{name}.json" for name in ("base", *MODES)}
+    write_report(paths, summary, eval_files)
+    assert set(figures) == {"training.png", "pass_at_k.png"}
+
+    evals = {name: load_results(f) for name, f in eval_files.items()}
+    for ax in figures["pass_at_k.png"].axes:
+        split = ax.get_title()
+        lines_ = {line.get_label(): line for line in ax.get_lines()}
+        assert set(lines_) == set(evals) and ax.get_xlabel() == "k" and ax.get_ylabel() == "Pass@k (%)"
+        for name, res in evals.items():
+            k = sorted(res[split].pass_at_k)
+            assert list(lines_[name].get_xdata()) == k
+            np.testing.assert_allclose(lines_[name].get_ydata(), [100 * res[split].pass_at_k[i] for i in k])
+    assert sorted(ax.get_title() for ax in figures["pass_at_k.png"].axes) == sorted(evals["base"])
+
+    reward_ax = next(ax for ax in figures["training.png"].axes if ax.get_title() == "reward")
+    for line in reward_ax.get_lines():
+        rows = metrics_of(full / "rl" / line.get_label())
+        assert list(line.get_xdata()) == [r["learner/version"] for r in rows]
+        assert list(line.get_ydata()) == [r["reward/mean"] for r in rows]
+    assert {line.get_label() for line in reward_ax.get_lines()} == set(MODES)
+    for name in figures:  # what the run wrote is what was just inspected
+        assert (full / "plots" / name).read_bytes() == (tmp_path / "plots" / name).read_bytes(), name
+
+
+def test_second_invocation_of_a_finished_run_redoes_nothing(runs):
+    second, full = runs["second"], runs["full"]
+    assert second.returncode == 0, second.stderr[-3000:]
+    now = {p: p.stat().st_mtime_ns for p in runs["finished"]}
+    assert now == runs["finished"]
+    summary = json.loads((full / "summary.json").read_text())
+    assert set(summary["stage_seconds"]) == {"evaluation"}  # no stage ran; the evaluations were read back
+    assert summary["stage_seconds"]["evaluation"] < 5
+
+
+# --- Resume = uninterrupted ----------------------------------------------------------------------
+
+
+def test_the_kill_landed_mid_rl_after_a_checkpoint(runs):
+    assert runs["latest"] in ("v2", "v4", "v6", "v8") and runs["steps_at_kill"] < STEPS
+    killed = runs["killed"] / "rl" / MODES[1]
+    # Resumed from that checkpoint, not started over (which would have rewritten it).
+    assert (killed / "checkpoints" / runs["latest"] / MODEL_STATES).stat().st_mtime_ns == runs["checkpoint_mtime"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_resumed_run_equals_the_uninterrupted_run(runs, mode):
+    full, killed = runs["full"] / "rl" / mode, runs["killed"] / "rl" / mode
+    assert lines(full / "consumed.jsonl") == lines(killed / "consumed.jsonl")
+    assert len(lines(full / "consumed.jsonl")) == STEPS
+    assert metrics_of(full) == metrics_of(killed)  # every loss, reward and diagnostic, bitwise
+    a = load_file(full / "final_model" / "model.safetensors")
+    b = load_file(killed / "final_model" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"final weights differ at {name}"
+    # Model and optimizer state (AdamW moments, step counts) of the last checkpoint.
+    assert_same_checkpoint(full / "checkpoints" / f"v{STEPS}", killed / "checkpoints" / f"v{STEPS}",
+                           (runs["full"], runs["killed"]))
+
+
+# --- Behaviour log-probs are the learner's ---------------------------------------------------------
+
+
+def learner_model(run: Path, mode: str, version: int) -> torch.nn.Module:
+    """The learner's weights at `version`: pi_0, a checkpoint, or the final model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run / "base_model", dtype=torch.float32).eval()
+    if version:
+        states = run / "rl" / mode / "checkpoints" / f"v{version}" / MODEL_STATES
+        model.load_state_dict(torch.load(states, map_location="cpu", weights_only=False)["module"])
+    return model
+
+
+def learner_logprobs(model: torch.nn.Module, units: list[list], kind: str) -> dict[int, np.ndarray]:
+    """The learner's per-token log-probs of every sequence (by id), packed as the learner packs them:
+    a group's completions share their prompt's row."""
+    from learner.batching import pack
+    from learner.logprobs import response_logprobs
+
+    out: dict[int, np.ndarray] = {}
+    with torch.no_grad():
+        for mb in pack(units, kind, 4096, 0):
+            logp, _ = response_logprobs(model, mb, 1.0)
+            for row, s in enumerate(mb.sequences):
+                out[id(s)] = logp[row][mb.mask[row]].double().numpy()
+    return out
+
+
+def worst_gap(model: torch.nn.Module, units: list[list], kind: str) -> float:
+    """max |learner - recorded| log-prob over every token of the units."""
+    mine = learner_logprobs(model, units, kind)
+    return max(float(np.abs(mine[id(s)] - s.old_logprobs).max()) for u in units for s in u)
+
+
+def test_behaviour_logprobs_are_the_learners_at_the_stamped_version(runs):
+    from learner.batching import Sequence
+    from replay.wal import IngestRecord, WriteAheadLog
+
+    run, mode = runs["full"], MODES[1]
+    rl_dir = run / "rl" / mode
+    groups = [g for r in WriteAheadLog(rl_dir / "replay_wal").records() if isinstance(r, IngestRecord)
+              for g in r.groups]
+    consumed = {(a, s): step["version"] for step in map(json.loads, lines(rl_dir / "consumed.jsonl"))
+                for a, s, *_ in step["groups"]}
+    assert consumed.keys() <= {g.group_id for g in groups}
+    by_version: dict[int, list[list[Sequence]]] = {}
+    for g in groups:
+        versions = {int(v) for c in g.completions for v in c.versions}
+        assert len(versions) == 1, f"group {g.group_id}: tokens of several versions in sync mode: {versions}"
+        (v,) = versions
+        assert consumed.get(g.group_id, v) == v  # trained on at the version that generated it
+        by_version.setdefault(v, []).append(
+            [Sequence(g.prompt_ids, c.token_ids, c.logprobs) for c in g.completions if len(c.token_ids)])
+    checked = [v for v in by_version if v % 2 == 0]  # versions with learner weights on disk
+    assert {0, 2, 4} <= set(checked)
+    worst = max(worst_gap(learner_model(run, mode, v), by_version[v], "fresh") for v in checked)
+    assert worst < LOGPROB_TOL, f"behaviour and learner log-probs differ by up to {worst:.2e}"
+    # The check can fail: the weights of another version are far outside the tolerance.
+    drift = worst_gap(learner_model(run, mode, 0), by_version[2], "fresh")
+    assert drift > 10 * LOGPROB_TOL, f"versions 0 and 2 differ by only {drift:.2e}: the check cannot tell them apart"
+
+
+def test_reference_logprobs_are_the_learners_at_step_0(runs):
+    from learner.batching import Sequence
+
+    run = runs["full"]
+    pool = pq.read_table(run / "presample" / "reference_pool.parquet").to_pylist()
+    assert pool
+    units = [[Sequence(np.asarray(r["prompt_ids"]), np.asarray(r["response_ids"]),
+                       np.asarray(r["ref_logprobs"], np.float32))] for r in pool]
+    worst = worst_gap(learner_model(run, MODES[1], 0), units, "reference")
+    assert worst < 1e-5, worst
+    # In the run: the divergence on reference tokens is zero at the first step (weights of version 0).
+    first = metrics_of(run / "rl" / MODES[1])[0]
+    assert first["batch/reference_samples"] > 0
+    assert abs(first["loss/divergence_ref"]) < 1e-6
+
+
+# --- Ctrl-C ------------------------------------------------------------------------------------------
+
+
+def shm_files_of(pids: list[int]) -> set[str]:
+    """The /dev/shm files these processes have open or mapped: the shared memory this run made."""
+    names = set()
+    for pid in pids:
+        try:
+            paths = [line.split(maxsplit=5)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()]
+            paths += [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        names |= {p.removeprefix("/dev/shm/").removesuffix(" (deleted)") for p in paths if p.startswith("/dev/shm/")}
+    return names
+
+
+def test_ctrl_c_during_rl_stops_everything(small_base, tmp_path: Path):
+    out = tmp_path / "out"
+    copy_base(small_base, out)
+    with (tmp_path / "run.log").open("w") as log:  # the child keeps its own copy of the descriptor
+        # A session of its own, like a terminal's foreground job; SIGINT handled by default even where
+        # the test runner was started with it ignored (background jobs of a non-interactive shell).
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dph_async.app.cli", "run", "--output", str(out),
+             *SMALL, "learner.steps=100000", "learner.checkpoint_every=10"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+    ours: set[str] = set()
+    try:
+        deadline = time.time() + 600
+        while sum(len(lines(m)) for m in out.glob("rl/*/metrics.jsonl")) < 3:  # the learner is training
+            assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            assert time.time() < deadline, "RL did not start"
+            time.sleep(0.2)
+        members = session_members(proc.pid)
+        assert len(members) > 3, members  # the check below sees the run's processes
+        ours = shm_files_of([int(m.split()[0]) for m in members])
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
+        assert proc.wait(timeout=120) == 130
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    wait_gone(proc.pid, timeout_s=10)
+    assert ours & set(os.listdir("/dev/shm")) == set(), "shared memory of the run left behind"
+    assert "interrupted" in (tmp_path / "run.log").read_text()

@@ -1,0 +1,156 @@
+"""/health and /metrics of the long-running processes: they parse with prometheus_client's parser, their
+numbers move when work happens, and `dph-async status` reads them."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from actors.rollout import ActorStats
+from actors.telemetry import ActorCollector, actor_health
+from dph_async.app.bench.transport import synthetic_group
+from dph_async.app.cli import main as cli
+from dph_async.app.commands.status import row
+from dph_async.app.endpoints import find_endpoints, scrape
+from dph_async.config import NetConfig
+from dph_async.config.replay import ReplayConfig
+from dph_async.replay_client import ReplayClient, RolloutSender
+from dph_async.telemetry import MAX_CLIENTS, start_endpoint
+from learner.loop import LearnerStats
+from learner.telemetry import LearnerCollector, learner_health
+from replay.service import ReplayService
+from replay.telemetry import ReplayCollector, replay_health, staleness_buckets
+
+
+@pytest.fixture
+def replay(tmp_path):
+    svc = ReplayService(ReplayConfig(max_staleness=4, admission=True), f"ipc://{tmp_path}/in",
+                        f"ipc://{tmp_path}/out", 4)
+    svc.start_in_thread()
+    endpoint = start_endpoint("replay", [ReplayCollector(svc)], lambda: replay_health(svc), NetConfig(), 0,
+                              tmp_path / "endpoints")
+    yield svc, endpoint
+    endpoint.close()
+    svc.stop()
+
+
+def test_replay_metrics_parse_and_move_with_work(replay, tmp_path):
+    svc, endpoint = replay
+    (ep,) = find_endpoints([str(tmp_path)])
+    assert ep.name == "replay" and ep.url == endpoint.url and endpoint.url.startswith("http://127.0.0.1:")
+    before = scrape(ep)
+    assert before.up and before.value("dph_replay_accepted_groups_total") == 0
+    sender = RolloutSender(svc.ingest_endpoint, 0)
+    assert sender.tickets(6, wait_s=0.0) == 6
+    for i in range(6):
+        sender.send(synthetic_group(0, i, n=2, tokens=8))
+    assert sender.flush(10)
+    client = ReplayClient(svc.batch_endpoint)
+    assert len(client.get_batch(0, 4, wait_s=1.0).groups) == 4
+    after = scrape(ep)
+    assert after.value("dph_replay_accepted_groups_total") == 6
+    assert after.value("dph_replay_tickets_granted_total") == 6
+    assert after.value("dph_replay_occupancy", what="groups") == 6  # 4 pending in the batch, 2 unserved
+    assert after.value("dph_replay_occupancy", what="unserved") == 2
+    assert after.value("dph_replay_served_total", what="groups") == 4
+    assert after.value("dph_replay_served_staleness_count") == 4
+    assert after.value("dph_replay_ingest_groups_per_second") > 0
+    assert after.value("process_resident_memory_bytes") > 10e6 and after.value("process_open_fds") > 3
+    assert after.value("process_threads") >= 3 and after.health["groups"] == 6
+    client.close()
+    sender.close()
+
+
+def test_staleness_buckets_are_cumulative():
+    assert staleness_buckets({"0": 3, "2": 1, "9": 2}) == [
+        ("0", 3.0), ("1", 3.0), ("2", 4.0), ("4", 4.0), ("8", 4.0), ("16", 6.0), ("32", 6.0), ("+Inf", 6.0)]
+
+
+@dataclass
+class _Loop:
+    """The parts of a LearnerLoop its collector reads (a stand-in: the real loop needs a model)."""
+
+    checkpoint_dir: Path
+    stats: LearnerStats = field(default_factory=LearnerStats)
+    trainer: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(version=0))
+    metrics: list[dict[str, float]] = field(default_factory=list)
+
+    def metrics_since(self, index: int) -> list[dict[str, float]]:
+        return self.metrics[index:]
+
+
+def test_learner_metrics_move_with_steps(tmp_path):
+    loop = _Loop(tmp_path / "checkpoints")
+    endpoint = start_endpoint("learner", [LearnerCollector(loop)], lambda: learner_health(loop), NetConfig(), 1,
+                              tmp_path / "endpoints")
+    try:
+        (ep,) = find_endpoints([str(tmp_path)])
+        assert scrape(ep).value("dph_learner_fresh_tokens_total") == 0
+        for v in (1, 2):
+            loop.metrics.append({"batch/fresh_tokens": 100.0 * v, "batch/scorer_failed": 1.0,
+                                 "learner/tokens_per_s": 500.0 + v})
+            loop.trainer.version, loop.stats.steps = v, v
+        (loop.checkpoint_dir / "v2").mkdir(parents=True)
+        (loop.checkpoint_dir / "v2" / "model.pt").write_bytes(b"x" * 1000)
+        r = scrape(ep)
+        assert r.value("dph_learner_fresh_tokens_total") == 300 and r.value("dph_learner_scorer_failed_total") == 2
+        assert r.value("dph_learner_tokens_per_second") == 502 and r.value("dph_learner_version") == 2
+        assert r.value("dph_learner_checkpoints") == 1 and r.value("dph_learner_checkpoint_bytes") == 1000
+        assert r.health["version"] == 2
+    finally:
+        endpoint.close()
+
+
+def test_actor_metrics_and_the_status_table(tmp_path, replay, capsys):
+    worker = SimpleNamespace(actor_id=1, stats=ActorStats(1))
+    collector = ActorCollector(worker)
+    actor = start_endpoint("actor1", [collector], lambda: actor_health(worker), NetConfig(), 3, tmp_path / "endpoints")
+    try:
+        (ep,) = [e for e in find_endpoints([str(tmp_path)]) if e.name == "actor1"]
+        assert scrape(ep).value("dph_actor_tokens_generated_total", actor="1") == 0
+        collector._last = (time.monotonic() - 2.0, 0)  # the previous scrape, 2 s ago
+        worker.stats.tokens_generated, worker.stats.version = 1000, 5
+        r = scrape(ep)
+        assert r.value("dph_actor_weights_version", actor="1") == 5
+        assert 400 < r.value("dph_actor_tokens_per_second") <= 500  # 1000 tokens in a little over 2 s
+        assert cli(["status", str(tmp_path), "--json"]) == 0
+        readings = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+        assert readings["actor1"]["up"] and readings["replay"]["up"]
+        assert readings["actor1"]["metrics"]["dph_actor_weights_version{'actor': '1'}"] == 5
+        cells = row(r)
+        assert cells[:2] == ["actor1", "[green]up"] and "tok/s" in cells[-1]
+        actor.close()
+        assert cli(["status", str(tmp_path), "--json"]) == 1  # its announce file remains, its process is gone
+        readings = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+        assert not readings["actor1"]["up"] and readings["replay"]["up"]
+    finally:
+        actor.close()
+
+
+def test_endpoint_serves_only_gets_of_its_paths_and_bounds_clients(replay):
+    _, endpoint = replay
+    assert httpx.get(f"{endpoint.url}/other").status_code == 404
+    assert httpx.post(f"{endpoint.url}/metrics", content=b"x" * 10).status_code == 501
+    idle = [socket.create_connection(endpoint.url.removeprefix("http://").split(":")) for _ in range(MAX_CLIENTS + 4)]
+    try:  # clients that never send a request take no more than MAX_CLIENTS slots, then time out
+        start = time.monotonic()
+        while time.monotonic() - start < 10:
+            try:
+                if httpx.get(f"{endpoint.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        else:
+            pytest.fail("the endpoint never answered again after idle clients")
+    finally:
+        for s in idle:
+            s.close()
+    health = json.loads(httpx.get(f"{endpoint.url}/health").text)
+    assert health["status"] == "ok" and health["name"] == "replay"
