@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a Hugging Face causal-LM directory (sets model.path)")
     p.add_argument("--data", help="training prompts: parquet in the verl row format (sets task.data)")
     p.add_argument("--compare", help="comma-separated runs trained from the same base, each "
-                   "OBJECTIVE[:COEFF][@all|@d_exp]: grpo, dapo, reverse_kl, forward, js_low_var, js, alpha "
+                   "OBJECTIVE[:COEFF][@all|@d_exp]: grpo, dapo, reverse_kl, forward, js_low_var, js, alpha, "
+                   "dpo, ipo, dpo_rev_kl "
                    "(without :COEFF, the objective's reference coefficient; @d_exp trains on D_exp only)")
 
 
