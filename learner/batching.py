@@ -36,6 +36,7 @@ class Sequence:
     old_logprobs: np.ndarray  # behaviour log-probs (fresh) or pi_0 log-probs (reference)
     advantage: float = 0.0
     reward: float = 0.0
+    policy_weight: float = 1.0  # which distribution sampled it (Completion.policy_weight)
     # log pi_prox of each response token, recorded before the batch's first update (None until then).
     prox: torch.Tensor | None = field(default=None, repr=False)
 
@@ -148,7 +149,7 @@ def group_sequences(groups: list[RolloutGroup], use_std: bool, eps: float, filte
             filtered += 1
             continue
         adv = grpo_advantages(rewards, use_std=use_std, eps=eps)[0]
-        unit = [Sequence(g.prompt_ids, c.token_ids, c.logprobs, a, reward=c.reward.score)
+        unit = [Sequence(g.prompt_ids, c.token_ids, c.logprobs, a, reward=c.reward.score, policy_weight=c.policy_weight)
                 for c, a in zip(scored, adv.tolist(), strict=True) if len(c.token_ids)]
         if unit:
             units.append(unit)

@@ -52,17 +52,32 @@ def rev_kl_loss(h: Tensor, beta: float, reward_margin: Tensor) -> Tensor:
     return p * F.softplus(-beta * h) + (1.0 - p) * F.softplus(beta * h)
 
 
+def _extremes(g: Unit) -> tuple[Unit, float]:
+    """The group's first highest-reward sequence against its first lowest-reward one, and the margin;
+    when the group comes from exactly two sampling distributions (gshf, mixp), one from each: the
+    better of (best of one, worst of the other) and the reverse."""
+    sides = sorted({s.policy_weight for s in g})
+    if len(sides) != 2:
+        best, worst = max(g, key=lambda s: s.reward), min(g, key=lambda s: s.reward)
+        return [best, worst], best.reward - worst.reward
+    options = []
+    for a, b in (sides, sides[::-1]):
+        best = max((s for s in g if s.policy_weight == a), key=lambda s: s.reward)
+        worst = min((s for s in g if s.policy_weight == b), key=lambda s: s.reward)
+        options.append(([best, worst], best.reward - worst.reward))
+    return max(options, key=lambda o: o[1])
+
+
 def form_pairs(groups: list[Unit]) -> tuple[list[Unit], int]:
     """One pair [y_w, y_l] per group: its first highest-reward sequence against its first
-    lowest-reward one. A pair's sequences carry the reward margin as their advantage, +m on y_w and
-    -m on y_l (m = r_w - r_l > 0): the sign says which is chosen, m is what rev_kl uses. Returns the
-    pairs and the number of groups skipped as ties (all rewards equal, or one sequence)."""
+    lowest-reward one, one from each distribution when the group was sampled from two (`_extremes`).
+    A pair's sequences carry the reward margin as their advantage, +m on y_w and -m on y_l
+    (m = r_w - r_l > 0): the sign says which is chosen, m is what rev_kl uses. Returns the pairs and
+    the number of groups skipped as ties (no pair with a positive margin)."""
     pairs: list[Unit] = []
     ties = 0
     for g in groups:
-        best = max(g, key=lambda s: s.reward)
-        worst = min(g, key=lambda s: s.reward)
-        margin = best.reward - worst.reward
+        (best, worst), margin = _extremes(g)
         if margin <= 0:
             ties += 1
             continue

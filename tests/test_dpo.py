@@ -136,3 +136,31 @@ def test_dpo_preset_loads_with_each_sampler():
         assert cfg.learner.loss.objective == "dpo" and cfg.actors.sampler == sampler and cfg.learner.kl_every > 0
     with pytest.raises(ConfigError, match=r"actors\.sampler"):
         load_config("dpo", ["actors.sampler=mix"])
+
+
+def test_groups_from_two_distributions_pair_one_response_from_each():
+    """gshf / mixp groups: brute force over every cross pair for the largest positive margin."""
+    rng = np.random.default_rng(5)
+    groups = []
+    for _ in range(300):
+        n = int(rng.integers(2, 7))
+        g = [_seq(float(rng.integers(0, 3)), i) for i in range(n)]
+        for s, w in zip(g, rng.choice([1.0, 0.0], size=n), strict=True):
+            s.policy_weight = float(w)
+        groups.append(g)
+    pairs, ties = dpo.form_pairs(groups)
+    kept = iter(pairs)
+    want_ties = 0
+    for g in groups:
+        if len({s.policy_weight for s in g}) == 1:
+            best = max(s.reward for s in g) - min(s.reward for s in g)
+        else:
+            best = max(a.reward - b.reward for a in g for b in g if a.policy_weight != b.policy_weight)
+        if best <= 0:
+            want_ties += 1
+            continue
+        w, lo = next(kept)
+        assert w.reward - lo.reward == best == w.advantage
+        if len({s.policy_weight for s in g}) == 2:
+            assert w.policy_weight != lo.policy_weight
+    assert ties == want_ties and next(kept, None) is None
