@@ -16,6 +16,7 @@ from pathlib import Path
 
 import ray
 
+from dph_async.app.inputs import check_datasets, check_model_dir
 from dph_async.app.progress import console
 from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config
@@ -33,7 +34,7 @@ class StageTimer:
 
 
 def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
-    """Checks that need more than one key, done before any process starts."""
+    """Checks that need more than one key, and of the input files, done before any process starts."""
     s = cfg.sampling
     if s.top_p < 1 or s.top_k not in (-1, 0):
         raise ConfigError("sampling.top_p must be 1 and sampling.top_k -1 for training rollouts: the learner "
@@ -50,12 +51,10 @@ def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
     elif cfg.replay.max_staleness < cfg.learner.sync_every - 1:
         raise ConfigError(f"replay.max_staleness ({cfg.replay.max_staleness}) must be >= learner.sync_every - 1 "
                           f"({cfg.learner.sync_every - 1}): actors only get weights every sync_every steps")
-    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json)")
-    files = [("task.data", cfg.task.data), *((f"task.test_data.{k}", v) for k, v in cfg.task.test_data.items())]
-    for key, value in files:
-        if value is not None and not Path(value).is_file():
-            raise ConfigError(f"{key}: no such file: {value}")
+    if cfg.model.path is not None:
+        check_model_dir(cfg.model.path, "model.path")
+    check_datasets({"task.data": cfg.task.data, **{f"task.test_data.{k}": v for k, v in cfg.task.test_data.items()}},
+                   cfg.rewards)
     if (cfg.model.path is None) != (cfg.task.data is None):
         raise ConfigError("give both --model and --data for real work, or neither for the embedded default")
     return cfg
