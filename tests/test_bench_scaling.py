@@ -69,7 +69,7 @@ def _figures(mode: str, actors: int, step_s: float, cores: dict[str, float] | No
         learner_busy={"wait": 0.64 / step_s, "train": 0.5 / step_s, "publish": 0.1 / step_s},
         actors_busy=[], all_waiting=0.0, actor_tokens_per_s=0.0, learner_tokens_per_s=0.0,
         weights=WeightSync(10, 0.1, 1000, 20, 0.01, 1000, 0.1, 0.02), rollout_mb_per_s=0.0, staleness_hist={},
-        reward_last=0.0, cpu_cores=cores, cpu_s_per_step=None)
+        reward_last=0.0, cpu_cores=cores, cpu_s_per_step=None, learner_phase_s={}, actor_span_s={})
 
 
 def test_costs_from_a_sync_run_and_the_check():

@@ -85,38 +85,48 @@ class LearnerProcess:
 
     def __init__(self, cfg: RunConfig, model_dir: str, rl_dir: str, reference_path: str | None,
                  resume_tag: str | None) -> None:
+        """Binds the replay and the weight server only, so that the actors can be started (their
+        engines built) while `setup` builds the trainer: the two slowest parts of start-up overlap."""
         log_to_file(Path(rl_dir) / "logs" / "learner.log")
+        from dph_async import net
+        from learner.publish import WeightServer
+        from replay.service import ReplayService
+
+        self.cfg, self.model_dir, self.resume_tag = cfg, model_dir, resume_tag
+        self.security = net.NetSecurity.from_config(cfg.net)
+        self.rl_dir = Path(rl_dir)
+        self.rl_dir.mkdir(parents=True, exist_ok=True)
+        wal = str(self.rl_dir / cfg.replay.wal_dir) if cfg.replay.wal_dir else None
+        self.replay = ReplayService(cfg.replay, _bind(cfg), "tcp://127.0.0.1:0", cfg.learner.groups_per_step,
+                                    reference_path=reference_path, wal_dir=wal, security=self.security,
+                                    seed=cfg.seed)
+        self.replay.start_in_thread()
+        self.server = WeightServer(_bind(cfg), self.security, int(cfg.learner.weight_bucket_mb * 2**20))
+        self._stop = threading.Event()
+        self.endpoints: list = []
+
+    def setup(self) -> None:
+        """Build the trainer (model, DeepSpeed engine) and the learner loop; resume if asked."""
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("DPH_CACHE_DIR", ".cache"))
                                                             / "torch_extensions"))
         import torch
         from transformers import AutoTokenizer
 
-        from dph_async import net
         from dph_async.replay_client import ReplayClient
         from learner.loop import LearnerLoop
-        from learner.publish import WeightServer
         from learner.trainer import Trainer
-        from replay.service import ReplayService
 
+        cfg = self.cfg
         torch.set_num_threads(cfg.learner.threads)
         torch.manual_seed(cfg.seed)
-        security = net.NetSecurity.from_config(cfg.net)
-        self.rl_dir = Path(rl_dir)
-        self.rl_dir.mkdir(parents=True, exist_ok=True)
-        wal = str(self.rl_dir / cfg.replay.wal_dir) if cfg.replay.wal_dir else None
-        self.replay = ReplayService(cfg.replay, _bind(cfg), "tcp://127.0.0.1:0", cfg.learner.groups_per_step,
-                                    reference_path=reference_path, wal_dir=wal, security=security, seed=cfg.seed)
-        self.replay.start_in_thread()
-        self.server = WeightServer(_bind(cfg), security, int(cfg.learner.weight_bucket_mb * 2**20))
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        trainer = Trainer(model_dir, cfg.learner, temperature=cfg.sampling.temperature, dtype=cfg.model.dtype,
+        trainer = Trainer(self.model_dir, cfg.learner, temperature=cfg.sampling.temperature, dtype=cfg.model.dtype,
                           pad_id=pad, max_response_tokens=cfg.sampling.max_tokens, seed=cfg.seed)
-        client = ReplayClient(self.replay.batch_endpoint, security)
+        client = ReplayClient(self.replay.batch_endpoint, self.security)
         self.loop = LearnerLoop(cfg, trainer, client, self.server, self.rl_dir)
-        if resume_tag:
-            self.loop.resume(resume_tag)
-        self._stop = threading.Event()
+        if self.resume_tag:
+            self.loop.resume(self.resume_tag)
         self.endpoints = _learner_endpoints(cfg, self.loop, self.replay, self.rl_dir)
 
     def addresses(self) -> tuple[str, str]:
@@ -227,6 +237,9 @@ class RLResult:
     wall_seconds: float
     final_model: str
     pids: dict[str, int] = field(default_factory=dict)
+    # Seconds from the start of the run to: actors_ready (every engine built), learner_ready (trainer
+    # built), first_step (the first metrics arrive), last_step, end (final model written, all stopped).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_path: Path,
@@ -249,7 +262,11 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                                        max_task_retries=0, scheduling_strategy="SPREAD")
     actors = [actor_class.remote(i, cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"))
               for i in range(cfg.actors.num_actors)]
+    setup = learner.setup.remote()  # builds the trainer while the actors build their engines
     pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)}
+    phases = {"actors_ready": time.time() - start}
+    ray.get(setup)
+    phases["learner_ready"] = time.time() - start
     if on_started:
         on_started(pids)
     runs = {i: a.run.remote() for i, a in enumerate(actors)}
@@ -266,12 +283,14 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                     metrics.append(m)
                     if on_metrics:
                         on_metrics(m)
+                    phases.setdefault("first_step", time.time() - start)
                     bar.update(task, completed=int(m["learner/version"]), description=(
                         f"RL [{name}] reward {m['reward/mean']:.2f} acc {m['reward/accuracy']:.2f}"))
                 if stop is not None and stop.is_set():
                     learner.stop.remote()
                 if learner_run in done:
                     learner_stats = ray.get(learner_run)
+                    phases["last_step"] = time.time() - start
                     break
                 for i, ref in list(runs.items()):
                     if ref in done:
@@ -299,4 +318,5 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     ray.get(learner.close.remote())
     for handle in [*actors, learner]:
         ray.kill(handle, no_restart=True)
-    return RLResult(name, metrics, learner_stats, actor_stats, replay, restarts, time.time() - start, str(out), pids)
+    phases["end"] = time.time() - start
+    return RLResult(name, metrics, learner_stats, actor_stats, replay, restarts, phases["end"], str(out), pids, phases)

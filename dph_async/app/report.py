@@ -125,21 +125,25 @@ def plot_training(curves: dict[str, list[dict[str, float]]], out: Path) -> None:
 
 
 def throughput_rows(rl: dict[str, dict], curves: dict[str, list[dict[str, float]]]) -> list[list[str]]:
-    """Per RL run: each actor's generation tokens/s, the learner's training tokens/s, drops, restarts."""
+    """Per RL run: start-up (to the first step's metrics) and shutdown (after the last step) seconds,
+    each actor's generation tokens/s, the learner's training tokens/s, drops, restarts."""
     rows = []
     for mode, r in rl.items():
         actors = " / ".join(f"{a['tokens_generated'] / max(a['generate_seconds'], 1e-9):,.0f}" for a in r["actors"])
         learner = r["learner"]
         tokens = sum(m["batch/fresh_tokens"] for m in curves.get(mode, []))
-        rows.append([mode, f"{r['wall_seconds']:.0f}", str(learner["steps"]), actors,
+        ph = r.get("phases", {})
+        startup = f"{ph['first_step']:.1f}" if "first_step" in ph else "-"
+        shutdown = f"{ph['end'] - ph['last_step']:.1f}" if "last_step" in ph else "-"
+        rows.append([mode, f"{r['wall_seconds']:.0f}", startup, shutdown, str(learner["steps"]), actors,
                      f"{tokens / max(learner['train_seconds'], 1e-9):,.0f}",
                      f"{learner['wait_seconds'] / max(r['wall_seconds'], 1e-9):.0%}",
                      str(sum(r["replay"]["drops"].values())), str(r["actor_restarts"])])
     return rows
 
 
-THROUGHPUT_HEADER = ["mode", "wall s", "steps", "actor gen tok/s", "learner fresh tok/s", "learner waiting",
-                     "groups dropped", "actor restarts"]
+THROUGHPUT_HEADER = ["mode", "wall s", "start-up s", "shutdown s", "steps", "actor gen tok/s", "learner fresh tok/s",
+                     "learner waiting", "groups dropped", "actor restarts"]
 
 
 def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) -> None:

@@ -46,3 +46,7 @@ class RunFigures:
     reward_last: float  # mean reward over the last fifth of the steps
     cpu_cores: dict[str, float] | None  # mean cores busy per component (and machine, outside) in the window
     cpu_s_per_step: float | None  # CPU-seconds per step of this run's processes
+    # Where a step's time goes, seconds per learner step: the learner's phases (its time/* metrics:
+    # wait, assemble, forward, backward, step, publish, ...) and the actors' spans summed over actors.
+    learner_phase_s: dict[str, float]
+    actor_span_s: dict[str, float]

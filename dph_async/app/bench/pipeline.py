@@ -27,6 +27,7 @@ from dph_async.app.bench.timeline import (
     Timeline,
     Window,
     all_waiting,
+    busy_seconds,
     fractions,
     ideal_speedup,
     learner_phases,
@@ -67,6 +68,11 @@ def measure(name: str, cfg: RunConfig, rl_dir: Path, skip: int, cpu: list[CpuSam
         cores = {k: v / win.seconds for k, v in used.items()}
         per_step = sum(v for k, v in used.items() if k not in ("machine", "outside")) / win.steps
     last = rows[-max(1, len(rows) // 5):]
+    phase_keys = sorted({k for r in in_win for k in r if k.startswith("time/")})
+    actor_spans: dict[str, float] = {}
+    for spans in tl.actors:
+        for kind, secs in busy_seconds(spans, win.start, win.end).items():
+            actor_spans[kind] = actor_spans.get(kind, 0.0) + secs / win.steps
     return RunFigures(
         name=name,
         mode=cfg.mode,
@@ -102,6 +108,8 @@ def measure(name: str, cfg: RunConfig, rl_dir: Path, skip: int, cpu: list[CpuSam
         reward_last=_mean([r["reward/mean"] for r in last]),
         cpu_cores=cores,
         cpu_s_per_step=per_step,
+        learner_phase_s={k.removeprefix("time/"): _mean([r.get(k, 0.0) for r in in_win]) for k in phase_keys},
+        actor_span_s=actor_spans,
     )
 
 

@@ -39,6 +39,10 @@ def _busy_cell(shares: dict[str, float]) -> str:
     return ", ".join(f"{k} {_pct(v)}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]) if v >= 0.005)
 
 
+def _seconds_cell(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" for k, v in sorted(seconds.items(), key=lambda kv: -kv[1]) if v >= 5e-4)
+
+
 def _pairs_table(res: BenchResult) -> list[str]:
     """Each repeat's figures, with the cores others' jobs took during its two runs."""
     if len(res.pairs) < 2:
@@ -83,6 +87,13 @@ def markdown(res: BenchResult) -> str:
             [r.name, proc, _busy_cell(shares)]
             for r in runs for proc, shares in [("learner", r.learner_busy),
                                                *((f"actor {i}", a) for i, a in enumerate(r.actors_busy))]]), "",
+        "## Where a step's time goes (seconds per learner step)", "",
+        "The learner's phases (its `time/*` metrics) and the actors' spans summed over the actors; "
+        "CPU-seconds per step of each component are its cores used times the step time.", "",
+        markdown_table(["run", "learner phases", "actor spans", "CPU-s/step (learner/actors/ray)"], [
+            [r.name, _seconds_cell(r.learner_phase_s), _seconds_cell(r.actor_span_s),
+             "/".join(f"{r.cpu_cores.get(k, 0) * r.step_s:.3f}" for k in ("learner", "actors", "ray"))
+             if r.cpu_cores else "-"] for r in runs]), "",
         "## Weight sync and transport", "",
         markdown_table(["run", "publishes", "publish ms", "MB/publish", "loads", "load ms", "MB/load",
                         "load GB/s", "publish->loaded ms", "rollouts MB/s"], [[
