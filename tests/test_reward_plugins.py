@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import uuid
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
+from conftest import ROOT, SMALL
 from fastapi.testclient import TestClient
 
 from dph_async.app.cli import main
@@ -146,3 +149,47 @@ def test_the_scorer_service_loads_plugins_before_it_serves(tmp_path):
     broken = load_config("default", [f"rewards.plugins=[{tmp_path / 'none.py'}]"]).rewards
     with pytest.raises(PluginError, match=r"none\.py: no such file"):
         make_app(broken)
+
+
+# The embedded task's reward, moved onto its own scale: 0.25 wrong, 0.75 right. The built-in reward
+# gives 0 or 1, so a step's mean reward tells which of the two scored it.
+SHIFTED = '''
+from dph_async.rewards.registry import get_reward_fn, register
+from dph_async.rewards.result import RewardResult
+
+
+@register("{source}")
+def shifted(response, ground_truth, extra_info):
+    inner = get_reward_fn(extra_info["inner"])(response, ground_truth, extra_info)
+    return RewardResult(score=0.25 + 0.5 * inner.correct, correct=inner.correct)
+'''
+
+
+@pytest.mark.slow
+def test_dph_async_run_trains_with_a_plugin_reward(small_base, tmp_path):
+    source = f"shifted_{uuid.uuid4().hex[:8]}"
+    (tmp_path / "shifted.py").write_text(SHIFTED.format(source=source))
+    files = {}
+    for split in ("train", "test"):
+        rows = pq.read_table(small_base / "data" / f"{split}.parquet").to_pylist()
+        for row in rows:
+            row["extra_info"] = {**row["extra_info"], "inner": row["data_source"]}
+            row["data_source"] = source
+        files[split] = write_rows(rows, tmp_path / f"{split}.parquet")
+    out = tmp_path / "run"
+    # As a user types it: options and overrides mixed, the plugin given relative to where they are.
+    proc = subprocess.run(
+        [sys.executable, "-m", "dph_async.app.cli", "run", "--model", str(small_base / "base_model"), *SMALL,
+         "rewards.plugins=[shifted.py]", "--data", str(files["train"]), f"task.test_data.t={files['test']}",
+         "--preset", "grpo", "mode=sync", "actors.num_actors=1", "learner.steps=2", "--output", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [run] = json.loads((out / "summary.json").read_text())["runs"].values()
+    steps = [json.loads(line) for line in (out / "rl" / run["dir"] / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2
+    for m in steps:  # every completion was scored by the plugin, in the actor's process
+        assert m["reward/mean"] == pytest.approx(0.25 + 0.5 * m["reward/accuracy"])
+    # Evaluation (its own Ray task) scored the test set with the plugin too.
+    for model in ("base", run["dir"]):
+        [split] = json.loads((out / "eval" / f"{model}.json").read_text()).values()
+        assert split["prompts"] > 0 and 0 <= split["sample_accuracy"] <= 1
