@@ -21,7 +21,18 @@ from pathlib import Path
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
+from actors.telemetry import ActorCollector, actor_health
+from dph_async import net
+from dph_async.app.progress import progress
 from dph_async.config import RunConfig
+from dph_async.paths import endpoints_dir, final_model
+from dph_async.replay_client import ReplayClient, RolloutSender
+from dph_async.rewards.scorer import make_scorer
+from dph_async.tasks.dataset import load_prompts
+from dph_async.telemetry import start_endpoint
+from learner.telemetry import LearnerCollector, learner_health
+from replay.service import ReplayService
+from replay.telemetry import ReplayCollector, replay_health
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +79,6 @@ def ray_cluster(cfg: RunConfig) -> Iterator[None]:
 
 def _learner_endpoints(cfg: RunConfig, loop, replay, rl_dir: Path) -> list:
     """/health and /metrics of the replay and of the learner (two endpoints, one process)."""
-    from dph_async.paths import endpoints_dir
-    from dph_async.telemetry import start_endpoint
-    from learner.telemetry import LearnerCollector, learner_health
-    from replay.telemetry import ReplayCollector, replay_health
-
     out = endpoints_dir(rl_dir)
     endpoints = [start_endpoint("replay", [ReplayCollector(replay)], lambda: replay_health(replay), cfg.net, 0, out),
                  start_endpoint("learner", [LearnerCollector(loop)], lambda: learner_health(loop), cfg.net, 1, out)]
@@ -88,9 +94,8 @@ class LearnerProcess:
         """Binds the replay and the weight server only, so that the actors can be started (their
         engines built) while `setup` builds the trainer: the two slowest parts of start-up overlap."""
         log_to_file(Path(rl_dir) / "logs" / "learner.log")
-        from dph_async import net
+        # torch (the weight server's tensors), in this Ray worker only: the driver never loads it.
         from learner.publish import WeightServer
-        from replay.service import ReplayService
 
         self.cfg, self.model_dir, self.resume_tag = cfg, model_dir, resume_tag
         self.security = net.NetSecurity.from_config(cfg.net)
@@ -109,10 +114,10 @@ class LearnerProcess:
         """Build the trainer (model, DeepSpeed engine) and the learner loop; resume if asked."""
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("DPH_CACHE_DIR", ".cache"))
                                                             / "torch_extensions"))
+        # torch, transformers and DeepSpeed, which reads TORCH_EXTENSIONS_DIR when imported.
         import torch
         from transformers import AutoTokenizer
 
-        from dph_async.replay_client import ReplayClient
         from learner.loop import LearnerLoop
         from learner.trainer import Trainer
 
@@ -166,10 +171,6 @@ class LearnerProcess:
 
 
 def _actor_endpoint(cfg: RunConfig, worker, rl_dir: Path):
-    from actors.telemetry import ActorCollector, actor_health
-    from dph_async.paths import endpoints_dir
-    from dph_async.telemetry import start_endpoint
-
     i = worker.actor_id
     return start_endpoint(f"actor{i}", [ActorCollector(worker)], lambda: actor_health(worker), cfg.net, 2 + i,
                           endpoints_dir(rl_dir))
@@ -182,13 +183,10 @@ class ActorProcess:
     def __init__(self, actor_id: int, cfg: RunConfig, model_dir: str, prompts_path: str, ingest: str,
                  weights: str, log_dir: str) -> None:
         log_to_file(Path(log_dir) / f"actor{actor_id}.log")
+        # vLLM and torch, in this Ray worker only: the driver never loads the engine.
         from actors.engine import VLLMEngine
         from actors.rollout import RolloutWorker
         from actors.weights import WeightClient
-        from dph_async import net
-        from dph_async.replay_client import RolloutSender
-        from dph_async.rewards.scorer import make_scorer
-        from dph_async.tasks.dataset import load_prompts
 
         security = net.NetSecurity.from_config(cfg.net)
         if cfg.actors.sampler == "online":
@@ -256,9 +254,6 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     """Start the learner and the actors, watch them until the learner has taken `learner.steps` steps
     (or `stop` is set: the learner finishes its step, and the run ends as if those were all), stop
     everything, and return what happened. Must run inside `ray_cluster(cfg)`."""
-    from dph_async.app.progress import progress
-    from dph_async.paths import final_model
-
     start = time.time()
     learner = LearnerProcess.options(num_cpus=1, max_concurrency=4).remote(
         cfg, str(model_dir), str(rl_dir), str(reference_path) if reference_path else None, resume_tag)

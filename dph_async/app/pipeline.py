@@ -16,10 +16,15 @@ from pathlib import Path
 
 import ray
 
+from dph_async.app.inputs import check_datasets, check_model_dir
+from dph_async.app.launcher import log_to_file, ray_cluster, run_rl
 from dph_async.app.progress import console
+from dph_async.app.report import write_report
 from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config
 from dph_async.paths import RunPaths, checkpoint_dir, final_model
+from dph_async.tasks.dataset import verl_row, write_rows
+from dph_async.tasks.embedded import ALPHABET, make_splits
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +38,7 @@ class StageTimer:
 
 
 def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
-    """Checks that need more than one key, done before any process starts."""
+    """Checks that need more than one key, and of the input files, done before any process starts."""
     s = cfg.sampling
     if s.top_p < 1 or s.top_k not in (-1, 0):
         raise ConfigError("sampling.top_p must be 1 and sampling.top_k -1 for training rollouts: the learner "
@@ -50,12 +55,10 @@ def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
     elif cfg.replay.max_staleness < cfg.learner.sync_every - 1:
         raise ConfigError(f"replay.max_staleness ({cfg.replay.max_staleness}) must be >= learner.sync_every - 1 "
                           f"({cfg.learner.sync_every - 1}): actors only get weights every sync_every steps")
-    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(f"model.path: {cfg.model.path} is not a Hugging Face model directory (no config.json)")
-    files = [("task.data", cfg.task.data), *((f"task.test_data.{k}", v) for k, v in cfg.task.test_data.items())]
-    for key, value in files:
-        if value is not None and not Path(value).is_file():
-            raise ConfigError(f"{key}: no such file: {value}")
+    if cfg.model.path is not None:
+        check_model_dir(cfg.model.path, "model.path")
+    check_datasets({"task.data": cfg.task.data, **{f"task.test_data.{k}": v for k, v in cfg.task.test_data.items()}},
+                   cfg.rewards)
     if (cfg.model.path is None) != (cfg.task.data is None):
         raise ConfigError("give both --model and --data for real work, or neither for the embedded default")
     return cfg
@@ -64,7 +67,7 @@ def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
 # Engines run in fresh Ray worker processes (max_calls=1): their memory goes when the stage ends.
 @ray.remote(max_calls=1)
 def _presample_task(cfg: RunConfig, model_dir: str, train: str, out_dir: str) -> dict:
-    from dph_async.app.launcher import log_to_file
+    # torch and vLLM, in the Ray worker that runs the engine: the driver never loads them for it.
     from dph_async.app.presample import presample
 
     log_to_file(Path(out_dir) / "presample.log")
@@ -73,8 +76,7 @@ def _presample_task(cfg: RunConfig, model_dir: str, train: str, out_dir: str) ->
 
 @ray.remote(max_calls=1)
 def _evaluate_task(cfg: RunConfig, model_dir: str, test_sets: dict[str, str], out: str) -> None:
-    from dph_async.app.evaluate import evaluate
-    from dph_async.app.launcher import log_to_file
+    from dph_async.app.evaluate import evaluate  # as for _presample_task
 
     log_to_file(Path(out).with_suffix(".log"))
     evaluate(cfg, Path(model_dir), {k: Path(v) for k, v in test_sets.items()}, Path(out))
@@ -82,9 +84,6 @@ def _evaluate_task(cfg: RunConfig, model_dir: str, test_sets: dict[str, str], ou
 
 def prepare_embedded(cfg: RunConfig, paths: RunPaths, timer: StageTimer) -> dict[str, Path]:
     """Write the embedded task's datasets and warm-start the tiny model into pi_0 (skipped if done)."""
-    from dph_async.tasks.dataset import verl_row, write_rows
-    from dph_async.tasks.embedded import ALPHABET, make_splits
-
     splits = make_splits(cfg.seed, cfg.task.num_train, cfg.task.num_test)
     files = {}
     for name in ("train", "test", "ood_test"):
@@ -173,9 +172,6 @@ def evaluate_model(cfg: RunConfig, model_dir: Path, tests: dict[str, Path], out:
 def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
     """Run (or resume) everything; return the summary that is also written to summary.json.
     compare: run specs (OBJECTIVE[:COEFF][@PROMPTS]) trained from the same base, else the config's own run."""
-    from dph_async.app.launcher import ray_cluster
-    from dph_async.app.report import write_report
-
     specs = [RunSpec.parse(c) for c in compare] if compare else [RunSpec.of(cfg)]
     if compare and cfg.learner.loss.coeff is not None:
         console.print("[yellow]learner.loss.coeff does not apply under --compare: each run takes its objective's "
@@ -216,8 +212,6 @@ def train_mode(cfg: RunConfig, paths: RunPaths, prepared: Prepared, spec: RunSpe
                name: str | None = None) -> dict:
     """One RL run in rl_dir (resumed from its newest checkpoint if it was stopped; skipped if finished).
     Returns its record (result.json): learner, actor and replay statistics, restarts, wall time."""
-    from dph_async.app.launcher import run_rl
-
     record = rl_dir / "result.json"
     if record.is_file():
         return json.loads(record.read_text())

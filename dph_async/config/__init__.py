@@ -12,6 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import Field, ValidationError, field_validator
@@ -20,6 +21,7 @@ from dph_async.config.base import Section
 from dph_async.config.loss import LossConfig
 from dph_async.config.replay import ReplayConfig
 from dph_async.config.rewards import RewardConfig
+from dph_async.errors import UserError
 
 __all__ = ["ConfigError", "LossConfig", "NetConfig", "ReplayConfig", "RewardConfig", "RunConfig", "load_config",
            "presets"]
@@ -212,7 +214,7 @@ class RunConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config key or value is wrong; the message names the dotted key."""
 
 
@@ -249,21 +251,33 @@ def _describe(err: dict[str, Any], root: type[Section]) -> str:
     return f"{key}: {err['msg']} (got {err.get('input')!r})"
 
 
+def _first_line(e: Exception) -> str:
+    """A YAML or OmegaConf error in one line: what is wrong, without the parser's context lines."""
+    problem = getattr(e, "problem", None)  # yaml's MarkedYAMLError
+    return problem or (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def load_config(preset: str = "default", overrides: list[str] | None = None) -> RunConfig:
     """Load a preset (a name from `presets()` or a YAML path), apply dotted `key=value` overrides, validate."""
     source, text = _preset_text(preset)
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. learner.steps=40)")
+        try:
+            OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as e:
+            raise ConfigError(f"override {item!r}: not a valid value ({_first_line(e)})") from None
     try:
         merged = OmegaConf.merge(OmegaConf.create(text or "{}"), OmegaConf.from_dotlist(list(overrides or [])))
         data = OmegaConf.to_container(merged, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{source}: {e}") from e
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
+        raise ConfigError(f"{source}: {_first_line(e)}") from None
     try:
         return RunConfig.model_validate(data or {})
     except ValidationError as e:
         lines = [_describe(err, RunConfig) for err in e.errors()]
+        if len(lines) == 1:  # the usual case: one line, naming the key
+            raise ConfigError(f"{lines[0]} ({source})") from None
         raise ConfigError(f"invalid config ({source}):\n  " + "\n  ".join(lines)) from None
 
 

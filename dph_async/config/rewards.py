@@ -3,9 +3,10 @@
 docs/rewards.md describes every reward and what each setting changes.
 """
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from dph_async.config.base import Section
 
@@ -100,5 +101,14 @@ class RewardConfig(Section):
     client_batch_size: int = Field(64, ge=1)
     # Longer responses are refused unscored (status "rejected"): they can only be hostile or runaway.
     max_response_chars: int = Field(1_000_000, ge=1_000)
+    # The user's own rewards: module names, or .py files (docs/rewards.md, Plugins), imported by every
+    # process that scores. A file is taken relative to the directory the config is loaded in.
+    plugins: list[str] = Field(default_factory=list)
     sql: SqlRewardConfig = Field(default_factory=SqlRewardConfig)
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+
+    @field_validator("plugins")
+    @classmethod
+    def _absolute_files(cls, plugins: list[str]) -> list[str]:
+        # Reward workers, Ray actors and services may run elsewhere than the directory the user typed in.
+        return [str(Path(p).resolve()) if p.endswith(".py") else p for p in plugins]

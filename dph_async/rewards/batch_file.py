@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 
+from dph_async.errors import UserError
 from dph_async.rewards.result import RewardResult
 from dph_async.rewards.worker import ScoreRequest
 
 
-class BatchFileError(ValueError):
+class BatchFileError(UserError):
     """A row of a responses file is missing something; the message names the file and row."""
 
 
@@ -43,16 +45,16 @@ def _request(row: Any, where: str) -> ScoreRequest:
 
 
 def read_requests(path: Path) -> list[ScoreRequest]:
+    if not path.is_file():
+        raise BatchFileError(f"{path}: no such file")
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises several types for a damaged file
             raise BatchFileError(f"{path}: not a readable parquet file ({e})") from e
         return [_request(row, f"{path} row {i}") for i, row in enumerate(rows)]
     requests = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -8,7 +8,7 @@ The child is `python -m <module> <socket fd> <memory limit MB>`, not a fork: it 
 caller's threads (vLLM, torch, an event loop) and never re-imports the caller's main module, as
 multiprocessing's spawn and forkserver children do. It runs in its own process group, so a Ctrl-C
 meant for the caller does not reach it. It reads `hello` (its settings), limits its own resources
-(`limit_resources`) and answers b"ready"; the caller stops it by closing the pipe.
+(`limit_resources`) and answers b"ready" (or b"error: " and why not); the caller stops it by closing the pipe.
 """
 
 from __future__ import annotations
@@ -49,13 +49,15 @@ class Child:
             self.conn = Connection(os.dup(ours.fileno()))
         try:
             self.conn.send_bytes(hello)
-            ready = self.conn.poll(max(0.0, startup_timeout_s)) and self.recv() == b"ready"
+            answer = self.recv() if self.conn.poll(max(0.0, startup_timeout_s)) else None
         except OSError:
-            ready = False
-        if not ready:
+            answer = None
+        if answer != b"ready":
             self.kill()
             code = self.proc.poll()
             why = f"exit code {code}" if code is not None else f"not ready within {startup_timeout_s:.3g} s"
+            if answer and answer.startswith(b"error: "):  # the child's own account (a reward plugin failed)
+                why = answer[7:].decode(errors="replace")
             raise RuntimeError(f"{module} did not start ({why})")
 
     def recv(self) -> bytes | None:

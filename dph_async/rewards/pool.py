@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from dph_async.config.rewards import RewardConfig
 from dph_async.rewards.child import Child
 from dph_async.rewards.context import Stage
+from dph_async.rewards.plugins import load_plugins
 from dph_async.rewards.registry import get_reward_fn
 from dph_async.rewards.result import RewardResult, failure
 from dph_async.rewards.worker import ScoreRequest
@@ -125,6 +126,8 @@ class RewardPool:
         self.memory_limit_mb = memory_limit_mb
         self._cfg = config or RewardConfig(workers=workers, timeout_s=timeout_s,
                                            memory_limit_mb=memory_limit_mb)
+        # Here too, not only in the workers: score_many looks data sources up before scoring.
+        load_plugins(self._cfg.plugins)
         # A slot holds a ready worker, or None: not started (on first use). A slot whose worker was
         # killed is away while its replacement starts in the background.
         self._slots: queue.SimpleQueue[_Worker | None] = queue.SimpleQueue()

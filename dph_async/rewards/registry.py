@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from dph_async.errors import UserError
 from dph_async.rewards.result import RewardResult
 
 RewardFn = Callable[[str, Any, dict], RewardResult]
@@ -47,7 +48,7 @@ _loaded = False
 _lock = threading.Lock()
 
 
-class UnknownDataSource(ValueError):
+class UnknownDataSource(UserError):
     """No reward is registered for a data_source."""
 
     def __init__(self, data_source: str, message: str | None = None) -> None:
@@ -132,3 +133,8 @@ def registered() -> dict[str, list[str]]:
     """The registered exact names and suffix tags (for help texts and error messages)."""
     load_builtins()
     return {"exact": sorted(_exact), "suffix": sorted(_suffix)}
+
+
+def registered_by(module: str) -> list[str]:
+    """The names and suffix tags whose reward function is defined in `module`."""
+    return sorted(name for table in (_exact, _suffix) for name, fn in table.items() if fn.__module__ == module)

@@ -9,6 +9,7 @@ from typing import Protocol
 from dph_async.config.rewards import RewardConfig
 from dph_async.rewards import context
 from dph_async.rewards.client import ScorerClient
+from dph_async.rewards.plugins import load_plugins
 from dph_async.rewards.pool import RewardPool
 from dph_async.rewards.registry import is_inline
 from dph_async.rewards.result import RewardResult
@@ -56,6 +57,8 @@ class RoutingScorer:
 
 
 def make_scorer(cfg: RewardConfig) -> Scorer:
+    # The plugins' rewards must be known here too: the router asks which are inline.
+    load_plugins(cfg.plugins)
     if cfg.scorer_urls:
         def remote() -> Scorer:
             return ScorerClient(cfg.scorer_urls, timeout_s=cfg.client_timeout_s, retries=cfg.client_retries,

@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dph_async.config.rewards import RewardConfig
 from dph_async.rewards.body import BodyParser, BodyRefused
+from dph_async.rewards.plugins import load_plugins
 from dph_async.rewards.pool import RewardPool
 from dph_async.rewards.registry import UnknownDataSource, get_reward_fn
 from dph_async.rewards.service_metrics import ServiceMetrics
@@ -124,6 +125,7 @@ def _error(e: _Refused | BodyRefused, **extra: object) -> JSONResponse:
 def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> FastAPI:
     """The service app; its pool of `cfg.workers` processes lives as long as the app runs."""
     settings = settings or ServiceSettings()
+    load_plugins(cfg.plugins)  # a broken plugin stops the service before it listens
     admission = _Admission(settings.max_queued_bytes)
     state = {"in_flight": 0}
     pools: list[RewardPool] = []

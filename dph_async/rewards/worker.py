@@ -22,6 +22,7 @@ from typing import Any
 from dph_async.config.rewards import RewardConfig
 from dph_async.rewards import context
 from dph_async.rewards.child import limit_resources
+from dph_async.rewards.plugins import PluginError, load_plugins
 from dph_async.rewards.registry import get_reward_fn, load_builtins
 from dph_async.rewards.result import RewardResult, failure
 
@@ -90,8 +91,14 @@ def serve(conn: Connection, memory_limit_mb: int) -> None:
     Requests arrive pickled from the parent (trusted); results go back as JSON, so the parent never
     unpickles anything produced while handling model output.
     """
-    context.configure(RewardConfig.model_validate_json(conn.recv_bytes()))
+    cfg = RewardConfig.model_validate_json(conn.recv_bytes())
+    context.configure(cfg)
     load_builtins()
+    try:
+        load_plugins(cfg.plugins)
+    except PluginError as e:
+        conn.send_bytes(f"error: {e}".encode())  # the parent puts it in its RuntimeError
+        return
     limit_resources(memory_limit_mb)
     context.on_stage(lambda stage, format_ok: conn.send_bytes(
         json.dumps({"stage": stage, "format_ok": format_ok}).encode()))

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from transformers import PreTrainedTokenizerBase
 
-from dph_async.rewards.pool import ScoreRequest
+from dph_async.errors import UserError
+from dph_async.rewards.worker import ScoreRequest
+
+if TYPE_CHECKING:  # only a type here; importing transformers costs seconds
+    from transformers import PreTrainedTokenizerBase
 
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """A dataset file is missing, unreadable, or has a wrong column; the message names file and column."""
 
 
@@ -69,9 +72,19 @@ def encode_prompt(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizer
     return bos + tokenizer.encode(text, add_special_tokens=False)
 
 
-def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int,
-                 limit: int | None = None) -> list[PromptRecord]:
-    """Read and tokenize a verl-format parquet file; every problem is reported with the file name."""
+@dataclass(frozen=True)
+class Row:
+    """One checked row of a prompt dataset, before tokenization."""
+
+    index: int
+    messages: list[dict[str, str]]
+    data_source: str
+    ground_truth: Any
+    extra_info: dict[str, Any]
+
+
+def read_rows(path: str | Path, limit: int | None = None) -> list[Row]:
+    """Read a verl-format parquet file and check every row; each problem is reported with the file name."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
@@ -83,32 +96,38 @@ def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, max_promp
     if missing:
         raise DatasetError(f"{path}: missing column(s) {missing} (have: {table.column_names}); "
                            "expected the verl row format: prompt, data_source, reward_model.ground_truth")
-    rows = table.slice(0, limit).to_pylist() if limit else table.to_pylist()
-    records = []
-    for i, row in enumerate(rows):
+    rows = []
+    for i, row in enumerate(table.slice(0, limit).to_pylist() if limit else table.to_pylist()):
         where = f"{path} row {i}"
         rm = row["reward_model"]
         if not isinstance(rm, dict) or "ground_truth" not in rm:
             raise DatasetError(f"{where}: column 'reward_model' must be a struct with a 'ground_truth' field")
         if not isinstance(row["data_source"], str) or not row["data_source"]:
             raise DatasetError(f"{where}: column 'data_source' must be a non-empty string")
-        messages = _messages(row["prompt"], where)
-        ids = encode_prompt(messages, tokenizer)
-        if len(ids) > max_prompt_tokens:
-            raise DatasetError(f"{where}: prompt is {len(ids)} tokens, longer than the {max_prompt_tokens} the "
-                               "model's context leaves after sampling.max_tokens (raise model.max_model_len "
-                               "or lower sampling.max_tokens)")
         extra = row.get("extra_info") or {}
-        if not isinstance(extra, dict):
-            extra = {"value": extra}
-        records.append(PromptRecord(
-            prompt_id=f"{path.stem}:{extra.get('index', i)}",
-            data_source=row["data_source"],
-            text=messages[-1]["content"],
-            prompt_ids=tuple(ids),
-            ground_truth=rm["ground_truth"],
-            extra_info=extra,
-        ))
-    if not records:
+        rows.append(Row(i, _messages(row["prompt"], where), row["data_source"], rm["ground_truth"],
+                        extra if isinstance(extra, dict) else {"value": extra}))
+    if not rows:
         raise DatasetError(f"{path}: no rows")
+    return rows
+
+
+def load_prompts(path: str | Path, tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int,
+                 limit: int | None = None) -> list[PromptRecord]:
+    """Read, check and tokenize a verl-format parquet file."""
+    records = []
+    for row in read_rows(path, limit):
+        ids = encode_prompt(row.messages, tokenizer)
+        if len(ids) > max_prompt_tokens:
+            raise DatasetError(f"{path} row {row.index}: prompt is {len(ids)} tokens, longer than the "
+                               f"{max_prompt_tokens} the model's context leaves after sampling.max_tokens (raise "
+                               "model.max_model_len or lower sampling.max_tokens)")
+        records.append(PromptRecord(
+            prompt_id=f"{Path(path).stem}:{row.extra_info.get('index', row.index)}",
+            data_source=row.data_source,
+            text=row.messages[-1]["content"],
+            prompt_ids=tuple(ids),
+            ground_truth=row.ground_truth,
+            extra_info=row.extra_info,
+        ))
     return records

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 from collections.abc import Callable
 from pathlib import Path
+
+from dph_async.app.commands.common import add_config_arguments, fail, guarded
+from dph_async.app.progress import console
+from dph_async.config import load_config
 
 # Applied before the user's overrides: cells cheap enough for a grid on a small machine (docs/ablations.md).
 SWEEP_DEFAULTS = ("learner.steps=100", "eval.max_prompts=100", "logging.wandb_mode=disabled")
 
 
 def add_common_arguments(p: argparse.ArgumentParser, out: str) -> None:
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="dotted config overrides for every cell, e.g. learner.groups_per_step=32 (before options "
-                   "that take lists)")
+    add_config_arguments(p, "dotted config overrides for every cell")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds per cell (default: 0 1 2)")
     p.add_argument("--steps", type=int, help="learner steps per cell (default: 100, or learner.steps=...)")
     p.add_argument("--eval-points", type=int, default=3,
@@ -21,7 +24,6 @@ def add_common_arguments(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--out", "-o", type=Path, default=Path(out), help="sweep directory (default: %(default)s)")
     p.add_argument("--model", help="a Hugging Face causal-LM directory (sets model.path)")
     p.add_argument("--data", help="training prompts: parquet in the verl row format (sets task.data)")
-    p.add_argument("--preset", default="default", help="a preset name or a YAML file (default: %(default)s)")
     p.add_argument("--fresh", action="store_true", help="delete the finished cells in --out and run them again "
                    "(with a different base config, the shared base model and pre-sampling too)")
     p.add_argument("--report-only", action="store_true", help="only rewrite the summary from the finished cells")
@@ -29,28 +31,21 @@ def add_common_arguments(p: argparse.ArgumentParser, out: str) -> None:
 
 def run(args: argparse.Namespace, make_sweep: Callable[[str], object]) -> int:
     """Build the sweep (make_sweep gets the base config's run spec), run it, write the report."""
-    import shutil
-
-    from dph_async.app.ablate.report import write_summary
-    from dph_async.app.ablate.sweep import run_sweep
-    from dph_async.app.commands.common import guarded, load_cli_config
-    from dph_async.app.progress import console
-    from dph_async.app.specs import RunSpec
-
     flags = {"learner.steps": args.steps, "model.path": args.model, "task.data": args.data}
     overrides = [*SWEEP_DEFAULTS, *args.overrides, f"output_dir={args.out}",
                  *(f"{k}={v}" for k, v in flags.items() if v is not None)]
-    cfg = load_cli_config(args.preset, overrides)
-    if cfg is None:
-        return 2
+    cfg = load_config(args.preset, overrides)
+    # The run specs (torch), the sweep (Ray) and the report (matplotlib): here, so --help stays fast.
+    from dph_async.app.ablate.report import write_summary
+    from dph_async.app.ablate.sweep import run_sweep
+    from dph_async.app.specs import RunSpec
+
     if args.eval_points < 1:
-        console.print(f"[red]error:[/red] --eval-points must be >= 1 (got {args.eval_points})")
-        return 2
+        return fail(f"--eval-points must be >= 1 (got {args.eval_points})")
     try:
         sweep = make_sweep(RunSpec.of(cfg).name)
     except ValueError as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
+        return fail(str(e))
 
     def work() -> None:
         if args.fresh and (args.out / "rl").exists():

@@ -21,11 +21,12 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import ray
 
 from dph_async.app.ablate.cells import Cell, Sweep
+from dph_async.app.launcher import ray_cluster
+from dph_async.app.pipeline import Prepared, StageTimer, evaluate_model, prepare, train_mode, validate
 from dph_async.app.progress import console
 from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config, load_config
@@ -33,9 +34,6 @@ from dph_async.paths import RunPaths, checkpoint_dir, final_model
 
 # DeepSpeed's file with the module's full state dict (ZeRO stages 0-2, one model-parallel rank).
 MODEL_STATES = "mp_rank_00_model_states.pt"
-
-if TYPE_CHECKING:
-    from dph_async.app.pipeline import Prepared, StageTimer
 
 
 def eval_versions(steps: int, points: int) -> list[int]:
@@ -45,8 +43,6 @@ def eval_versions(steps: int, points: int) -> list[int]:
 
 
 def cell_config(preset: str, overrides: list[str], cell: Cell, eval_points: int) -> RunConfig:
-    from dph_async.app.pipeline import validate
-
     cfg = load_config(preset, [*overrides, *cell.overrides])
     cfg.learner.checkpoint_every = -(-cfg.learner.steps // eval_points)
     cfg.learner.keep_versions = eval_versions(cfg.learner.steps, eval_points)  # exported after the run
@@ -76,8 +72,6 @@ def export_checkpoint(rl_dir: Path, version: int, base: Path, out: Path) -> Path
 def run_cell(cfg: RunConfig, paths: RunPaths, prepared: Prepared, cell: Cell, eval_points: int,
              timer: StageTimer) -> None:
     """Train and evaluate one cell (resuming a stopped one); write its cell.json last."""
-    from dph_async.app.pipeline import evaluate_model, train_mode
-
     rl_dir = paths.rl(cell.key)
     resumed = (checkpoint_dir(rl_dir) / "latest").is_file()
     start = time.time()
@@ -101,9 +95,6 @@ def run_sweep(preset: str, overrides: list[str], sweep: Sweep, out: Path, eval_p
               fresh: bool = False) -> list[str]:
     """Run the sweep's unfinished cells in `out`; return the keys of the cells run now. `fresh` (the
     caller has deleted the cells) also lets a different base config start over, shared base included."""
-    from dph_async.app.launcher import ray_cluster
-    from dph_async.app.pipeline import StageTimer, evaluate_model, prepare, validate
-
     specs = [RunSpec.parse(m) for m in sorted({c.mode for c in sweep.cells})]
     base = validate(load_config(preset, overrides), specs)
     configs = {c.key: cell_config(preset, overrides, c, eval_points) for c in sweep.cells}  # fail before any run

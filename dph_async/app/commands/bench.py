@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
+
+from dph_async.app.commands.common import fail, guarded
+from dph_async.app.progress import console
+from dph_async.config import load_config
 
 NAME = "bench"
 HELP = "RL throughput: the same work in sync and async mode, busy timelines, weight sync, scaling"
@@ -34,7 +39,7 @@ Sub-benchmarks: `dph-async bench kernels`, `bench transport`, `bench scorer` (se
 examples:
   dph-async bench                                   # embedded default, 100 steps per mode
   dph-async bench --repeats 3 --actors 1 2 3        # 3 sync/async pairs; scaling at 1 and 3 actors
-  dph-async bench --set replay.max_staleness=2 --set learner.groups_per_step=32
+  dph-async bench replay.max_staleness=2 learner.groups_per_step=32 --out runs/bench/eta2
   dph-async bench --model path/to/hf_model --data train.parquet --steps 20 --out runs/bench/qwen
 """
 
@@ -42,7 +47,7 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", "-o", type=Path, default=Path("runs/bench/pipeline"), help="output directory "
                    "(default: %(default)s)")
-    p.add_argument("--steps", type=int, help="learner steps per run (default: 100, or learner.steps of --set)")
+    p.add_argument("--steps", type=int, help="learner steps per run (default: 100, or learner.steps=...)")
     p.add_argument("--skip", type=int, default=5, help="first learner steps left out of the steady state "
                    "(default: %(default)s)")
     p.add_argument("--repeats", type=int, default=1, help="sync/async pairs, their order alternating; the "
@@ -51,32 +56,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run async with these actor counts, for the scaling check (e.g. 1 2 3)")
     p.add_argument("--model", help="a Hugging Face causal-LM directory (sets model.path)")
     p.add_argument("--data", help="training prompts: parquet in the verl row format (sets task.data)")
-    p.add_argument("--preset", default="default", help="a preset name or a YAML file (default: %(default)s)")
+    p.add_argument("--preset", "--config", dest="preset", default="default",
+                   help="a preset name or a YAML file (default: %(default)s)")
+    # No KEY=VALUE positional next to the subcommands: dph_async.app.cli takes bare overrides out first.
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a dotted config override, repeatable (e.g. --set actors.num_actors=2)")
+                   help="a dotted config override; a bare KEY=VALUE anywhere does the same")
     p.add_argument("--fresh", action="store_true", help="delete earlier runs in --out and measure again")
 
 
 def main(args: argparse.Namespace) -> int:
-    from dph_async.app.bench.pipeline import BENCH_DEFAULTS
-    from dph_async.app.commands.common import load_cli_config
-    from dph_async.app.progress import console
-
-    flags = {"learner.steps": args.steps, "model.path": args.model, "task.data": args.data}
-    cfg = load_cli_config(args.preset, [*BENCH_DEFAULTS, *args.overrides, f"output_dir={args.out}",
-                                        *(f"{k}={v}" for k, v in flags.items() if v is not None)])
-    if cfg is None:
-        return 2
-    if cfg.learner.steps <= args.skip:
-        console.print(f"[red]error:[/red] learner.steps ({cfg.learner.steps}) must be more than --skip ({args.skip})")
-        return 2
-    import shutil
-
-    from dph_async.app.bench.pipeline import run_bench
+    # The pipeline under test (Ray, torch, vLLM): here, not at the top, so that --help stays fast.
+    from dph_async.app.bench.pipeline import BENCH_DEFAULTS, run_bench
     from dph_async.app.bench.pipeline_report import write_report
     from dph_async.app.bench.transport import machine
-    from dph_async.app.commands.common import guarded
 
+    flags = {"learner.steps": args.steps, "model.path": args.model, "task.data": args.data}
+    cfg = load_config(args.preset, [*BENCH_DEFAULTS, *args.overrides, f"output_dir={args.out}",
+                                    *(f"{k}={v}" for k, v in flags.items() if v is not None)])
+    if cfg.learner.steps <= args.skip:
+        return fail(f"learner.steps ({cfg.learner.steps}) must be more than --skip ({args.skip})")
     if args.fresh and (args.out / "rl").exists():
         shutil.rmtree(args.out / "rl")
 

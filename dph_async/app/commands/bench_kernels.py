@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import fcntl
+import json
+import tempfile
+import time
 from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from dph_async.app.commands.common import fail
 
 NAME = "bench kernels"
 HELP = "peak memory and time of the fused log-prob kernels against the naive path"
@@ -43,13 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import fcntl
-    import json
-    import tempfile
-    import time
-
-    from rich.console import Console
-    from rich.table import Table
+    # torch: here, not at the top, so that --help stays fast.
+    import torch
 
     from dph_async.app.bench import kernels as bench
 
@@ -57,19 +60,14 @@ def main(args: argparse.Namespace) -> int:
     need = bench.naive_bytes_estimate(args.n, args.hidden, args.vocab)
     free = bench.available_memory()
     if need > 0.9 * free:
-        print(
-            f"error: the naive path needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available",
-            file=sys.stderr,
-        )
-        return 1
+        return fail(f"the naive path needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB available", 1)
     # Two large runs would each hold the naive path's [N, V] tensors and skew each other's timings.
     lock = open(Path(tempfile.gettempdir()) / "dph-async-bench-kernels.lock", "w")  # noqa: SIM115
     try:
         if need > 2**30:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        print("error: another large `dph-async bench kernels` is running on this machine", file=sys.stderr)
-        return 1
+        return fail("another large `dph-async bench kernels` is running on this machine", 1)
 
     def report(path: str, run: dict) -> None:
         pairs = zip(run["times_s"], run["cpu_share"], strict=True)
@@ -117,8 +115,6 @@ def main(args: argparse.Namespace) -> int:
         f"memory <= 15% ({'met' if cpu['memory_ratio'] <= 0.15 else 'NOT met'}); "
         f"max |d log p| = {cpu['max_abs_diff_logp']:.1e}, d hidden rel. {cpu['max_rel_diff_d_hidden']:.1e}"
     )
-
-    import torch
 
     if torch.cuda.is_available():
         result["gpu"] = {dtype: bench.bench_gpu(args, dtype) for dtype in ("float32", "bfloat16")}

@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user-case", action="store_true", help="build and benchmark the tiny-Llama user case")
     p.add_argument("--preset", default="grpo", help="a preset name or a YAML file (default: %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a dotted config override, repeatable")
+                   help="a dotted config override, repeatable; a bare KEY=VALUE anywhere does the same")
     p.add_argument("--cache", type=Path, default=Path(".cache"), help="where TRL's environment is made "
                    "(default: %(default)s)")
     p.add_argument("--fresh", action="store_true", help="delete earlier runs in --out and measure again")
@@ -66,15 +66,14 @@ def main(args: argparse.Namespace) -> int:
     from dph_async.app.bench import peer
     from dph_async.app.bench.pipeline import BENCH_DEFAULTS
     from dph_async.app.bench.transport import machine
-    from dph_async.app.commands.common import guarded, load_cli_config
+    from dph_async.app.commands.common import fail, guarded
     from dph_async.app.progress import console
+    from dph_async.config import load_config
 
     if args.user_case and (args.model or args.data):
-        console.print("[red]error:[/red] --user-case builds its own model and data: leave out --model/--data")
-        return 2
+        return fail("--user-case builds its own model and data: leave out --model/--data")
     if args.steps <= args.skip:
-        console.print(f"[red]error:[/red] --steps ({args.steps}) must be more than --skip ({args.skip})")
-        return 2
+        return fail(f"--steps ({args.steps}) must be more than --skip ({args.skip})")
     if args.fresh:
         for sub in ("rl", "peers"):
             shutil.rmtree(args.out / sub, ignore_errors=True)
@@ -88,10 +87,8 @@ def main(args: argparse.Namespace) -> int:
                 base, train = peer.make_user_case(args.out / "user_case", seed=0)
             model, data, extra = str(base), str(train), list(peer.USER_CASE)
         flags = {"learner.steps": args.steps, "model.path": model, "task.data": data}
-        cfg = load_cli_config(args.preset, [*BENCH_DEFAULTS, *extra, *args.overrides, f"output_dir={args.out}",
-                                            *(f"{k}={v}" for k, v in flags.items() if v is not None)])
-        if cfg is None:
-            raise SystemExit(2)
+        cfg = load_config(args.preset, [*BENCH_DEFAULTS, *extra, *args.overrides, f"output_dir={args.out}",
+                                        *(f"{k}={v}" for k, v in flags.items() if v is not None)])
         cfg = validate(cfg, [])
         res = peer.run(cfg, args.out, args.repeats, args.skip, machine(), args.systems, args.cache,
                        log=lambda m: console.print(m, highlight=False))

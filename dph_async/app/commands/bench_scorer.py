@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
 from pathlib import Path
 
 NAME = "bench scorer"
@@ -33,11 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import json
-    import sys
-    import time
-    from dataclasses import asdict
-
+    # httpx, numpy and the reward pool: here, not at the top, so that --help stays fast.
     from dph_async.app.bench import scorer as bench
 
     meta = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "command": "dph-async " + " ".join(sys.argv[1:]),

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
+import time
 from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
 
 NAME = "bench transport"
 HELP = "rollout transport bandwidth: protocol vs bare ZeroMQ vs pickle queues, and replay ops/s"
@@ -62,13 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import json
-    import tempfile
-    import time
-
-    from rich.console import Console
-    from rich.table import Table
-
+    # numpy, ZeroMQ and the replay: here, not at the top, so that --help stays fast.
     from dph_async.app.bench import transport as bench
 
     console = Console()
@@ -178,7 +179,7 @@ def main(args: argparse.Namespace) -> int:
                 f"{r['insert_plus_sample_per_s']:,.0f}",
             )
         console.print(table)
-    result["machine"]["load_avg_after"] = list(__import__("os").getloadavg())
+    result["machine"]["load_avg_after"] = list(os.getloadavg())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     console.print(f"wrote {args.out}")

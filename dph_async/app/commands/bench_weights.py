@@ -41,12 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from dph_async.app.bench import weights as bench
     from dph_async.app.bench.transport import machine
-    from dph_async.app.commands.common import guarded
+    from dph_async.app.commands.common import fail, guarded
     from dph_async.app.progress import console
 
     if args.hidden % 64:
-        console.print("[red]error:[/red] --hidden must be a multiple of 64 (heads of 64)")
-        return 2
+        return fail("--hidden must be a multiple of 64 (heads of 64)")
     shape = bench.ModelShape(hidden=args.hidden, layers=args.layers, heads=args.hidden // 64,
                              intermediate=args.hidden * 8 // 3 // 64 * 64, vocab=args.vocab)
 

@@ -1,30 +1,32 @@
-"""Helpers shared by the command modules (not a command itself: it has no NAME)."""
+"""What the command modules share: the config arguments, error lines, Ctrl-C (not a command: no NAME)."""
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Callable
 
 from dph_async.app.progress import console
-from dph_async.config import ConfigError, RunConfig, load_config
 
 
-def load_cli_config(preset: str, overrides: list[str]) -> RunConfig | None:
-    """The config, or None after printing what is wrong with it."""
-    try:
-        return load_config(preset, overrides)
-    except ConfigError as e:
-        console.print(f"[red]error:[/red] {e}")
-        return None
+def add_config_arguments(p: argparse.ArgumentParser, overrides: str = "dotted config overrides") -> None:
+    """KEY=VALUE overrides (anywhere among the options, see dph_async.app.cli) and the preset they apply to."""
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help=f"{overrides}, e.g. learner.lr=1e-4 (see `dph-async config`)")
+    p.add_argument("--preset", "--config", dest="preset", default="default",
+                   help="a preset name (dph-async config --list) or a YAML file (default: %(default)s)")
+
+
+def fail(message: str, status: int = 2) -> int:
+    """Print `error: <message>` on stderr (a longer message goes on in indented lines); return `status`."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return status
 
 
 def guarded(work: Callable[[], object], interrupted: str) -> int:
-    """Run `work`: exit status 0 when it finishes, 2 after printing a config error, 130 after printing
-    `interrupted` on Ctrl-C."""
+    """Run `work`: exit status 0 when it finishes, 130 after printing `interrupted` on Ctrl-C."""
     try:
         work()
-    except ConfigError as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted: {interrupted}")
         return 130

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from dph_async.app.commands.common import add_config_arguments
+from dph_async.config import dump_config, load_config, presets
+
 NAME = "config"
 HELP = "print the resolved config (preset + overrides) as YAML, or list the presets"
 DESCRIPTION = """\
@@ -14,25 +17,18 @@ its dotted name and what is allowed.
 examples:
   dph-async config --list
   dph-async config --preset forward learner.loss.coeff=0.05
-  dph-async config replay.max_staleness=4 learner.loss.correction=masked
+  dph-async config replay.max_staleness=4 --preset grpo learner.loss.correction=masked
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides")
-    p.add_argument("--preset", default="default", help="a preset name or a YAML file")
+    add_config_arguments(p)
     p.add_argument("--list", action="store_true", help="list the presets and exit")
 
 
 def main(args: argparse.Namespace) -> int:
-    from dph_async.app.commands.common import load_cli_config
-    from dph_async.config import dump_config, presets
-
     if args.list:
         print("\n".join(presets()))
         return 0
-    cfg = load_cli_config(args.preset, args.overrides)
-    if cfg is None:
-        return 2
-    print(dump_config(cfg), end="")
+    print(dump_config(load_config(args.preset, args.overrides)), end="")
     return 0

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
+
+from dph_async.app.commands.common import fail
 
 NAME = "keys"
 HELP = "create CURVE keys so services can listen beyond 127.0.0.1"
@@ -22,12 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # ZeroMQ: here, not at the top, so that --help stays fast.
     from dph_async.net import generate_keys
 
     try:
         keys = generate_keys(args.directory)
     except FileExistsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail(str(e), 1)
     print(f"keys written to {keys} (secret files are readable by you only)")
     return 0

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from dph_async.app.commands.common import add_config_arguments
+from dph_async.app.progress import console
+from dph_async.config import load_config
 
 NAME = "presample"
 HELP = "sample pi_0 k times per prompt; write the reference pool (D_pef) and the RL set (D_exp)"
@@ -22,30 +27,23 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
+    add_config_arguments(p)
     p.add_argument("--model", required=True, help="the base model pi_0 (a Hugging Face model directory)")
     p.add_argument("--data", required=True, help="training prompts, parquet in the verl row format")
     p.add_argument("--output", "-o", required=True, help="output directory")
-    p.add_argument("--preset", default="default", help="a preset name or a YAML file")
 
 
 def main(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    cfg = load_config(args.preset, [*args.overrides, f"model.path={args.model}", f"task.data={args.data}"])
+    # pyarrow, for the checks: here, so that every other command (a service too) starts without it.
+    from dph_async.app.inputs import check_datasets, check_model_dir
 
-    from dph_async.app.commands.common import load_cli_config
-
-    cfg = load_cli_config(args.preset, [*args.overrides, f"model.path={args.model}", f"task.data={args.data}"])
-    if cfg is None:
-        return 2
+    model = check_model_dir(args.model, "--model")
+    check_datasets({"--data": args.data}, cfg.rewards)
+    # torch, transformers and vLLM: here, not at the top, so that --help stays fast.
     from dph_async.app.presample import presample
-    from dph_async.app.progress import console
-    from dph_async.tasks.dataset import DatasetError
 
-    try:
-        s = presample(cfg, Path(args.model), Path(args.data), Path(args.output))
-    except DatasetError as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
+    s = presample(cfg, model, Path(args.data), Path(args.output))
     console.print(f"{s.prompts} prompts x {s.samples_per_prompt} samples (accuracy {s.sample_accuracy:.1%}): "
                   f"D_pef {s.d_pef_prompts} prompts ({s.reference_samples} reference samples), "
                   f"D_exp {s.d_exp_prompts} prompts -> {args.output}")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from dph_async.app.commands.common import add_config_arguments, guarded
+from dph_async.config import load_config
+
 NAME = "run"
 HELP = "warm start, pre-sample, train with asynchronous DPH-RL, evaluate and report"
 DESCRIPTION = """\
@@ -24,14 +27,14 @@ examples:
   dph-async run --compare forward:0.05,js_low_var:0.05   # objectives at chosen coefficients
   dph-async run --preset forward learner.steps=200 replay.max_staleness=2
   dph-async run --model path/to/hf_model --data train.parquet task.test_data.bird_dev=dev.parquet
+  dph-async run --model M --data D task.test_data.dev=E --preset grpo learner.lr=1e-4   # any order
+  dph-async run --model M --data D rewards.plugins=[my_reward.py]   # a reward of your own (docs/rewards.md)
   dph-async run mode=sync                                # the synchronous GRPO baseline, same code
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="dotted config overrides, e.g. learner.loss.objective=forward (see `dph-async config`)")
-    p.add_argument("--preset", default="default", help="a preset name (dph-async config --list) or a YAML file")
+    add_config_arguments(p, "dotted config overrides, e.g. learner.loss.objective=forward")
     p.add_argument("--output", "-o", help="run directory (default: output_dir of the config, runs/default)")
     p.add_argument("--model", help="a Hugging Face causal-LM directory (sets model.path)")
     p.add_argument("--data", help="training prompts: parquet in the verl row format (sets task.data)")
@@ -42,29 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dph_async.app.commands.common import load_cli_config
-
-    overrides = list(args.overrides)
-    if args.output:
-        overrides.append(f"output_dir={args.output}")
-    if args.model:
-        overrides.append(f"model.path={args.model}")
-    if args.data:
-        overrides.append(f"task.data={args.data}")
-    cfg = load_cli_config(args.preset, overrides)
-    if cfg is None:
-        return 2
-    from dph_async.app.pipeline import run_pipeline
-    from dph_async.app.progress import console
-    from dph_async.config import ConfigError
-
+    flags = {"output_dir": args.output, "model.path": args.model, "task.data": args.data}
+    cfg = load_config(args.preset, [*args.overrides, *(f"{k}={v}" for k, v in flags.items() if v)])
     compare = [m.strip() for m in args.compare.split(",") if m.strip()] if args.compare else None
-    try:
-        run_pipeline(cfg, compare)
-    except ConfigError as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted: processes stopped; run the same command again to resume")
-        return 130
-    return 0
+    # The pipeline imports Ray: here, not at the top, so that --help and the other commands stay fast.
+    from dph_async.app.pipeline import run_pipeline
+
+    return guarded(lambda: run_pipeline(cfg, compare), "processes stopped; run the same command again to resume")

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from dph_async.app.commands.common import add_config_arguments
+from dph_async.config import load_config
 
 NAME = "score"
 HELP = "score a file of responses (JSONL or parquet) and print a summary"
@@ -18,38 +23,29 @@ format rate, statuses and latency. Each row: data_source, response, reward_model
 extra_info (a verl dataset row plus the response). Example, on the SQL fixture:
 
     dph-async score examples/sql/responses.jsonl rewards.sql.db_root=examples/sql/databases
+
+A reward of your own (docs/rewards.md, Plugins):
+
+    dph-async score examples/custom_reward/responses.jsonl rewards.plugins=[examples/custom_reward/reward.py]
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, help="responses, .jsonl or .parquet")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (rewards.*)")
-    parser.add_argument("--config", default="default", help="preset name or YAML file (default: %(default)s)")
+    add_config_arguments(parser, "config overrides (rewards.*)")
     parser.add_argument("--out", type=Path, help="write one JSON result per row here")
 
 
 def main(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from dph_async.config import ConfigError, load_config
-    from dph_async.rewards.batch_file import BatchFileError, read_requests, summarize
-    from dph_async.rewards.registry import UnknownDataSource
+    cfg = load_config(args.preset, args.overrides).rewards
+    # numpy, httpx and the reward modules: here, not at the top, so that --help stays fast.
+    from dph_async.rewards.batch_file import read_requests, summarize
     from dph_async.rewards.scorer import make_scorer
 
-    try:
-        cfg = load_config(args.config, args.overrides).rewards
-        requests = read_requests(args.file)
-    except (ConfigError, BatchFileError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    requests = read_requests(args.file)
     start = time.perf_counter()
-    try:
-        with make_scorer(cfg) as scorer:
-            results = scorer.score_many(requests)
-    except UnknownDataSource as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with make_scorer(cfg) as scorer:
+        results = scorer.score_many(requests)
     elapsed = time.perf_counter() - start
     if args.out:
         with open(args.out, "w") as f:

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
 import sys
+from pathlib import Path
+
+from dph_async.app.commands.common import add_config_arguments, fail
+from dph_async.config import load_config
 
 NAME = "serve replay"
 HELP = "run the replay service (rollout ingest for actors, batches for the learner)"
@@ -27,8 +33,7 @@ BATCH_PORT = 5556
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (replay.*, net.*, ...)")
-    parser.add_argument("--config", default="default", help="preset name or YAML file (default: %(default)s)")
+    add_config_arguments(parser, "config overrides (replay.*, net.*, ...)")
     parser.add_argument("--ingest", help=f"actor endpoint (default: tcp://<net.host>:{INGEST_PORT})")
     parser.add_argument("--batch", help=f"learner endpoint (default: tcp://<net.host>:{BATCH_PORT})")
     parser.add_argument(
@@ -42,22 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import logging
-    import signal
-    from pathlib import Path
-
-    from dph_async.config import ConfigError, load_config
+    cfg = load_config(args.preset, args.overrides)
+    # The replay service pulls ZeroMQ, numpy and pyarrow: here, not at the top, so that --help stays fast.
     from dph_async.net import InsecureBindError, NetSecurity
+    from dph_async.telemetry import start_endpoint
     from replay.reference_pool import ReferencePoolError
     from replay.service import ReplayService
     from replay.state import ReplayStateError
+    from replay.telemetry import ReplayCollector, replay_health
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     wal_dir = args.wal_dir
     if wal_dir is None and cfg.replay.wal_dir and not args.no_wal:
         wal_dir = str(Path(cfg.output_dir) / cfg.replay.wal_dir)
@@ -74,13 +73,9 @@ def main(args: argparse.Namespace) -> int:
             seed=cfg.seed,
         )
     except (InsecureBindError, ReferencePoolError, ReplayStateError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())
-    from dph_async.telemetry import start_endpoint
-    from replay.telemetry import ReplayCollector, replay_health
-
     endpoint = start_endpoint("replay", [ReplayCollector(service)], lambda: replay_health(service), cfg.net, 0,
                               Path(cfg.output_dir) / "endpoints")
     metrics = f", metrics {endpoint.url}" if endpoint is not None else ""
@@ -89,8 +84,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         service.serve_forever()
     except OSError as e:
-        print(f"error: write-ahead log: {e}", file=sys.stderr)
-        return 1
+        return fail(f"write-ahead log: {e}", 1)
     finally:
         if endpoint is not None:
             endpoint.close()

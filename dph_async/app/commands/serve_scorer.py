@@ -7,6 +7,10 @@ import ipaddress
 import os
 import sys
 
+from dph_async.app.commands.common import add_config_arguments, fail
+from dph_async.config import load_config
+from dph_async.rewards.wire import TOKEN_ENV
+
 NAME = "serve scorer"
 HELP = "serve rewards over HTTP (a worker pool behind POST /v1/score)"
 DESCRIPTION = """\
@@ -28,8 +32,7 @@ the same variable's value) or --insecure.
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides (rewards.*)")
-    parser.add_argument("--config", default="default", help="preset name or YAML file (default: %(default)s)")
+    add_config_arguments(parser, "config overrides (rewards.*)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=5001, help="port; 0 lets the OS choose (default: %(default)s)")
     parser.add_argument("--max-queued-mb", type=float, default=256.0,
@@ -58,32 +61,24 @@ def _loopback(host: str) -> bool:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dph_async.config import ConfigError, load_config
-    from dph_async.rewards.wire import TOKEN_ENV
-
-    try:
-        cfg = load_config(args.config, args.overrides).rewards
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.preset, args.overrides).rewards
     token = os.environ.get(TOKEN_ENV) or None
     if not _loopback(args.host) and token is None and not args.insecure:
-        print(f"error: binding {args.host} exposes the scorer beyond this machine; set {TOKEN_ENV} "
-              "(a shared token) or pass --insecure", file=sys.stderr)
-        return 2
-
+        return fail(f"binding {args.host} exposes the scorer beyond this machine; set {TOKEN_ENV} (a shared token) "
+                    "or pass --insecure")
+    # FastAPI and uvicorn: here, not at the top, so that --help stays fast.
     from dph_async.rewards.service import ServiceSettings, make_app
     from dph_async.rewards.service_http import bind, serve
 
     settings = ServiceSettings(max_queued_bytes=int(args.max_queued_mb * 2**20),
                                max_body_bytes=int(args.max_body_mb * 2**20), max_items=args.max_items,
                                max_budget_s=args.max_budget_s, body_timeout_s=args.body_timeout_s, token=token)
+    app = make_app(cfg, settings)  # loads the reward plugins: a broken one stops the service before it listens
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
-        print(f"error: cannot bind {args.host}:{args.port}: {e}", file=sys.stderr)
-        return 2
+        return fail(f"cannot bind {args.host}:{args.port}: {e}")
     port = sock.getsockname()[1]
     print(f"scorer: {cfg.workers} workers, http://{args.host}:{port}", file=sys.stderr, flush=True)
-    serve(make_app(cfg, settings), sock, header_timeout_s=args.header_timeout_s)
+    serve(app, sock, header_timeout_s=args.header_timeout_s)
     return 0

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from dph_async.app.commands.common import add_config_arguments, fail
+from dph_async.app.progress import console
+from dph_async.config import load_config
 
 NAME = "soak"
 HELP = "train continuously for N minutes, sampling RSS, fds, threads, /dev/shm, WAL and throughput"
@@ -30,26 +35,18 @@ SOAK_DEFAULTS = ("output_dir=runs/soak", "learner.steps=1000000000", "learner.ch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
+    add_config_arguments(parser, "config overrides")
     parser.add_argument("--minutes", type=float, default=60.0, help="soak length after the first step (default: 60)")
     parser.add_argument("--interval-s", type=float, default=60.0, help="seconds between samples (default: 60)")
     parser.add_argument("--warmup-s", type=float,
                         help="samples before this are not judged (default: a fifth of the soak, at least one interval)")
-    parser.add_argument("--preset", default="default", help="a preset name or a YAML file (default: %(default)s)")
 
 
 def main(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from dph_async.app.commands.common import load_cli_config
-    from dph_async.app.progress import console
-
     if args.minutes <= 0 or args.interval_s <= 0:
-        console.print("[red]error:[/red] --minutes and --interval-s must be positive")
-        return 2
-    cfg = load_cli_config(args.preset, [*SOAK_DEFAULTS, *args.overrides])
-    if cfg is None:
-        return 2
+        return fail("--minutes and --interval-s must be positive")
+    cfg = load_config(args.preset, [*SOAK_DEFAULTS, *args.overrides])
+    # The soak runs the pipeline under Ray: here, not at the top, so that --help stays fast.
     from dph_async.app.soak import run_soak, write_report
 
     warmup = args.warmup_s if args.warmup_s is not None else max(args.interval_s, args.minutes * 60 / 5)

@@ -65,14 +65,14 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from dph_async.app.commands.common import fail
     from dph_async.app.endpoints import find_endpoints, scrape
     from dph_async.app.progress import console
 
     try:
         endpoints = find_endpoints(args.targets)
     except FileNotFoundError as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
+        return fail(str(e))
     if not endpoints:
         console.print(f"no endpoints announced under {', '.join(args.targets)} (is a run going, with net.metrics on?)")
         return 1

@@ -1,0 +1,112 @@
+"""The command line as users type it: options and KEY=VALUE overrides in any order, in every command
+that takes overrides, and every user error as one `error:` line with exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dph_async.app.cli import build_parser, main
+from dph_async.tasks.dataset import verl_row, write_rows
+
+A, B = "learner.lr=1e-4", "task.test_data.dev=dev.parquet"
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    # The issue's line: an option between two overrides.
+    (["run", "--model", "M", "--data", "D", B, "--preset", "grpo", A],
+     {"model": "M", "data": "D", "preset": "grpo"}),
+    (["run", A, "--compare", "grpo,forward", B, "-o", "out"], {"compare": "grpo,forward", "output": "out"}),
+    (["config", A, "--preset", "forward", B], {"preset": "forward"}),
+    (["config", "--config", "forward", A, B], {"preset": "forward"}),
+    # List options would otherwise swallow the overrides after them.
+    (["ablate", "staleness", "--etas", "0", "4", A, "--seeds", "1", "2", B],
+     {"etas": [0, 4], "seeds": [1, 2]}),
+    (["ablate", "divergence", A, "--modes", "grpo", "forward", B, "--coeffs", "0.1"],
+     {"modes": ["grpo", "forward"], "coeffs": [0.1]}),
+    (["bench", A, "--steps", "20", B], {"steps": 20}),
+    (["bench", "--set", A, "--out", "o", B], {"out": Path("o")}),
+    (["bench", "peer", A, "--systems", "loop", B, "--steps", "9"], {"systems": ["loop"], "steps": 9}),
+    (["score", A, "responses.jsonl", B, "--out", "r.jsonl"], {"file": Path("responses.jsonl"), "out": Path("r.jsonl")}),
+    (["serve", "replay", A, "--no-wal", B], {"no_wal": True}),
+    (["serve", "scorer", "--port", "0", A, B, "--insecure"], {"port": 0, "insecure": True}),
+    (["soak", A, "--minutes", "2", B], {"minutes": 2.0}),
+    # An option's value that looks like an override stays the option's value.
+    (["eval", A, "--data", "dev=dev.parquet", "--model", "m", B], {"data": ["dev=dev.parquet"], "model": "m"}),
+    (["presample", "--model", "m", A, "--data", "d", "-o", "x", B], {"model": "m", "data": "d", "output": "x"}),
+])
+def test_options_and_overrides_in_any_order(argv, expected):
+    args = build_parser().parse_args(argv)
+    assert args.overrides == [t for t in argv if t in (A, B)]  # in the order given: the last one wins
+    assert {k: getattr(args, k) for k in expected} == expected
+
+
+def test_a_stray_word_reaches_the_config_and_is_named():
+    # Not an override and no option's value: load_config names it rather than argparse losing it.
+    args = build_parser().parse_args(["config", A, "learner.steps", "--preset", "grpo"])
+    assert args.overrides == [A, "learner.steps"]
+
+
+def _one_error_line(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    assert "Traceback" not in captured.out + captured.err
+    return lines[0]
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 this is no parquet file")
+    write_rows([verl_row("q", "no_such_reward_xyz", "a", 0, "train")], tmp_path / "unscored.parquet")
+    write_rows([verl_row("q", "countdown", {"target": 3, "numbers": [1, 2]}, 0, "train")], tmp_path / "ok.parquet")
+    (tmp_path / "responses.jsonl").write_text(json.dumps(
+        {"data_source": "countdown", "response": "<answer>1+2</answer>", "reward_model": {"ground_truth": {
+            "target": 3, "numbers": [1, 2]}}}) + "\n")
+    return {p.stem: p for p in tmp_path.iterdir()}
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    (["config", "learner.stepz=3"], ["learner.stepz", "unknown key"]),
+    (["config", "learner.steps=many"], ["learner.steps", "'many'"]),
+    (["config", "learner.lr=[1"], ["learner.lr=[1"]),
+    (["config", "learner.steps"], ["'learner.steps'", "key=value"]),
+    (["config", "--preset", "{tmp}/none.yaml"], ["none.yaml", "not found"]),
+    (["run", "--model", "{model}", "--data", "{tmp}/none.parquet"], ["task.data", "none.parquet", "no such file"]),
+    (["run", "--model", "{tmp}", "--data", "{ok}"], ["model.path", "not a Hugging Face model directory"]),
+    (["run", "--model", "{model}", "--data", "{ok}", "task.test_data.dev={corrupt}"],
+     ["task.test_data.dev", "corrupt.parquet", "not a readable parquet file"]),
+    (["run", "--data", "{corrupt}", "--model", "{model}"], ["task.data", "corrupt.parquet", "not a readable parquet"]),
+    (["run", "--model", "{model}", "--data", "{unscored}"], ["task.data", "unscored.parquet", "no_such_reward_xyz"]),
+    (["eval", "--model", "{model}", "--data", "{corrupt}"], ["--data", "corrupt.parquet", "not a readable parquet"]),
+    (["presample", "--model", "{model}", "--data", "{corrupt}", "-o", "{tmp}/x"], ["--data", "corrupt.parquet"]),
+    (["score", "{corrupt}"], ["corrupt.parquet", "not a readable parquet file"]),
+    (["score", "{tmp}/none.jsonl"], ["none.jsonl", "no such file"]),
+    (["score", "{responses}", "rewards.plugins=[{tmp}/none.py]"], ["rewards.plugins", "none.py", "no such file"]),
+    (["ablate", "staleness", "--seeds", "0", "replay.max_staleness=-1"], ["replay.max_staleness"]),
+    (["soak", "sampling.n=x"], ["sampling.n"]),
+    (["serve", "replay", "net.hots=1"], ["net.hots", "unknown key"]),
+    (["serve", "scorer", "rewards.workers=0"], ["rewards.workers"]),
+    (["bench", "learner.steps=3", "--skip", "5"], ["learner.steps (3) must be more than --skip (5)"]),
+])
+def test_a_user_error_is_one_line_naming_what_is_wrong(argv, names, files, tmp_path, capsys):
+    fill = {"tmp": str(tmp_path), **{k: str(v) for k, v in files.items()}}
+    line = _one_error_line([a.format(**fill) for a in argv], capsys)
+    for name in names:
+        assert name.format(**fill) in line
+
+
+def test_no_traceback_from_the_installed_command(files):
+    # The process as a user starts it: the corrupt parquet of the issue, given to --data.
+    proc = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "eval", "--model", str(files["model"]),
+                           "--data", str(files["corrupt"])], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("error: --data corrupt: ") and "Traceback" not in proc.stderr
