@@ -67,6 +67,8 @@ BATCH_LIMITS = Limits(
     max_frames=0,
     accept=frozenset({BatchRequest, StatsRequest, Control}),
 )
+# An honest actor whose groups outgrow the limits learns which settings hold them.
+_LIMIT_HINT = " (the replay's limits: replay.max_group_mb, replay.max_header_kb, replay.max_frames)"
 # Wake at least this often to answer parked requests at their deadline and to notice stop().
 TICK_S = 0.05
 
@@ -261,7 +263,8 @@ class ReplayService:
             self._commit(groups)
             groups = []
             if isinstance(msg, ProtocolError):
-                self._send(self._ingest, received.peer, Ack([], "error", f"message refused: {msg}"))
+                hint = _LIMIT_HINT if msg.kind in ("size", "frames") else ""
+                self._send(self._ingest, received.peer, Ack([], "error", f"message refused: {msg}{hint}"))
             else:
                 self._actor_request(received.peer, msg)
         self._commit(groups)

@@ -111,6 +111,7 @@ def test_frames_past_the_count_or_the_bytes_the_header_allows_are_refused(servic
     reply = ask(sock, [msgpack.packb(head), *([chunk] * 40)])
     limit = int(0.25 * 2**20)
     assert reply.status == "error" and f"more than {limit} bytes (its limit) across its frames" in reply.error
+    assert "replay.max_group_mb" in reply.error  # an honest actor is told which setting holds it
     head["n"] = 65
     reply = ask(sock, [msgpack.packb(head)])
     assert reply.status == "error" and "header announces 65 array frames (allowed: 0 to 64)" in reply.error
