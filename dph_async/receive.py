@@ -1,9 +1,11 @@
 """Reading one message off a service's ROUTER socket within its limits, one frame at a time.
 
-libzmq hands over a multipart message only once all of its frames have arrived, so what a message
-may occupy inside libzmq is bounded per frame: `limit_frames(sock, limits)` sets ZMQ_MAXMSGSIZE to
-the endpoint's message cap, and a peer sending a bigger frame is disconnected before libzmq buffers
-it. `receive` then never holds more of a message than its limits allow: it reads the header frame,
+libzmq hands over a multipart message only once all of its frames have arrived, and its only size
+limit, ZMQ_MAXMSGSIZE, is per frame: `limit_frames(sock, limits)` sets it to the endpoint's message
+cap, so a peer sending a bigger frame is disconnected before libzmq buffers that frame. What a
+message of many frames holds inside libzmq before it is delivered is frames x that cap, which no
+libzmq option bounds (docs/data_plane.md, "Hostile peers", says what follows). Once delivered,
+`receive` holds no more of a message than its limits allow: it reads the header frame,
 checks it (`read_header`: size, version, type, frame count), takes the array frames one by one
 against the frame count the header announced and the message's byte cap, and once either is
 exceeded reads the rest off the socket dropping each frame as it comes, so a refused message is
