@@ -6,10 +6,17 @@ authenticates every connection: only clients whose public key is in the director
 folder get through (pyzmq's ZAP authenticator refuses the rest during the handshake).
 
 Key directory layout (`dph-async keys DIR`):
-    DIR/server.key, DIR/server.key_secret   the service's key pair
-    DIR/client.key, DIR/client.key_secret   the key pair clients use
-    DIR/authorized/*.key                    public keys of the clients the service accepts
-For a stricter set-up give actor and learner nodes only client.key_secret and server.key.
+    DIR/server.key, DIR/server.key_secret    the service's key pair
+    DIR/client.key, DIR/client.key_secret    the key pair actors use
+    DIR/control.key, DIR/control.key_secret  the learner's key pair: the control identity, the only
+                                             one whose batch requests and commands the replay obeys
+    DIR/authorized/*.key                     public keys of the clients the service accepts
+Give actor nodes only client.key_secret and server.key: what they lack is the control identity.
+The authorized keys and the control key are read again when they change (`CurveKeys`): a key added
+is accepted and a key removed is refused from then on, open connections included, without a restart.
+
+Without CURVE (loopback), control is authorized by a random token that the process starting the
+replay creates and hands to the learner's client (`control_token`).
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import secrets
 import shutil
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,21 +87,98 @@ def _load_pair(keys: Path, name: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
+class CurveKeys:
+    """The client public keys a service accepts (DIR/authorized/*.key) and the control key
+    (DIR/control.key), as z85 text, read again when the files change (checked at most every
+    `check_s` seconds). The ZAP authenticator asks `callback` at each handshake; a service asks
+    `allows` for each message, so a removed key's open connections are refused too."""
+
+    def __init__(self, keys: Path, check_s: float = 1.0):
+        self.dir = keys
+        self.check_s = check_s
+        self._lock = threading.Lock()
+        self._signature: tuple = ()
+        self._checked = -float("inf")
+        self.allowed: frozenset[str] = frozenset()
+        self.control = ""
+        self.refresh()
+
+    def _files(self) -> list[Path]:
+        files = sorted((self.dir / "authorized").glob("*.key"))
+        return [*files, self.dir / "control.key"]
+
+    def refresh(self) -> None:
+        """Re-read the keys if `check_s` has passed and a key file was added, removed or changed."""
+        now = time.monotonic()
+        if now - self._checked < self.check_s:
+            return
+        with self._lock:
+            self._checked = now
+            files = self._files()
+            signature = tuple((p.name, st.st_mtime_ns, st.st_size) for p in files if (st := _stat(p)) is not None)
+            if signature == self._signature:
+                return
+            self._signature = signature
+            keys = {key for p in files[:-1] if (key := _public_key(p))}
+            self.control = _public_key(files[-1]) if files[-1].is_file() else ""
+            self.allowed = frozenset(keys | ({self.control} if self.control else set()))
+            log.info("CURVE keys of %s: %d authorized, control key %s", self.dir, len(self.allowed),
+                     "present" if self.control else "absent")
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """pyzmq's credentials-provider hook: may the client with this z85 key connect?"""
+        return self.allows(key.decode("ascii", "replace"))
+
+    def allows(self, user_id: str) -> bool:
+        self.refresh()
+        return user_id in self.allowed
+
+    def is_control(self, user_id: str) -> bool:
+        self.refresh()
+        return bool(self.control) and user_id == self.control
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except OSError:
+        return None
+
+
+def _public_key(path: Path) -> str:
+    try:
+        public, _ = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        log.warning("CURVE key file %s unreadable, ignored: %s", path, e)
+        return ""
+    return public.decode("ascii")
+
+
+_curve_keys: dict[Path, CurveKeys] = {}
 # One ZAP authenticator per context: libzmq routes every handshake of a context to one handler.
 _authenticators: weakref.WeakKeyDictionary[zmq.Context, ThreadAuthenticator] = weakref.WeakKeyDictionary()
 _auth_lock = threading.Lock()
 
 
-def _ensure_authenticator(ctx: zmq.Context, keys: Path) -> None:
-    authorized = keys / "authorized"
-    if not authorized.is_dir():
+def curve_keys(directory: str | os.PathLike) -> CurveKeys:
+    """The process's one CurveKeys for a key directory (the authenticator and the services share it)."""
+    keys = Path(directory).resolve()
+    if not (keys / "authorized").is_dir():
         raise FileNotFoundError(f"CURVE key directory {keys} has no authorized/ folder of client public keys")
+    with _auth_lock:
+        if keys not in _curve_keys:
+            _curve_keys[keys] = CurveKeys(keys)
+        return _curve_keys[keys]
+
+
+def _ensure_authenticator(ctx: zmq.Context, keys: Path) -> None:
+    provider = curve_keys(keys)
     with _auth_lock:
         if ctx in _authenticators:
             return
         auth = ThreadAuthenticator(ctx, log=log)
         auth.start()
-        auth.configure_curve(domain="*", location=str(authorized))
+        auth.configure_curve_callback(domain="*", credentials_provider=provider)
         _authenticators[ctx] = auth
 
 
@@ -126,24 +212,55 @@ def bind(sock: zmq.Socket, addr: str, security: NetSecurity) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def connect(sock: zmq.Socket, addr: str, security: NetSecurity) -> None:
-    """Connect `sock`, as a CURVE client when keys are configured."""
+def connect(sock: zmq.Socket, addr: str, security: NetSecurity, identity: str = "client") -> None:
+    """Connect `sock`, as a CURVE client when keys are configured: with the key pair `identity`
+    ("client" for actors, "control" for the learner)."""
     if security.curve_keys is not None:
         keys = Path(security.curve_keys)
-        sock.curve_publickey, sock.curve_secretkey = _load_pair(keys, "client")
+        sock.curve_publickey, sock.curve_secretkey = _load_pair(keys, identity)
         server_public, _ = zmq.auth.load_certificate(keys / "server.key")
         sock.curve_serverkey = server_public
     sock.connect(addr)
 
 
 def generate_keys(directory: str | os.PathLike) -> Path:
-    """Create a key directory (server and client pairs, the client authorized). Refuses to overwrite."""
+    """Create a key directory (server, client and control pairs, the client authorized). Refuses to
+    overwrite."""
     keys = Path(directory)
     if (keys / "server.key_secret").exists():
         raise FileExistsError(f"{keys} already holds keys; remove it first to make new ones")
     (keys / "authorized").mkdir(parents=True, exist_ok=True)
-    for name in ("server", "client"):
+    for name in ("server", "client", "control"):
         _, secret_file = zmq.auth.create_certificates(keys, name)
         os.chmod(secret_file, 0o600)
     shutil.copy(keys / "client.key", keys / "authorized" / "client.key")
     return keys
+
+
+CONTROL_TOKEN_FILE = "control.token"
+
+
+def control_token(directory: str | os.PathLike) -> bytes:
+    """The replay's control token kept in `directory` (created, readable by its owner only, if
+    absent): whoever starts the replay makes it, the learner's client reads it, actors never get it.
+    Kept in a file so a restarted replay keeps the token its learner holds."""
+    path = Path(directory) / CONTROL_TOKEN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        # Written whole under a private name, then linked into place: a reader never sees it half
+        # written, and of two processes starting at once the first link wins and both read it.
+        tmp = path.with_name(f".{CONTROL_TOKEN_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_bytes(32).hex())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    text = path.read_text().strip()
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise ValueError(f"{path}: not a control token (hex digits expected); remove it to make a new one") from None

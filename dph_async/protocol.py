@@ -1,33 +1,46 @@
 """The wire protocol: typed messages, each one ZeroMQ multipart message.
 
-    frame 0   msgpack header {"v": SCHEMA_VERSION, "t": <message type>, "m": <fields>}
-    frame 1.. the numeric arrays as raw little-endian bytes, in the order they occur in the fields
+    frame 0   msgpack header {"v": SCHEMA_VERSION, "t": <message type>, "n": <array frames>, "m": <fields>}
+    frame 1.. the numeric arrays as raw little-endian bytes
 
-In the header an array field holds [dtype, shape]; its bytes are the next array frame. Nested
-dataclasses are maps of their fields, lists are lists. `encode` and `decode` walk the same type
-annotations, so the schema is the dataclasses below and nothing else. Decoding trusts nothing: it
-checks sizes before parsing, every field's type, dtypes against a whitelist, shapes against frame
-lengths and that lengths agree, and raises `ProtocolError` naming where and what. Nothing is
-ever unpickled. docs/data_plane.md is the prose version of this file.
+Messages are msgspec Structs: msgspec encodes their fields and decodes a header straight into the
+typed class, checking each field's type as it reads it. In the header an array field is its
+descriptor [dtype, shape, frame] (`ArrayRef`); its bytes are array frame number `frame`. Decoding
+swaps each descriptor for a read-only numpy view of its frame (no copy; arrays never pass through
+msgpack).
+
+Decoding trusts nothing and builds nothing it has not checked, in this order:
+  1. sizes from the frame lengths alone: the header against `Limits.max_header_bytes`;
+  2. the envelope (v, t, n) with the fields kept as raw bytes (skipped over, not built);
+  3. the schema version, the message type (one the endpoint accepts), n against `Limits.max_frames`
+     and the frames that came, the whole message against its byte cap;
+  4. the fields, into the type's Struct: containers against their length limits before they are
+     built, dtypes against each array field's whitelist, shapes against frame lengths, every frame
+     described exactly once;
+  5. `validate()`: what relates fields (lengths that agree, ranges).
+Anything wrong is a `ProtocolError` naming where and what. Nothing is ever unpickled; msgpack
+extension types are refused. docs/data_plane.md is the prose version of this file.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-from collections.abc import Callable, Sequence
+import math
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 
-import msgpack
+import msgspec
 import numpy as np
 
+from dph_async.replay_stats import ReplayStats
 from dph_async.rewards.result import RewardResult
 
 # Bump on any change to a message's fields: peers with another version are refused, not misread.
-# 2: Control.version (the learner's version at a snapshot).
-# 3: Completion.policy_weight (which distribution sampled it: the DPO samplers).
-SCHEMA_VERSION = 3
+# 2: Control.version. 3: msgspec codec; frame count n in the header, arrays name their frame;
+#    BatchRequest.token and Control.token; Stats carries ReplayStats.
+# 4: Completion.policy_weight (which distribution sampled it: the DPO samplers).
+SCHEMA_VERSION = 4
 
 MiB = 1 << 20
 
@@ -42,57 +55,61 @@ class ProtocolError(ValueError):
         self.detail = detail
         self.where = where
 
-    def within(self, segment: str) -> ProtocolError:
-        """The same error one level further out: `segment` is ".name" or "[i]" (built only on error)."""
-        where = segment + ("" if not self.where else self.where if self.where[0] == "[" else "." + self.where)
-        return ProtocolError(self.kind, self.detail, where.lstrip("."))
-
     def __str__(self) -> str:
         return f"{self.where}: {self.detail}" if self.where else self.detail
 
 
 # ---------------------------------------------------------------------------------------------
-# Field annotations the codec understands beyond plain Python types.
+# Arrays and limits.
 
 
 @dataclass(frozen=True)
 class ArraySpec:
-    """An array field: the dtypes it may have and its number of dimensions (None: any)."""
+    """What an array field may hold: its dtypes and number of dimensions (None: any)."""
 
     dtypes: tuple[str, ...]
     ndim: int | None = 1
+    # Lookups for the hot paths: wire dtype by name (decoding), and the dtypes an array may have in
+    # Python, either byte order (encoding).
+    wire: dict[str, np.dtype] = field(init=False, repr=False, compare=False)
+    accepts: frozenset[np.dtype] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        wire = {name: np.dtype(name).newbyteorder("<") for name in self.dtypes}
+        object.__setattr__(self, "wire", wire)
+        object.__setattr__(self, "accepts", frozenset(wire.values()) | {d.newbyteorder(">") for d in wire.values()})
 
 
 # Storage dtypes a weights tensor may have. numpy has no bfloat16: such tensors travel as their raw
 # uint16 bits, tagged "bfloat16" in the message's dtype list.
-TENSOR_DTYPES = (
-    "float32",
-    "float16",
-    "uint16",
-    "float64",
-    "int64",
-    "int32",
-    "int16",
-    "int8",
-    "uint8",
-    "bool",
-)
+TENSOR_DTYPES = ("float32", "float16", "uint16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 STORAGE_DTYPE = {name: name for name in TENSOR_DTYPES} | {"bfloat16": "uint16"}
-
-Int32Array = Annotated[np.ndarray, ArraySpec(("int32",))]
-Float32Array = Annotated[np.ndarray, ArraySpec(("float32",))]
-TensorArray = Annotated[np.ndarray, ArraySpec(TENSOR_DTYPES, None)]
-
-
-class _JsonMarker:
-    """Marks a field holding plain data (None, bool, int, float, str, lists, str-keyed maps)."""
-
-
-Json = Annotated[object, _JsonMarker]
+INT32 = ArraySpec(("int32",))
+FLOAT32 = ArraySpec(("float32",))
+TENSOR = ArraySpec(TENSOR_DTYPES, None)
 
 MAX_NDIM = 8
 MAX_DIM = 1 << 40
-MAX_JSON_DEPTH = 16
+# Container limits, checked from a container's length prefix before anything in it is built.
+MAX_COMPLETIONS = 4096  # completions in one rollout group
+MAX_ITEMS = 1 << 22  # any other list in a header (ids, groups, tensors of a bucket)
+MAX_TOKEN_BYTES = 256  # a control token
+MAX_PATH = 4096  # a snapshot name
+
+_NAMES = {np.dtype(name): name for name in TENSOR_DTYPES}
+
+
+class ArrayRef(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
+    """An array in the header: dtype, shape, and the number of the array frame holding its bytes."""
+
+    dtype: str
+    shape: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=MAX_DIM)]], msgspec.Meta(max_length=MAX_NDIM)]
+    frame: Annotated[int, msgspec.Meta(ge=0)]
+
+
+# The type of an array field. In Python the field holds a numpy array; in the header, its ArrayRef,
+# which is what msgspec decodes the field as (the class's __post_init__ then swaps in the array).
+Array = ArrayRef
 
 
 def storage_dtype(tag: str) -> np.dtype:
@@ -120,20 +137,110 @@ def _disagree(**lengths: int) -> str:
     return "lengths disagree: " + ", ".join(f"{n} {name}" for name, n in lengths.items())
 
 
+def _check_array(name: str, a: Any, spec: ArraySpec) -> None:
+    """Encoding: the value of an array field must be an array the receiver will accept."""
+    if not isinstance(a, np.ndarray):
+        raise ValueError(f"{name}: expected a numpy array, got {type(a).__name__}")
+    if a.dtype not in spec.accepts:
+        raise ValueError(f"{name}: dtype {a.dtype.name} not allowed (allowed: {', '.join(spec.dtypes)})")
+    if spec.ndim is not None and a.ndim != spec.ndim:
+        raise ValueError(f"{name}: expected {spec.ndim} dimension(s), got shape {a.shape}")
+
+
+class _Frames(threading.local):
+    """The array frames of the message being encoded or decoded in this thread."""
+
+    out: list[memoryview] | None = None  # encoding: frames so far
+    bufs: Sequence[memoryview] | None = None  # decoding: the frames that came
+    used: bytearray = bytearray()
+    kind: str = ""  # decoding: the ProtocolError kind of the failure being raised
+    field: str = ""  # and the array field it is in (msgspec's path ends at the struct)
+
+
+_frames = _Frames()
+
+
+def _fail(kind: str, name: str, detail: str) -> ValueError:
+    """An error raised inside msgspec's decoding (which adds where it happened); kind and field go aside."""
+    _frames.kind, _frames.field = kind, name
+    return ValueError(detail)
+
+
+def _take(ref: ArrayRef, spec: ArraySpec, name: str) -> np.ndarray:
+    """Decoding: the array `ref` describes, a read-only view of its frame."""
+    dtype, shape, i = spec.wire.get(ref.dtype), ref.shape, ref.frame
+    if dtype is None:
+        raise _fail("array", name, f"dtype {ref.dtype[:40]!r} not allowed (allowed: {', '.join(spec.dtypes)})")
+    if spec.ndim is not None and len(shape) != spec.ndim:
+        raise _fail("array", name, f"expected {spec.ndim} dimension(s), got shape {shape}")
+    frames = _frames
+    bufs, used = frames.bufs, frames.used
+    if bufs is None:
+        raise _fail("array", name, "an array descriptor outside decoding")
+    if i >= len(bufs):
+        raise _fail("frames", name, f"array frame {i} described, but only {len(bufs)} array frames came")
+    if used[i]:
+        raise _fail("frames", name, f"array frame {i} described twice")
+    used[i] = 1
+    buf = bufs[i]
+    count = shape[0] if len(shape) == 1 else math.prod(shape)
+    if buf.nbytes != count * dtype.itemsize:
+        raise _fail("array", name, f"frame {i} of {buf.nbytes} bytes does not hold a {ref.dtype}{shape} array")
+    array = np.frombuffer(buf, dtype=dtype)
+    if len(shape) == 1:
+        return array
+    try:
+        return array.reshape(ref.shape)
+    except ValueError:  # an empty array whose other dimensions multiply past numpy's limit
+        raise _fail("array", name, f"shape {shape} is too large") from None
+
+
+def _swap_arrays(msg: Any) -> None:
+    """__post_init__ of a class with array fields: after decoding, each ArrayRef becomes its array."""
+    for name, spec in msg.ARRAYS:
+        ref = getattr(msg, name)
+        if type(ref) is ArrayRef:
+            setattr(msg, name, _take(ref, spec, name))
+
+
+def _check_arrays(msg: Any) -> None:
+    for name, spec in msg.ARRAYS:
+        _check_array(name, getattr(msg, name), spec)
+
+
+class _Struct(msgspec.Struct, forbid_unknown_fields=True):
+    """Every struct of the protocol: a field the class does not declare is an error."""
+
+
+class Message(_Struct):
+    """A message type. MAX_BYTES caps a whole message of the type (header and array frames)."""
+
+    MAX_BYTES: ClassVar[int] = MiB
+
+    def validate(self) -> None:
+        """Raise ValueError if the fields do not fit together (their types are the decoder's job)."""
+
+
+def _validate_each(name: str, items: Sequence[Any]) -> None:
+    for i, item in enumerate(items):
+        try:
+            item.validate()
+        except ValueError as e:
+            raise ValueError(f"{name}[{i}]: {e}") from None
+
+
 # ---------------------------------------------------------------------------------------------
-# Messages. Arrays are numpy arrays; decoded arrays are read-only views of the received frames.
+# Messages. Decoded arrays are read-only views of the received frames.
 
 
-@dataclass
-class SamplingInfo:
+class SamplingInfo(_Struct):
     temperature: float
     top_p: float
     top_k: int
     max_tokens: int
 
 
-@dataclass(eq=False)
-class Completion:
+class Completion(_Struct, eq=False):
     """One sampled response. token_ids include the end-of-sequence token when one was generated;
     logprobs are the behaviour log-probs of the distribution actually sampled; versions[i] is the
     policy version of the weights that produced token i. policy_weight says which distribution
@@ -141,14 +248,19 @@ class Completion:
     the logits of those weights and z_ref those of the frozen reference pi_0 (1: the policy itself,
     0: pi_ref; the `mixp` sampler uses 1.5 and 0.5)."""
 
-    token_ids: Int32Array
-    logprobs: Float32Array
-    versions: Int32Array
+    ARRAYS: ClassVar = (("token_ids", INT32), ("logprobs", FLOAT32), ("versions", INT32))
+
+    token_ids: Array
+    logprobs: Array
+    versions: Array
     reward: RewardResult
     finish_reason: str
     policy_weight: float = 1.0
 
+    __post_init__ = _swap_arrays
+
     def validate(self) -> None:
+        _check_arrays(self)
         n = len(self.token_ids)
         if n == 0:
             raise ValueError("completion has no tokens")
@@ -158,23 +270,25 @@ class Completion:
             raise ValueError(_disagree(token_ids=n, logprobs=len(self.logprobs), versions=len(self.versions)))
 
 
-@dataclass(eq=False)
-class RolloutGroup:
+class RolloutGroup(Message, eq=False):
     """The n completions of one prompt (a GRPO group, never split). Its id is (actor_id, seq), where
     seq is the actor's position in its prompt shard: a restarted actor that regenerates an already
     accepted position produces a duplicate, which the replay drops."""
 
     MAX_BYTES: ClassVar[int] = 256 * MiB
+    ARRAYS: ClassVar = (("prompt_ids", INT32),)
 
     actor_id: int
     seq: int
     prompt_id: str
     data_source: str
-    prompt_ids: Int32Array
-    completions: list[Completion]
+    prompt_ids: Array
+    completions: Annotated[list[Completion], msgspec.Meta(max_length=MAX_COMPLETIONS)]
     sampling: SamplingInfo
     created_at: float
     finished_at: float
+
+    __post_init__ = _swap_arrays
 
     @property
     def group_id(self) -> tuple[int, int]:
@@ -199,26 +313,32 @@ class RolloutGroup:
         return sum(a.nbytes for a in arrays)
 
     def validate(self) -> None:
+        _check_arrays(self)
         if not 0 <= self.actor_id < 1 << 31:
             raise ValueError(f"actor_id {self.actor_id} out of range [0, 2^31)")
         if not 0 <= self.seq < 1 << 62:
             raise ValueError(f"seq {self.seq} out of range [0, 2^62)")
         if not self.completions:
             raise ValueError("group has no completions")
+        _validate_each("completions", self.completions)
 
 
-@dataclass(eq=False)
-class ReferenceSample:
+class ReferenceSample(_Struct, eq=False):
     """A preserved D_pef sample with the per-token log-probs of the base policy pi_0."""
 
+    ARRAYS: ClassVar = (("prompt_ids", INT32), ("response_ids", INT32), ("ref_logprobs", FLOAT32))
+
     sample_id: str
-    prompt_ids: Int32Array
-    response_ids: Int32Array
-    ref_logprobs: Float32Array
+    prompt_ids: Array
+    response_ids: Array
+    ref_logprobs: Array
     reward: float
     source: str
 
+    __post_init__ = _swap_arrays
+
     def validate(self) -> None:
+        _check_arrays(self)
         if len(self.response_ids) == 0:
             raise ValueError("reference sample has no response tokens")
         if len(self.ref_logprobs) != len(self.response_ids):
@@ -226,33 +346,31 @@ class ReferenceSample:
 
 
 AckStatus = Literal["ok", "duplicate", "error"]
+GroupIds = Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_ITEMS)]
 
 
-@dataclass
-class Ack:
+class Ack(Message):
     """The replay's answer to rollout groups: "ok" (logged, will be served), "duplicate" (already
     accepted earlier; the sender may forget it) or "error" (rejected; `error` says why). An error ack
-    with no ids answers a message that could not be decoded."""
+    with no ids answers a message that was refused before it could be read."""
 
     MAX_BYTES: ClassVar[int] = 16 * MiB
 
-    group_ids: list[tuple[int, int]]
+    group_ids: GroupIds
     status: AckStatus
     error: str = ""
 
 
-@dataclass
-class TicketRequest:
+class TicketRequest(Message):
     """An actor asks for up to `want` admission tickets (one per prompt it may start).
 
-    outstanding: tickets it holds that have not yet become sent groups; the replay takes this as the
-        truth for the actor's in-flight count, so counts heal after either side restarts.
+    outstanding: tickets it holds that have not yet become sent groups. The replay keeps its own
+        record of what it granted each actor and takes this only to lower that record (an actor that
+        lost tickets gives them back), never to raise it.
     weights_version: the policy version the actor generates with (-1: unknown); tickets are sized so
         its groups are still fresh when consumed.
     wait_s: how long the replay may hold the request waiting for capacity before granting what it can.
     """
-
-    MAX_BYTES: ClassVar[int] = MiB
 
     actor_id: int
     want: int
@@ -265,72 +383,65 @@ class TicketRequest:
         _check_wait(self.wait_s)
 
 
-@dataclass
-class TicketGrant:
-    MAX_BYTES: ClassVar[int] = MiB
-
+class TicketGrant(Message):
     actor_id: int
     granted: int
     learner_version: int
 
 
-@dataclass
-class ResumeRequest:
+class ResumeRequest(Message):
     """A (re)started actor asks which of its shard positions are already accepted. It also tells the
     replay that the actor's earlier tickets are void."""
-
-    MAX_BYTES: ClassVar[int] = MiB
 
     actor_id: int
 
 
-@dataclass
-class ResumeInfo:
+class ResumeInfo(Message):
     """Every seq < watermark is accepted, and so is every seq in accepted_above (all > watermark)."""
 
     MAX_BYTES: ClassVar[int] = 256 * MiB
 
     actor_id: int
     watermark: int
-    accepted_above: list[int]
+    accepted_above: Annotated[list[int], msgspec.Meta(max_length=MAX_ITEMS)]
     learner_version: int
 
     def is_accepted(self, seq: int) -> bool:
         return seq < self.watermark or seq in self.accepted_above
 
 
-@dataclass
-class BatchRequest:
+Token = Annotated[bytes, msgspec.Meta(max_length=MAX_TOKEN_BYTES)]
+
+
+class BatchRequest(Message):
     """The learner, at `version` (optimizer steps applied), asks for `num_groups` fresh groups.
 
     The replay answers within about wait_s with what satisfies the staleness bound (maybe fewer or
     none). request_id > 0 makes the request idempotent: asking again with the same id returns the same
     batch (a lost reply is retried without losing or repeating groups); a new id tells the replay the
-    previous batch arrived. 0 means no retry protection.
+    previous batch arrived. 0 means no retry protection. token: the control token (without CURVE).
     """
-
-    MAX_BYTES: ClassVar[int] = MiB
 
     version: int
     num_groups: int
     wait_s: float
     request_id: int = 0
+    token: Token = b""
 
     def validate(self) -> None:
         _non_negative(version=self.version, num_groups=self.num_groups, request_id=self.request_id)
         _check_wait(self.wait_s)
 
 
-@dataclass(eq=False)
-class Batch:
+class Batch(Message, eq=False):
     """Fresh groups plus reference samples for one learner step. drops: groups dropped (by reason)
     since the previous batch, so the learner can log them with this step."""
 
     MAX_BYTES: ClassVar[int] = 64 * 1024 * MiB
 
     version: int
-    groups: list[RolloutGroup]
-    reference: list[ReferenceSample]
+    groups: Annotated[list[RolloutGroup], msgspec.Meta(max_length=MAX_ITEMS)]
+    reference: Annotated[list[ReferenceSample], msgspec.Meta(max_length=MAX_ITEMS)]
     drops: dict[str, int]
     request_id: int = 0
 
@@ -338,25 +449,28 @@ class Batch:
     def num_samples(self) -> int:
         return sum(len(g.completions) for g in self.groups)
 
+    def validate(self) -> None:
+        _validate_each("groups", self.groups)
+        _validate_each("reference", self.reference)
 
-@dataclass
-class WeightsQuery:
-    MAX_BYTES: ClassVar[int] = MiB
 
+class WeightsQuery(Message):
     actor_id: int
     have_version: int
 
 
-@dataclass
-class BucketInfo:
+Names = Annotated[list[str], msgspec.Meta(max_length=MAX_ITEMS)]
+
+
+class BucketInfo(_Struct):
     """One bucket of a weights version: which tensors, their dtype tags and shapes, and a checksum."""
 
     index: int
     nbytes: int
     checksum: str
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
+    names: Names
+    dtypes: Names
+    shapes: Annotated[list[Annotated[list[int], msgspec.Meta(max_length=MAX_NDIM)]], msgspec.Meta(max_length=MAX_ITEMS)]
 
     def validate(self) -> None:
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
@@ -365,24 +479,22 @@ class BucketInfo:
             storage_dtype(tag)
 
 
-@dataclass
-class WeightsReady:
+class WeightsReady(Message):
     MAX_BYTES: ClassVar[int] = 256 * MiB
 
     version: int
-    buckets: list[BucketInfo]
+    buckets: Annotated[list[BucketInfo], msgspec.Meta(max_length=MAX_ITEMS)]
+
+    def validate(self) -> None:
+        _validate_each("buckets", self.buckets)
 
 
-@dataclass
-class WeightsRequest:
-    MAX_BYTES: ClassVar[int] = MiB
-
+class WeightsRequest(Message):
     version: int
     bucket: int
 
 
-@dataclass(eq=False)
-class WeightsBucket:
+class WeightsBucket(Message, eq=False):
     """The tensors of one bucket, one frame each. dtypes tags each array ("bfloat16" for uint16
     bits); empty means each array's own numpy dtype."""
 
@@ -390,414 +502,123 @@ class WeightsBucket:
 
     version: int
     index: int
-    names: list[str]
-    arrays: list[TensorArray]
+    names: Names
+    arrays: Annotated[list[Array], msgspec.Meta(max_length=MAX_ITEMS)]
     checksum: str
-    dtypes: list[str] = field(default_factory=list)
+    dtypes: Names = []
+
+    def __post_init__(self) -> None:
+        arrays = self.arrays
+        self.arrays = [_take(a, TENSOR, f"arrays[{i}]") if type(a) is ArrayRef else a for i, a in enumerate(arrays)]
 
     @property
     def tensor_dtypes(self) -> list[str]:
         return self.dtypes or [a.dtype.name for a in self.arrays]
 
     def validate(self) -> None:
+        for i, a in enumerate(self.arrays):
+            _check_array(f"arrays[{i}]", a, TENSOR)
         if len(self.names) != len(self.arrays):
             raise ValueError(_disagree(names=len(self.names), arrays=len(self.arrays)))
         if self.dtypes and len(self.dtypes) != len(self.arrays):
             raise ValueError(_disagree(dtypes=len(self.dtypes), arrays=len(self.arrays)))
         for name, tag, array in zip(self.names, self.tensor_dtypes, self.arrays, strict=True):
-            if storage_dtype(tag) != array.dtype:
+            if storage_dtype(tag) != array.dtype.newbyteorder("="):
                 raise ValueError(f"tensor {name!r} tagged {tag} is stored as {array.dtype.name}")
 
 
-@dataclass
-class StatsRequest:
-    MAX_BYTES: ClassVar[int] = MiB
+class StatsRequest(Message):
+    pass
 
 
-@dataclass
-class Stats:
+class Stats(Message):
     MAX_BYTES: ClassVar[int] = 64 * MiB
 
-    metrics: dict[str, Json]
+    replay: ReplayStats
 
 
 ControlCommand = Literal["snapshot", "restore", "shutdown"]
 
 
-@dataclass
-class Control:
-    MAX_BYTES: ClassVar[int] = MiB
+class Control(Message):
+    """A command for the replay, obeyed only from the control identity (the CURVE control key, or
+    without CURVE `token`). path: a snapshot's name relative to the replay's data directory."""
 
     command: ControlCommand
-    path: str = ""
+    path: Annotated[str, msgspec.Meta(max_length=MAX_PATH)] = ""
     # snapshot: the learner's version (optimizer steps applied) at the checkpoint; -1 if unknown.
     version: int = -1
+    token: Token = b""
 
 
-@dataclass
-class ControlReply:
-    MAX_BYTES: ClassVar[int] = MiB
-
+class ControlReply(Message):
     ok: bool
     detail: str = ""
 
 
-@dataclass
-class ErrorReply:
+class ErrorReply(Message):
     """The answer to a request that was refused; kind is the ProtocolError kind when decoding failed."""
-
-    MAX_BYTES: ClassVar[int] = MiB
 
     error: str
     kind: str = ""
 
 
-MESSAGE_TYPES: tuple[type, ...] = (
+MESSAGE_TYPES: tuple[type[Message], ...] = (
     RolloutGroup, Ack, TicketRequest, TicketGrant, ResumeRequest, ResumeInfo, BatchRequest, Batch,
     WeightsQuery, WeightsReady, WeightsRequest, WeightsBucket, StatsRequest, Stats, Control,
     ControlReply, ErrorReply,
 )  # fmt: skip
-Message = Union[  # noqa: UP007 (a runtime alias, spelled so it also works on 3.10)
-    RolloutGroup, Ack, TicketRequest, TicketGrant, ResumeRequest, ResumeInfo, BatchRequest, Batch,
-    WeightsQuery, WeightsReady, WeightsRequest, WeightsBucket, StatsRequest, Stats, Control,
-    ControlReply, ErrorReply,
-]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
-# The codec: one (encode, decode) pair of closures per annotation, compiled once per type.
-
-Encoder = Callable[[Any, list], Any]  # (value, array frames out) -> header value
-# (header value, next array frame) -> value; the second argument hands out the array frames in
-# order (an iterator's __next__: a C-level call per array on the hot path).
-Decoder = Callable[[Any, Callable[[], memoryview]], Any]
+# Encoding and decoding.
 
 
-def _type_name(value: object) -> str:
-    return type(value).__name__
-
-
-def _brief(value: object) -> str:
-    """A short description of untrusted input for an error message: repr for scalars, else the type."""
-    if value is None or isinstance(value, (bool, int, float)):
-        return repr(value)[:40]
-    if isinstance(value, str):
-        return repr(value[:40])
-    return f"a {_type_name(value)}"
-
-
-@dataclass(frozen=True)
-class _Scalar:
-    """How a scalar is checked: the types encoding accepts, the exact types a decoded value may have,
-    the conversion applied, and the allowed values of a Literal."""
-
-    label: str
-    accepts: tuple[type, ...]
-    exact: tuple[type, ...]
-    convert: Callable
-    allowed: tuple | None = None
-
-    def encode(self, v: Any) -> Any:
-        # bool is an int subclass: never accepted as a number.
-        if not isinstance(v, self.accepts) or (self.convert is not bool and isinstance(v, (bool, np.bool_))):
-            raise self.error(v)
-        if self.allowed is not None and v not in self.allowed:
-            raise self.error(v)
-        return self.convert(v)
-
-    def error(self, v: Any) -> ProtocolError:
-        if self.allowed is not None and isinstance(v, str):
-            return ProtocolError("field", f"{_brief(v)} is not one of {', '.join(map(repr, self.allowed))}")
-        return ProtocolError("field", f"expected {self.label}, got {_type_name(v)}")
-
-
-_SCALARS = {
-    bool: _Scalar("bool", (bool, np.bool_), (bool,), bool),
-    int: _Scalar("int", (int, np.integer), (int,), int),
-    float: _Scalar("float", (int, float, np.integer, np.floating), (int, float), float),
-    str: _Scalar("str", (str,), (str,), str),
-}
-
-
-def _scalar(hint: Any) -> _Scalar | None:
-    if typing.get_origin(hint) is Literal:
-        return _Scalar("str", (str,), (str,), str, typing.get_args(hint))
-    return _SCALARS.get(hint)
-
-
-def _scalar_codec(spec: _Scalar) -> tuple[Encoder, Decoder]:
-    """A scalar inside a list or tuple (a dataclass checks its own scalar fields inline)."""
-    exact, allowed, convert = spec.exact, spec.allowed, spec.convert
-
-    def dec(v, _):
-        if type(v) not in exact or (allowed is not None and v not in allowed):
-            raise spec.error(v)
-        return convert(v)
-
-    return (lambda v, _: spec.encode(v)), dec
-
-
-def _list_codec(item: tuple[Encoder, Decoder]) -> tuple[Encoder, Decoder]:
-    item_enc, item_dec = item
-
-    def convert(v, frames, fn, kinds):
-        if not isinstance(v, kinds):
-            raise ProtocolError("field", f"expected list, got {_type_name(v)}")
-        result = []
-        i = 0
-        try:
-            for i, x in enumerate(v):  # noqa: B007 (i names the failing item)
-                result.append(fn(x, frames))
-        except ProtocolError as e:
-            raise e.within(f"[{i}]") from None
-        return result
-
-    # Encoding takes tuples too; a decoded list must be exactly a list.
-    return (lambda v, out: convert(v, out, item_enc, (list, tuple))), (lambda v, fr: convert(v, fr, item_dec, list))
-
-
-def _tuple_codec(items: list[tuple[Encoder, Decoder]]) -> tuple[Encoder, Decoder]:
-    def enc(v, out):
-        if not isinstance(v, (list, tuple)) or len(v) != len(items):
-            raise ProtocolError("field", f"expected a {len(items)}-tuple, got {_brief(v)}")
-        return [e(x, out) for (e, _), x in zip(items, v, strict=True)]
-
-    def dec(v, frames):
-        if type(v) is not list or len(v) != len(items):
-            raise ProtocolError("field", f"expected a list of {len(items)}, got {_type_name(v)}")
-        return tuple(d(x, frames) for (_, d), x in zip(items, v, strict=True))
-
-    return enc, dec
-
-
-def _dict_codec(value: tuple[Encoder, Decoder]) -> tuple[Encoder, Decoder]:
-    value_enc, value_dec = value
-
-    def convert(v, frames, fn):
-        if not isinstance(v, dict):
-            raise ProtocolError("field", f"expected map, got {_type_name(v)}")
-        result = {}
-        for k, x in v.items():
-            if not isinstance(k, str):
-                raise ProtocolError("field", f"map key {_brief(k)} is not a str")
-            try:
-                result[k] = fn(x, frames)
-            except ProtocolError as e:
-                raise e.within(f"[{k!r:.40}]") from None
-        return result
-
-    return (lambda v, out: convert(v, out, value_enc)), (lambda v, fr: convert(v, fr, value_dec))
-
-
-def _json_check(v: object, depth: int = 0) -> object:
-    if depth > MAX_JSON_DEPTH:
-        raise ProtocolError("field", f"plain data nested deeper than {MAX_JSON_DEPTH}")
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, (np.integer, np.floating, np.bool_)):
-        return v.item()
-    if isinstance(v, (list, tuple)):
-        return [_json_check(x, depth + 1) for x in v]
-    if isinstance(v, dict):
-        if not all(isinstance(k, str) for k in v):
-            raise ProtocolError("field", "plain-data map with a non-str key")
-        return {k: _json_check(x, depth + 1) for k, x in v.items()}
-    raise ProtocolError("field", f"{_type_name(v)} is not plain data")
-
-
-def _json_codec() -> tuple[Encoder, Decoder]:
-    return (lambda v, _: _json_check(v)), (lambda v, _: _json_check(v))
-
-
-def _array_codec(spec: ArraySpec) -> tuple[Encoder, Decoder]:
-    # Lookups by dtype object and by name: dtype.name is a slow Python-level property.
-    by_dtype = {np.dtype(name): name for name in spec.dtypes}
-    by_name = {name: (np.dtype(name).newbyteorder("<"), np.dtype(name).itemsize) for name in spec.dtypes}
-    ndim = spec.ndim
-    allowed = ", ".join(spec.dtypes)
-
-    def enc(a, out):
-        name = by_dtype.get(a.dtype) if isinstance(a, np.ndarray) else None
+def _enc_hook(obj: Any) -> Any:
+    """What msgspec cannot encode itself: arrays (to a frame and a descriptor) and numpy scalars."""
+    if isinstance(obj, np.ndarray):
+        name = _NAMES.get(obj.dtype)
+        if name is None and obj.dtype.byteorder == ">":
+            obj = obj.astype(obj.dtype.newbyteorder("<"))
+            name = _NAMES.get(obj.dtype)
         if name is None:
-            if not isinstance(a, np.ndarray):
-                raise ProtocolError("array", f"expected a numpy array, got {_type_name(a)}")
-            if a.dtype.byteorder != ">" or (name := by_dtype.get(a.dtype.newbyteorder("<"))) is None:
-                raise ProtocolError("array", f"dtype {a.dtype.name} not allowed (allowed: {allowed})")
-            a = a.astype(a.dtype.newbyteorder("<"))
-        if ndim is not None and a.ndim != ndim:
-            raise ProtocolError("array", f"expected {ndim} dimension(s), got shape {a.shape}")
+            raise ProtocolError("array", f"dtype {obj.dtype.name} cannot travel (allowed: {', '.join(TENSOR_DTYPES)})")
         try:
-            view = memoryview(a).cast("B")
+            view = memoryview(obj).cast("B")
         except TypeError:  # not C-contiguous, or 0-d
-            view = memoryview(np.ascontiguousarray(a).reshape(-1)).cast("B")
+            view = memoryview(np.ascontiguousarray(obj).reshape(-1)).cast("B")
+        out = _frames.out
+        assert out is not None
         out.append(view)
-        return [name, list(a.shape)]
-
-    def dec(v, frames):
-        try:
-            name, shape = v
-            dtype, itemsize = by_name[name]
-        except (TypeError, ValueError, KeyError):  # not a pair, or an unknown or unhashable dtype
-            raise _bad_descriptor(v, allowed) from None
-        if type(shape) is not list or (ndim is not None and len(shape) != ndim) or len(shape) > MAX_NDIM:
-            raise ProtocolError("array", f"shape must be a list of {ndim or f'at most {MAX_NDIM}'} dimensions")
-        count = 1
-        for d in shape:
-            if type(d) is not int or not 0 <= d <= MAX_DIM:
-                raise ProtocolError("array", f"shape entry {_brief(d)} is not an int in [0, 2^40]")
-            count *= d
-        try:
-            buf = frames()
-        except StopIteration:
-            raise ProtocolError("frames", "the header describes more arrays than there are array frames") from None
-        if buf.nbytes != count * itemsize:
-            raise ProtocolError(
-                "array", f"frame of {buf.nbytes} bytes does not hold a {name}{shape} array ({count * itemsize})"
-            )
-        array = np.frombuffer(buf, dtype=dtype)
-        if ndim == 1:
-            return array
-        try:
-            return array.reshape(shape)
-        except ValueError:  # an empty array whose other dimensions multiply past numpy's limit
-            raise ProtocolError("array", f"shape {shape} is too large") from None
-
-    return enc, dec
+        return (name, obj.shape, len(out) - 1)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"{type(obj).__name__} is not a protocol type")
 
 
-def _bad_descriptor(v: Any, allowed: str) -> ProtocolError:
-    if type(v) is list and len(v) == 2 and type(v[0]) is str:
-        return ProtocolError("array", f"dtype {_brief(v[0])} not allowed (allowed: {allowed})")
-    return ProtocolError("array", "array descriptor must be [dtype, shape]")
+class _Envelope(msgspec.Struct):
+    v: int
+    t: str
+    m: msgspec.Raw
+    n: int = -1
 
 
-_DATACLASS_CODECS: dict[type, tuple[Encoder, Decoder]] = {}
-
-
-def _field_mismatch(body: dict, names: list[str]) -> ProtocolError:
-    missing = [n for n in names if n not in body]
-    extra = sorted(str(k) for k in body if k not in names)
-    parts = [f"missing field(s) {', '.join(missing)}"] if missing else []
-    parts += [f"unknown field(s) {', '.join(extra)[:200]}"] if extra else []
-    return ProtocolError("field", "; ".join(parts))
-
-
-def _dataclass_codec(cls: type) -> tuple[Encoder, Decoder]:
-    if cls in _DATACLASS_CODECS:
-        return _DATACLASS_CODECS[cls]
-    hints = typing.get_type_hints(cls, include_extras=True)
-    names = [f.name for f in dataclasses.fields(cls)]
-    # Scalar fields are checked inline, the rest by their codecs (in declaration order, which is
-    # also the order of the array frames).
-    scalars = [(n, spec, spec.exact, spec.allowed, spec.convert is float) for n in names if (spec := _scalar(hints[n]))]
-    others = [(n, *_codec_for(hints[n])) for n in names if _scalar(hints[n]) is None]
-    validate = getattr(cls, "validate", None)
-    if hasattr(cls, "__post_init__") or hasattr(cls, "__slots__"):
-        construct = lambda fields: cls(**fields)  # noqa: E731
-    else:
-        # Filling __dict__ is what the generated __init__ does, without its per-field calls (and,
-        # for frozen classes, object.__setattr__).
-        def construct(fields):
-            obj = cls.__new__(cls)
-            obj.__dict__.update(fields)
-            return obj
-
-    def check(obj):
-        try:
-            validate(obj)
-        except ValueError as e:
-            raise ProtocolError("value", str(e)) from None
-
-    def enc(obj, out):
-        if type(obj) is not cls:
-            raise ProtocolError("field", f"expected {cls.__name__}, got {_type_name(obj)}")
-        if validate is not None:
-            check(obj)
-        body = {}
-        name = ""
-        try:
-            for name, spec, exact, allowed, to_float in scalars:
-                v = getattr(obj, name)
-                if type(v) in exact and (allowed is None or v in allowed):  # plain Python values
-                    body[name] = float(v) if to_float else v
-                else:  # numpy scalars are converted; anything else is the error
-                    body[name] = spec.encode(v)
-            for name, field_enc, _ in others:
-                body[name] = field_enc(getattr(obj, name), out)
-        except ProtocolError as e:
-            raise e.within("." + name) from None
-        return body
-
-    def dec(body, frames):
-        if type(body) is not dict:
-            raise ProtocolError("field", f"expected a {cls.__name__} map, got {_type_name(body)}")
-        if len(body) != len(names):
-            raise _field_mismatch(body, names)
-        name = ""
-        try:
-            for name, spec, exact, allowed, to_float in scalars:
-                v = body[name]
-                if type(v) not in exact or (allowed is not None and v not in allowed):
-                    raise spec.error(v)
-                if to_float:
-                    body[name] = float(v)
-            for name, _, field_dec in others:
-                body[name] = field_dec(body[name], frames)
-        except KeyError:
-            raise _field_mismatch(body, names) from None
-        except ProtocolError as e:
-            raise e.within("." + name) from None
-        obj = construct(body)  # body now holds exactly the decoded fields
-        if validate is not None:
-            check(obj)
-        return obj
-
-    _DATACLASS_CODECS[cls] = (enc, dec)
-    return enc, dec
-
-
-def _codec_for(hint: Any) -> tuple[Encoder, Decoder]:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin is Annotated:
-        marker = hint.__metadata__[0]
-        if isinstance(marker, ArraySpec):
-            return _array_codec(marker)
-        if marker is _JsonMarker:
-            return _json_codec()
-        raise TypeError(f"protocol: unknown annotation {marker!r}")
-    if origin is list:
-        return _list_codec(_codec_for(args[0]))
-    if origin is tuple:
-        return _tuple_codec([_codec_for(a) for a in args])
-    if origin is dict:
-        if args[0] is not str:
-            raise TypeError("protocol: map keys must be str")
-        return _dict_codec(_codec_for(args[1]))
-    if dataclasses.is_dataclass(hint):
-        return _dataclass_codec(hint)
-    spec = _scalar(hint)
-    if spec is None:
-        raise TypeError(f"protocol: no codec for {hint!r}")
-    return _scalar_codec(spec)
-
-
-_BY_TYPE = {cls: (cls.__name__, _dataclass_codec(cls)) for cls in MESSAGE_TYPES}
-_BY_NAME = {name: (cls, codec) for cls, (name, codec) in _BY_TYPE.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# Entry points.
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+_BY_NAME = {cls.__name__: cls for cls in MESSAGE_TYPES}
+_DECODERS = {cls: msgspec.msgpack.Decoder(cls) for cls in MESSAGE_TYPES}
 
 
 @dataclass(frozen=True)
 class Limits:
-    """What a decoder accepts. max_bytes caps the whole message; each message type also has its own
-    cap (MAX_BYTES on the class) and the smaller one applies."""
+    """What a decoder accepts: the whole message's bytes (each type's MAX_BYTES caps it too; the
+    smaller applies), the header's bytes, the number of array frames, and which message types
+    (None: all)."""
 
     max_bytes: int = 64 * 1024 * MiB
     max_header_bytes: int = 64 * MiB
     max_frames: int = 1 << 20
+    accept: frozenset[type] | None = None
 
 
 DEFAULT_LIMITS = Limits()
@@ -806,16 +627,24 @@ DEFAULT_LIMITS = Limits()
 def encode(msg: Message) -> list[bytes | memoryview]:
     """Frames for `socket.send_multipart(frames, copy=False)`: the header, then one frame per array
     (views of the arrays, not copies). Raises ProtocolError if `msg` does not fit its schema."""
-    entry = _BY_TYPE.get(type(msg))
-    if entry is None:
-        raise ProtocolError("type", f"{_type_name(msg)} is not a protocol message")
-    name, (enc, _) = entry
-    arrays: list[memoryview] = []
+    cls = type(msg)
+    name = cls.__name__
+    if _BY_NAME.get(name) is not cls:
+        raise ProtocolError("type", f"{name} is not a protocol message")
     try:
-        body = enc(msg, arrays)
+        msg.validate()
+    except ValueError as e:
+        raise ProtocolError("value", str(e), name) from None
+    _frames.out = out = []
+    try:
+        body = _ENCODER.encode(msg)
     except ProtocolError as e:
-        raise e.within(name) from None
-    return [msgpack.packb({"v": SCHEMA_VERSION, "t": name, "m": body}, use_bin_type=True), *arrays]
+        raise ProtocolError(e.kind, e.detail, name) from None
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ProtocolError("field", str(e), name) from None
+    finally:
+        _frames.out = None
+    return [_ENCODER.encode(_Envelope(SCHEMA_VERSION, name, msgspec.Raw(body), len(out))), *out]
 
 
 def _bytes_view(frame: Any) -> memoryview:
@@ -828,8 +657,92 @@ def _bytes_view(frame: Any) -> memoryview:
     return view
 
 
-def _reject_ext(code: int, data: bytes) -> object:
-    raise ValueError(f"msgpack extension type {code} is not allowed")
+def _brief(value: object) -> str:
+    return repr(value)[:40] if isinstance(value, (int, str)) else f"a {type(value).__name__}"
+
+
+@dataclass(frozen=True)
+class Header:
+    """A message's header, checked; its fields not read yet."""
+
+    cls: type[Message]
+    frames: int  # array frames that must follow
+    cap: int  # bytes the whole message may have
+    nbytes: int  # bytes of the header
+    fields: msgspec.Raw
+
+
+def read_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> Header:
+    """Steps 1-3 of decoding (module docstring): everything that can be checked before the array
+    frames are looked at or any field is built."""
+    try:
+        buf = _bytes_view(frame)
+    except TypeError as e:
+        raise ProtocolError("frames", f"a frame is not a byte buffer ({e})") from None
+    if buf.nbytes > limits.max_header_bytes:
+        raise ProtocolError("size", f"header of {buf.nbytes} bytes exceeds the limit of {limits.max_header_bytes}")
+    try:
+        env = _ENVELOPE.decode(buf)
+    # Deep nesting overflows msgspec's recursion guard, bad UTF-8 fails to decode: all "not a header".
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError) as e:
+        raise ProtocolError("header", f"header is not a valid message envelope ({e})") from None
+    if env.v != SCHEMA_VERSION:
+        raise ProtocolError(
+            "version", f"schema version {_brief(env.v)} is not supported (this side speaks {SCHEMA_VERSION})"
+        )
+    cls = _BY_NAME.get(env.t)
+    if cls is None:
+        raise ProtocolError("type", f"unknown message type {_brief(env.t)}")
+    if limits.accept is not None and cls not in limits.accept:
+        raise ProtocolError("type", f"{env.t} is not served on this endpoint")
+    if not 0 <= env.n <= limits.max_frames:
+        raise ProtocolError("frames", f"header announces {env.n} array frames (allowed: 0 to {limits.max_frames})")
+    cap = min(limits.max_bytes, cls.MAX_BYTES)
+    if buf.nbytes > cap:
+        raise ProtocolError("size", f"{env.t} header of {buf.nbytes} bytes exceeds the message's limit of {cap}")
+    return Header(cls, env.n, cap, buf.nbytes, env.m)
+
+
+def _where(cls: type, error: Exception) -> tuple[str, str]:
+    """(detail, place) from a msgspec error: "Expected `int`, got `str` - at `$.seq`"."""
+    text = str(error)
+    detail, sep, path = text.rpartition(" - at `")
+    if not sep:
+        return text, cls.__name__
+    return detail, cls.__name__ + path.rstrip("`")[1:]
+
+
+def decode_fields(header: Header, arrays: Sequence[Any]) -> Message:
+    """Steps 3-5 of decoding: the array frames against the header, then the fields, then validate()."""
+    name = header.cls.__name__
+    if len(arrays) != header.frames:
+        raise ProtocolError("frames", f"{name}: header announces {header.frames} array frames, {len(arrays)} came")
+    try:
+        bufs = [_bytes_view(a) for a in arrays]
+    except TypeError as e:
+        raise ProtocolError("frames", f"a frame is not a byte buffer ({e})") from None
+    total = header.nbytes + sum(b.nbytes for b in bufs)
+    if total > header.cap:
+        raise ProtocolError("size", f"{name} of {total} bytes exceeds its limit of {header.cap}")
+    _frames.bufs, _frames.used, _frames.kind, _frames.field = bufs, bytearray(len(bufs)), "", ""
+    try:
+        msg = _DECODERS[header.cls].decode(header.fields)
+    except msgspec.ValidationError as e:
+        detail, where = _where(header.cls, e)
+        where += f".{_frames.field}" if _frames.field else ""
+        raise ProtocolError(_frames.kind or "field", detail, where) from None
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as e:
+        raise ProtocolError("header", f"fields are not valid msgpack ({e})", name) from None
+    finally:
+        _frames.bufs = None
+    if not all(_frames.used):
+        unused = [i for i, u in enumerate(_frames.used) if not u]
+        raise ProtocolError("frames", f"{name}: array frame(s) {unused[:10]} described by no field")
+    try:
+        msg.validate()
+    except ValueError as e:
+        raise ProtocolError("value", str(e), name) from None
+    return msg
 
 
 def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
@@ -840,42 +753,4 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         raise ProtocolError("frames", "empty message (no frames)")
     if len(frames) - 1 > limits.max_frames:
         raise ProtocolError("frames", f"{len(frames) - 1} array frames exceed the limit of {limits.max_frames}")
-    try:
-        bufs = [_bytes_view(f) for f in frames]
-    except TypeError as e:
-        raise ProtocolError("frames", f"a frame is not a byte buffer ({e})") from None
-    total = sum(b.nbytes for b in bufs)
-    if total > limits.max_bytes:
-        raise ProtocolError("size", f"message of {total} bytes exceeds the limit of {limits.max_bytes}")
-    if bufs[0].nbytes > limits.max_header_bytes:
-        raise ProtocolError("size", f"header of {bufs[0].nbytes} bytes exceeds the limit of {limits.max_header_bytes}")
-    try:
-        head = msgpack.unpackb(bufs[0], raw=False, strict_map_key=True, ext_hook=_reject_ext)
-    # msgpack signals bad input through many exception types (ExtraData, FormatError, StackError,
-    # ValueError, TypeError, UnicodeDecodeError): all of them mean "not a valid header".
-    except Exception as e:
-        raise ProtocolError("header", f"header is not valid msgpack ({_type_name(e)}: {e})") from None
-    if type(head) is not dict or set(head) != {"v", "t", "m"}:
-        raise ProtocolError("header", "header must be a map with exactly the keys v, t, m")
-    if head["v"] != SCHEMA_VERSION or type(head["v"]) is not int:
-        raise ProtocolError(
-            "version",
-            f"schema version {_brief(head['v'])} is not supported (this side speaks {SCHEMA_VERSION})",
-        )
-    entry = _BY_NAME.get(head["t"]) if type(head["t"]) is str else None
-    if entry is None:
-        raise ProtocolError("type", f"unknown message type {_brief(head['t'])}")
-    cls, (_, dec) = entry
-    cap = min(limits.max_bytes, cls.MAX_BYTES)
-    if total > cap:
-        raise ProtocolError("size", f"{cls.__name__} of {total} bytes exceeds its limit of {cap}")
-    array_frames = iter(bufs[1:])
-    try:
-        msg = dec(head["m"], array_frames.__next__)
-    except ProtocolError as e:
-        raise e.within(cls.__name__) from None
-    if next(array_frames, None) is not None:
-        raise ProtocolError(
-            "frames", f"{cls.__name__}: {len(bufs) - 1} array frames sent, more than the header describes"
-        )
-    return msg
+    return decode_fields(read_header(frames[0], limits), frames[1:])

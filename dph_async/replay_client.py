@@ -8,16 +8,20 @@ wire protocol over a DEALER socket that reconnects by itself; what they add is d
   `reply_timeout_s` without an answer. The replay drops duplicates, so each group is accepted
   exactly once. `send` never blocks unless `max_unacked` groups are waiting for acks.
 - ReplayClient gives every batch request an id and repeats it until the batch arrives; the replay
-  answers a repeated id with the same batch, so a lost reply costs time, not data.
+  answers a repeated id with the same batch, so a lost reply costs time, not data. It speaks as the
+  control identity (the CURVE control key, or the control token), which batch requests and commands
+  need; snapshot paths travel as names relative to the replay's data directory.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -43,6 +47,7 @@ from dph_async.protocol import (
     decode,
     encode,
 )
+from dph_async.replay_stats import ReplayStats
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +82,7 @@ class _Channel:
         security: NetSecurity | None,
         context: zmq.Context | None,
         on_connect: Callable[[], None] | None = None,
+        identity: str = "client",
     ):
         self.addr = addr
         self.sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
@@ -92,7 +98,7 @@ class _Channel:
         self.monitor = self.sock.get_monitor_socket(_EVENTS)
         self.on_connect = on_connect
         self.refused = ""  # why the last handshake failed (a CURVE key the replay does not accept)
-        connect(self.sock, addr, security or NetSecurity())
+        connect(self.sock, addr, security or NetSecurity(), identity)
 
     def events(self) -> bool:
         """Handle pending connection events; True if a connection was (re-)established."""
@@ -310,7 +316,14 @@ class RolloutSender:
 
 
 class ReplayClient:
-    """The learner's connection to the replay's batch endpoint."""
+    """The learner's connection to the replay's batch endpoint.
+
+    token: the replay's control token (`ReplayService.control_token`, or the file
+        `dph_async.net.control_token` reads); not needed with CURVE, where the client connects with
+        the control key pair instead.
+    data_dir: the replay's data directory as seen here, so `snapshot` and `restore` also take paths
+        inside it (they travel as names relative to it).
+    """
 
     def __init__(
         self,
@@ -319,10 +332,14 @@ class ReplayClient:
         reply_timeout_s: float = 10.0,
         request_timeout_s: float = 600.0,
         context: zmq.Context | None = None,
+        token: bytes = b"",
+        data_dir: str | os.PathLike | None = None,
     ):
         self.reply_timeout_s = reply_timeout_s
         self.request_timeout_s = request_timeout_s
-        self._chan = _Channel(addr, security, context)
+        self.token = token
+        self.data_dir = Path(data_dir).resolve() if data_dir is not None else None
+        self._chan = _Channel(addr, security, context, identity="control")
 
     def _call(self, msg: Message, accept: Callable[[Message], bool], wait_s: float = 0.0) -> Any:
         return self._chan.call(msg, accept, wait_s, self.request_timeout_s, self.reply_timeout_s)
@@ -331,25 +348,36 @@ class ReplayClient:
         """Fresh groups for the learner at `version` (optimizer steps applied), within about wait_s;
         fewer or none if not enough arrived. Also tells the replay that the previous batch arrived."""
         request_id = secrets.randbits(62) + 1
-        request = BatchRequest(version, num_groups, wait_s, request_id)
+        request = BatchRequest(version, num_groups, wait_s, request_id, self.token)
         return self._call(request, lambda m: isinstance(m, Batch) and m.request_id == request_id, wait_s)
 
-    def stats(self) -> dict:
-        return self._call(StatsRequest(), lambda m: isinstance(m, Stats)).metrics
+    def stats(self) -> ReplayStats:
+        return self._call(StatsRequest(), lambda m: isinstance(m, Stats)).replay
 
-    def _control(self, command: str, path: str = "", version: int = -1) -> str:
-        reply = self._call(Control(command, path, version), lambda m: isinstance(m, ControlReply))
+    def _name(self, path: str | os.PathLike) -> str:
+        """A snapshot path as its name relative to the replay's data directory."""
+        p = Path(path)
+        if not p.is_absolute():
+            return str(p)
+        if self.data_dir is None or not p.resolve().is_relative_to(self.data_dir):
+            raise ValueError(f"{p} is not inside the replay's data directory ({self.data_dir})")
+        return str(p.resolve().relative_to(self.data_dir))
+
+    def _control(self, command: str, path: str | os.PathLike = "", version: int = -1) -> str:
+        name = self._name(path) if path else ""
+        reply = self._call(Control(command, name, version, self.token), lambda m: isinstance(m, ControlReply))
         if not reply.ok:
             raise ReplayError(reply.detail)
         return reply.detail
 
-    def snapshot(self, path: str, version: int = -1) -> str:
-        """Have the replay write its whole state under `path` (a directory) for a checkpoint taken by
-        the learner at `version`: the replay may have heard only of the previous version (its last batch
-        request), and a restore measures what to rewind from the checkpoint's version."""
+    def snapshot(self, path: str | os.PathLike, version: int = -1) -> str:
+        """Have the replay write its whole state under `path` (a directory; a name relative to the
+        replay's data directory, or a path inside it) for a checkpoint taken by the learner at
+        `version`: the replay may have heard only of the previous version (its last batch request),
+        and a restore measures what to rewind from the checkpoint's version."""
         return self._control("snapshot", path, version)
 
-    def restore(self, path: str) -> str:
+    def restore(self, path: str | os.PathLike) -> str:
         """Return the replay to a snapshot (see ReplayCore.restore for what is kept)."""
         return self._control("restore", path)
 

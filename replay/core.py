@@ -25,6 +25,7 @@ from dph_async.protocol import (
     TicketGrant,
     TicketRequest,
 )
+from dph_async.replay_stats import Mix, Occupancy, Refusals, ReplayStats, Served, Tickets, WalStats
 from replay.dedup import AcceptedSeqs
 from replay.metrics import ReplayMetrics
 from replay.reference_pool import ReferencePool
@@ -237,7 +238,7 @@ class ReplayCore:
         base = self.wal.latest_base()
         if base is not None:
             self._load(read_state(base[1]))
-        for record in self.wal.records(base[0] if base is not None else 0):
+        for record in self.wal.records(base[0] if base is not None else 0, repair=True):
             self._apply(record)
             self.recovered += 1
         if self.recovered:  # the next recovery starts from here
@@ -334,48 +335,55 @@ class ReplayCore:
 
     # ----------------------------------------------------------------------------- metrics
 
-    def stats(self) -> dict:
-        m, s = self.metrics, self.store
-        fresh = m.counters["served_samples"]
-        return {
-            "version": self.version,
-            "occupancy": {
-                "groups": len(s),
-                "unserved": s.count("unserved"),
-                "reusable": s.count("reusable"),
-                "pending": s.count("pending"),
-                "samples": s.samples,
-                "tokens": s.tokens,
-                "bytes": s.nbytes,
-            },
-            "ingest": m.ingest_rate(),
-            "accepted": m.counters["accepted"],
-            "duplicates": m.counters["duplicates"],
-            "drops": m.group("drop"),
-            "rejected": m.group("rejected"),
-            "staleness_hist": m.group("staleness"),
-            "served": {
-                "batches": m.counters["batches"],
-                "batches_resent": m.counters["batches_resent"],
-                "groups": m.counters["served_groups"],
-                "samples": fresh,
-                "reference": m.counters["served_reference"],
-                "used_up": m.counters["used_up"],
-            },
-            "mix": {
-                "reference_per_fresh_sample": m.counters["served_reference"] / fresh if fresh else 0.0,
-                "last_batch_fresh_samples": m.counters["last_batch_fresh_samples"],
-                "last_batch_reference": m.counters["last_batch_reference"],
-            },
-            "tickets": {
-                "granted": m.counters["tickets_granted"],
-                "in_flight": sum(self.admission.in_flight.values()),
-                "capacity": self.admission.capacity(self.version, self.admitted),
-                "admitted": self.admitted,
-            },
-            "reference_pool": len(self.reference),
-            "wal": {
-                "segment": self.wal.segment if self.wal is not None else -1,
-                "bytes_since_base": self.wal.bytes_since_base if self.wal is not None else 0,
-            },
-        }
+    def stats(self) -> ReplayStats:
+        m, s, c = self.metrics, self.store, self.metrics.counters
+        fresh = c["served_samples"]
+        wal = self.wal
+        return ReplayStats(
+            version=self.version,
+            occupancy=Occupancy(
+                groups=len(s),
+                unserved=s.count("unserved"),
+                reusable=s.count("reusable"),
+                pending=s.count("pending"),
+                samples=s.samples,
+                tokens=s.tokens,
+                bytes=s.nbytes,
+            ),
+            ingest=m.ingest_rate(),
+            accepted=c["accepted"],
+            duplicates=c["duplicates"],
+            drops=m.group("drop"),
+            refused=Refusals(by_kind=m.group("rejected")),
+            staleness_hist={int(k): v for k, v in m.group("staleness").items()},
+            served=Served(
+                batches=c["batches"],
+                batches_resent=c["batches_resent"],
+                groups=c["served_groups"],
+                samples=fresh,
+                reference=c["served_reference"],
+                used_up=c["used_up"],
+            ),
+            mix=Mix(
+                reference_per_fresh_sample=c["served_reference"] / fresh if fresh else 0.0,
+                last_batch_fresh_samples=c["last_batch_fresh_samples"],
+                last_batch_reference=c["last_batch_reference"],
+            ),
+            tickets=Tickets(
+                granted=c["tickets_granted"],
+                in_flight=self.admission.in_flight_total,
+                capacity=self.admission.capacity(self.version, self.admitted),
+                admitted=self.admitted,
+                overclaimed=self.admission.overclaimed,
+            ),
+            reference_pool=len(self.reference),
+            wal=WalStats(
+                segment=wal.segment,
+                bytes_since_base=wal.bytes_since_base,
+                damaged_records=wal.damaged_records,
+                truncated_bytes=wal.truncated_bytes,
+            )
+            if wal is not None
+            else WalStats(),
+            replies_dropped=c["replies_dropped"],
+        )

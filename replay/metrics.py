@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 
+from dph_async.replay_stats import IngestRate
+
 
 class ReplayMetrics:
     def __init__(self, window_s: float = 10.0):
@@ -30,13 +32,13 @@ class ReplayMetrics:
         while self._arrivals and self._arrivals[0][0] < now - self.window_s:
             self._arrivals.popleft()
 
-    def ingest_rate(self) -> dict[str, float]:
+    def ingest_rate(self) -> IngestRate:
         now = time.monotonic()
         recent = [(g, b) for t, g, b in self._arrivals if t >= now - self.window_s]
-        return {
-            "groups_per_s": sum(g for g, _ in recent) / self.window_s,
-            "mb_per_s": sum(b for _, b in recent) / self.window_s / 1e6,
-        }
+        return IngestRate(
+            groups_per_s=sum(g for g, _ in recent) / self.window_s,
+            mb_per_s=sum(b for _, b in recent) / self.window_s / 1e6,
+        )
 
     def to_state(self) -> dict[str, int]:
         return dict(self.counters)

@@ -2,30 +2,38 @@
 
     ingest endpoint (actors, DEALER):   RolloutGroup -> Ack, TicketRequest -> TicketGrant,
                                         ResumeRequest -> ResumeInfo, StatsRequest -> Stats
-    batch endpoint (learner, DEALER):   BatchRequest -> Batch, StatsRequest -> Stats,
-                                        Control -> ControlReply
+    batch endpoint (learner, DEALER):   BatchRequest -> Batch, Control -> ControlReply (both from
+                                        the control identity only), StatsRequest -> Stats
 
 Runs as its own process (`dph-async serve replay`) or in a thread of the learner's process
 (`start_in_thread()`), same code. Ingest is group-committed: every group that arrived together is
-logged with one write, then all are acknowledged. A message that does not decode is answered with
-an error Ack (ingest) or ErrorReply (batch), counted under rejected:<kind>, and nothing else changes.
-Batch and ticket requests that cannot be answered yet are parked until they can or their wait ends.
-A failed log write stops the service (fail-stop): its state must never run ahead of its log.
+logged with one write, then all are acknowledged. Every peer is assumed hostile
+(docs/data_plane.md, "Hostile peers"): messages are read within each endpoint's limits
+(dph_async/receive.py); one that is refused is answered with an error Ack (ingest) or ErrorReply
+(batch), counted under refused, logged within a rate limit, and nothing else changes. Batch requests
+and control commands are obeyed only from the control identity, and snapshots stay inside the data
+directory. Batch and ticket requests that cannot be answered yet are parked, within per-connection
+and overall limits, until they can or their wait ends. A failed log write stops the service
+(fail-stop): its state must never run ahead of its log.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hmac
 import logging
+import secrets
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 import zmq
 
 from dph_async.config.replay import ReplayConfig
-from dph_async.net import NetSecurity, bind, stop_authenticator
+from dph_async.net import CurveKeys, NetSecurity, bind, curve_keys, stop_authenticator
 from dph_async.protocol import (
     Ack,
     BatchRequest,
@@ -40,24 +48,61 @@ from dph_async.protocol import (
     Stats,
     StatsRequest,
     TicketRequest,
-    decode,
     encode,
 )
+from dph_async.receive import Received, limit_frames, receive
+from dph_async.replay_stats import ReplayStats
 from replay.core import ReplayCore
 from replay.reference_pool import ReferencePool
+from replay.refusals import RefusalLog
 from replay.state import ReplayStateError
 from replay.wal import WriteAheadLog
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
-CONTROL_LIMITS = Limits(max_bytes=MiB)
+# The learner's requests and commands are small: nothing larger is read on the batch endpoint.
+BATCH_LIMITS = Limits(
+    max_bytes=64 * 1024,
+    max_header_bytes=64 * 1024,
+    max_frames=0,
+    accept=frozenset({BatchRequest, StatsRequest, Control}),
+)
+# An honest actor whose groups outgrow the limits learns which settings hold them.
+_LIMIT_HINT = " (the replay's limits: replay.max_group_mb, replay.max_header_kb, replay.max_frames)"
 # Wake at least this often to answer parked requests at their deadline and to notice stop().
 TICK_S = 0.05
 
 
+def ingest_limits(cfg: ReplayConfig) -> Limits:
+    return Limits(
+        max_bytes=int(cfg.max_group_mb * MiB),
+        max_header_bytes=int(cfg.max_header_kb * 1024),
+        max_frames=cfg.max_frames,
+        accept=frozenset({RolloutGroup, TicketRequest, ResumeRequest, StatsRequest}),
+    )
+
+
+class ControlPathError(ValueError):
+    """A snapshot name that is absolute, leaves the data directory or points into the log."""
+
+
+def resolve_name(data_dir: Path, name: str, wal_dir: Path | None = None) -> Path:
+    """A snapshot name from the wire as a path inside `data_dir` (symbolic links followed), or
+    ControlPathError: names never reach the filesystem as given."""
+    root = data_dir.resolve()
+    if not name or Path(name).is_absolute():
+        raise ControlPathError(f"snapshot name {name[:200]!r} must be a relative name inside the data directory")
+    target = (root / name).resolve()
+    if target == root or not target.is_relative_to(root):
+        raise ControlPathError(f"snapshot name {name[:200]!r} leaves the data directory")
+    if wal_dir is not None and target.is_relative_to(wal_dir.resolve()):
+        raise ControlPathError(f"snapshot name {name[:200]!r} points into the write-ahead log")
+    return target
+
+
 @dataclass
 class _Parked:
-    identity: bytes
+    peer: bytes
     request: BatchRequest | TicketRequest
     deadline: float
 
@@ -73,23 +118,33 @@ class ReplayService:
         wal_dir: str | None = None,
         security: NetSecurity | None = None,
         seed: int = 0,
+        data_dir: str | None = None,
+        control_token: bytes | None = None,
     ):
         """wal_dir: the log directory, already resolved against the run directory (None: no log, a
-        restart loses everything). Port 0 in a tcp address picks a free port; see the *_endpoint
-        attributes for what was bound."""
+        restart loses everything). data_dir: where snapshots are written and read (a Control names
+        them relative to it; None: snapshot and restore are refused). control_token: what a batch
+        request or command must carry without CURVE (None: a random one, `self.control_token`, for
+        whoever starts the service to hand to the learner's client). Port 0 in a tcp address picks
+        a free port; see the *_endpoint attributes for what was bound."""
         self.cfg = cfg
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self.wal_dir = Path(wal_dir) if wal_dir is not None else None
+        self.control_token = control_token if control_token is not None else secrets.token_bytes(32)
         reference = ReferencePool.load(reference_path, seed, cfg.logprob_tolerance) if reference_path else None
         wal = WriteAheadLog(wal_dir, cfg.wal_fsync, int(cfg.wal_segment_mb * MiB)) if wal_dir else None
         self.core = ReplayCore(cfg, groups_per_batch, reference, wal)
         if self.core.recovered:
             log.info("replay recovered %d log records: %d groups held", self.core.recovered, len(self.core.store))
-        self._ingest_limits = Limits(max_bytes=int(cfg.max_group_mb * MiB))
-        self._ctx = zmq.Context()
+        self._ingest_limits = ingest_limits(cfg)
         security = security or NetSecurity()
+        self._keys: CurveKeys | None = curve_keys(security.curve_keys) if security.curve_keys else None
+        self._refusals = RefusalLog(log, cfg.refusal_log_per_min)
+        self._ctx = zmq.Context()
         try:
-            self._ingest = self._router(int(4 * cfg.max_group_mb * MiB))
+            self._ingest = self._router(self._ingest_limits)
             self.ingest_endpoint = bind(self._ingest, ingest_addr, security)
-            self._batch = self._router(CONTROL_LIMITS.max_bytes * 4)
+            self._batch = self._router(BATCH_LIMITS)
             self.batch_endpoint = bind(self._batch, batch_addr, security)
         except BaseException:
             self._close()
@@ -97,15 +152,22 @@ class ReplayService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._parked_batch: _Parked | None = None
-        self._parked_tickets: dict[int, _Parked] = {}
+        # Ticket requests waiting for capacity, oldest first, keyed by (connection, actor id): a
+        # repeated request replaces its predecessor, and no connection holds more than its share.
+        self._parked_tickets: dict[tuple[bytes, int], _Parked] = {}
+        self._parked_per_peer: Counter[bytes] = Counter()
 
-    def _router(self, max_frame: int) -> zmq.Socket:
+    def _router(self, limits: Limits) -> zmq.Socket:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable peer is an error, not a silent drop
         sock.setsockopt(zmq.LINGER, 1000)
-        # libzmq drops the connection of a peer sending a frame past this, before buffering it all:
-        # a memory bound. Messages below it but over the protocol caps get an error reply instead.
-        sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
+        limit_frames(sock, limits)
+        timeout_ms = int(self.cfg.peer_timeout_s * 1000)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, timeout_ms)
+        # Heartbeats both ways: a peer silent past the timeout (a stalled or vanished one) is dropped.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, timeout_ms // 3))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+        sock.setsockopt(zmq.RCVHWM, self.cfg.queue_per_peer)
         return sock
 
     # ----------------------------------------------------------------------------- running
@@ -123,6 +185,7 @@ class ReplayService:
                 if self._batch in events:
                     self._drain_batch()
                 self._serve_parked()
+                self._refusals.tick()
         except OSError:
             log.critical("replay: write-ahead log write failed; stopping so state never runs ahead of the log")
             raise
@@ -158,9 +221,9 @@ class ReplayService:
         if self.core.wal is not None:
             self.core.wal.close()
 
-    def _send(self, sock: zmq.Socket, identity: bytes, msg: Message) -> None:
+    def _send(self, sock: zmq.Socket, peer: bytes, msg: Message) -> None:
         try:
-            sock.send_multipart([identity, *encode(msg)], copy=False, flags=zmq.NOBLOCK)
+            sock.send_multipart([peer, *encode(msg)], copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:  # the peer stopped reading; it retries and gets the same answer again
             self.core.metrics.count("replies_dropped")
         except zmq.ZMQError as e:
@@ -168,19 +231,21 @@ class ReplayService:
                 raise
             self.core.metrics.count("replies_dropped")  # the peer is gone (reconnected or exited)
 
-    def _recv(self, sock: zmq.Socket, limits: Limits) -> tuple[bytes, Message | ProtocolError] | None:
-        """The next message on a socket, decoded, or the error that says why it is not a message."""
-        try:
-            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+    def _refuse(self, kind: str, detail: str) -> None:
+        self.core.metrics.count(f"rejected:{kind}")
+        self._refusals.refused(detail)
+
+    def _recv(self, sock: zmq.Socket, limits: Limits) -> Received | None:
+        """The next message on a socket, or the ProtocolError that says why it is not one (counted)."""
+        received = receive(sock, limits, curve=self._keys is not None)
+        if received is None:
             return None
-        identity = frames[0].bytes
-        try:
-            return identity, decode(frames[1:], limits)
-        except ProtocolError as e:
-            self.core.metrics.count(f"rejected:{e.kind}")
-            log.warning("replay: refused a message: %s", e)
-            return identity, e
+        if self._keys is not None and not self._keys.allows(received.user_id):
+            # A key removed from authorized/ while its connection stayed open.
+            received.message = ProtocolError("unauthorized", "the sender's CURVE key is no longer authorized")
+        if isinstance(received.message, ProtocolError):
+            self._refuse(received.message.kind, str(received.message))
+        return received
 
     # ----------------------------------------------------------------------------- actors
 
@@ -190,17 +255,18 @@ class ReplayService:
             received = self._recv(self._ingest, self._ingest_limits)
             if received is None:
                 break
-            identity, msg = received
+            msg = received.message
             if isinstance(msg, RolloutGroup):
-                groups.append((identity, msg))
+                groups.append((received.peer, msg))
                 continue
             # Anything else waits for the groups before it: a ticket request must see them counted.
             self._commit(groups)
             groups = []
             if isinstance(msg, ProtocolError):
-                self._send(self._ingest, identity, Ack([], "error", f"message refused: {msg}"))
+                hint = _LIMIT_HINT if msg.kind in ("size", "frames") else ""
+                self._send(self._ingest, received.peer, Ack([], "error", f"message refused: {msg}{hint}"))
             else:
-                self._actor_request(identity, msg)
+                self._actor_request(received.peer, msg)
         self._commit(groups)
 
     def _commit(self, groups: list[tuple[bytes, RolloutGroup]]) -> None:
@@ -208,37 +274,66 @@ class ReplayService:
             return
         verdicts = self.core.ingest([g for _, g in groups])
         acks: dict[tuple[bytes, str, str], list[tuple[int, int]]] = defaultdict(list)
-        for (identity, _), verdict in zip(groups, verdicts, strict=True):
-            acks[identity, verdict.status, verdict.error].append(verdict.group_id)
-        for (identity, status, error), ids in acks.items():
-            self._send(self._ingest, identity, Ack(ids, status, error))
+        for (peer, _), verdict in zip(groups, verdicts, strict=True):
+            acks[peer, verdict.status, verdict.error].append(verdict.group_id)
+        for (peer, status, error), ids in acks.items():
+            self._send(self._ingest, peer, Ack(ids, status, error))
 
-    def _actor_request(self, identity: bytes, msg: Message) -> None:
+    def _actor_request(self, peer: bytes, msg: Message) -> None:
         if isinstance(msg, TicketRequest):
             grant = self.core.tickets(msg)
-            if grant.granted == 0 and msg.want > 0 and msg.wait_s > 0:
-                self._parked_tickets[msg.actor_id] = _Parked(identity, msg, time.monotonic() + msg.wait_s)
-            else:
-                self._send(self._ingest, identity, grant)
+            if grant.granted == 0 and msg.want > 0 and msg.wait_s > 0 and self._park_ticket(peer, msg):
+                return
+            self._send(self._ingest, peer, grant)
         elif isinstance(msg, ResumeRequest):
-            self._parked_tickets.pop(msg.actor_id, None)
-            self._send(self._ingest, identity, self.core.resume(msg.actor_id))
-        elif isinstance(msg, StatsRequest):
-            self._send(self._ingest, identity, Stats(self.stats()))
+            self._unpark_ticket((peer, msg.actor_id))
+            self._send(self._ingest, peer, self.core.resume(msg.actor_id))
         else:
-            self._send(
-                self._ingest,
-                identity,
-                ErrorReply(f"{type(msg).__name__} is not served on the ingest endpoint"),
-            )
+            assert isinstance(msg, StatsRequest)  # the ingest limits accept nothing else
+            self._send(self._ingest, peer, Stats(self.stats()))
+
+    def _park_ticket(self, peer: bytes, msg: TicketRequest) -> bool:
+        """Hold a ticket request until capacity frees up or its wait ends; False if the limits say to
+        answer it now (too many parked in all, or from this connection)."""
+        key = (peer, msg.actor_id)
+        replacing = key in self._parked_tickets
+        if not replacing and (
+            len(self._parked_tickets) >= self.cfg.max_parked
+            or self._parked_per_peer[peer] >= self.cfg.max_parked_per_peer
+        ):
+            self.core.metrics.count("tickets_not_parked")
+            return False
+        self._unpark_ticket(key)
+        self._parked_tickets[key] = _Parked(peer, msg, time.monotonic() + msg.wait_s)
+        self._parked_per_peer[peer] += 1
+        return True
+
+    def _unpark_ticket(self, key: tuple[bytes, int]) -> None:
+        if self._parked_tickets.pop(key, None) is not None:
+            self._parked_per_peer[key[0]] -= 1
+            if not self._parked_per_peer[key[0]]:
+                del self._parked_per_peer[key[0]]
 
     # ----------------------------------------------------------------------------- learner
 
+    def _authorized(self, received: Received, msg: BatchRequest | Control) -> bool:
+        """Whether a batch request or command comes from the control identity: the CURVE control
+        key, or without CURVE the control token."""
+        if self._keys is not None:
+            return self._keys.is_control(received.user_id)
+        return hmac.compare_digest(msg.token, self.control_token)
+
     def _drain_batch(self) -> None:
-        while (received := self._recv(self._batch, CONTROL_LIMITS)) is not None:
-            identity, msg = received
+        while (received := self._recv(self._batch, BATCH_LIMITS)) is not None:
+            peer, msg = received.peer, received.message
             if isinstance(msg, ProtocolError):
-                self._send(self._batch, identity, ErrorReply(f"message refused: {msg}", msg.kind))
+                self._send(self._batch, peer, ErrorReply(f"message refused: {msg}", msg.kind))
+            elif isinstance(msg, StatsRequest):
+                self._send(self._batch, peer, Stats(self.stats()))
+            elif not self._authorized(received, msg):
+                what = f"Control {msg.command!r}" if isinstance(msg, Control) else "BatchRequest"
+                self._refuse("unauthorized", f"{what} from a peer without the control identity")
+                self._send(self._batch, peer, ErrorReply(f"{what} needs the control identity", "unauthorized"))
             elif isinstance(msg, BatchRequest):
                 self._parked_batch = None  # a new request (or a retry) replaces a parked one
                 before = self.core.version
@@ -246,31 +341,27 @@ class ReplayService:
                 if self.core.version > before:
                     self._release_outdated_tickets()
                 if batch is None:
-                    self._parked_batch = _Parked(identity, msg, time.monotonic() + msg.wait_s)
+                    self._parked_batch = _Parked(peer, msg, time.monotonic() + msg.wait_s)
                 else:
-                    self._send(self._batch, identity, batch)
-            elif isinstance(msg, StatsRequest):
-                self._send(self._batch, identity, Stats(self.stats()))
-            elif isinstance(msg, Control):
-                self._send(self._batch, identity, self._control(msg))
+                    self._send(self._batch, peer, batch)
             else:
-                self._send(
-                    self._batch,
-                    identity,
-                    ErrorReply(f"{type(msg).__name__} is not served on the batch endpoint"),
-                )
+                self._send(self._batch, peer, self._control(msg))
 
     def _control(self, msg: Control) -> ControlReply:
         if msg.command == "shutdown":
             self._stop.set()
             return ControlReply(True, "replay shutting down")
-        if not msg.path:
-            return ControlReply(False, f"{msg.command} needs a path")
+        if self.data_dir is None:
+            return ControlReply(False, f"{msg.command} refused: this replay has no data directory")
         try:
+            path = resolve_name(self.data_dir, msg.path, self.wal_dir)
             if msg.command == "snapshot":
-                return ControlReply(True, self.core.snapshot(msg.path, msg.version))
+                return ControlReply(True, self.core.snapshot(path, msg.version))
             self._parked_batch = None  # a restore rewinds the learner: its old request is void
-            return ControlReply(True, self.core.restore(msg.path))
+            return ControlReply(True, self.core.restore(path))
+        except ControlPathError as e:
+            self._refuse("path", str(e))
+            return ControlReply(False, f"{msg.command} refused: {e}")
         except (ReplayStateError, OSError, pa.ArrowException) as e:
             return ControlReply(False, f"{msg.command} failed: {e}")
 
@@ -278,11 +369,11 @@ class ReplayService:
         """The learner asked at a new version, so it has published those weights: answer now the parked
         ticket requests of actors on older weights that got nothing, so they fetch the new weights
         instead of waiting out their request (staleness would refuse them tickets until they do)."""
-        for actor, parked in list(self._parked_tickets.items()):
+        for key, parked in list(self._parked_tickets.items()):
             assert isinstance(parked.request, TicketRequest)
             if 0 <= parked.request.weights_version < self.core.version:
-                del self._parked_tickets[actor]
-                self._send(self._ingest, parked.identity, self.core.tickets(parked.request))
+                self._unpark_ticket(key)
+                self._send(self._ingest, parked.peer, self.core.tickets(parked.request))
 
     def _serve_parked(self) -> None:
         now = time.monotonic()
@@ -292,16 +383,25 @@ class ReplayService:
             batch = self.core.serve(parked.request, final=now >= parked.deadline)
             if batch is not None:
                 self._parked_batch = None
-                self._send(self._batch, parked.identity, batch)
-        for actor, parked in list(self._parked_tickets.items()):
+                self._send(self._batch, parked.peer, batch)
+        # Each check is O(1) and the parked requests are bounded (replay.max_parked), so a crowd of
+        # them costs little; with no capacity left, only the expired ones are looked at.
+        open_capacity = self.core.admission.capacity(self.core.version, self.core.admitted) > 0
+        for key, parked in list(self._parked_tickets.items()):
+            if not open_capacity and now < parked.deadline:
+                continue
             assert isinstance(parked.request, TicketRequest)
             grant = self.core.tickets(parked.request)
             if grant.granted or now >= parked.deadline:
-                del self._parked_tickets[actor]
-                self._send(self._ingest, parked.identity, grant)
+                self._unpark_ticket(key)
+                self._send(self._ingest, parked.peer, grant)
 
-    def stats(self) -> dict:
+    def stats(self) -> ReplayStats:
         stats = self.core.stats()
-        stats["endpoints"] = {"ingest": self.ingest_endpoint, "batch": self.batch_endpoint}
-        stats["parked"] = {"batch": self._parked_batch is not None, "tickets": len(self._parked_tickets)}
+        stats.refused = dataclasses.replace(
+            stats.refused, logged=self._refusals.logged, unlogged=self._refusals.unlogged
+        )
+        stats.tickets.parked = len(self._parked_tickets)
+        stats.ingest_endpoint, stats.batch_endpoint = self.ingest_endpoint, self.batch_endpoint
+        stats.batch_parked = self._parked_batch is not None
         return stats

@@ -16,6 +16,12 @@ where admitted counts groups ever accepted minus those dropped unused, and in_fl
 granted but not yet turned into accepted groups. v is the learner's version, or the actor's weights
 version if that is older: a group made with weights w is consumed by a batch of version at most
 w + eta only if at most (eta + w + 1) * B groups are ahead of it.
+
+in_flight is the replay's own record: what it granted each actor, less the groups that arrived. An
+actor's account of the tickets it holds (`TicketRequest.outstanding`) may only lower that record (an
+actor gives back tickets it lost), never raise it, so no peer can shrink the capacity of the others.
+Only actors holding tickets have an entry, so the bookkeeping is bounded by the capacity, not by the
+actor ids peers make up.
 """
 
 from __future__ import annotations
@@ -36,14 +42,23 @@ class Admission:
         self.max_staleness = max_staleness
         self.groups_per_batch = groups_per_batch
         self.enabled = enabled
-        self.in_flight: dict[int, int] = {}
+        self.in_flight: dict[int, int] = {}  # actor -> tickets granted and not yet used; no zero entries
+        self.in_flight_total = 0
         self.granted_total = 0
+        self.overclaimed = 0  # requests whose actor claimed more tickets than it was granted
 
     def capacity(self, learner_version: int, admitted: int, weights_version: int = -1) -> int:
         """How many more tickets may be granted now."""
         version = learner_version if weights_version < 0 else min(learner_version, weights_version)
         limit = (self.max_staleness + version + 1) * self.groups_per_batch
-        return max(0, limit - admitted - sum(self.in_flight.values()))
+        return max(0, limit - admitted - self.in_flight_total)
+
+    def _set(self, actor: int, n: int) -> None:
+        self.in_flight_total += n - self.in_flight.get(actor, 0)
+        if n > 0:
+            self.in_flight[actor] = n
+        else:
+            self.in_flight.pop(actor, None)
 
     def grant(
         self,
@@ -54,19 +69,22 @@ class Admission:
         admitted: int,
         weights_version: int,
     ) -> int:
-        """Answer a ticket request. `outstanding` is the actor's own count of unused tickets and
-        replaces ours, so the counts heal after either side restarted."""
-        self.in_flight[actor] = outstanding
+        """Answer a ticket request. `outstanding` (the actor's own count of unused tickets) lowers our
+        record of what it holds, never raises it."""
+        held = self.in_flight.get(actor, 0)
+        if outstanding > held:
+            self.overclaimed += 1
+        self._set(actor, min(held, outstanding))
         granted = want if not self.enabled else min(want, self.capacity(learner_version, admitted, weights_version))
-        self.in_flight[actor] += granted
+        self._set(actor, self.in_flight.get(actor, 0) + granted)
         self.granted_total += granted
         return granted
 
     def arrived(self, actor: int) -> None:
         """A new group from `actor` was accepted: one of its tickets is used."""
-        if self.in_flight.get(actor, 0) > 0:
-            self.in_flight[actor] -= 1
+        if actor in self.in_flight:
+            self._set(actor, self.in_flight[actor] - 1)
 
     def reset(self, actor: int) -> None:
         """The actor (re)connected and resumed: its earlier tickets are void."""
-        self.in_flight[actor] = 0
+        self._set(actor, 0)

@@ -7,14 +7,17 @@ when the launcher runs it, or `dph-async serve replay`.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import asdict
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dph_async.replay_stats import ReplayStats
+
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32)
 
 
-def read_stats(service) -> dict:
+def read_stats(service) -> ReplayStats:
     """The service's stats from another thread: its loop may change a dict while we copy it; retry."""
     for _ in range(5):
         try:
@@ -24,11 +27,18 @@ def read_stats(service) -> dict:
     return service.stats()
 
 
-def staleness_buckets(hist: dict[str, int]) -> list[tuple[str, float]]:
+def staleness_buckets(hist: dict[int, int]) -> list[tuple[str, float]]:
     """Cumulative (le, count) buckets from {staleness: served groups}."""
     counts = {int(k): v for k, v in hist.items()}
     buckets = [(str(b), float(sum(n for s, n in counts.items() if s <= b))) for b in STALENESS_BUCKETS]
     return [*buckets, ("+Inf", float(sum(counts.values())))]
+
+
+def _labelled(name: str, doc: str, label: str, values: dict[str, int | float], cls=CounterMetricFamily) -> Metric:
+    family = cls(name, doc, labels=[label])
+    for key, n in values.items():
+        family.add_metric([str(key)], n)
+    return family
 
 
 class ReplayCollector(Collector):
@@ -37,44 +47,41 @@ class ReplayCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = read_stats(self.service)
-        yield GaugeMetricFamily("dph_replay_version", "Learner version the replay last served", value=s["version"])
-        occupancy = GaugeMetricFamily("dph_replay_occupancy", "What the fresh store holds", labels=["what"])
-        for what, n in s["occupancy"].items():
-            occupancy.add_metric([what], n)
-        yield occupancy
+        yield GaugeMetricFamily("dph_replay_version", "Learner version the replay last served", value=s.version)
+        yield _labelled("dph_replay_occupancy", "What the fresh store holds", "what", asdict(s.occupancy),
+                        GaugeMetricFamily)
         yield GaugeMetricFamily("dph_replay_ingest_groups_per_second", "Groups accepted per second, last 10 s",
-                                value=s["ingest"]["groups_per_s"])
+                                value=s.ingest.groups_per_s)
         yield GaugeMetricFamily("dph_replay_ingest_megabytes_per_second", "MB accepted per second, last 10 s",
-                                value=s["ingest"]["mb_per_s"])
-        yield CounterMetricFamily("dph_replay_accepted_groups", "Groups accepted", value=s["accepted"])
-        yield CounterMetricFamily("dph_replay_duplicate_groups", "Duplicates answered", value=s["duplicates"])
-        for name, doc, key in (("dph_replay_drops", "Groups dropped, by reason", "drops"),
-                               ("dph_replay_rejected", "Messages or groups refused, by kind", "rejected")):
-            family = CounterMetricFamily(name, doc, labels=["reason"])
-            for reason, n in s[key].items():
-                family.add_metric([reason], n)
-            yield family
-        hist = s["staleness_hist"]
+                                value=s.ingest.mb_per_s)
+        yield CounterMetricFamily("dph_replay_accepted_groups", "Groups accepted", value=s.accepted)
+        yield CounterMetricFamily("dph_replay_duplicate_groups", "Duplicates answered", value=s.duplicates)
+        yield _labelled("dph_replay_drops", "Groups dropped, by reason", "reason", s.drops)
+        yield _labelled("dph_replay_rejected", "Messages or groups refused, by kind", "reason", s.refused.by_kind)
+        yield _labelled("dph_replay_refusals_logged", "Refusals logged, and held back by the log's rate limit",
+                        "logged", {"yes": s.refused.logged, "no": s.refused.unlogged})
+        hist = s.staleness_hist
         total = sum(int(k) * v for k, v in hist.items())
         yield HistogramMetricFamily("dph_replay_served_staleness", "Staleness of served groups (versions)",
                                     buckets=staleness_buckets(hist), sum_value=total)
-        served = CounterMetricFamily("dph_replay_served", "Served to the learner", labels=["what"])
-        for what in ("batches", "batches_resent", "groups", "samples", "reference", "used_up"):
-            served.add_metric([what], s["served"][what])
-        yield served
-        t = s["tickets"]
-        yield CounterMetricFamily("dph_replay_tickets_granted", "Admission tickets granted", value=t["granted"])
+        yield _labelled("dph_replay_served", "Served to the learner", "what", asdict(s.served))
+        t = s.tickets
+        yield CounterMetricFamily("dph_replay_tickets_granted", "Admission tickets granted", value=t.granted)
         yield GaugeMetricFamily("dph_replay_tickets_in_flight", "Tickets granted, groups not yet here",
-                                value=t["in_flight"])
+                                value=t.in_flight)
         yield GaugeMetricFamily("dph_replay_tickets_capacity", "Tickets that could be granted now",
-                                value=t["capacity"])
-        yield GaugeMetricFamily("dph_replay_tickets_parked", "Ticket requests waiting for capacity",
-                                value=s["parked"]["tickets"])
+                                value=t.capacity)
+        yield GaugeMetricFamily("dph_replay_tickets_parked", "Ticket requests waiting for capacity", value=t.parked)
+        yield CounterMetricFamily("dph_replay_tickets_overclaimed",
+                                  "Ticket requests claiming more tickets than were granted", value=t.overclaimed)
         yield GaugeMetricFamily("dph_replay_wal_bytes_since_base", "Write-ahead log bytes since its last base",
-                                value=s["wal"]["bytes_since_base"])
+                                value=s.wal.bytes_since_base)
+        yield CounterMetricFamily("dph_replay_wal_damaged_records",
+                                  "Log records found cut short or failing their checksum at recovery",
+                                  value=s.wal.damaged_records)
 
 
 def replay_health(service) -> dict:
     s = read_stats(service)
-    return {"version": s["version"], "groups": s["occupancy"]["groups"], "accepted": s["accepted"],
-            "endpoints": s["endpoints"]}
+    return {"version": s.version, "groups": s.occupancy.groups, "accepted": s.accepted,
+            "endpoints": {"ingest": s.ingest_endpoint, "batch": s.batch_endpoint}}

@@ -1,19 +1,27 @@
 """The write-ahead log: every state change is appended here before anyone is told about it.
 
-A directory of numbered segments, each an Arrow IPC stream of records, plus bases (state files,
-replay/state.py) that summarise everything before a segment:
+A directory of numbered segments of checksummed records, plus bases (state files, replay/state.py)
+that summarise everything before a segment:
 
     wal.json              {"wal_id": ..., "keep_from": first segment a learner snapshot needs}
-    seg-00000007.arrow    records, appended and flushed before the replay acknowledges them
+    seg-00000007.wal      records, appended and flushed before the replay acknowledges them
     base-00000007.arrow   the state at the start of segment 7
+
+A segment is the 8-byte magic b"DPHWAL01", then records, each
+
+    length  u64 little-endian   bytes of the payload
+    crc32   u32 little-endian   zlib.crc32 of the payload
+    payload                     one Arrow IPC record batch (WAL_SCHEMA; `pa.ipc.read_record_batch`)
 
 Two record kinds, one row each per group or batch:
     ingest   an accepted group (all its columns): written before the group is acknowledged
     serve    a batch served: request id, version, group ids, reference ids, and the groups dropped
              since the previous batch; it also confirms the batch before it
 
-Recovery loads the newest base and applies the segments from there on. A record torn by a crash
-(a partial final record batch) was never acknowledged, so it is skipped. Segments are deleted once
+Recovery loads the newest base and applies the segments from there on. In each segment it stops at
+the first record that is cut short (a crash inside a write: that record was never acknowledged) or
+whose checksum fails (the disk changed it), counts and logs the damage, and truncates the segment
+there, so what comes before survives and the damage is never read again. Segments are deleted once
 both the newest base and the newest learner snapshot are past them: a restore re-adds the groups
 accepted after its snapshot from these segments, so nothing an actor was told is accepted is lost.
 """
@@ -24,7 +32,9 @@ import json
 import logging
 import os
 import re
+import struct
 import uuid
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +60,9 @@ WAL_SCHEMA = pa.schema(
         pa.field("dropped_reason", pa.list_(pa.string())),
     ]
 )
-_SEGMENT = re.compile(r"seg-(\d{8})\.arrow$")
+_SEGMENT = re.compile(r"seg-(\d{8})\.wal$")
+MAGIC = b"DPHWAL01"
+_RECORD = struct.Struct("<QI")  # payload length, crc32 of the payload
 _BASE = re.compile(r"base-(\d{8})\.arrow$")
 
 
@@ -97,6 +109,10 @@ def _to_batch(record: Record) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(arrays, schema=WAL_SCHEMA)
 
 
+class WalFormatError(ValueError):
+    """A segment is not a log this build writes (no magic): never truncated, the file is named."""
+
+
 def _from_batch(batch: pa.RecordBatch) -> Iterator[Record]:
     if batch.num_rows == 0:
         return
@@ -119,6 +135,11 @@ class WriteAheadLog:
     def __init__(self, directory: str | os.PathLike, fsync: bool = False, segment_bytes: int = 256 << 20):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        if old := sorted(self.dir.glob("seg-*.arrow")):
+            raise WalFormatError(
+                f"{old[0]}: a write-ahead log of an older build (segments without checksums); finish its "
+                "run with that build, or move the directory away to start a new log"
+            )
         self.fsync = fsync
         self.segment_bytes = segment_bytes
         meta_file = self.dir / "wal.json"
@@ -129,9 +150,10 @@ class WriteAheadLog:
             self._write_meta()
         self.segment = -1  # the segment being written; none until open()
         self._file = None
-        self._writer: pa.RecordBatchStreamWriter | None = None
         self._written = 0
         self.bytes_since_base = 0
+        self.damaged_records = 0  # found by recovery: records cut short or failing their checksum
+        self.truncated_bytes = 0
 
     @property
     def wal_id(self) -> str:
@@ -151,31 +173,57 @@ class WriteAheadLog:
         return found
 
     def _segment_path(self, n: int) -> Path:
-        return self.dir / f"seg-{n:08d}.arrow"
+        return self.dir / f"seg-{n:08d}.wal"
 
     def latest_base(self) -> tuple[int, Path] | None:
         bases = self._numbered(_BASE)
         return max(bases.items()) if bases else None
 
-    def records(self, start: int = 0) -> Iterator[Record]:
-        """The records of segments >= start, in order; a torn final record of a segment is skipped."""
+    def records(self, start: int = 0, repair: bool = False) -> Iterator[Record]:
+        """The records of segments >= start, in order, each segment up to its first damaged record.
+        repair=True (recovery) truncates a segment at its damage."""
         for n, path in sorted(self._numbered(_SEGMENT).items()):
-            if n < start or path.stat().st_size == 0:  # 0 bytes: opened, then nothing written
-                continue
-            try:
-                reader = pa.ipc.open_stream(pa.memory_map(str(path)))
-            except (pa.ArrowInvalid, OSError):
-                log.warning("write-ahead log %s: torn at its start, skipped", path.name)
-                continue
-            while True:
-                try:
-                    batch = reader.read_next_batch()
-                except StopIteration:
-                    break
-                except (pa.ArrowInvalid, OSError) as e:
-                    log.warning("write-ahead log %s: torn final record skipped (%s)", path.name, e)
-                    break
-                yield from _from_batch(batch)
+            if n >= start:
+                yield from self._segment_records(path, repair)
+
+    def _segment_records(self, path: Path, repair: bool) -> Iterator[Record]:
+        size = path.stat().st_size
+        if size < len(MAGIC):  # opened, then nothing (or not all of the magic) written
+            if MAGIC.startswith(path.read_bytes()):
+                return
+            raise WalFormatError(f"{path}: not a write-ahead log segment of this build (no {MAGIC!r} header)")
+        buf = pa.memory_map(str(path)).read_buffer()
+        if buf[: len(MAGIC)].to_pybytes() != MAGIC:
+            raise WalFormatError(f"{path}: not a write-ahead log segment of this build (no {MAGIC!r} header)")
+        view = memoryview(buf)
+        offset = len(MAGIC)
+        while offset < size:
+            problem = ""
+            if size - offset < _RECORD.size:
+                problem = "record header cut short"
+            else:
+                length, crc = _RECORD.unpack_from(view, offset)
+                body = offset + _RECORD.size
+                if length > size - body:
+                    problem = "record cut short"
+                elif zlib.crc32(view[body : body + length]) != crc:
+                    problem = "checksum mismatch"
+            if problem:
+                self._damaged(path, offset, size, problem, repair)
+                return
+            yield from _from_batch(pa.ipc.read_record_batch(buf.slice(body, length), WAL_SCHEMA))
+            offset = body + length
+
+    def _damaged(self, path: Path, offset: int, size: int, problem: str, repair: bool) -> None:
+        if not repair:
+            log.warning("write-ahead log %s: damaged at byte %d (%s); records from there on skipped",
+                        path.name, offset, problem)
+            return
+        self.damaged_records += 1
+        self.truncated_bytes += size - offset
+        log.warning("write-ahead log %s: damaged at byte %d (%s); truncated there, %d bytes dropped "
+                    "(records before it are kept)", path.name, offset, problem, size - offset)
+        os.truncate(path, offset)
 
     def missing_segments(self, start: int) -> bool:
         """True if segments from `start` on were already deleted (or never written here)."""
@@ -195,16 +243,18 @@ class WriteAheadLog:
         self.close()
         self.segment = max([*self._numbered(_SEGMENT), *self._numbered(_BASE), self.segment]) + 1
         self._file = open(self._segment_path(self.segment), "wb", buffering=0)  # noqa: SIM115 (see close())
-        self._writer = pa.ipc.new_stream(self._file, WAL_SCHEMA)
-        self._written = 0
+        self._file.write(MAGIC)
+        self._written = len(MAGIC)
         return self.segment
 
     def append(self, record: Record) -> None:
         """Write a record to the OS (and to disk with fsync=True): durable once this returns."""
-        assert self._writer is not None, "WriteAheadLog.open() first"
-        before = self._file.tell()
-        self._writer.write_batch(_to_batch(record))
-        size = self._file.tell() - before
+        assert self._file is not None, "WriteAheadLog.open() first"
+        payload = _to_batch(record).serialize()
+        header = _RECORD.pack(payload.size, zlib.crc32(payload))
+        size = len(header) + payload.size
+        if os.writev(self._file.fileno(), [header, payload]) != size:
+            raise OSError(f"write-ahead log {self._segment_path(self.segment)}: short write")
         self._written += size
         self.bytes_since_base += size
         if self.fsync:
@@ -240,8 +290,6 @@ class WriteAheadLog:
                 path.unlink()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self._file is not None:
             self._file.close()
-            self._writer = None
             self._file = None

@@ -53,12 +53,13 @@ def start_actor(ingest: str, actor_id: int) -> subprocess.Popen:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_group_arrives_exactly_once_across_replay_crashes(tmp_path, ipc):
+    from dph_async.net import control_token
     from dph_async.replay_client import ReplayClient
 
     ingest, out = ipc("in"), ipc("out")
     replay = start_replay(ingest, out, tmp_path / "wal")
     actors = [start_actor(ingest, i) for i in range(ACTORS)]
-    client = ReplayClient(out, reply_timeout_s=1.0, request_timeout_s=60)
+    client = ReplayClient(out, reply_timeout_s=1.0, request_timeout_s=60, token=control_token(tmp_path))
     received: list[tuple[int, int]] = []
     kills = [(300, "replay"), (500, "actor"), (800, "replay")]
     done = threading.Event()
@@ -101,7 +102,7 @@ def test_every_group_arrives_exactly_once_across_replay_crashes(tmp_path, ipc):
     assert [a.returncode for a in actors] == [0] * ACTORS, outputs
     assert len(received) == len(set(received)), "a group was delivered twice"
     assert set(received) == {(a, s) for a in range(ACTORS) for s in range(PER_ACTOR)}, "a group was lost"
-    assert stats["drops"] == {} and stats["accepted"] == ACTORS * PER_ACTOR
+    assert stats.drops == {} and stats.accepted == ACTORS * PER_ACTOR
 
 
 if __name__ == "__main__":

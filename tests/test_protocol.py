@@ -9,6 +9,7 @@ import typing
 from typing import Annotated, Literal
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,6 +18,7 @@ from hypothesis.extra import numpy as hnp
 
 from dph_async import protocol as P
 from dph_async.app.bench.transport import synthetic_group
+from dph_async.replay_stats import ReplayStats
 
 # ---------------------------------------------------------------------------------------------
 # Strategies built from the message annotations, so a message type added later is covered too.
@@ -39,11 +41,12 @@ def arrays(spec: P.ArraySpec, length: int | None = None) -> st.SearchStrategy[np
     return st.sampled_from(spec.dtypes).flatmap(lambda d: hnp.arrays(np.dtype(d), shape))
 
 
-def strategy(hint, name: str = "") -> st.SearchStrategy:
+def strategy(hint, name: str = "", array_specs: dict | None = None) -> st.SearchStrategy:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Annotated:
-        marker = hint.__metadata__[0]
-        return arrays(marker) if isinstance(marker, P.ArraySpec) else JSON
+        return strategy(args[0], name, array_specs)
+    if hint is P.ArrayRef:
+        return arrays(array_specs[name])
     if origin is Literal:
         return st.sampled_from(args)
     if origin is list:
@@ -51,8 +54,8 @@ def strategy(hint, name: str = "") -> st.SearchStrategy:
     if origin is tuple:
         return st.tuples(*(strategy(a) for a in args))
     if origin is dict:
-        return st.dictionaries(st.text(max_size=6), strategy(args[1]), max_size=3)
-    if dataclasses.is_dataclass(hint):
+        return st.dictionaries(strategy(args[0]), strategy(args[1]), max_size=3)
+    if isinstance(hint, type) and (issubclass(hint, msgspec.Struct) or dataclasses.is_dataclass(hint)):
         return message(hint)
     if name == "wait_s":
         return st.floats(0, P.MAX_WAIT_S)
@@ -61,6 +64,7 @@ def strategy(hint, name: str = "") -> st.SearchStrategy:
         int: st.integers(0, 2**31 - 1) | st.integers(-(2**63), 2**64 - 1),
         float: st.floats(),
         str: st.text(max_size=12),
+        bytes: st.binary(max_size=12),
     }[hint]
 
 
@@ -136,11 +140,18 @@ def _valid(msg) -> bool:
         return False
 
 
+def field_names(cls) -> list[str]:
+    if dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+    return list(cls.__struct_fields__)
+
+
 def message(cls) -> st.SearchStrategy:
     if cls in SPECIAL:
         return SPECIAL[cls]
     hints = typing.get_type_hints(cls, include_extras=True)
-    fields = {f.name: strategy(hints[f.name], f.name) for f in dataclasses.fields(cls)}
+    specs = dict(getattr(cls, "ARRAYS", ()))
+    fields = {name: strategy(hints[name], name, specs) for name in field_names(cls)}
     built = st.builds(cls, **fields)
     return built.filter(_valid) if hasattr(cls, "validate") else built
 
@@ -149,10 +160,10 @@ def assert_same(a, b, where: str = "msg") -> None:
     if isinstance(a, np.ndarray):
         assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape, where
         assert a.tobytes() == b.tobytes(), where  # bitwise, so NaN payloads count too
-    elif dataclasses.is_dataclass(a):
+    elif dataclasses.is_dataclass(a) or isinstance(a, msgspec.Struct):
         assert type(a) is type(b), where
-        for f in dataclasses.fields(a):
-            assert_same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+        for name in field_names(type(a)):
+            assert_same(getattr(a, name), getattr(b, name), f"{where}.{name}")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -186,11 +197,12 @@ def test_round_trip(cls, data):
 
 
 def test_header_is_described_and_arrays_are_raw_little_endian():
-    group = synthetic_group(3, 7, n=2, tokens=5)
+    group = synthetic_group(3, 7, n=2, tokens=5, prompt_tokens=5)
     frames = P.encode(group)
     head = msgpack.unpackb(frames[0])
-    assert head["v"] == P.SCHEMA_VERSION and head["t"] == "RolloutGroup"
-    assert head["m"]["completions"][0]["token_ids"] == ["int32", [5]]
+    assert head["v"] == P.SCHEMA_VERSION and head["t"] == "RolloutGroup" and head["n"] == 7
+    assert head["m"]["prompt_ids"] == ["int32", [5], 0]  # [dtype, shape, array frame]
+    assert head["m"]["completions"][0]["token_ids"] == ["int32", [5], 1]
     assert len(frames) == 1 + 1 + 2 * 3  # header, prompt, 3 arrays per completion
     assert bytes(frames[2]) == group.completions[0].token_ids.astype("<i4").tobytes()
     back = P.decode(frames)
@@ -244,26 +256,32 @@ def test_each_problem_is_named():
     e = error_after(lambda h, a: h.update(t="Nope"))
     assert e.kind == "type" and "'Nope'" in str(e)
     e = error_after(lambda h, a: h["m"].pop("seq"))
-    assert e.kind == "field" and "missing field(s) seq" in str(e)
+    assert e.kind == "field" and str(e) == "RolloutGroup: Object missing required field `seq`"
     e = error_after(lambda h, a: h["m"].update(extra=1))
-    assert e.kind == "field" and "unknown field(s) extra" in str(e)
+    assert e.kind == "field" and "unknown field `extra`" in str(e)
     e = error_after(lambda h, a: h["m"].update(seq="7"))
-    assert e.kind == "field" and str(e) == "RolloutGroup.seq: expected int, got str"
-    e = error_after(lambda h, a: h["m"]["completions"][1].update(logprobs=["float64", [4]]))
+    assert e.kind == "field" and str(e) == "RolloutGroup.seq: Expected `int`, got `str`"
+    e = error_after(lambda h, a: h["m"]["completions"][1].update(logprobs=["float64", [4], 5]))
     assert e.kind == "array" and str(e).startswith(
         "RolloutGroup.completions[1].logprobs: dtype 'float64' not allowed"
     )
-    e = error_after(lambda h, a: h["m"]["completions"][1].update(versions=["int32", [5]]))
-    assert e.kind == "array" and "completions[1].versions: frame of 16 bytes" in str(e)
+    e = error_after(lambda h, a: h["m"]["completions"][1].update(versions=["int32", [5], 6]))
+    assert e.kind == "array" and "completions[1].versions: frame 6 of 16 bytes" in str(e)
     e = error_after(lambda h, a: h["m"]["completions"][0]["reward"].update(status="great"))
-    assert e.kind == "field" and "completions[0].reward.status: 'great' is not one of" in str(e)
+    assert e.kind == "field" and "completions[0].reward.status: Invalid enum value 'great'" in str(e)
     e = error_after(lambda h, a: a.pop())
-    assert e.kind == "frames" and "more arrays than" in str(e)
+    assert e.kind == "frames" and "header announces 7 array frames, 6 came" in str(e)
     e = error_after(lambda h, a: a.append(b"\0" * 4))
-    assert e.kind == "frames" and "8 array frames sent, more than the header describes" in str(e)
+    assert e.kind == "frames" and "header announces 7 array frames, 8 came" in str(e)
+    e = error_after(lambda h, a: h["m"]["completions"][1].update(versions=["int32", [4], 3]))
+    assert e.kind == "frames" and "completions[1].versions: array frame 3 described twice" in str(e)
+    e = error_after(lambda h, a: h["m"]["completions"][1].update(versions=["int32", [4], 9]))
+    assert e.kind == "frames" and "array frame 9 described, but only 7" in str(e)
+    e = error_after(lambda h, a: (h.update(n=8), a.append(b"")))
+    assert e.kind == "frames" and "array frame(s) [7] described by no field" in str(e)
     e = error_after(
         lambda h, a: (
-            h["m"]["completions"][0].update(logprobs=["float32", [3]]),
+            h["m"]["completions"][0].update(logprobs=["float32", [3], 2]),
             a.__setitem__(2, b"\0" * 12),
         )
     )
@@ -271,8 +289,10 @@ def test_each_problem_is_named():
         e.kind == "value"
         and "completions[0]: lengths disagree: 4 token_ids, 3 logprobs, 4 versions" in str(e)
     )
-    e = error_after(lambda h, a: h["m"].update(completions=[]))
+    e = error_after(lambda h, a: (h["m"].update(completions=[]), h.update(n=1), a.__delitem__(slice(1, None))))
     assert e.kind == "value" and "group has no completions" in str(e)
+    e = error_after(lambda h, a: h["m"].update(completions=[]))  # its array frames left over
+    assert e.kind == "frames" and "array frame(s) [1, 2, 3, 4, 5, 6] described by no field" in str(e)
     e = error_after(lambda h, a: h["m"].update(actor_id=-1))
     assert e.kind == "value" and "actor_id -1" in str(e)
 
@@ -285,30 +305,37 @@ def test_malformed_frames_and_sizes():
     assert _error(["not bytes"]).kind == "frames"
     frames = P.encode(synthetic_group(0, 0, n=1, tokens=1000))
     e = _error(frames, P.Limits(max_bytes=1000))
-    assert e.kind == "size" and "exceeds the limit of 1000" in str(e)
+    assert e.kind == "size" and "exceeds its limit of 1000" in str(e)
     e = _error(frames, P.Limits(max_header_bytes=10))
     assert e.kind == "size" and "header of" in str(e)
     e = _error(frames, P.Limits(max_frames=2))
     assert e.kind == "frames"
+    e = _error(frames, P.Limits(accept=frozenset({P.BatchRequest})))
+    assert e.kind == "type" and "RolloutGroup is not served on this endpoint" in str(e)
     # Every type has its own cap: an acknowledgement does not get to be 17 MiB.
     big_ack = P.encode(P.Ack([(0, i) for i in range(10)], "error", "x" * (17 << 20)))
     e = _error(big_ack)
-    assert e.kind == "size" and "Ack of" in str(e)
+    assert e.kind == "size" and "Ack header of" in str(e)
 
 
 def test_msgpack_extensions_and_absurd_shapes_are_refused():
-    head, arrays = _header(synthetic_group(0, 0, n=1, tokens=2))
-    ext = msgpack.packb({"v": P.SCHEMA_VERSION, "t": "StatsRequest", "m": msgpack.ExtType(5, b"x")})
-    assert _error([ext]).kind == "header"
-    head["m"]["prompt_ids"] = ["int32", [0, 2**40, 2**40]]
-    assert _error([msgpack.packb(head), b"", *arrays[1:]]).kind == "array"
+    ext = msgpack.packb({"v": P.SCHEMA_VERSION, "t": "StatsRequest", "n": 0, "m": msgpack.ExtType(5, b"x")})
+    e = _error([ext])
+    assert e.kind == "field" and "got `ext`" in str(e)
+    head, arrays = _header(P.WeightsBucket(0, 0, ["w"], [np.zeros(0, np.float32)], "c"))
+    head["m"]["arrays"] = [["float32", [0, 2**40, 2**40], 0]]
+    e = _error([msgpack.packb(head), *arrays])
+    assert e.kind == "array"
+    assert "WeightsBucket.arrays[0]: shape [0, 1099511627776, 1099511627776] is too large" in str(e)
+    head["m"]["arrays"] = [["float32", [1] * 9, 0]]
+    assert "Expected `array` of length <= 8" in str(_error([msgpack.packb(head), *arrays]))
 
 
 def test_encode_refuses_what_would_not_decode():
     group = synthetic_group(0, 0, n=2, tokens=3)
     group.completions[1].token_ids = group.completions[1].token_ids.astype(np.int64)
     with pytest.raises(
-        P.ProtocolError, match=r"RolloutGroup.completions\[1\].token_ids: dtype int64 not allowed"
+        P.ProtocolError, match=r"RolloutGroup: completions\[1\]: token_ids: dtype int64 not allowed \(allowed: int32\)"
     ):
         P.encode(group)
     with pytest.raises(P.ProtocolError, match="not a protocol message"):
@@ -324,7 +351,7 @@ def test_nothing_is_unpickled(monkeypatch):
     monkeypatch.setattr(pickle, "loads", refuse)
     monkeypatch.setattr(pickle, "load", refuse)
     monkeypatch.setattr(pickle, "Unpickler", refuse)
-    for msg in (synthetic_group(0, 1), P.Stats({"a": [1, {"b": 2.5}]}), P.Ack([(0, 1)], "ok")):
+    for msg in (synthetic_group(0, 1), P.Stats(ReplayStats(drops={"stale": 1})), P.Ack([(0, 1)], "ok")):
         P.decode([bytes(f) for f in P.encode(msg)])
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from dph_async import protocol as P
 from dph_async.app.bench.transport import synthetic_group
+from dph_async.replay_stats import ReplayStats
 
 REF = P.ReferenceSample(
     "r", np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32), np.zeros(2, np.float32), 1.0, "s"
@@ -22,11 +23,11 @@ SEEDS = [
     P.Ack([(0, 1), (2, 3)], "duplicate"),
     P.TicketRequest(0, 4, 1, 2, 0.5),
     P.ResumeInfo(0, 10, [12, 15], 3),
-    P.BatchRequest(4, 16, 1.0, 77),
+    P.BatchRequest(4, 16, 1.0, 77, b"token"),
     P.WeightsBucket(2, 0, ["a", "b"], TENSORS, "x", ["float32", "bfloat16"]),
     P.WeightsReady(2, [P.BucketInfo(0, 24, "x", ["a"], ["float32"], [[2, 3]])]),
-    P.Stats({"drops": {"stale": 2}, "rate": 1.5, "list": [1, None, "x"]}),
-    P.Control("snapshot", "/tmp/x"),
+    P.Stats(ReplayStats(version=3, drops={"stale": 2}, staleness_hist={0: 5, 1: 2})),
+    P.Control("snapshot", "checkpoints/v3/replay", 3, b"token"),
     P.ErrorReply("nope", "header"),
 ]
 SEED_FRAMES = [[bytes(f) for f in P.encode(m)] for m in SEEDS]
@@ -44,8 +45,8 @@ def check(frames) -> None:
 
 
 def random_value(rng: random.Random, depth: int = 0):
-    kinds = ["int", "bigint", "neg", "float", "str", "bytes", "none", "bool", "list", "dict"]
-    kind = rng.choice(kinds if depth < 3 else kinds[:8])
+    kinds = ["int", "bigint", "neg", "float", "str", "bytes", "none", "bool", "ref", "list", "dict"]
+    kind = rng.choice(kinds if depth < 3 else kinds[:9])
     return {
         "int": lambda: rng.randint(0, 100),
         "bigint": lambda: rng.choice([2**63 - 1, 2**64 - 1, -(2**63), 2**40]),
@@ -56,8 +57,9 @@ def random_value(rng: random.Random, depth: int = 0):
         "none": lambda: None,
         "bool": lambda: rng.random() < 0.5,
         "list": lambda: [random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))],
+        "ref": lambda: [rng.choice(["int32", "float32", "uint16"]), [rng.randint(0, 9)], rng.randint(-1, 9)],
         "dict": lambda: {
-            rng.choice(["v", "t", "m", "seq", "x"]): random_value(rng, depth + 1)
+            rng.choice(["v", "t", "m", "n", "seq", "x"]): random_value(rng, depth + 1)
             for _ in range(rng.randint(0, 3))
         },
     }[kind]()
@@ -154,5 +156,5 @@ def test_random_frames(frames):
 def test_random_header_bodies(seed, body):
     """Any msgpack value as the fields of a real message type, with that message's array frames."""
     frames = SEED_FRAMES[seed]
-    head = msgpack.unpackb(frames[0])
-    check([msgpack.packb({"v": P.SCHEMA_VERSION, "t": head["t"], "m": body}), *frames[1:]])
+    head = msgpack.unpackb(frames[0], strict_map_key=False)
+    check([msgpack.packb({"v": P.SCHEMA_VERSION, "t": head["t"], "n": head["n"], "m": body}), *frames[1:]])

@@ -150,7 +150,7 @@ def test_batches_mix_reference_samples_per_fresh_sample():
     assert batch.num_samples == 32 and len(batch.reference) == 4
     batch = core.request(BatchRequest(0, 3, 0.0, request_id=2))  # 24 samples -> 3
     assert len(batch.reference) == 3
-    mix = core.stats()["mix"]
-    assert mix["reference_per_fresh_sample"] == 7 / 56 and mix["last_batch_reference"] == 3
+    mix = core.stats().mix
+    assert mix.reference_per_fresh_sample == 7 / 56 and mix.last_batch_reference == 3
     retried = core.request(BatchRequest(0, 3, 0.0, request_id=2))
     assert [r.sample_id for r in retried.reference] == [r.sample_id for r in batch.reference]

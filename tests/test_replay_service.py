@@ -21,7 +21,7 @@ CFG = ReplayConfig(max_staleness=100, admission=False, max_group_mb=0.05)
 
 @pytest.fixture
 def service(tmp_path, ipc):
-    svc = ReplayService(CFG, ipc("in"), ipc("out"), 4, wal_dir=str(tmp_path / "wal"))
+    svc = ReplayService(CFG, ipc("in"), ipc("out"), 4, wal_dir=str(tmp_path / "wal"), data_dir=str(tmp_path))
     svc.start_in_thread()
     yield svc
     svc.stop()
@@ -33,6 +33,11 @@ def raw(addr: str) -> zmq.Socket:
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(addr)
     return sock
+
+
+def control_client(service: ReplayService, **kw) -> ReplayClient:
+    """The learner's client: it holds the replay's control token."""
+    return ReplayClient(service.batch_endpoint, token=service.control_token, data_dir=service.data_dir, **kw)
 
 
 def ask(sock: zmq.Socket, frames: list):
@@ -52,13 +57,13 @@ def test_bad_input_is_answered_counted_and_loses_nothing(service):
     nan_group = synthetic_group(0, 101, n=2, tokens=8)
     nan_group.completions[1].logprobs[3] = np.nan
     cases = {
-        "garbage": ([b"\x00\x01garbage"], "header is not valid msgpack"),
-        "truncated": (good[:-1], "more arrays than there are array frames"),
+        "garbage": ([b"\x00\x01garbage"], "header is not a valid message envelope"),
+        "truncated": (good[:-1], "header announces 7 array frames, 6 came"),
         "wrong version": ([msgpack.packb(head | {"v": 9}), *good[1:]], "schema version 9 is not supported"),
-        "oversized": (encode(synthetic_group(0, 102, n=8, tokens=1000)), "exceeds the limit of 52428"),
+        "oversized": (encode(synthetic_group(0, 102, n=8, tokens=1000)), "of more than 52428 bytes (its limit)"),
         "wrong type": (
             [msgpack.packb(head | {"m": head["m"] | {"seq": "x"}}), *good[1:]],
-            "RolloutGroup.seq: expected int",
+            "RolloutGroup.seq: Expected `int`, got `str`",
         ),
         "nan": (encode(nan_group), "completions[1].logprobs must be finite"),
     }
@@ -66,15 +71,17 @@ def test_bad_input_is_answered_counted_and_loses_nothing(service):
         reply = ask(sock, frames)
         assert isinstance(reply, Ack) and reply.status == "error" and expected in reply.error, name
     reply = ask(sock, encode(BatchRequest(0, 1, 0.0)))
-    assert isinstance(reply, ErrorReply) and "not served on the ingest endpoint" in reply.error
+    assert isinstance(reply, Ack) and "BatchRequest is not served on this endpoint" in reply.error
 
     batch_sock = raw(service.batch_endpoint)
     reply = ask(batch_sock, [b"\x92\x01"])
     assert isinstance(reply, ErrorReply) and reply.kind == "header"
 
-    client = ReplayClient(service.batch_endpoint)
+    client = control_client(service)
     stats = client.stats()
-    assert stats["rejected"] == {"header": 2, "frames": 1, "version": 1, "size": 1, "field": 1, "invalid": 1}
+    assert stats.refused.by_kind == {
+        "header": 2, "frames": 1, "version": 1, "size": 1, "field": 1, "invalid": 1, "type": 1,
+    }
     batch = client.get_batch(0, 10, wait_s=0.0)
     assert sorted(g.seq for g in batch.groups) == [0, 1, 2, 3, 4]  # nothing accepted was lost
     client.close()
@@ -82,7 +89,7 @@ def test_bad_input_is_answered_counted_and_loses_nothing(service):
 
 
 def test_a_batch_request_waits_then_returns_what_there_is(service):
-    client = ReplayClient(service.batch_endpoint)
+    client = control_client(service)
     t0 = time.monotonic()
     assert client.get_batch(0, 4, wait_s=0.3).groups == []
     assert 0.25 < time.monotonic() - t0 < 3
@@ -105,18 +112,20 @@ def test_the_same_request_id_gets_the_same_batch(service):
         sender.send(synthetic_group(0, i))
     sender.flush(5)
     sock = raw(service.batch_endpoint)
-    first = ask(sock, encode(BatchRequest(0, 4, 0.0, request_id=5)))
-    again = ask(sock, encode(BatchRequest(0, 4, 0.0, request_id=5)))  # as if the reply was lost
-    after = ask(sock, encode(BatchRequest(1, 4, 0.0, request_id=6)))
+    token = service.control_token
+    first = ask(sock, encode(BatchRequest(0, 4, 0.0, request_id=5, token=token)))
+    again = ask(sock, encode(BatchRequest(0, 4, 0.0, request_id=5, token=token)))  # as if the reply was lost
+    after = ask(sock, encode(BatchRequest(1, 4, 0.0, request_id=6, token=token)))
     assert [g.group_id for g in again.groups] == [g.group_id for g in first.groups]
     assert {g.group_id for g in after.groups}.isdisjoint(g.group_id for g in first.groups)
-    assert ask(sock, encode(StatsRequest())).metrics["served"]["batches_resent"] == 1
+    assert ask(sock, encode(StatsRequest())).replay.served.batches_resent == 1
     sender.close()
 
 
 def test_the_sender_resends_across_a_service_restart(tmp_path, ipc):
     addr_in, addr_out = ipc("in"), ipc("out")
-    first = ReplayService(CFG, addr_in, addr_out, 4, wal_dir=str(tmp_path / "wal"))
+    token = b"t" * 32  # a restarted replay keeps its token (`dph-async serve replay` keeps it in a file)
+    first = ReplayService(CFG, addr_in, addr_out, 4, wal_dir=str(tmp_path / "wal"), control_token=token)
     first.start_in_thread()
     sender = RolloutSender(addr_in, 3, reply_timeout_s=2)
     for i in range(5):
@@ -126,12 +135,12 @@ def test_the_sender_resends_across_a_service_restart(tmp_path, ipc):
     for i in range(5, 10):  # the replay is down: kept in the sender
         sender.send(synthetic_group(3, i))
     assert sender.unacked == 5
-    second = ReplayService(CFG, addr_in, addr_out, 4, wal_dir=str(tmp_path / "wal"))
+    second = ReplayService(CFG, addr_in, addr_out, 4, wal_dir=str(tmp_path / "wal"), control_token=token)
     second.start_in_thread()
     try:
         assert sender.flush(15) and sender.accepted == 10
         assert sender.resume().watermark == 10
-        client = ReplayClient(addr_out)
+        client = ReplayClient(addr_out, token=token)
         assert sorted(g.seq for g in client.get_batch(0, 10, 0.0).groups) == list(range(10))
         client.close()
     finally:
@@ -140,7 +149,7 @@ def test_the_sender_resends_across_a_service_restart(tmp_path, ipc):
 
 
 def test_snapshot_restore_and_shutdown_over_the_client(tmp_path, service):
-    client = ReplayClient(service.batch_endpoint, request_timeout_s=10)
+    client = control_client(service, request_timeout_s=10)
     assert "written to" in client.snapshot(str(tmp_path / "ckpt"))
     assert "restored to version 0" in client.restore(str(tmp_path / "ckpt"))
     with pytest.raises(ReplayError, match=r"restore failed: .*nowhere"):
@@ -163,7 +172,7 @@ def test_binding_beyond_loopback_needs_keys_or_the_insecure_flag(ipc):
     try:
         assert svc.batch_endpoint.startswith("tcp://0.0.0.0:") and not svc.batch_endpoint.endswith(":0")
         client = ReplayClient(f"tcp://127.0.0.1:{svc.batch_endpoint.rsplit(':', 1)[1]}", request_timeout_s=10)
-        assert client.stats()["accepted"] == 0
+        assert client.stats().accepted == 0
         client.close()
     finally:
         svc.stop()
@@ -177,7 +186,7 @@ def test_curve_admits_only_authorized_clients(tmp_path):
     try:
         port = svc.batch_endpoint.rsplit(":", 1)[1]
         good = ReplayClient(f"tcp://127.0.0.1:{port}", security=NetSecurity(curve_keys=keys))
-        assert good.stats()["accepted"] == 0
+        assert good.stats().accepted == 0
         good.close()
         for security in (NetSecurity(curve_keys=strangers), None):
             bad = ReplayClient(f"tcp://127.0.0.1:{port}", security=security, request_timeout_s=1.5)
@@ -225,7 +234,7 @@ def test_serve_replay_command_refuses_an_open_bind_and_stops_on_sigterm(tmp_path
         text=True,
     )
     client = ReplayClient(addr_out, request_timeout_s=30)
-    assert client.stats()["accepted"] == 0
+    assert client.stats().accepted == 0
     client.close()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0

@@ -36,15 +36,63 @@ def test_acknowledged_groups_survive_a_crash(tmp_path):
     assert [v.status for v in recovered.ingest(sent[:2])] == ["duplicate", "duplicate"]
 
 
-def test_a_torn_final_record_is_skipped(tmp_path):
+def _segment(core: ReplayCore):
+    return core.wal.dir / f"seg-{core.wal.segment:08d}.wal"
+
+
+@pytest.mark.parametrize("cut", [100, 4])  # inside the payload; inside the record's length/checksum header
+def test_a_torn_final_record_is_cut_off_and_the_rest_kept(tmp_path, cut):
     core = make_core(tmp_path)
     core.ingest([synthetic_group(0, i) for i in range(3)])
+    first_end = _segment(core).stat().st_size
     core.ingest([synthetic_group(0, i) for i in range(3, 6)])
-    segment = core.wal.dir / f"seg-{core.wal.segment:08d}.arrow"
-    data = segment.read_bytes()
-    segment.write_bytes(data[: len(data) - 100])  # the process died inside the second write
+    segment = _segment(core)
+    keep = first_end + cut if cut < 12 else segment.stat().st_size - cut
+    segment.write_bytes(segment.read_bytes()[:keep])  # the process died inside the second write
     recovered = make_core(tmp_path)
     assert sorted(e.group.seq for e in recovered.store) == [0, 1, 2]  # the torn write was never acked
+    assert recovered.stats().wal.damaged_records == 1
+    assert recovered.stats().wal.truncated_bytes == keep - first_end
+    again = make_core(tmp_path)
+    assert again.stats().wal.damaged_records == 0 and len(again.store) == 3
+
+
+def test_a_flipped_byte_fails_the_checksum_and_nothing_after_it_is_read(tmp_path):
+    core = make_core(tmp_path)
+    core.ingest([synthetic_group(0, i) for i in range(3)])
+    first_end = _segment(core).stat().st_size
+    core.ingest([synthetic_group(0, i) for i in range(3, 6)])
+    second_end = _segment(core).stat().st_size
+    core.ingest([synthetic_group(0, i) for i in range(6, 9)])
+    segment = _segment(core)
+    data = bytearray(segment.read_bytes())
+    at = (first_end + second_end) // 2  # a byte in the second record's payload (a logprob, an id...)
+    data[at] ^= 0x40
+    segment.write_bytes(bytes(data))
+    recovered = make_core(tmp_path)
+    # Records after a damaged one are dropped too: the log is a sequence, never read past a hole.
+    assert sorted(e.group.seq for e in recovered.store) == [0, 1, 2]
+    assert recovered.stats().wal.damaged_records == 1
+    assert recovered.stats().wal.truncated_bytes == len(data) - first_end
+    again = make_core(tmp_path)  # the damage was cut off (and recovery wrote a base): never read again
+    assert again.stats().wal.damaged_records == 0 and len(again.store) == 3
+
+
+def test_a_log_without_checksums_or_magic_is_named_not_truncated(tmp_path):
+    from replay.wal import WalFormatError
+
+    core = make_core(tmp_path)
+    core.ingest([synthetic_group(0, 0)])
+    segment = _segment(core)
+    data = segment.read_bytes()
+    segment.write_bytes(b"XXXXXXXX" + data[8:])
+    with pytest.raises(WalFormatError, match=r"seg-\d{8}\.wal: not a write-ahead log segment"):
+        make_core(tmp_path)
+    assert segment.read_bytes()[8:] == data[8:]  # left as it was for whoever looks at it
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "seg-00000000.arrow").write_bytes(b"")
+    with pytest.raises(WalFormatError, match="an older build"):
+        WriteAheadLog(tmp_path / "old")
 
 
 def test_a_lost_batch_reply_is_served_again_after_a_crash(tmp_path):
@@ -56,7 +104,7 @@ def test_a_lost_batch_reply_is_served_again_after_a_crash(tmp_path):
     assert ids(again) == ids(first)
     after = recovered.request(BatchRequest(1, 8, 0.0, request_id=12))  # confirms batch 11
     assert ids(after) == [(0, i) for i in range(4, 8)]
-    assert recovered.stats()["served"]["used_up"] == 4
+    assert recovered.stats().served.used_up == 4
 
 
 def test_restore_forgets_later_batches_and_keeps_later_groups(tmp_path):
@@ -72,7 +120,7 @@ def test_restore_forgets_later_batches_and_keeps_later_groups(tmp_path):
     assert core.version == 0 and core.pending.request_id == 1
     batch = core.request(BatchRequest(1, 10, 0.0, request_id=4))
     assert sorted(ids(batch)) == [(0, 4), (0, 5), (1, 0)]  # served again; (1, 1) came from version 1
-    assert core.stats()["drops"] == {"rewound": 1}
+    assert core.stats().drops == {"rewound": 1}
     # A rewound group's position is open again: a resuming actor regenerates it with restored weights.
     assert [v.status for v in core.ingest([synthetic_group(1, 1)])] == ["ok"]
     assert [v.status for v in core.ingest([synthetic_group(1, 0)])] == ["duplicate"]
@@ -94,13 +142,13 @@ def test_compaction_bounds_the_log_and_recovery_still_agrees(tmp_path):
     for i in range(0, 200, 10):
         core.ingest([synthetic_group(0, s, n=2, tokens=50) for s in range(i, i + 10)])
         core.request(BatchRequest(i // 10, 8, 0.0, request_id=i + 1))
-    segments = sorted(p.name for p in tmp_path.glob("seg-*.arrow"))
+    segments = sorted(p.name for p in tmp_path.glob("seg-*.wal"))
     bases = sorted(p.name for p in tmp_path.glob("base-*.arrow"))
-    assert len(bases) == 1 and segments[0] >= "seg-" + bases[0][5:]  # older segments are gone
+    assert len(bases) == 1 and segments[0][4:12] >= bases[0][5:13]  # older segments are gone
     recovered = make_core(tmp_path)
     assert sorted(e.group.group_id for e in recovered.store) == sorted(e.group.group_id for e in core.store)
     assert recovered.pending.group_ids == core.pending.group_ids
-    assert recovered.stats()["accepted"] == 200 and recovered.stats()["served"] == core.stats()["served"]
+    assert recovered.stats().accepted == 200 and recovered.stats().served == core.stats().served
 
 
 def test_snapshot_keeps_the_segments_its_restore_needs(tmp_path):

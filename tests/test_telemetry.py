@@ -52,7 +52,7 @@ def test_replay_metrics_parse_and_move_with_work(replay, tmp_path):
     for i in range(6):
         sender.send(synthetic_group(0, i, n=2, tokens=8))
     assert sender.flush(10)
-    client = ReplayClient(svc.batch_endpoint)
+    client = ReplayClient(svc.batch_endpoint, token=svc.control_token)
     assert len(client.get_batch(0, 4, wait_s=1.0).groups) == 4
     after = scrape(ep)
     assert after.value("dph_replay_accepted_groups_total") == 6

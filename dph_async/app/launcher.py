@@ -27,6 +27,7 @@ from dph_async.app.progress import progress
 from dph_async.config import RunConfig
 from dph_async.paths import endpoints_dir, final_model
 from dph_async.replay_client import ReplayClient, RolloutSender
+from dph_async.replay_stats import ReplayStats
 from dph_async.rewards.scorer import make_scorer
 from dph_async.tasks.dataset import load_prompts
 from dph_async.telemetry import start_endpoint
@@ -104,7 +105,7 @@ class LearnerProcess:
         wal = str(self.rl_dir / cfg.replay.wal_dir) if cfg.replay.wal_dir else None
         self.replay = ReplayService(cfg.replay, _bind(cfg), "tcp://127.0.0.1:0", cfg.learner.groups_per_step,
                                     reference_path=reference_path, wal_dir=wal, security=self.security,
-                                    seed=cfg.seed)
+                                    seed=cfg.seed, data_dir=rl_dir)
         self.replay.start_in_thread()
         self.server = WeightServer(_bind(cfg), self.security, int(cfg.learner.weight_bucket_mb * 2**20))
         self._stop = threading.Event()
@@ -128,7 +129,10 @@ class LearnerProcess:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         trainer = Trainer(self.model_dir, cfg.learner, temperature=cfg.sampling.temperature, dtype=cfg.model.dtype,
                           pad_id=pad, max_response_tokens=cfg.sampling.max_tokens, seed=cfg.seed)
-        client = ReplayClient(self.replay.batch_endpoint, self.security)
+        # The learner alone holds the control token (or, with CURVE, the control key): actors cannot
+        # take batches or send commands. Snapshots go under rl_dir, the replay's data directory.
+        client = ReplayClient(self.replay.batch_endpoint, self.security, token=self.replay.control_token,
+                              data_dir=self.rl_dir)
         self.loop = LearnerLoop(cfg, trainer, client, self.server, self.rl_dir)
         if self.resume_tag:
             self.loop.resume(self.resume_tag)
@@ -152,7 +156,7 @@ class LearnerProcess:
     def metrics_since(self, index: int) -> list[dict[str, float]]:
         return self.loop.metrics_since(index)
 
-    def replay_stats(self) -> dict:
+    def replay_stats(self) -> ReplayStats:
         return self.replay.stats()
 
     def checkpoint(self) -> str:
@@ -236,7 +240,7 @@ class RLResult:
     metrics: list[dict[str, float]]
     learner: dict
     actors: list[dict]
-    replay: dict
+    replay: ReplayStats
     actor_restarts: int
     wall_seconds: float
     final_model: str

@@ -28,8 +28,26 @@ class ReplayConfig(Section):
     # After this much log since the last compaction, the replay writes its state as a new base and
     # deletes segments nothing needs any more, so the log and the recovery time stay bounded.
     wal_compact_mb: float = Field(1024.0, gt=0)
-    # Largest rollout-group message accepted on the ingest endpoint; larger ones are refused.
+    # Limits on what a peer may send the ingest endpoint (docs/data_plane.md, "Hostile peers"):
+    # the largest rollout-group message, all frames together (libzmq also disconnects a peer sending
+    # any one frame larger than this, before buffering it);
     max_group_mb: float = Field(256.0, gt=0)
+    # the largest message header, refused before it is parsed;
+    max_header_kb: float = Field(1024.0, gt=0)
+    # the most array frames one message may announce (a group of n completions has 1 + 3n).
+    max_frames: int = Field(16384, ge=1)
+    # Ticket requests waiting for capacity: at most this many in all, and per connection; a request
+    # past either is answered at once with what can be granted.
+    max_parked: int = Field(1024, ge=0)
+    max_parked_per_peer: int = Field(4, ge=0)
+    # Refused messages are all counted (stats: refused) but at most this many logged per minute.
+    refusal_log_per_min: int = Field(10, ge=0)
+    # A connection that has not finished its handshake after this long, or has sent nothing (not
+    # even a heartbeat) for this long, is closed: slow and stalled peers hold nothing for ever.
+    peer_timeout_s: float = Field(30.0, gt=0)
+    # Messages libzmq queues per connection before it stops reading from that peer (backpressure,
+    # not drops): what one peer can make the replay hold is at most this many messages.
+    queue_per_peer: int = Field(64, ge=1)
     # Messages taken off the ingest socket per log commit (group commit: one flush, then the acks).
     ingest_batch: int = Field(256, ge=1)
     # Upper bound on a behaviour log-prob (a log-prob is <= 0; this allows float rounding).

@@ -26,6 +26,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import platform
+import secrets
 import statistics
 import subprocess
 import tempfile
@@ -347,12 +348,12 @@ def bench_replay(held: int, batch: int, seconds: float, wal_dir: str | None = No
     }
 
 
-def _replay_process(ingest: str, batch: str, wal_dir: str | None) -> None:
+def _replay_process(ingest: str, batch: str, wal_dir: str | None, token: bytes) -> None:
     from dph_async.config.replay import ReplayConfig
     from replay.service import ReplayService
 
     cfg = ReplayConfig(max_staleness=10**6, admission=False, max_group_mb=1024)
-    ReplayService(cfg, ingest, batch, 64, wal_dir=wal_dir).serve_forever()
+    ReplayService(cfg, ingest, batch, 64, wal_dir=wal_dir, control_token=token).serve_forever()
 
 
 def bench_ingest(n: int, tokens: int, count: int, prompt_tokens: int, wal: bool) -> dict:
@@ -362,8 +363,9 @@ def bench_ingest(n: int, tokens: int, count: int, prompt_tokens: int, wal: bool)
 
     tmp = tempfile.mkdtemp(prefix="dph-bench-ingest-")
     ingest, batch = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
+    token = secrets.token_bytes(32)  # to shut it down: only the control identity may
     proc = mp.get_context("spawn").Process(
-        target=_replay_process, args=(ingest, batch, f"{tmp}/wal" if wal else None), daemon=True
+        target=_replay_process, args=(ingest, batch, f"{tmp}/wal" if wal else None, token), daemon=True
     )
     proc.start()
     group = synthetic_group(0, 0, n=n, tokens=tokens, prompt_tokens=prompt_tokens)
@@ -376,7 +378,7 @@ def bench_ingest(n: int, tokens: int, count: int, prompt_tokens: int, wal: bool)
     acked = sender.flush(300)
     seconds = time.perf_counter() - start
     sender.close()
-    client = ReplayClient(batch)
+    client = ReplayClient(batch, token=token)
     client.shutdown()
     client.close()
     proc.join(30)

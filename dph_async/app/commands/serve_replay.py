@@ -26,6 +26,11 @@ Endpoints bind 127.0.0.1 unless told otherwise; another address needs CURVE keys
 directory made by `dph-async keys`) or --insecure. SIGINT/SIGTERM stop it cleanly. GET /health and
 /metrics are served on net.metrics_host (port net.metrics_port, 0: the OS chooses); the URL is printed
 and written to <output_dir>/endpoints/replay.json for `dph-async status`.
+
+Batch requests and commands (snapshot, restore, shutdown) are obeyed only from the control
+identity: with CURVE keys the control key pair, otherwise the token in <data-dir>/control.token
+(made at the first start, kept across restarts, readable by its owner only): give it to the
+learner, never to actors. Snapshots are written and read only inside the data directory.
 """
 
 INGEST_PORT = 5555
@@ -42,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", help="D_pef parquet file or directory of them (default: no reference pool)")
     parser.add_argument("--wal-dir", help="write-ahead log directory (default: <output_dir>/<replay.wal_dir>)")
     parser.add_argument("--no-wal", action="store_true", help="run without a write-ahead log (a restart loses all)")
+    parser.add_argument(
+        "--data-dir",
+        help="where snapshots go and the control token is kept (default: the log's parent, or <output_dir>)",
+    )
     parser.add_argument("--curve-keys", help="CURVE key directory (default: net.curve_keys)")
     parser.add_argument("--insecure", action="store_true", help="allow a non-loopback bind without CURVE keys")
 
@@ -49,38 +58,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.overrides)
     # The replay service pulls ZeroMQ, numpy and pyarrow: here, not at the top, so that --help stays fast.
-    from dph_async.net import InsecureBindError, NetSecurity
+    from dph_async.net import CONTROL_TOKEN_FILE, InsecureBindError, NetSecurity, control_token
     from dph_async.telemetry import start_endpoint
     from replay.reference_pool import ReferencePoolError
     from replay.service import ReplayService
     from replay.state import ReplayStateError
     from replay.telemetry import ReplayCollector, replay_health
+    from replay.wal import WalFormatError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     wal_dir = args.wal_dir
     if wal_dir is None and cfg.replay.wal_dir and not args.no_wal:
         wal_dir = str(Path(cfg.output_dir) / cfg.replay.wal_dir)
+    if args.no_wal:
+        wal_dir = None
+    data_dir = Path(args.data_dir or (Path(wal_dir).parent if wal_dir else cfg.output_dir))
     security = NetSecurity(args.curve_keys or cfg.net.curve_keys, args.insecure or cfg.net.insecure)
     try:
+        token = control_token(data_dir) if security.curve_keys is None else None
         service = ReplayService(
             cfg.replay,
             args.ingest or f"tcp://{cfg.net.host}:{INGEST_PORT}",
             args.batch or f"tcp://{cfg.net.host}:{BATCH_PORT}",
             args.groups_per_batch or cfg.learner.groups_per_step,
             reference_path=args.reference,
-            wal_dir=None if args.no_wal else wal_dir,
+            wal_dir=wal_dir,
             security=security,
             seed=cfg.seed,
+            data_dir=str(data_dir),
+            control_token=token,
         )
-    except (InsecureBindError, ReferencePoolError, ReplayStateError, FileNotFoundError) as e:
+    except (InsecureBindError, ReferencePoolError, ReplayStateError, WalFormatError, OSError, ValueError) as e:
         return fail(str(e))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())
     endpoint = start_endpoint("replay", [ReplayCollector(service)], lambda: replay_health(service), cfg.net, 0,
                               Path(cfg.output_dir) / "endpoints")
     metrics = f", metrics {endpoint.url}" if endpoint is not None else ""
-    print(f"replay: ingest {service.ingest_endpoint}, batch {service.batch_endpoint}{metrics}", file=sys.stderr,
-          flush=True)
+    control = "the CURVE control key" if token is None else f"the token in {data_dir / CONTROL_TOKEN_FILE}"
+    print(f"replay: ingest {service.ingest_endpoint}, batch {service.batch_endpoint}{metrics}; control: {control}",
+          file=sys.stderr, flush=True)
     try:
         service.serve_forever()
     except OSError as e:

@@ -1,0 +1,282 @@
+"""Hostile peers of the replay service: each attack is refused (or cut off), counted, and the service
+keeps serving the honest peers and loses nothing it accepted (docs/data_plane.md, "Hostile peers")."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from dph_async.app.bench.transport import synthetic_group
+from dph_async.config.replay import ReplayConfig
+from dph_async.net import NetSecurity, connect, generate_keys
+from dph_async.protocol import (
+    Ack,
+    BatchRequest,
+    Control,
+    ControlReply,
+    ErrorReply,
+    Stats,
+    StatsRequest,
+    TicketGrant,
+    TicketRequest,
+    decode,
+    encode,
+)
+from dph_async.replay_client import ReplayClient, RolloutSender
+from replay.service import ReplayService
+
+CFG = ReplayConfig(
+    max_staleness=1, admission=True, max_group_mb=0.25, max_header_kb=64, max_frames=64,
+    max_parked=8, max_parked_per_peer=2, refusal_log_per_min=3, peer_timeout_s=0.5,
+)  # fmt: skip
+B = 4  # groups per batch: capacity (eta + 1) * B = 8 tickets
+
+
+@pytest.fixture
+def service(tmp_path):
+    svc = ReplayService(CFG, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", B, wal_dir=str(tmp_path / "wal"),
+                        data_dir=str(tmp_path))  # as `dph-async serve replay`: the log's parent
+    svc.start_in_thread()
+    yield svc
+    svc.stop()
+
+
+def dealer(addr: str, timeout_ms: int = 5000) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    sock.connect(addr)
+    return sock
+
+
+def ask(sock: zmq.Socket, frames: list):
+    sock.send_multipart(frames)
+    return decode(sock.recv_multipart())
+
+
+def stats_within(svc: ReplayService, seconds: float):
+    """The service's stats over its socket, or fail if it does not answer in time (it is stuck)."""
+    client = ReplayClient(svc.batch_endpoint, request_timeout_s=seconds, reply_timeout_s=seconds)
+    try:
+        return client.stats()
+    finally:
+        client.close()
+
+
+def honest_round_trip(svc: ReplayService, seq: int) -> None:
+    """An honest actor still gets a group accepted, and the learner still gets it in a batch."""
+    sender = RolloutSender(svc.ingest_endpoint, 7)
+    sender.send(synthetic_group(7, seq, n=2, tokens=8))
+    assert sender.flush(10) and sender.accepted == 1
+    sender.close()
+
+
+# ------------------------------------------------------------------------------- bytes before parsing
+
+
+def test_an_inflated_header_is_refused_by_its_size_before_it_is_parsed(service):
+    sock = dealer(service.ingest_endpoint)
+    # 200 kB of empty maps (under the frame cap, over the header's): 200k dicts if it were parsed.
+    bomb = msgpack.packb({"v": 3, "t": "RolloutGroup", "n": 0, "m": [{}] * 200_000})
+    t0 = time.monotonic()
+    reply = ask(sock, [bomb])
+    assert isinstance(reply, Ack) and reply.status == "error"
+    assert f"header of {len(bomb)} bytes exceeds the limit of {64 * 1024}" in reply.error
+    assert time.monotonic() - t0 < 2
+    # Under the byte limit, a container past its length limit is refused from its length prefix.
+    good = encode(synthetic_group(0, 0, n=1, tokens=4))
+    head = msgpack.unpackb(good[0])
+    head["m"]["completions"] = [{}] * 5000
+    reply = ask(sock, [msgpack.packb(head), *good[1:]])
+    assert reply.status == "error" and "RolloutGroup.completions: Expected `array` of length <= 4096" in reply.error
+    assert stats_within(service, 5).refused.by_kind == {"size": 1, "field": 1}
+    honest_round_trip(service, 0)
+
+
+def test_frames_past_the_count_or_the_bytes_the_header_allows_are_refused(service):
+    sock = dealer(service.ingest_endpoint)
+    frames = encode(synthetic_group(0, 0, n=2, tokens=8))  # 7 array frames announced
+    reply = ask(sock, [*frames, *([b"\0" * 32] * 20)])
+    assert reply.status == "error" and "more array frames than the 7 its header announces" in reply.error
+    # Many frames, each under the cap, together past it: refused without being held whole.
+    head = msgpack.unpackb(frames[0])
+    head["n"] = 40
+    chunk = b"\0" * (16 << 10)
+    reply = ask(sock, [msgpack.packb(head), *([chunk] * 40)])
+    limit = int(0.25 * 2**20)
+    assert reply.status == "error" and f"more than {limit} bytes (its limit) across its frames" in reply.error
+    assert "replay.max_group_mb" in reply.error  # an honest actor is told which setting holds it
+    head["n"] = 65
+    reply = ask(sock, [msgpack.packb(head)])
+    assert reply.status == "error" and "header announces 65 array frames (allowed: 0 to 64)" in reply.error
+    # One frame past the whole message's cap: libzmq drops the connection before buffering the frame.
+    sock.setsockopt(zmq.RCVTIMEO, 1000)
+    sock.send_multipart([frames[0], b"\0" * (1 << 20)])
+    with pytest.raises(zmq.Again):
+        sock.recv_multipart()
+    assert stats_within(service, 5).refused.by_kind == {"frames": 2, "size": 1}
+    honest_round_trip(service, 0)
+
+
+def test_garbage_msgpack_gets_one_error_each_and_the_log_is_rate_limited(service, caplog):
+    sock = dealer(service.ingest_endpoint)
+    junk = [[b"\xc1"], [b"\x92\x01"], [msgpack.packb({"v": 3, "t": "RolloutGroup", "n": 0, "m": [1, 2]})],
+            [msgpack.packb({"v": 3, "t": "Nope", "n": 0, "m": {}})], [msgpack.packb({"v": 3})]]
+    with caplog.at_level(logging.WARNING, logger="replay.service"):
+        for i in range(200):
+            sock.send_multipart(junk[i % len(junk)])
+        replies = [decode(sock.recv_multipart()) for _ in range(200)]
+    assert all(isinstance(r, Ack) and r.status == "error" and r.error.startswith("message refused") for r in replies)
+    refused = stats_within(service, 5).refused
+    assert sum(refused.by_kind.values()) == 200 and refused.logged == 3 and refused.unlogged == 197
+    assert len([r for r in caplog.records if "refused a message" in r.getMessage()]) == 3
+    honest_round_trip(service, 0)
+
+
+# ------------------------------------------------------------------------------- authority
+
+
+def test_state_changes_need_the_control_token(service, tmp_path):
+    honest_round_trip(service, 0)
+    sock = dealer(service.batch_endpoint)
+    outside = tmp_path.parent / f"outside-{tmp_path.name}"
+    for token in (b"", b"x" * 32, service.control_token[:-1] + b"\0"):
+        for msg in (Control("snapshot", "snap", 10**9, token), Control("shutdown", token=token),
+                    Control("restore", "snap", token=token), BatchRequest(0, 4, 0.0, 1, token)):
+            reply = ask(sock, encode(msg))
+            assert isinstance(reply, ErrorReply) and reply.kind == "unauthorized", msg
+    assert not (tmp_path / "snap").exists()
+    # Even the control identity names no path outside the data directory.
+    for name in (str(outside), f"../{outside.name}", f"a/../../{outside.name}", "wal/x", ""):
+        reply = ask(sock, encode(Control("snapshot", name, 3, service.control_token)))
+        assert isinstance(reply, ControlReply) and not reply.ok and "refused" in reply.detail, name
+    assert not outside.exists()
+    # Nothing changed: the version did not move, the service still runs, the group is still there.
+    stats = stats_within(service, 5)
+    assert stats.version == 0 and stats.refused.by_kind == {"unauthorized": 12, "path": 5}
+    reply = ask(sock, encode(BatchRequest(0, 4, 0.0, 2, service.control_token)))
+    assert [g.group_id for g in reply.groups] == [(7, 0)]
+    reply = ask(sock, encode(Control("snapshot", "ckpt/v0", 0, service.control_token)))
+    assert reply.ok and (tmp_path / "ckpt" / "v0").is_dir()
+    # The ingest endpoint serves no learner message at all.
+    reply = ask(dealer(service.ingest_endpoint), encode(Control("shutdown", token=service.control_token)))
+    assert isinstance(reply, Ack) and "Control is not served on this endpoint" in reply.error
+
+
+@pytest.mark.slow
+def test_with_curve_only_the_control_key_commands_and_keys_reload_without_restart(tmp_path):
+    keys = generate_keys(tmp_path / "keys")
+    svc = ReplayService(CFG, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", B, security=NetSecurity(curve_keys=keys),
+                        data_dir=str(tmp_path / "data"))
+    svc.start_in_thread()
+    try:
+        actor = NetSecurity(curve_keys=keys)  # the actors' client key pair
+        # An actor with the token still is not the control identity: with CURVE the key decides.
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        connect(sock, svc.batch_endpoint, actor, "client")
+        reply = ask(sock, encode(Control("shutdown", token=svc.control_token)))
+        assert isinstance(reply, ErrorReply) and reply.kind == "unauthorized"
+        learner = ReplayClient(svc.batch_endpoint, actor, request_timeout_s=10)  # connects as "control"
+        assert learner.get_batch(0, 1, 0.0).groups == []
+        # Revoke the actors' key: its open connection is refused from the next message on.
+        (keys / "authorized" / "client.key").unlink()
+        time.sleep(1.2)  # the key directory is checked at most once a second
+        reply = ask(sock, encode(StatsRequest()))
+        assert isinstance(reply, ErrorReply) and reply.kind == "unauthorized"
+        # And authorize it again: accepted, no restart.
+        (keys / "authorized" / "client.key").write_bytes((keys / "client.key").read_bytes())
+        time.sleep(1.2)
+        assert isinstance(ask(sock, encode(StatsRequest())), Stats)
+        learner.close()
+        sock.close()
+    finally:
+        svc.stop()
+
+
+# ------------------------------------------------------------------------------- admission
+
+
+def test_a_peer_cannot_claim_away_the_capacity_of_the_others(service):
+    sock = dealer(service.ingest_endpoint)
+    reply = ask(sock, encode(TicketRequest(999999, want=0, outstanding=2**62)))
+    assert isinstance(reply, TicketGrant) and reply.granted == 0
+    sender = RolloutSender(service.ingest_endpoint, 1)
+    assert sender.tickets(8, wait_s=0.0) == 8  # the whole capacity, (eta + 1) * B, is still there
+    tickets = stats_within(service, 5).tickets
+    assert tickets.overclaimed == 1 and tickets.in_flight == 8 and tickets.capacity == 0
+    sender.close()
+
+
+def test_parked_ticket_requests_are_bounded_per_connection(service):
+    sender = RolloutSender(service.ingest_endpoint, 1)
+    assert sender.tickets(8, wait_s=0.0) == 8  # no capacity left: requests that wait get parked
+    sock = dealer(service.ingest_endpoint)
+    n = 2000
+    t0 = time.monotonic()
+    for actor in range(n):
+        sock.send_multipart(encode(TicketRequest(10 + actor, want=1, wait_s=3600.0)))
+    # All but max_parked_per_peer are answered at once (nothing granted), not held for an hour.
+    replies = [decode(sock.recv_multipart()) for _ in range(n - CFG.max_parked_per_peer)]
+    assert all(isinstance(r, TicketGrant) and r.granted == 0 for r in replies)
+    assert time.monotonic() - t0 < 30
+    stats = stats_within(service, 2)  # and the service answers others promptly meanwhile
+    assert stats.tickets.parked == CFG.max_parked_per_peer
+    honest_round_trip(service, 0)
+    sender.close()
+
+
+# ------------------------------------------------------------------------------- slow peers
+
+
+def _closed_within(conn: socket.socket, seconds: float) -> bool:
+    """Read until the replay closes the connection (True) or `seconds` pass (False)."""
+    conn.settimeout(0.2)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            if conn.recv(4096) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return True
+    return False
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def test_a_peer_that_never_finishes_its_handshake_is_cut_off(service):
+    conn = socket.create_connection(("127.0.0.1", _port(service.ingest_endpoint)))
+    conn.sendall(b"\xff\0\0\0\0\0\0\0\x01")  # the start of a ZMTP greeting, then silence
+    assert _closed_within(conn, 5), "a stalled handshake was kept open"
+    conn.close()
+
+
+def _zmtp_null_handshake(conn: socket.socket) -> None:
+    """Speak ZMTP 3.0 with the NULL mechanism as a DEALER, by hand (RFC 23)."""
+    greeting = b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31
+    conn.sendall(greeting)
+    body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    conn.sendall(bytes([0x04, len(body)]) + body)
+
+
+def test_a_peer_that_stalls_inside_a_message_blocks_no_one_and_is_cut_off(service):
+    conn = socket.create_connection(("127.0.0.1", _port(service.ingest_endpoint)))
+    _zmtp_null_handshake(conn)
+    # A frame announced as 200 kB (under the cap), of which 100 bytes come; then silence.
+    conn.sendall(bytes([0x02]) + struct.pack(">Q", 200_000) + b"\0" * 100)
+    t0 = time.monotonic()
+    honest_round_trip(service, 0)  # the replay's loop never waits for the stalled message
+    assert stats_within(service, 2).accepted == 1 and time.monotonic() - t0 < 5
+    assert _closed_within(conn, 5), "a peer silent inside a message was kept open"
+    conn.close()
