@@ -141,7 +141,7 @@ class ReplayCore:
         return self.metrics.counters["admitted"]
 
     def resume(self, actor_id: int) -> ResumeInfo:
-        self.admission.reset(actor_id)
+        self.metrics.count("tickets_voided", self.admission.reset(actor_id))
         watermark, above = self.accepted.resume_point(actor_id)
         return ResumeInfo(actor_id, watermark, above, self.version)
 
@@ -369,6 +369,7 @@ class ReplayCore:
             },
             "tickets": {
                 "granted": m.counters["tickets_granted"],
+                "voided": m.counters["tickets_voided"],
                 "in_flight": sum(self.admission.in_flight.values()),
                 "capacity": self.admission.capacity(self.version, self.admitted),
                 "admitted": self.admitted,

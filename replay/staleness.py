@@ -67,6 +67,8 @@ class Admission:
         if self.in_flight.get(actor, 0) > 0:
             self.in_flight[actor] -= 1
 
-    def reset(self, actor: int) -> None:
-        """The actor (re)connected and resumed: its earlier tickets are void."""
-        self.in_flight[actor] = 0
+    def reset(self, actor: int) -> int:
+        """The actor (re)connected and resumed: its earlier tickets are void. Returns how many there
+        were: positions granted to its previous process and never delivered (they are regenerated)."""
+        voided, self.in_flight[actor] = self.in_flight.get(actor, 0), 0
+        return voided
