@@ -79,6 +79,7 @@ class ActorStats:
     weight_fetch_failures: int = 0  # versions refused (bad checksum, no longer held); the old weights stay
     version: int = 0
     skipped_accepted: int = 0  # positions already accepted before a restart
+    resumed_at: int = 0  # the replay's watermark when this process started: every position below was accepted
     wall_seconds: float = 0.0
     timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, what), wall clock
 
@@ -168,7 +169,7 @@ class RolloutWorker:
         """Generate until `stop` is set (or `max_groups` groups were sent); flush; return the stats."""
         resume = self.sender.resume()
         accepted = set(resume.accepted_above)
-        next_seq = resume.watermark
+        next_seq = self.stats.resumed_at = resume.watermark
         self.update_weights()
         slots = self.cfg.actors.max_inflight_prompts
         while not stop.is_set() and (max_groups is None or self.stats.groups_sent < max_groups):

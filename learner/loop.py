@@ -104,7 +104,8 @@ class LearnerLoop:
 
     def run(self, stop: threading.Event) -> LearnerStats:
         lc = self.cfg.learner
-        self.publish()
+        if self.server.latest != self.trainer.version:  # the launcher publishes before actors start
+            self.publish()
         while self.trainer.version < lc.steps and not stop.is_set():
             batch = self._collect(stop)
             if batch is None:

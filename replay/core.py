@@ -142,7 +142,7 @@ class ReplayCore:
         return self.metrics.counters["admitted"]
 
     def resume(self, actor_id: int) -> ResumeInfo:
-        self.admission.reset(actor_id)
+        self.metrics.count("tickets_voided", self.admission.reset(actor_id))
         watermark, above = self.accepted.resume_point(actor_id)
         return ResumeInfo(actor_id, watermark, above, self.version)
 
@@ -371,6 +371,7 @@ class ReplayCore:
             ),
             tickets=Tickets(
                 granted=c["tickets_granted"],
+                voided=c["tickets_voided"],
                 in_flight=self.admission.in_flight_total,
                 capacity=self.admission.capacity(self.version, self.admitted),
                 admitted=self.admitted,

@@ -85,6 +85,9 @@ class Admission:
         if actor in self.in_flight:
             self._set(actor, self.in_flight[actor] - 1)
 
-    def reset(self, actor: int) -> None:
-        """The actor (re)connected and resumed: its earlier tickets are void."""
+    def reset(self, actor: int) -> int:
+        """The actor (re)connected and resumed: its earlier tickets are void. Returns how many there
+        were: positions granted to its previous process and never delivered (they are regenerated)."""
+        voided = self.in_flight.get(actor, 0)
         self._set(actor, 0)
+        return voided

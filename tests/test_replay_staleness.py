@@ -87,6 +87,18 @@ def test_actors_behind_on_weights_get_fewer_tickets():
     assert core.tickets(TicketRequest(0, 100, outstanding=0, weights_version=2)).granted == 16
 
 
+def test_a_replacement_actor_voids_the_tickets_its_predecessor_never_used():
+    core = ReplayCore(ReplayConfig(max_staleness=0, admission=True, wal_dir=None), groups_per_batch=4)
+    assert core.tickets(TicketRequest(1, 4, 0, weights_version=0)).granted == 4
+    core.ingest([synthetic_group(1, 0, n=2, tokens=3, version=0)])  # one delivered, three in flight
+    assert core.tickets(TicketRequest(0, 4, 0, weights_version=0)).granted == 0  # the batch is taken
+    # Actor 1's process is gone; its replacement resumes at position 1 and the three are voided.
+    info = core.resume(1)
+    assert (info.watermark, info.accepted_above) == (1, [])
+    assert core.stats()["tickets"]["voided"] == 3
+    assert core.tickets(TicketRequest(0, 4, 0, weights_version=0)).granted == 3
+
+
 def test_steady_workload_over_sockets_has_no_drops(ipc):
     b, steps = 4, 12
     cfg = ReplayConfig(max_staleness=1, admission=True, wal_dir=None)

@@ -4,6 +4,9 @@ the weight server) and N vLLM actors, each a Ray actor in its own process.
 A local Ray cluster is started by default; `launcher.address` joins an existing one. An actor that
 dies is restarted by Ray (up to `launcher.max_actor_restarts` times) and resumes its prompt stream
 from the replay's record of what it already delivered; the run goes on. Ctrl-C stops everything.
+On a cluster the learner stays on the driver's node and the actors go to the worker nodes
+(dph_async/app/placement.py); an actor on another node gets the model, the prompts and the weights
+from the learner (dph_async/app/model_shipping.py), and one whose node is lost restarts elsewhere.
 """
 
 from __future__ import annotations
@@ -12,17 +15,22 @@ import contextlib
 import glob
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.telemetry import ActorCollector, actor_health
 from dph_async import net
+from dph_async.app.placement import actor_placement, home_node, learner_placement
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
 from dph_async.paths import endpoints_dir, final_model
@@ -34,6 +42,9 @@ from dph_async.telemetry import start_endpoint
 from learner.telemetry import LearnerCollector, learner_health
 from replay.service import ReplayService
 from replay.telemetry import ReplayCollector, replay_health
+
+if TYPE_CHECKING:
+    from dph_async.app.model_shipping import Shipment
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +74,8 @@ def ray_cluster(cfg: RunConfig) -> Iterator[None]:
     if not ray.is_initialized():
         lc = cfg.launcher
         if lc.address:
-            ray.init(address=lc.address, logging_level=logging.ERROR, log_to_driver=False)
+            ray.init(address=lc.address, logging_level=logging.ERROR, log_to_driver=False,
+                     runtime_env={"env_vars": {"DPH_CACHE_DIR": str(cache_dir())}})
         else:
             cpus = lc.num_cpus or max(os.cpu_count() or 1, cfg.actors.num_actors + 2)
             ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
@@ -136,6 +148,7 @@ class LearnerProcess:
         self.loop = LearnerLoop(cfg, trainer, client, self.server, self.rl_dir)
         if self.resume_tag:
             self.loop.resume(self.resume_tag)
+        self.loop.publish()  # actors on other nodes build their engines from these weights
         self.endpoints = _learner_endpoints(cfg, self.loop, self.replay, self.rl_dir)
 
     def addresses(self) -> tuple[str, str]:
@@ -146,6 +159,12 @@ class LearnerProcess:
 
     def version(self) -> int:
         return self.loop.trainer.version
+
+    def shipment(self, prompts_path: str) -> Shipment:
+        """The model's files other than weights, and the prompts, for an actor on another node."""
+        from dph_async.app.model_shipping import pack
+
+        return pack(Path(self.model_dir), Path(prompts_path))
 
     def run(self) -> dict:
         return asdict(self.loop.run(self._stop))
@@ -182,34 +201,52 @@ def _actor_endpoint(cfg: RunConfig, worker, rl_dir: Path):
 
 @ray.remote
 class ActorProcess:
-    """One vLLM actor: engine, prompt stream, reward workers, and its connections."""
+    """One vLLM actor: engine, prompt stream, reward workers, and its connections.
+
+    On the driver's node (`home`) it reads the model and the prompts from their paths; on any other
+    node it gets them from the learner and its weight server (dph_async/app/model_shipping.py)."""
 
     def __init__(self, actor_id: int, cfg: RunConfig, model_dir: str, prompts_path: str, ingest: str,
-                 weights: str, log_dir: str) -> None:
+                 weights: str, log_dir: str, home: str, learner: ray.actor.ActorHandle) -> None:
         log_to_file(Path(log_dir) / f"actor{actor_id}.log")
         # vLLM and torch, in this Ray worker only: the driver never loads the engine.
         from actors.engine import VLLMEngine
         from actors.rollout import RolloutWorker
         from actors.weights import WeightClient
+        from dph_async.app.model_shipping import materialize
 
         security = net.NetSecurity.from_config(cfg.net)
-        if cfg.actors.sampler == "online":
-            engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                                seed=cfg.seed + 1000 * actor_id, kv_cache_gib=cfg.actors.kv_cache_gib,
-                                threads=cfg.actors.threads)
-        else:  # pi_ref is the model the actor starts from: pi_0
-            from actors.mixture import MixtureEngine
+        weight_client = WeightClient(weights, security, actor_id)
+        version = 0
+        with tempfile.TemporaryDirectory(prefix=f"dph-actor{actor_id}-") as local:  # gone once loaded
+            if home_node() != home:
+                if cfg.actors.sampler != "online":  # the shipped model is the newest policy, not pi_0
+                    raise RuntimeError(f"actors.sampler={cfg.actors.sampler} mixes in pi_0, which only the "
+                                       "driver's node holds: run these actors on that node")
+                shipment = ray.get(learner.shipment.remote(prompts_path))
+                model, prompts_file, version = materialize(shipment, weight_client, Path(local))
+                model_dir, prompts_path = str(model), str(prompts_file)
+            if cfg.actors.sampler == "online":
+                engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+                                    seed=cfg.seed + 1000 * actor_id, kv_cache_gib=cfg.actors.kv_cache_gib,
+                                    threads=cfg.actors.threads, version=version)
+            else:  # pi_ref is the model the actor starts from: pi_0
+                from actors.mixture import MixtureEngine
 
-            engine = MixtureEngine(model_dir, cfg.actors.sampler, dtype=cfg.model.dtype,
-                                   seed=cfg.seed + 1000 * actor_id, threads=cfg.actors.threads)
-        prompts = load_prompts(prompts_path, engine.tokenizer, cfg.model.max_model_len - cfg.sampling.max_tokens)
+                engine = MixtureEngine(model_dir, cfg.actors.sampler, dtype=cfg.model.dtype,
+                                       seed=cfg.seed + 1000 * actor_id, threads=cfg.actors.threads)
+            prompts = load_prompts(prompts_path, engine.tokenizer, cfg.model.max_model_len - cfg.sampling.max_tokens)
         self.worker = RolloutWorker(actor_id, cfg, engine, prompts, RolloutSender(ingest, actor_id, security),
-                                    WeightClient(weights, security, actor_id), make_scorer(cfg.rewards))
+                                    weight_client, make_scorer(cfg.rewards))
         self._stop = threading.Event()
         self.endpoint = _actor_endpoint(cfg, self.worker, Path(log_dir).parent)
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> tuple[str, str]:
+        """(address, Ray node id) of the node this actor runs on."""
+        return ray.util.get_node_ip_address(), home_node()
 
     def run(self, max_groups: int | None = None) -> dict:
         self._stop.clear()
@@ -248,6 +285,8 @@ class RLResult:
     # Seconds from the start of the run to: actors_ready (every engine built), learner_ready (trainer
     # built), first_step (the first metrics arrive), last_step, end (final model written, all stopped).
     phases: dict[str, float] = field(default_factory=dict)
+    # Where each actor ran: (address, Ray node id), in order; a restart on another node adds one.
+    nodes: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
 
 
 def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_path: Path,
@@ -259,16 +298,22 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     (or `stop` is set: the learner finishes its step, and the run ends as if those were all), stop
     everything, and return what happened. Must run inside `ray_cluster(cfg)`."""
     start = time.time()
-    learner = LearnerProcess.options(num_cpus=1, max_concurrency=4).remote(
-        cfg, str(model_dir), str(rl_dir), str(reference_path) if reference_path else None, resume_tag)
+    # Absolute paths: actors on other nodes are handed them (and ask the learner for what they name).
+    model_dir, rl_dir, prompts_path = model_dir.resolve(), rl_dir.resolve(), prompts_path.resolve()
+    pg = learner_placement()
+    learner = LearnerProcess.options(num_cpus=1, max_concurrency=4,
+                                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(
+        cfg, str(model_dir), str(rl_dir), str(reference_path.resolve()) if reference_path else None, resume_tag)
     ingest, weights = ray.get(learner.addresses.remote())
-    # Ray restarts a dead actor (its __init__ runs again); SPREAD puts actors on different nodes.
+    # Ray restarts a dead actor (its __init__ runs again), on another node if its own is gone.
     actor_class = ActorProcess.options(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts,
-                                       max_task_retries=0, scheduling_strategy="SPREAD")
-    actors = [actor_class.remote(i, cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"))
+                                       max_task_retries=0, **actor_placement())
+    actors = [actor_class.remote(i, cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"),
+                                 home_node(), learner)
               for i in range(cfg.actors.num_actors)]
     setup = learner.setup.remote()  # builds the trainer while the actors build their engines
     pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)}
+    nodes = {f"actor{i}": [ray.get(a.node.remote())] for i, a in enumerate(actors)}
     phases = {"actors_ready": time.time() - start}
     ray.get(setup)
     phases["learner_ready"] = time.time() - start
@@ -307,6 +352,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                                 raise RuntimeError(f"actor {i} keeps dying; giving up") from e
                             log.warning("actor %d died (%s); Ray restarts it and it resumes", i, type(e).__name__)
                             pids[f"actor{i}"] = _wait_restarted(actors[i])
+                            nodes[f"actor{i}"].append(ray.get(actors[i].node.remote()))
                         runs[i] = actors[i].run.remote()
         out = final_model(rl_dir)
         ray.get(learner.save_model.remote(str(out)))
@@ -323,5 +369,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     ray.get(learner.close.remote())
     for handle in [*actors, learner]:
         ray.kill(handle, no_restart=True)
+    remove_placement_group(pg)
     phases["end"] = time.time() - start
-    return RLResult(name, metrics, learner_stats, actor_stats, replay, restarts, phases["end"], str(out), pids, phases)
+    return RLResult(name, metrics, learner_stats, actor_stats, replay, restarts, phases["end"], str(out), pids, phases,
+                    nodes)

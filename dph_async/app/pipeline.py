@@ -18,6 +18,7 @@ import ray
 
 from dph_async.app.inputs import check_datasets, check_model_dir
 from dph_async.app.launcher import log_to_file, ray_cluster, run_rl
+from dph_async.app.placement import on_home_node
 from dph_async.app.progress import console
 from dph_async.app.report import write_report
 from dph_async.app.specs import RunSpec
@@ -151,7 +152,7 @@ def prepare(cfg: RunConfig, paths: RunPaths, timer: StageTimer, need_presample: 
     if not (paths.presample / "summary.json").is_file():
         t = time.time()
         with console.status(f"pre-sampling: {cfg.presample.k} samples per training prompt from pi_0"):
-            ray.get(_presample_task.remote(cfg, str(base), str(train), str(paths.presample)))
+            ray.get(_presample_task.options(**on_home_node()).remote(cfg, str(base), str(train), str(paths.presample)))
         timer.add("pre-sampling", t)
     presample = json.loads((paths.presample / "summary.json").read_text())
     console.print(f"pre-sampling: pi_0 solves {presample['sample_accuracy']:.0%} of samples; D_pef "
@@ -165,7 +166,8 @@ def evaluate_model(cfg: RunConfig, model_dir: Path, tests: dict[str, Path], out:
     """Evaluate in a fresh Ray worker process (its engine's memory goes when it exits); skip if done."""
     if not out.is_file() and tests:
         with console.status(f"evaluating {out.stem}: greedy and {cfg.eval.k_max} samples per test prompt"):
-            ray.get(_evaluate_task.remote(cfg, str(model_dir), {k: str(v) for k, v in tests.items()}, str(out)))
+            ray.get(_evaluate_task.options(**on_home_node()).remote(
+                cfg, str(model_dir), {k: str(v) for k, v in tests.items()}, str(out)))
     return out
 
 

@@ -27,6 +27,7 @@ import ray
 from dph_async.app.ablate.cells import Cell, Sweep
 from dph_async.app.launcher import ray_cluster
 from dph_async.app.pipeline import Prepared, StageTimer, evaluate_model, prepare, train_mode, validate
+from dph_async.app.placement import on_home_node
 from dph_async.app.progress import console
 from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config, load_config
@@ -66,7 +67,7 @@ def export_checkpoint(rl_dir: Path, version: int, base: Path, out: Path) -> Path
     states = checkpoint_dir(rl_dir) / f"v{version}" / MODEL_STATES
     if not states.is_file():
         raise FileNotFoundError(f"no checkpoint weights at {states} (learner.checkpoint_every must divide {version})")
-    return Path(ray.get(_export_task.remote(str(base), str(states), str(out))))
+    return Path(ray.get(_export_task.options(**on_home_node()).remote(str(base), str(states), str(out))))
 
 
 def run_cell(cfg: RunConfig, paths: RunPaths, prepared: Prepared, cell: Cell, eval_points: int,
