@@ -95,7 +95,7 @@ def test_a_replacement_actor_voids_the_tickets_its_predecessor_never_used():
     # Actor 1's process is gone; its replacement resumes at position 1 and the three are voided.
     info = core.resume(1)
     assert (info.watermark, info.accepted_above) == (1, [])
-    assert core.stats()["tickets"]["voided"] == 3
+    assert core.stats().tickets.voided == 3
     assert core.tickets(TicketRequest(0, 4, 0, weights_version=0)).granted == 3
 
 
