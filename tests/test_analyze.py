@@ -1,7 +1,8 @@
 """The weight analysis against closed forms: principal angles of constructed subspaces, spectra of
 constructed matrices and of their difference, the update's energy split, the recovery replacements;
 reading Hugging Face directories, learner checkpoints and run directories; `dph-async analyze` end to
-end on tiny models whose one changed matrix is rotated by a known angle."""
+end on tiny models whose one changed matrix is rotated by a known angle; the recovery experiment's
+models in closed form and `dph-async recover` end to end."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import pytest
 import torch
 
 from dph_async.app.ablate.sweep import MODEL_STATES
+from dph_async.app.analyze.recover import Recovery, select, write_recovered
 from dph_async.app.analyze.svd import compare, principal_angles, replace_top_k, svd64
-from dph_async.app.analyze.weights import WeightReader, common_matrices, default_out, describe, expand
+from dph_async.app.analyze.weights import Checkpoint, WeightReader, common_matrices, default_out, describe, expand
 from dph_async.app.cli import main as cli
+from dph_async.app.evaluate import load_results
 from dph_async.config import ModelConfig
 from dph_async.tasks.embedded import ALPHABET
 from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer, save_model
@@ -247,3 +250,73 @@ def test_analyze_command_end_to_end(models, tmp_path):
     assert "## Trajectory" in md and "| q |" in md
     # A bad path is one clear error, not a traceback.
     assert cli(["analyze", str(base), str(tmp_path / "nowhere")]) == 2
+
+
+def test_recovered_model_directory_in_closed_form(models, tmp_path):
+    base, _, rl = models
+    trained = rl / "final_model"  # ROTATED turned by 30 degrees, everything else equal to the base
+    with WeightReader(expand(base)[0]) as b, WeightReader(Checkpoint("t", trained)) as t:
+        matrices = select(list(common_matrices(b, [t])), ["attention"])
+        assert {m.type for m in matrices} == {"q", "k", "v", "o"}
+        with pytest.raises(ValueError, match="no matrix of type or group"):
+            select(matrices, ["attn"])
+        svds = {m.name: (svd64(b.get(m.name)).top(32), svd64(t.get(m.name)).top(32)) for m in matrices}
+        full = write_recovered(b, t, svds, Recovery("triplets", 32), tmp_path / "triplets")
+        kept = write_recovered(b, t, svds, Recovery("values", 4), tmp_path / "values")
+    assert full.update_kept == pytest.approx(0, abs=1e-6)  # the base's matrices back
+    assert kept.update_kept == pytest.approx(1, abs=1e-6)  # a rotation keeps the singular values
+    from transformers import AutoModelForCausalLM
+
+    restored = AutoModelForCausalLM.from_pretrained(tmp_path / "triplets")
+    with WeightReader(expand(base)[0]) as b:
+        for name, p in restored.state_dict().items():
+            torch.testing.assert_close(p, b.get(name), rtol=0, atol=1e-5)
+    assert (tmp_path / "triplets" / "tokenizer.json").is_file()
+    assert json.loads((tmp_path / "values" / "recovery.json").read_text())["matrices"] == 8
+
+
+@pytest.mark.slow
+def test_recover_command_end_to_end(tmp_path):
+    """Two tiny models (the trained one's q_proj of layer 1 rotated), the full-rank recovery (the base's
+    weights back), evaluated on small in-domain and OOD sets in Ray workers; a rerun finds it done."""
+    from dph_async.tasks.dataset import verl_row, write_rows
+    from dph_async.tasks.embedded import make_splits
+
+    model, tok = tiny(0, hidden=64, max_model_len=64)  # vLLM's CPU attention needs head_dim >= 32
+    base = save_model(model, tok, tmp_path / "base")
+    rotate_matrix(model, ROTATED, math.radians(30))
+    trained = save_model(model, tok, tmp_path / "trained")
+    splits = make_splits(0, 8, 8)
+    data = {name: write_rows([verl_row(p.prompt, p.data_source, p.ground_truth, i, name)
+                              for i, p in enumerate(splits[split])], tmp_path / f"{name}.parquet")
+            for name, split in (("in_domain", "test"), ("ood", "ood_test"))}
+    out = tmp_path / "recover"
+    argv = ["recover", str(base), str(trained), "--replace", "triplets", "--k", "64", "-o", str(out),
+            *(f"--data={k}={v}" for k, v in data.items()),
+            *(f"--set={o}" for o in ("eval.k_max=2", "eval.max_prompts=4", "sampling.max_tokens=6"))]
+    assert cli(argv) == 0
+    report = json.loads((out / "recover.json").read_text())
+    assert [r["name"] for r in report["recoveries"]] == ["triplets-k64"]
+    assert report["recoveries"][0]["update_kept"] == pytest.approx(0, abs=1e-6)  # full rank: the base's weights
+    assert set(report["eval"]) == {"base", "trained", "triplets-k64"}
+    for res in report["eval"].values():
+        assert set(res) == {"in_domain", "ood"}
+        assert all(r["prompts"] == 4 and set(r["pass_at_k"]) == {"1", "2"} for r in res.values())
+    # The restored model is the base: the same greedy answer, right or wrong, on every test prompt.
+    evals = {name: load_results(out / "eval" / f"{name}.json") for name in ("base", "triplets-k64")}
+    for split in ("in_domain", "ood"):
+        assert [(r.prompt_id, r.greedy) for r in evals["base"][split].per_prompt] == \
+            [(r.prompt_id, r.greedy) for r in evals["triplets-k64"][split].per_prompt]
+    assert [row[0] for row in report["table"]["rows"]] == ["base", "trained", "triplets-k64"]
+    # By the base's difficulty: each model's rows cover the 4 prompts of each test set.
+    rows = report["by_base_difficulty"]["rows"]
+    assert sorted((r[0], r[1]) for r in rows) == sorted((s, m) for s in ("in_domain", "ood") for m in report["eval"])
+    assert all(sum(int(r[i]) for i in (2, 6, 10)) == 4 for r in rows)
+    assert (out / "models" / "triplets-k64" / "config.json").is_file()
+    for plot in ("recover.png", "pass_at_k.png"):
+        assert (out / "plots" / plot).stat().st_size > 1000
+    md = (out / "recover.md").read_text()
+    assert "| triplets-k64 | triplets | 64 | 0.000 |" in md and "pi_0 always right" in md
+    stamps = {f: f.stat().st_mtime_ns for f in (out / "eval").glob("*.json")}
+    assert cli(argv) == 0
+    assert {f: f.stat().st_mtime_ns for f in (out / "eval").glob("*.json")} == stamps
