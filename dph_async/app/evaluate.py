@@ -102,7 +102,18 @@ def evaluate(cfg: RunConfig, model_dir: Path, test_sets: dict[str, Path], out_pa
 
 
 # Test prompts grouped by what pi_0 did on them (its n samples): like D_pef, like D_exp, or unsolved.
-DIFFICULTY = {"always": "pi_0 always right", "sometimes": "pi_0 sometimes right", "never": "pi_0 never right"}
+DIFFICULTY = {"always": "pi_0 always right", "mostly": "pi_0 right in at least half",
+              "rarely": "pi_0 right in under half", "never": "pi_0 never right"}
+
+
+def difficulty_of(correct: int, samples: int) -> str:
+    """The band of a test prompt by pi_0's correct samples of `samples`: always (all: the D_pef rule),
+    mostly (at least half), rarely (under half, at least one), never."""
+    if correct == samples:
+        return "always"
+    if correct == 0:
+        return "never"
+    return "mostly" if 2 * correct >= samples else "rarely"
 
 
 @dataclass
@@ -114,10 +125,9 @@ class SubsetResult:
 
 def by_base_difficulty(base: SplitResult, model: SplitResult) -> dict[str, SubsetResult]:
     """`model`'s Pass@k and distinct correct answers on the test prompts split by how often the base
-    model pi_0 was right on them ("always": all n samples, the D_pef rule; "sometimes"; "never").
-    Both results must hold per-prompt records for the same prompts."""
-    kind = {r.prompt_id: "always" if r.correct == base.samples else "never" if r.correct == 0 else "sometimes"
-            for r in base.per_prompt}
+    model pi_0 was right on them (`difficulty_of`). Both results must hold per-prompt records for the
+    same prompts."""
+    kind = {r.prompt_id: difficulty_of(r.correct, base.samples) for r in base.per_prompt}
     out = {}
     for name in DIFFICULTY:
         rows = [r for r in model.per_prompt if kind.get(r.prompt_id) == name]

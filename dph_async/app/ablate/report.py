@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dph_async.app.ablate import plots
-from dph_async.app.ablate.results import Group, Stat, load_cell, summarize
-from dph_async.app.evaluate import SplitResult, load_results
+from dph_async.app.ablate.results import Group, Stat, load_cell, split_metrics, summarize
+from dph_async.app.evaluate import DIFFICULTY, SplitResult, difficulty_of, load_results
 from dph_async.app.report import TABLE_K, markdown_table
 
 
@@ -45,11 +46,20 @@ def divergence_columns(splits: list[str], k_max: int) -> list[Column]:
             Column("train reward", "reward"), Column("ESS", "ess")]
 
 
+def difficulty_columns(split: str, k_max: int, base: SplitResult) -> list[Column]:
+    """Pass@1, Pass@k_max and distinct correct answers on the split's prompts grouped by what pi_0 did
+    on each (evaluate.difficulty_of), with the number of prompts in the header."""
+    counts = Counter(difficulty_of(r.correct, base.samples) for r in base.per_prompt)
+    return [c for kind in DIFFICULTY if counts[kind]
+            for c in [Column(f"{kind} ({counts[kind]}) P@1", f"{split}/{kind}/pass@1", 100, 1),
+                      Column(f"{kind} P@{k_max}", f"{split}/{kind}/pass@{k_max}", 100, 1),
+                      Column(f"{kind} distinct", f"{split}/{kind}/distinct", digits=2)]]
+
+
 def _base_row(base: dict[str, SplitResult], columns: list[Column], width: int) -> list[str]:
     values = {}
     for split, r in base.items():
-        values.update({f"{split}/greedy": r.greedy_accuracy, f"{split}/distinct": r.distinct_correct,
-                       **{f"{split}/pass@{k}": p for k, p in r.pass_at_k.items()}})
+        values.update(split_metrics(split, r, r))
     cells = [f"{c.scale * values[c.key]:.{c.digits}f}" if c.key in values else "-" for c in columns]
     return ["base (pi_0)", *["-"] * width, *cells]
 
@@ -135,6 +145,13 @@ def write_summary(out: Path) -> list[Group]:
     else:
         verdicts = []
         md += [results_table(groups, divergence_columns(splits, k_max), base), ""]
+        split = splits[0]
+        if base[split].per_prompt:
+            md += [f"## {split}: by what pi_0 did on each test prompt", "",
+                   f"The {split} test prompts grouped by how many of pi_0's {base[split].samples} samples were "
+                   "right (always: all, the D_pef rule; mostly: at least half; rarely: under half; never); "
+                   "Pass@k (%) and distinct correct answers of the final models on each group.", "",
+                   results_table(groups, difficulty_columns(split, k_max, base[split]), base), ""]
     if any(c.resumed for c in cells):
         md += ["Resumed after an interruption (their wall-clock curves hold the pause): "
                + ", ".join(c.cell.key for c in cells if c.resumed), ""]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dph_async.app.ablate.cells import Cell
-from dph_async.app.evaluate import SplitResult, load_results
+from dph_async.app.evaluate import SplitResult, by_base_difficulty, load_results
 
 # Diagnostics averaged over a run's steps: name -> metrics.jsonl key.
 DIAGNOSTICS = {
@@ -105,15 +105,26 @@ def stat(values: list[float]) -> Stat:
     return Stat(statistics.fmean(values), se, n)
 
 
+def split_metrics(split: str, res: SplitResult, base: SplitResult | None) -> dict[str, float]:
+    """Greedy, Pass@k and distinct correct answers of one test split; with the base model's results of
+    the same prompts, also per subset of prompts by what pi_0 did on them (`{split}/{subset}/...`)."""
+    m = {f"{split}/greedy": res.greedy_accuracy, f"{split}/distinct": res.distinct_correct,
+         **{f"{split}/pass@{k}": p for k, p in res.pass_at_k.items()}}
+    if base is not None and base.per_prompt and res.per_prompt:
+        for subset, sub in by_base_difficulty(base, res).items():
+            m[f"{split}/{subset}/prompts"] = float(sub.prompts)
+            m[f"{split}/{subset}/distinct"] = sub.distinct_correct
+            m.update({f"{split}/{subset}/pass@{k}": p for k, p in sub.pass_at_k.items()})
+    return m
+
+
 def cell_metrics(r: CellResult) -> dict[str, float]:
     """The figures of one cell that a summary averages."""
-    final = r.evals[-1]
+    base, final = r.evals[0], r.evals[-1]
     m = {"reward": r.final_reward, "wall_s": r.wall[-1], "samples": r.samples[-1],
          "dropped": float(sum(r.drops.values())), **r.diagnostics}
     for split, res in final.splits.items():
-        m[f"{split}/greedy"] = res.greedy_accuracy
-        m[f"{split}/distinct"] = res.distinct_correct
-        m.update({f"{split}/pass@{k}": p for k, p in res.pass_at_k.items()})
+        m.update(split_metrics(split, res, base.splits.get(split)))
     return m
 
 
