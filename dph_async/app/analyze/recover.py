@@ -227,8 +227,8 @@ def write_report(result: RecoveryResult, out: Path) -> None:
           markdown_table(header, rows), ""]
     if d_rows:
         md += ["## By what the base model did on each test prompt", "",
-               "Pass@k (%) and distinct correct answers on the test prompts the base model solved with all, some "
-               "or none of its samples: where a recovery restores or loses the base's diversity.", "",
+               "Pass@k (%) and distinct correct answers on the test prompts, grouped by how often the base model "
+               "was right on them: where a recovery restores or loses the base's diversity.", "",
                markdown_table(d_header, d_rows), ""]
     md += ["Plots: `plots/recover.png`, `plots/pass_at_k.png`.", ""]
     (out / "recover.md").write_text("\n".join(md))
