@@ -204,6 +204,35 @@ def test_readers_expand_run_directories_and_agree(models):
         torch.testing.assert_close(hf.get(other), ds.get(other), rtol=0, atol=0)
 
 
+def test_reads_the_learners_own_checkpoint(tmp_path, monkeypatch):
+    """A checkpoint the learner writes (DeepSpeed's model states, with its optimizer and client state
+    beside the weights) is read with weights_only loading, and holds the learner's weights."""
+    from dph_async.config import LearnerConfig
+    from dph_async.config.loss import LossConfig
+    from learner.trainer import Trainer
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
+    model, tok = tiny(0)
+    base = save_model(model, tok, tmp_path / "base_model")
+    trainer = Trainer(str(base), LearnerConfig(zero_stage=0, loss=LossConfig(objective="grpo")), temperature=1.0,
+                      dtype="float32", pad_id=0, max_response_tokens=8)
+    rotate_matrix(trainer.module, ROTATED, math.radians(15))
+    run = tmp_path / "rl" / "grpo"
+    trainer.save(run / "checkpoints", {"replay": "x", "metrics": 0})
+    [ckpt] = expand(run)
+    assert ckpt.deepspeed and ckpt.label == "grpo/v0"
+    weights = dict(trainer.module.named_parameters())
+    with WeightReader(expand(base)[0]) as b, WeightReader(ckpt) as t:
+        assert [m.name for m in common_matrices(b, [t])] == b.matrices()
+        for name in b.matrices():
+            torch.testing.assert_close(t.get(name), weights[name].detach(), rtol=0, atol=0)
+        s = svd64(b.get(ROTATED))
+        stats = compare(b.get(ROTATED), s.top(2), t.get(ROTATED), svd64(t.get(ROTATED)),
+                        torch.linalg.svdvals(t.get(ROTATED).to(F64) - b.get(ROTATED).to(F64)), 2)
+    # u1 turned by 15 degrees towards u_last: one angle of the top-2 left subspaces is 15 degrees.
+    assert stats.angles_left == pytest.approx([0, 15], abs=1e-3)
+
+
 @pytest.mark.slow
 def test_analyze_command_end_to_end(models, tmp_path):
     base, t1, rl = models
