@@ -52,6 +52,10 @@ class RunPaths:
         return self.root / "plots"
 
 
+# The file of a DeepSpeed checkpoint that holds the model's weights (one learner rank).
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
 def checkpoint_dir(rl_dir: Path) -> Path:
     return rl_dir / "checkpoints"
 

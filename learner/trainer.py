@@ -53,18 +53,17 @@ def deepspeed_config(cfg: LearnerConfig, dtype: str) -> dict:
 
 
 def init_distributed() -> None:
-    """A single learner rank over gloo; the environment says where its (trivial) group lives."""
+    """A single learner rank over gloo, its (trivial) group rendezvousing on a free loopback port."""
     import deepspeed
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    # Always a fresh port, never one inherited: a process that built a trainer in-process (a test, a
+    # notebook) leaves MASTER_PORT set, and every learner it starts would then meet its still
+    # listening store (EADDRINUSE).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
 
 

@@ -105,7 +105,7 @@ def test_tiny_staleness_sweep_resumes_grows_and_reports(small_base, tmp_path, fi
         assert max(int(s) for s in cell["staleness_hist"]) <= eta
         group = next(g for g in summary["groups"] if g["name"] == f"eta{eta}-decoupled")
         assert group["metrics"]["staleness"]["mean"] == pytest.approx(staleness)
-        last = rows[-len(rows) // 5:]  # the mean over the last fifth of the steps
+        last = rows[-(len(rows) // 5):]  # the mean over the last fifth of the steps
         assert group["metrics"]["reward"]["mean"] == pytest.approx(sum(r["reward/mean"] for r in last) / len(last))
         # The table's row for this eta holds the same figures.
         row = next(line for line in table.splitlines() if line.startswith(f"| {eta} | decoupled | 1 |"))

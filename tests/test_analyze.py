@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from dph_async.app.ablate.sweep import MODEL_STATES
 from dph_async.app.analyze.recover import Recovery, select, write_recovered
 from dph_async.app.analyze.svd import compare, principal_angles, replace_top_k, svd64
 from dph_async.app.analyze.weights import Checkpoint, WeightReader, common_matrices, default_out, describe, expand
 from dph_async.app.cli import main as cli
 from dph_async.app.evaluate import load_results
 from dph_async.config import ModelConfig
+from dph_async.paths import MODEL_STATES
 from dph_async.tasks.embedded import ALPHABET
 from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer, save_model
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dph_async.app.bench.peer import PeerRun, ensure_trl, summarise
-from dph_async.app.bench.peer_loop import PeerSpec, completion_mask, response_logprobs
+from dph_async.app.bench.peer_loop import completion_mask, response_logprobs
+from dph_async.app.bench.peer_spec import PeerSpec
 from dph_async.app.bench.weights import Round, _summary
 
 

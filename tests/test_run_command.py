@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 
 from dph_async.app.evaluate import load_results
 from dph_async.app.report import TABLE_K, write_report
-from dph_async.paths import RunPaths
+from dph_async.paths import MODEL_STATES, RunPaths
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,6 @@ MODES = ("grpo", "js_low_var")
 RUN = ["mode=sync", "actors.num_actors=1", f"learner.steps={STEPS}", "learner.checkpoint_every=2"]
 # Per-token |behaviour - learner| log-prob: vLLM's CPU kernels and the learner's agree to ~3e-5 in fp32.
 LOGPROB_TOL = 2e-4
-MODEL_STATES = "mp_rank_00_model_states.pt"
 # Wall-clock figures (and time/*): the only metrics two runs of the same seed may disagree on.
 TIMING = ("learner/step_seconds", "learner/tokens_per_s")
 

@@ -10,7 +10,9 @@ all open). `TimedH11Protocol` closes a connection whose request headers are not 
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
+import threading
 
 import h11
 import uvicorn
@@ -69,7 +71,13 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(app: FastAPI, sock: socket.socket, header_timeout_s: float = HEADER_TIMEOUT_S,
           max_connections: int = MAX_CONNECTIONS) -> None:
-    """Serve `app` on `sock` until SIGINT/SIGTERM."""
+    """Serve `app` on `sock` until SIGINT/SIGTERM, then return: a requested stop is a clean exit."""
+    # uvicorn shuts down gracefully on these signals, then re-raises each to the handler that was in
+    # place before it ran; with the default ones the process would die of the signal (exit -15) after
+    # a clean shutdown. Handlers that do nothing turn the re-raise into a return.
+    if threading.current_thread() is threading.main_thread():  # uvicorn captures signals only there
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
     protocol = type("Protocol", (TimedH11Protocol,), {"header_timeout_s": header_timeout_s})
     config = uvicorn.Config(app, http=protocol, log_level="warning", limit_concurrency=max_connections,
                             timeout_keep_alive=5)

@@ -31,10 +31,9 @@ from dph_async.app.placement import on_home_node
 from dph_async.app.progress import console
 from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config, load_config
-from dph_async.paths import RunPaths, checkpoint_dir, final_model
+from dph_async.paths import MODEL_STATES, RunPaths, checkpoint_dir, final_model
 
 # DeepSpeed's file with the module's full state dict (ZeRO stages 0-2, one model-parallel rank).
-MODEL_STATES = "mp_rank_00_model_states.pt"
 
 
 def eval_versions(steps: int, points: int) -> list[int]:

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dph_async.app.ablate.sweep import MODEL_STATES
-from dph_async.paths import checkpoint_dir, final_model
+from dph_async.paths import MODEL_STATES, checkpoint_dir, final_model
 
 # Parameter-name fragment -> (type, group). Llama/Qwen/Mistral names first, then fused (Phi-3) and
 # GPT-2 ones. A matrix matching none keeps its own module name as type, in group "other".

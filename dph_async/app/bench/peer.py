@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dph_async.app.bench.cpu import ProcessTreeCPU, cpu_between
-from dph_async.app.bench.peer_loop import PeerSpec
+from dph_async.app.bench.peer_spec import PeerSpec
 from dph_async.config import RunConfig
 
 SYSTEMS = ("dph-async", "loop", "trl")

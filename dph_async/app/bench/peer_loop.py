@@ -30,23 +30,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-
-@dataclass
-class PeerSpec:
-    """The work every system of `dph-async bench peer` does (written as JSON for the peers)."""
-
-    model: str  # a Hugging Face causal-LM directory (fp32)
-    data: str  # verl-format parquet
-    steps: int
-    prompts_per_step: int
-    n: int
-    max_tokens: int
-    lr: float
-    temperature: float
-    grad_clip: float
-    weight_decay: float
-    seed: int
-    max_prompt_tokens: int
+from dph_async.app.bench.peer_spec import PeerSpec  # noqa: E402
 
 
 @dataclass
