@@ -66,7 +66,9 @@ def _messages(value: Any, where: str) -> list[dict[str, str]]:
 def encode_prompt(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Token ids of a prompt: the chat template when the tokenizer has one, else BOS + the text."""
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        # transformers 5 returns a BatchEncoding (whose list is its keys) unless told otherwise.
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
     text = "".join(m["content"] for m in messages)
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     return bos + tokenizer.encode(text, add_special_tokens=False)

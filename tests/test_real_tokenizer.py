@@ -1,0 +1,99 @@
+"""A user's model with a real tokenizer, end to end: a byte-level BPE of 32k tokens trained here with
+`tokenizers`, a chat template, a tiny Llama over that vocabulary saved as a Hugging Face directory,
+chat-format verl prompts, and `dph-async run --model --data` through vLLM, DeepSpeed and the fused
+log-prob kernels (whose vocabulary blocks are then smaller than the vocabulary)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from dph_async.config import ModelConfig
+from dph_async.tasks.dataset import load_prompts, verl_row, write_rows
+from dph_async.tasks.embedded import make_splits
+from dph_async.tasks.tiny_model import build_tiny_llama, save_model
+from kernels import default_block_v
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 32768
+SPECIAL = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def corpus(seed: int, words: int = 400_000) -> list[str]:
+    """Random words over letters, digits and signs: enough distinct pairs for 32k merges."""
+    rng = random.Random(seed)
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789+-="
+    lines, line = [], []
+    for _ in range(words):
+        line.append("".join(rng.choice(chars) for _ in range(rng.randint(2, 9))))
+        if len(line) == 16:
+            lines.append(" ".join(line))
+            line = []
+    return lines
+
+
+def build_bpe(seed: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(seed), trainer=trainer)
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                  additional_special_tokens=SPECIAL[3:])
+    out.chat_template = CHAT_TEMPLATE
+    return out
+
+
+@pytest.fixture(scope="module")
+def user_case(tmp_path_factory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("bpe")
+    tokenizer = build_bpe(0)
+    model = build_tiny_llama(ModelConfig(tiny_hidden=64, tiny_layers=2, tiny_heads=4), len(tokenizer), seed=0)
+    model_dir = save_model(model, tokenizer, root / "model")
+    splits = make_splits(0, 64, 16)
+    data = {name: write_rows([verl_row(p.prompt, p.data_source, p.ground_truth, i, name)
+                              for i, p in enumerate(splits[split])], root / f"{name}.parquet")
+            for name, split in (("train", "train"), ("dev", "test"))}
+    return model_dir, data["train"], data["dev"]
+
+
+def test_the_tokenizer_is_a_32k_bpe_with_a_chat_template(user_case):
+    model_dir, train, _ = user_case
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert len(tok) >= 32000 and tok.chat_template == CHAT_TEMPLATE
+    # Merges learned: a long random word is a few tokens, not one per byte.
+    word = corpus(0, 64)[0].split()[0] * 4
+    assert len(tok.encode(word, add_special_tokens=False)) < len(word)
+    prompts = load_prompts(train, tok, 48)
+    user, assistant = tok.convert_tokens_to_ids(["<|user|>", "<|assistant|>"])
+    assert prompts and all(p.prompt_ids[0] == user and p.prompt_ids[-1] == assistant for p in prompts)
+    # A micro-batch of 2,048 tokens meets the kernels in several vocabulary blocks.
+    assert default_block_v(2048, len(tok)) < len(tok)
+
+
+def test_run_on_a_user_model_with_a_real_tokenizer(user_case, tmp_path):
+    model_dir, train, dev = user_case
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dph_async.app.cli", "run", "--model", str(model_dir), "--data", str(train),
+           f"task.test_data.dev={dev}", "--preset", "grpo", "-o", str(out),
+           "learner.steps=4", "learner.groups_per_step=4", "sampling.n=4", "sampling.max_tokens=8",
+           "actors.num_actors=1", "actors.max_inflight_prompts=4", "eval.k_max=4", "eval.max_prompts=8",
+           "logging.wandb_mode=disabled", "learner.checkpoint_every=0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["eval"]) == {"base", "grpo"}
+    assert summary["rl"]["grpo"]["learner"]["steps"] == 4
+    consumed = [json.loads(line) for line in (out / "rl" / "grpo" / "consumed.jsonl").read_text().splitlines()]
+    assert [c["version"] for c in consumed] == [0, 1, 2, 3] and all(len(c["groups"]) == 4 for c in consumed)
