@@ -56,18 +56,22 @@ def difficulty_columns(split: str, k_max: int, base: SplitResult) -> list[Column
                       Column(f"{kind} distinct", f"{split}/{kind}/distinct", digits=2)]]
 
 
-def _base_row(base: dict[str, SplitResult], columns: list[Column], width: int) -> list[str]:
+def _base_row(base: dict[str, SplitResult], columns: list[Column], width: int,
+              measured: dict[str, SplitResult] | None = None) -> list[str]:
+    """pi_0's row: its figures on `measured` (default: `base`), per band as `base` sorts the prompts."""
     values = {}
-    for split, r in base.items():
-        values.update(split_metrics(split, r, r))
+    for split, r in (measured or base).items():
+        values.update(split_metrics(split, r, base[split]))
     cells = [f"{c.scale * values[c.key]:.{c.digits}f}" if c.key in values else "-" for c in columns]
-    return ["base (pi_0)", *["-"] * width, *cells]
+    return ["base (pi_0)" if measured is None else "base (pi_0), new draw", *["-"] * width, *cells]
 
 
-def results_table(groups: list[Group], columns: list[Column], base: dict[str, SplitResult] | None) -> str:
+def results_table(groups: list[Group], columns: list[Column], base: dict[str, SplitResult] | None,
+                  redraw: dict[str, SplitResult] | None = None) -> str:
+    """One row per group, after pi_0's row (on `redraw`, another draw of its samples, when given)."""
     factors = list(groups[0].factors)
     header = [*factors, "seeds", *(c.header for c in columns)]
-    rows = [_base_row(base, columns, len(factors))] if base else []
+    rows = [_base_row(base, columns, len(factors), redraw)] if base else []
     rows += [[*(str(g.factors[f]) for f in factors), str(len(g.cells)),
               *(g.metrics[c.key].fmt(c.scale, c.digits) if c.key in g.metrics else "-" for c in columns)]
              for g in groups]
@@ -146,12 +150,18 @@ def write_summary(out: Path) -> list[Group]:
         verdicts = []
         md += [results_table(groups, divergence_columns(splits, k_max), base), ""]
         split = splits[0]
+        redraw_file = out / "eval" / "base_redraw.json"
+        redraw = load_results(redraw_file) if redraw_file.is_file() else None
         if base[split].per_prompt:
             md += [f"## {split}: by what pi_0 did on each test prompt", "",
                    f"The {split} test prompts grouped by how many of pi_0's {base[split].samples} samples were "
                    "right (always: all, the D_pef rule; mostly: at least half; rarely: under half; never); "
-                   "Pass@k (%) and distinct correct answers of the final models on each group.", "",
-                   results_table(groups, difficulty_columns(split, k_max, base[split]), base), ""]
+                   "Pass@k (%) and distinct correct answers of the final models on each group. "
+                   + ("pi_0's row is a second draw of its samples: on the draw that sorted the prompts it "
+                      "scores 100 on 'rarely' and 0 on 'never' by construction." if redraw else
+                      "pi_0's row is the draw that sorted the prompts, so its 'rarely' and 'never' figures "
+                      "hold by construction (100 and 0 at Pass@16): compare the runs with each other."), "",
+                   results_table(groups, difficulty_columns(split, k_max, base[split]), base, redraw), ""]
     if any(c.resumed for c in cells):
         md += ["Resumed after an interruption (their wall-clock curves hold the pause): "
                + ", ".join(c.cell.key for c in cells if c.resumed), ""]
