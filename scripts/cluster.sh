@@ -44,7 +44,9 @@ start_node() {  # ray start --block in the background; return once the node is u
   [ -n "${DPH_CPUS:-}" ] && args+=(--num-cpus "$DPH_CPUS")
   # --block keeps `ray start` as the parent of this node's Ray processes: stopping it stops them all,
   # and nothing else on the machine (`ray stop` would stop every Ray process of the machine).
-  setsid .venv/bin/ray start "${args[@]}" "$@" </dev/null >"$STATE/ray.log" 2>&1 &
+  # Workers at the node's own niceness, not Ray's 15: the actors and the learner are the job here.
+  RAY_worker_niceness="${RAY_worker_niceness:-0}" \
+    setsid .venv/bin/ray start "${args[@]}" "$@" </dev/null >"$STATE/ray.log" 2>&1 &
   echo $! >"$STATE/ray.pid"
   for _ in $(seq 240); do
     grep -q "will now block" "$STATE/ray.log" && { echo "Ray node up (log: $STATE/ray.log)"; return 0; }

@@ -78,6 +78,9 @@ def ray_cluster(cfg: RunConfig) -> Iterator[None]:
                      runtime_env={"env_vars": {"DPH_CACHE_DIR": str(cache_dir())}})
         else:
             cpus = lc.num_cpus or max(os.cpu_count() or 1, cfg.actors.num_actors + 2)
+            # Ray runs its workers at niceness 15 so that idle pools yield the CPU; here the workers
+            # (actors, learner) are the job, and at 15 they lose the cores to any other process.
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
                      runtime_env={"env_vars": {"DPH_CACHE_DIR": str(cache_dir())}})
     try:
