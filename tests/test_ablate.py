@@ -148,7 +148,9 @@ def check_plots(figures: dict, summary: dict, out: Path) -> None:
     assert heights == want
     # Summary: the final reward per eta, one line per correction, with its group means.
     ax = next(a for a in figures["summary.png"].axes if a.get_title() == "final training reward")
-    (line,) = [x for x in ax.get_lines() if x.get_label() == "correction=decoupled"]
+    # errorbar() labels its container; the container's first line is the data line.
+    (bars,) = [c for c in ax.containers if c.get_label() == "correction=decoupled"]
+    line = bars.lines[0]
     assert list(line.get_xdata()) == [0, 1]
     np.testing.assert_allclose(line.get_ydata(), [groups[f"eta{e}-decoupled"]["metrics"]["reward"]["mean"]
                                                   for e in (0, 1)])

@@ -110,3 +110,13 @@ def test_no_traceback_from_the_installed_command(files):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("error: --data corrupt: ") and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv", [["serve", "scorer"], ["serve", "replay"], ["config", "--list"], ["status"]])
+def test_a_command_line_loads_only_its_own_commands_options(argv):
+    """A service started from the command line carries no torch: other commands' options (samplers,
+    peers, objectives) are built only when those commands are named."""
+    code = (f"import sys; from dph_async.app.cli import build_parser; build_parser({argv!r}).parse_args({argv!r}); "
+            "print(sorted(m for m in ('torch', 'vllm', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -107,7 +107,21 @@ class CommandParser(argparse.ArgumentParser):
         return ns, extras
 
 
-def build_parser() -> CommandParser:
+def _command_words(argv: list[str]) -> list[str]:
+    """The leading words of a command line that name its command ("bench", "peer" of `bench peer ...`)."""
+    words = []
+    for token in argv[:2]:
+        if token.startswith("-") or "=" in token:
+            break
+        words.append(token)
+    return words
+
+
+def build_parser(argv: list[str] | None = None) -> CommandParser:
+    """The whole command line. Given `argv`, only the commands it names get their options: a command's
+    `add_arguments` may import what its options list (presets, samplers), and a long-lived service
+    started from this command line should not carry every other command's imports."""
+    named = None if argv is None else _command_words(argv)
     parser = CommandParser(
         prog="dph-async",
         description=(
@@ -139,13 +153,15 @@ def build_parser() -> CommandParser:
                                                         required=words[0] not in names)
             sub = parsers[words[0]].add_subcommand(groups[words[0]], words[1], help=mod.HELP,
                                                    description=mod.DESCRIPTION, **text)
-        mod.add_arguments(sub)
+        if named is None or named[:len(words)] == words:
+            mod.add_arguments(sub)
         sub.set_defaults(_main=mod.main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args._main(args) or 0)
     except UserError as e:

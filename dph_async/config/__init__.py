@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from omegaconf import OmegaConf
@@ -26,6 +26,10 @@ from dph_async.errors import UserError
 __all__ = ["ConfigError", "LossConfig", "NetConfig", "ReplayConfig", "RewardConfig", "RunConfig", "load_config",
            "presets"]
 
+
+# The actors' sampling distributions (ActorsConfig.sampler).
+Sampler = Literal["online", "ref", "gshf", "mixp"]
+SAMPLERS: tuple[str, ...] = get_args(Sampler)
 
 class ModelConfig(Section):
     # A Hugging Face causal-LM directory; None builds the embedded tiny Llama from `tiny_*`.
@@ -95,7 +99,7 @@ class ActorsConfig(Section):
     # Which distribution samples the responses (the DPO samplers, actors/mixture.py): online (the
     # policy, on vLLM), ref (the frozen pi_0), gshf (half each), mixp (the samplers seed's logit
     # mixtures of both). All but online run both models with torch in the actor.
-    sampler: Literal["online", "ref", "gshf", "mixp"] = "online"
+    sampler: Sampler = "online"
     # Prompts an actor keeps in its engine at once.
     max_inflight_prompts: int = Field(16, ge=1)
     # vLLM reads this as whole GiB.

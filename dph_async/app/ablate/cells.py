@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import get_args
 
 from dph_async.app.specs import RunSpec
+from dph_async.config import SAMPLERS
 from dph_async.config.loss import Correction
 
 CORRECTIONS = get_args(Correction)
@@ -71,7 +72,6 @@ def divergence_sweep(specs: list[str], coeffs: list[float] | None, seeds: list[i
     return Sweep("divergence", cells, x="mode", panel=None)
 
 
-SAMPLERS = ("online", "ref", "gshf", "mixp")
 
 
 def samplers_sweep(samplers: list[str], seeds: list[int], mode: str) -> Sweep:

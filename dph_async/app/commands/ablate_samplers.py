@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dph_async.app.ablate.command import add_common_arguments, run
+from dph_async.config import SAMPLERS
 
 NAME = "ablate samplers"
 HELP = "sweep the DPO samplers (online, ref, gshf, mixp) x seeds; the samplers seed's comparison on your task"
@@ -25,8 +26,6 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dph_async.app.ablate.cells import SAMPLERS
-
     p.add_argument("--samplers", nargs="+", default=list(SAMPLERS), choices=SAMPLERS,
                    help=f"actors.sampler values (default: {' '.join(SAMPLERS)})")
     add_common_arguments(p, "runs/ablate/samplers")

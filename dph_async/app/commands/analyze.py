@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dph_async.app.commands.common import fail
+
 NAME = "analyze"
 HELP = "weight analysis: singular spectra and principal angles of top-k subspaces, base against trained"
 DESCRIPTION = """\
@@ -65,8 +67,7 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"analysing {len(checkpoints)} checkpoint(s) against {base[0].path}: {', '.join(labels)}")
         report = write_analysis(analyze(base[0], checkpoints, args.top_k), out)
     except (FileNotFoundError, ValueError, KeyError) as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
+        return fail(str(e))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted")
         return 130

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dph_async.app.commands.common import fail
+
 if TYPE_CHECKING:
     from dph_async.config import RunConfig
 
@@ -62,14 +64,9 @@ def main(args: argparse.Namespace) -> int:
     from dph_async.app.analyze.recover import Recovery, run_recovery
     from dph_async.app.analyze.svd import REPLACEMENTS
     from dph_async.app.analyze.weights import default_out, run_dir_of
-    from dph_async.app.commands.common import load_cli_config
     from dph_async.app.progress import console
     from dph_async.app.report import print_tables
-    from dph_async.config import ConfigError
-
-    def fail(msg: str) -> int:
-        console.print(f"[red]error:[/red] {msg}")
-        return 2
+    from dph_async.config import ConfigError, load_config
 
     what = [w.strip() for w in args.replace.split(",") if w.strip()]
     if not what or any(w not in REPLACEMENTS for w in what):
@@ -79,9 +76,7 @@ def main(args: argparse.Namespace) -> int:
     run = args.run or run_dir_of(args.trained)
     if args.run is not None and not (args.run / "config.yaml").is_file():
         return fail(f"--run {args.run}: no config.yaml (not a run directory)")
-    cfg = load_cli_config(str(run / "config.yaml") if run else args.preset, args.overrides)
-    if cfg is None:
-        return 2
+    cfg = load_config(str(run / "config.yaml") if run else args.preset, args.overrides)  # errors: one line
     try:
         tests = resolve_test_sets(cfg, run, args.data)
     except (ConfigError, FileNotFoundError) as e:
