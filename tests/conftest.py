@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -80,6 +81,36 @@ def session_members(sid: int) -> list[str]:
     """`pid sid command` of every process in session `sid`."""
     out = subprocess.run(["ps", "-eo", "pid=,sess=,args="], capture_output=True, text=True, check=True).stdout
     return [line.strip() for line in out.splitlines() if line.split()[1] == str(sid)]
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process."""
+    # -ww: whole command lines, whatever COLUMNS says (pytest sets it; ps would cut lines to it).
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True,
+                         check=True).stdout
+    table = {}
+    for line in out.splitlines():
+        pid, ppid, *args = line.split(None, 2)
+        table[int(pid)] = (int(ppid), args[0] if args else "")
+    return table
+
+
+def descendants(root: int, table: dict[int, tuple[int, str]]) -> list[int]:
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        kids = [pid for pid, (ppid, _) in table.items() if ppid == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process this test started and everything under it."""
+    table = processes()
+    for p in [pid, *descendants(pid, table)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, copy_base
+from conftest import SMALL, copy_base, descendants, kill_tree, processes
 
 from replay.state import read_state
 
@@ -93,41 +93,11 @@ class Host:
         return pid if "ray start" in args else None
 
 
-def processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every process."""
-    # -ww: whole command lines, whatever COLUMNS says (pytest sets it; ps would cut lines to it).
-    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True,
-                         check=True).stdout
-    table = {}
-    for line in out.splitlines():
-        pid, ppid, *args = line.split(None, 2)
-        table[int(pid)] = (int(ppid), args[0] if args else "")
-    return table
-
-
-def descendants(root: int, table: dict[int, tuple[int, str]]) -> list[int]:
-    found, frontier = [], [root]
-    while frontier:
-        parent = frontier.pop()
-        kids = [pid for pid, (ppid, _) in table.items() if ppid == parent]
-        found += kids
-        frontier += kids
-    return found
-
-
 def host_running(title: str, hosts: list[Host]) -> list[Host]:
     """The hosts with a process titled `title` (Ray names an actor's process ray::Class...) under their Ray node."""
     table = processes()
     return [h for h in hosts if (pid := h.ray_pid()) and
             any(table[p][1].startswith(title) for p in descendants(pid, table))]
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process this test started and everything under it."""
-    table = processes()
-    for p in [pid, *descendants(pid, table)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
 
 
 def sh(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -302,9 +272,10 @@ def cut_off_run(base: Path, hosts: list[Host], hide_head: bool, cut: Callable[[H
         # The cut-off process had been granted positions it never delivered; its replacement started at
         # the replay's watermark (passing positions accepted above it), so every position granted
         # before the cut lies below watermark + skipped + voided. All of them were accepted in the end.
+        # (voided is 0 when the cut lands while the actor, its batch delivered, waits for new weights;
+        # tests/test_replay_staleness.py voids held tickets deterministically.)
         replay = result["replay"]
         voided = replay["tickets"]["voided"]
-        assert voided >= 1
         (replacement,) = result["actors"]
         granted_before_cut = replacement["resumed_at"] + replacement["skipped_accepted"] + voided
         watermark, above = read_state(rl_dir / "checkpoints" / f"v{STEPS}" / "replay").accepted["0"]
