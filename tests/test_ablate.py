@@ -152,8 +152,8 @@ def check_plots(figures: dict, summary: dict, out: Path) -> None:
     (bars,) = [c for c in ax.containers if c.get_label() == "correction=decoupled"]
     line = bars.lines[0]
     assert list(line.get_xdata()) == [0, 1]
-    np.testing.assert_allclose(line.get_ydata(), [groups[f"eta{e}-decoupled"]["metrics"]["reward"]["mean"]
-                                                  for e in (0, 1)])
+    want = [groups[f"eta{e}-decoupled"]["metrics"]["reward"]["mean"] for e in (0, 1)]
+    np.testing.assert_allclose(np.asarray(line.get_ydata(), float), want)
 
 
 def test_a_different_base_config_is_refused_unless_fresh(small_base, tmp_path, capsys):

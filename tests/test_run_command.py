@@ -45,8 +45,9 @@ RUN = ["mode=sync", "actors.num_actors=1", f"learner.steps={STEPS}", "learner.ch
        "learner.keep_checkpoints=0"]
 # Per-token |behaviour - learner| log-prob: vLLM's CPU kernels and the learner's agree to ~3e-5 in fp32.
 LOGPROB_TOL = 2e-4
-# Wall-clock figures (and time/*): the only metrics two runs of the same seed may disagree on.
-TIMING = ("learner/step_seconds", "learner/tokens_per_s")
+# Wall-clock figures (and time/*): the only metrics two runs of the same seed may disagree on, besides
+# drops/rewound (groups a resumed replay discards because they were generated after the checkpoint).
+TIMING = ("learner/step_seconds", "learner/tokens_per_s", "drops/rewound")
 
 
 def command(out: Path) -> list[str]:
@@ -140,7 +141,7 @@ def assert_same_checkpoint(a: Path, b: Path, roots: tuple[Path, Path]) -> None:
                 assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), f"{name}{key} differs"
             elif isinstance(x, str):
                 assert x.replace(str(roots[0]), "") == y.replace(str(roots[1]), ""), f"{name}{key}"
-            elif type(x).__eq__ is object.__eq__:  # an object compared by identity (DeepSpeed's loss scaler)
+            elif hasattr(x, "__dict__") and type(x).__eq__ is object.__eq__:  # DeepSpeed's loss scaler
                 assert type(x) is type(y) and vars(x) == vars(y), f"{name}{key}: {vars(x)} != {vars(y)}"
             else:
                 assert x == y, f"{name}{key}: {x!r} != {y!r}"
@@ -162,7 +163,8 @@ def test_complete_run_writes_the_report(runs):
     # The comparison table: one row per model, the figures of its evaluation file.
     text = (full / "summary.md").read_text().splitlines()
     first = next(i for i, line in enumerate(text) if line.startswith("| "))
-    table = [line for line in itertools.takewhile(lambda x: x.startswith("| "), text[first:])]
+    table = list(itertools.takewhile(lambda x: x.startswith("|"), text[first:]))
+    table = [line for line in table if not line.startswith("|---")]
     header = [c.strip() for c in table[0].strip("|").split("|")]
     assert header[0] == "model"
     rows = {r[0]: r for r in ([c.strip() for c in line.strip("|").split("|")] for line in table[1:])}
@@ -313,8 +315,9 @@ def test_behaviour_logprobs_are_the_learners_at_the_stamped_version(runs):
     worst = max(worst_gap(learner_model(run, mode, v), by_version[v], "fresh") for v in checked)
     assert worst < LOGPROB_TOL, f"behaviour and learner log-probs differ by up to {worst:.2e}"
     # The check can fail: the weights of another version are far outside the tolerance.
-    drift = worst_gap(learner_model(run, mode, 0), by_version[2], "fresh")
-    assert drift > 10 * LOGPROB_TOL, f"versions 0 and 2 differ by only {drift:.2e}: the check cannot tell them apart"
+    last = max(checked)
+    drift = worst_gap(learner_model(run, mode, 0), by_version[last], "fresh")
+    assert drift > 10 * LOGPROB_TOL, f"versions 0 and {last} differ by only {drift:.2e}: the check is blind"
 
 
 def test_reference_logprobs_are_the_learners_at_step_0(runs):

@@ -181,7 +181,10 @@ def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) ->
             md += ["## By what pi_0 did on each test prompt", "",
                    "The test prompts split by pi_0's own samples: always right (like D_pef, where the DPH "
                    "divergence trains), sometimes right (like D_exp), never right. Pass@k (%) and distinct "
-                   "correct answers per prompt on each part.", "", markdown_table(header, rows), ""]
+                   "correct answers per prompt on each part. pi_0's own rows are the draw that sorted the "
+                   "prompts, so its P@max is 100 where it is right under half the time and 0 where never, by "
+                   "construction: compare the trained models with each other here (an ablation of the "
+                   "divergences evaluates pi_0 again for an unbiased row).", "", markdown_table(header, rows), ""]
         print_tables(evals)
     if rows := kl_rows(curves):
         md += ["## KL(pi_theta || pi_0) at the sampling temperature", "",
