@@ -49,7 +49,7 @@ def train(prepared, name: str, *overrides: str, mode: str = "js_low_var", **kwar
 
 def test_async_respects_staleness_and_trains(prepared):
     eta = 1
-    result, rl_dir = train(prepared, "async", "learner.steps=5", f"replay.max_staleness={eta}")
+    result, rl_dir = train(prepared, "async", "learner.steps=5", f"replay.max_staleness={eta}", "actors.num_actors=2")
     assert len(result.metrics) == 5
     assert all(math.isfinite(m["loss/total"]) for m in result.metrics)
     assert all(m["batch/reference_samples"] > 0 for m in result.metrics)  # the DPH term had samples

@@ -18,6 +18,7 @@ import os
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -210,7 +211,7 @@ class ActorProcess:
     node it gets them from the learner and its weight server (dph_async/app/model_shipping.py)."""
 
     def __init__(self, actor_id: int, cfg: RunConfig, model_dir: str, prompts_path: str, ingest: str,
-                 weights: str, log_dir: str, home: str, learner: ray.actor.ActorHandle) -> None:
+                 weights: str, log_dir: str, home: str, learner: str) -> None:
         log_to_file(Path(log_dir) / f"actor{actor_id}.log")
         # vLLM and torch, in this Ray worker only: the driver never loads the engine.
         from actors.engine import VLLMEngine
@@ -226,7 +227,7 @@ class ActorProcess:
                 if cfg.actors.sampler != "online":  # the shipped model is the newest policy, not pi_0
                     raise RuntimeError(f"actors.sampler={cfg.actors.sampler} mixes in pi_0, which only the "
                                        "driver's node holds: run these actors on that node")
-                shipment = ray.get(learner.shipment.remote(prompts_path))
+                shipment = ray.get(ray.get_actor(learner).shipment.remote(prompts_path))
                 model, prompts_file, version = materialize(shipment, weight_client, Path(local))
                 model_dir, prompts_path = str(model), str(prompts_file)
             if cfg.actors.sampler == "online":
@@ -304,7 +305,10 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     # Absolute paths: actors on other nodes are handed them (and ask the learner for what they name).
     model_dir, rl_dir, prompts_path = model_dir.resolve(), rl_dir.resolve(), prompts_path.resolve()
     pg = learner_placement()
-    learner = LearnerProcess.options(num_cpus=1, max_concurrency=4,
+    # Actors find the learner by its name: a handle among a restartable actor's arguments is kept in
+    # the object store, which Ray warns about on every start.
+    learner_name = f"dph-learner-{uuid.uuid4().hex[:12]}"
+    learner = LearnerProcess.options(num_cpus=1, max_concurrency=4, name=learner_name,
                                      scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(
         cfg, str(model_dir), str(rl_dir), str(reference_path.resolve()) if reference_path else None, resume_tag)
     ingest, weights = ray.get(learner.addresses.remote())
@@ -312,7 +316,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     actor_class = ActorProcess.options(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts,
                                        max_task_retries=0, **actor_placement())
     actors = [actor_class.remote(i, cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"),
-                                 home_node(), learner)
+                                 home_node(), learner_name)
               for i in range(cfg.actors.num_actors)]
     setup = learner.setup.remote()  # builds the trainer while the actors build their engines
     pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)}

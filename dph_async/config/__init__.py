@@ -8,6 +8,7 @@ raises `ConfigError` naming the dotted key and what is allowed.
 
 from __future__ import annotations
 
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -94,8 +95,16 @@ class SamplingConfig(Section):
     max_tokens: int = Field(16, ge=1)
 
 
+def default_actors() -> int:
+    """One core for the learner, the others for actors, at most two: on 2 cores one actor beside the
+    learner is 27% faster than two, which only take turns on the same core (docs/benchmarks.md)."""
+    return max(1, min(2, (os.cpu_count() or 1) - 1))
+
+
 class ActorsConfig(Section):
-    num_actors: int = Field(2, ge=1)
+    # Default: default_actors() on this machine (1 on 2 cores, 2 on more); the run's config.yaml
+    # records the number used.
+    num_actors: int = Field(default_factory=default_actors, ge=1)
     # Which distribution samples the responses (the DPO samplers, actors/mixture.py): online (the
     # policy, on vLLM), ref (the frozen pi_0), gshf (half each), mixp (the samplers seed's logit
     # mixtures of both). All but online run both models with torch in the actor.

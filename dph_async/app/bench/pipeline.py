@@ -68,7 +68,8 @@ def measure(name: str, cfg: RunConfig, rl_dir: Path, skip: int, cpu: list[CpuSam
         cores = {k: v / win.seconds for k, v in used.items()}
         per_step = sum(v for k, v in used.items() if k not in ("machine", "outside")) / win.steps
     last = rows[-max(1, len(rows) // 5):]
-    phase_keys = sorted({k for r in in_win for k in r if k.startswith("time/")})
+    # time/wall is when the step ended, not a phase.
+    phase_keys = sorted({k for r in in_win for k in r if k.startswith("time/") and k != "time/wall"})
     actor_spans: dict[str, float] = {}
     for spans in tl.actors:
         for kind, secs in busy_seconds(spans, win.start, win.end).items():
