@@ -96,8 +96,9 @@ class SamplingConfig(Section):
 
 
 def default_actors() -> int:
-    """One core for the learner, the others for actors, at most two: on 2 cores one actor beside the
-    learner is 27% faster than two, which only take turns on the same core (docs/benchmarks.md)."""
+    """One core for the learner, the others for actors, at most two. On 2 cores one actor beside the
+    learner was 27% faster than two under the default objective and as fast under plain GRPO: a
+    second actor only takes turns with the first on the same core (docs/benchmarks.md, Pipeline)."""
     return max(1, min(2, (os.cpu_count() or 1) - 1))
 
 
