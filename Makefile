@@ -5,7 +5,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	.venv/bin/dph-async run --compare grpo@d_exp,js_low_var,reverse_kl
+	.venv/bin/dph-async run --compare grpo@d_exp,js_low_var,reverse_kl:0.1
 
 test: setup
 	.venv/bin/python -m pytest
