@@ -47,7 +47,7 @@ RUN = ["mode=sync", "actors.num_actors=1", f"learner.steps={STEPS}", "learner.ch
 LOGPROB_TOL = 2e-4
 # Wall-clock figures (and time/*): the only metrics two runs of the same seed may disagree on, besides
 # drops/rewound (groups a resumed replay discards because they were generated after the checkpoint).
-TIMING = ("learner/step_seconds", "learner/tokens_per_s", "drops/rewound")
+NOT_REPEATED = ("learner/step_seconds", "learner/tokens_per_s", "drops/rewound")
 
 
 def command(out: Path) -> list[str]:
@@ -112,7 +112,7 @@ def runs(small_base, tmp_path_factory) -> dict:
 
 
 def metrics_of(rl_dir: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(x).items() if k not in TIMING and not k.startswith("time/")}
+    return [{k: v for k, v in json.loads(x).items() if k not in NOT_REPEATED and not k.startswith("time/")}
             for x in lines(rl_dir / "metrics.jsonl")]
 
 
