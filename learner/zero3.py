@@ -77,14 +77,13 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
     """`model.state_dict()` with whole tensors. Without partitioned parameters, the state dict itself;
     under ZeRO-3, CPU copies gathered one parameter at a time (so no rank ever holds more than one
     whole parameter beyond its partition), tied names sharing one copy. A collective under ZeRO-3."""
-    states = model.state_dict(keep_vars=True)
-    if not any(partitioned(t) for t in states.values()):
+    if not any(partitioned(p) for p in model.parameters()):
         return model.state_dict()
     import deepspeed
 
     copies: dict[int, Tensor] = {}
     out: dict[str, Tensor] = {}
-    for name, t in states.items():
+    for name, t in model.state_dict(keep_vars=True).items():
         if id(t) not in copies:
             if partitioned(t):
                 with deepspeed.zero.GatheredParameters([t]):
@@ -93,3 +92,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
                 copies[id(t)] = t.detach()
         out[name] = copies[id(t)]
     return out
+
+
+def save_pretrained(model: torch.nn.Module, out_dir: str) -> None:
+    """`model.save_pretrained(out_dir)` with whole weights (a collective under ZeRO-3)."""
+    model.save_pretrained(out_dir, state_dict=full_state_dict(model))

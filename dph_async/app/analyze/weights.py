@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dph_async.paths import MODEL_STATES, checkpoint_dir, final_model
+from dph_async.paths import MODEL_STATES, checkpoint_dir, checkpoint_weights, final_model, is_learner_checkpoint
 
 # Parameter-name fragment -> (type, group). Llama/Qwen/Mistral names first, then fused (Phi-3) and
 # GPT-2 ones. A matrix matching none keeps its own module name as type, in group "other".
@@ -90,12 +90,12 @@ def expand(path: Path) -> list[Checkpoint]:
     path = Path(path)
     if (path / "config.json").is_file():
         return [Checkpoint(_label(path), path)]
-    if (path / MODEL_STATES).is_file():
+    if is_learner_checkpoint(path):
         return [Checkpoint(_label(path), path, deepspeed=True)]
     ckpts = checkpoint_dir(path)
     if ckpts.is_dir() or (final_model(path) / "config.json").is_file():
         versions = sorted((int(m.group(1)), d) for d in (ckpts.iterdir() if ckpts.is_dir() else [])
-                          if (m := _VERSION.fullmatch(d.name)) and (d / MODEL_STATES).is_file())
+                          if (m := _VERSION.fullmatch(d.name)) and is_learner_checkpoint(d))
         out = [Checkpoint(f"{path.name}/v{v}", d, deepspeed=True) for v, d in versions]
         if (final_model(path) / "config.json").is_file():
             out.append(Checkpoint(f"{path.name}/final", final_model(path)))
@@ -130,8 +130,7 @@ class WeightReader:
         self._where: dict[str, object] = {}  # name -> an open safetensors file or a loaded state dict
         path = ckpt.path
         if ckpt.deepspeed:
-            states = torch.load(path / MODEL_STATES, map_location="cpu", weights_only=True, mmap=True)
-            self._add(states["module"])
+            self._add(checkpoint_weights(path))
         elif (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
             from safetensors import safe_open
 
