@@ -116,14 +116,15 @@ def full_weights(t) -> list[torch.Tensor]:
     return [safe_get_full_fp32_param(p).clone() for p in t.module.parameters()]
 
 
-def train(model_dir: str, stage: int, rank: int = 0) -> tuple[list[list[torch.Tensor]], list[int], list[torch.Tensor]]:
+def train(model_dir: str, stage: int, rank: int = 0):
+    """A trainer after two batches, and (each step's gradients, backward passes per step, the weights)."""
     t = trainer(model_dir, stage)
     if stage == 3:  # really partitioned: outside a forward the LM head is an empty placeholder
         assert t.module.lm_head.weight.numel() == 0
     grads, backwards = recording(t)
     for seed in (5, 6):
         t.train_step(with_reference(seed, rank))
-    return grads, backwards[:-1], full_weights(t)
+    return t, (grads, backwards[:-1], full_weights(t))
 
 
 def assert_same_training(ref, got) -> None:
@@ -140,7 +141,7 @@ def assert_same_training(ref, got) -> None:
 @pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied_embeddings"])
 def test_zero3_trains_as_zero1(model_dirs, tied, monkeypatch):
     partition_everything(monkeypatch)
-    assert_same_training(train(model_dirs[tied], 1), train(model_dirs[tied], 3))
+    assert_same_training(train(model_dirs[tied], 1)[1], train(model_dirs[tied], 3)[1])
 
 
 def test_zero3_publishes_saves_and_resumes_whole_weights(model_dirs, tmp_path, monkeypatch):
@@ -188,7 +189,8 @@ def test_zero3_publishes_saves_and_resumes_whole_weights(model_dirs, tmp_path, m
 
 
 def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
-    """One of two ranks: ZeRO-1 then ZeRO-3 on this rank's batches; rank 0 saves what it saw."""
+    """One of two ranks: ZeRO-1 then ZeRO-3 on this rank's batches, then ZeRO-3's whole weights, a
+    checkpoint of both partitions and a trainer resumed from it; rank 0 saves what it saw."""
     import deepspeed
 
     import learner.trainer
@@ -203,15 +205,26 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
     make = learner.trainer.deepspeed_config
     learner.trainer.deepspeed_config = lambda cfg, dtype: {
         **make(cfg, dtype), "zero_optimization": {"stage": cfg.zero_stage, "stage3_param_persistence_threshold": 0}}
-    runs = {stage: train(model_dir, stage, rank) for stage in (1, 3)}
+    one, ref = train(model_dir, 1, rank)
+    three, got = train(model_dir, 3, rank)
+    whole = full_state_dict(three.module)  # collective: both ranks gather
+    ckpt = Path(out).parent / "ckpt"
+    three.save(ckpt, {})
+    resumed = trainer(model_dir, 3)
+    resumed.load(ckpt, f"v{three.version}")
     if rank == 0:
-        torch.save(runs, out)
+        torch.save({"runs": (ref, got), "zero1": one.module.state_dict(), "whole": whole,
+                    "resumed": full_state_dict(resumed.module), "tag": f"v{three.version}"}, out)
+    else:
+        full_state_dict(resumed.module)
 
 
 @pytest.mark.slow
 def test_zero3_on_two_ranks_trains_as_zero1(model_dirs, tmp_path):
     """Two gloo ranks, each holding half of every parameter under ZeRO-3 and training on its own
-    batch: the gradients (reduce-scattered into the partitions) and weights equal ZeRO-1's."""
+    batch: the gradients (reduce-scattered into the partitions) and weights equal ZeRO-1's; the
+    gathered weights, the checkpoint's (put together from both ranks' files) and those of a trainer
+    resumed from it are whole and the same."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -228,5 +241,11 @@ def test_zero3_on_two_ranks_trains_as_zero1(model_dirs, tmp_path):
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-    runs = torch.load(out, weights_only=False)
-    assert_same_training(runs[1], runs[3])
+    seen = torch.load(out, weights_only=False)
+    assert_same_training(*seen["runs"])
+    whole = seen["whole"]
+    assert list(whole) == list(seen["zero1"])
+    for name, x in seen["zero1"].items():
+        torch.testing.assert_close(whole[name], x, atol=1e-4, rtol=1e-4)
+    stored = checkpoint_weights(tmp_path / "ckpt" / seen["tag"])
+    assert all(torch.equal(stored[n], whole[n]) and torch.equal(seen["resumed"][n], whole[n]) for n in whole)

@@ -34,8 +34,6 @@ from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config, load_config
 from dph_async.paths import RunPaths, checkpoint_dir, checkpoint_weights, final_model, is_learner_checkpoint
 
-# DeepSpeed's file with the module's full state dict (ZeRO stages 0-2, one model-parallel rank).
-
 
 def eval_versions(steps: int, points: int) -> list[int]:
     """Learner versions evaluated along a run: `points` evenly spaced, the last one the final model."""
