@@ -76,7 +76,9 @@ def checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
         return torch.load(directory / MODEL_STATES, map_location="cpu", weights_only=True, mmap=True)["module"]
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(directory.parent), tag=directory.name)
+    # Detached: DeepSpeed hands back tensors that require grad, which numpy() and analysis refuse.
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(directory.parent), tag=directory.name)
+    return {name: t.detach() for name, t in weights.items()}
 
 
 def checkpoint_dir(rl_dir: Path) -> Path:
