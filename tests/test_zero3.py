@@ -64,11 +64,11 @@ def partition_everything(monkeypatch) -> None:
     monkeypatch.setattr(learner.trainer, "deepspeed_config", config)
 
 
-def trainer(model_dir: str, stage: int, lr: float = 1e-2):
+def trainer(model_dir: str, stage: int, lr: float = 1e-2, **learner):
     from learner.trainer import Trainer
 
-    learner_cfg = {**UPDATE, "loss": LossConfig(**UPDATE["loss"])}
-    cfg = LearnerConfig(lr=lr, zero_stage=stage, **learner_cfg)
+    settings = {**UPDATE, **learner}
+    cfg = LearnerConfig(lr=lr, zero_stage=stage, **{**settings, "loss": LossConfig(**settings["loss"])})
     return Trainer(model_dir, cfg, temperature=1.0, dtype="float32", pad_id=0, max_response_tokens=8, seed=0)
 
 
@@ -116,15 +116,16 @@ def full_weights(t) -> list[torch.Tensor]:
     return [safe_get_full_fp32_param(p).clone() for p in t.module.parameters()]
 
 
-def train(model_dir: str, stage: int, rank: int = 0):
-    """A trainer after two batches, and (each step's gradients, backward passes per step, the weights)."""
-    t = trainer(model_dir, stage)
+def train(model_dir: str, stage: int, rank: int = 0, **learner):
+    """A trainer after two batches, (each step's gradients, backward passes per step, the weights),
+    and the last batch's metrics."""
+    t = trainer(model_dir, stage, **learner)
     if stage == 3:  # really partitioned: outside a forward the LM head is an empty placeholder
         assert t.module.lm_head.weight.numel() == 0
     grads, backwards = recording(t)
     for seed in (5, 6):
-        t.train_step(with_reference(seed, rank))
-    return t, (grads, backwards[:-1], full_weights(t))
+        metrics = t.train_step(with_reference(seed, rank))
+    return t, (grads, backwards[:-1], full_weights(t)), metrics
 
 
 def assert_same_training(ref, got) -> None:
@@ -142,6 +143,17 @@ def assert_same_training(ref, got) -> None:
 def test_zero3_trains_as_zero1(model_dirs, tied, monkeypatch):
     partition_everything(monkeypatch)
     assert_same_training(train(model_dirs[tied], 1)[1], train(model_dirs[tied], 3)[1])
+
+
+def test_zero3_with_the_frozen_reference_model_and_the_kl_monitor(model_dirs, monkeypatch):
+    """Reverse KL scores fresh tokens with the frozen reference copy (whole, made before DeepSpeed
+    partitions the model), and the KL monitor samples through the model's own forward between
+    updates: both as under ZeRO-1."""
+    partition_everything(monkeypatch)
+    settings = dict(kl_every=1, kl_samples=4, loss={"objective": "reverse_kl", "coeff": 0.5})
+    (_, ref, m1), (_, got, m3) = (train(model_dirs[False], stage, **settings) for stage in (1, 3))
+    assert_same_training(ref, got)
+    assert m1["kl/k3"] > 0 and m3["kl/k3"] == pytest.approx(m1["kl/k3"], rel=1e-4)
 
 
 def test_zero3_publishes_saves_and_resumes_whole_weights(model_dirs, tmp_path, monkeypatch):
@@ -205,8 +217,8 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
     make = learner.trainer.deepspeed_config
     learner.trainer.deepspeed_config = lambda cfg, dtype: {
         **make(cfg, dtype), "zero_optimization": {"stage": cfg.zero_stage, "stage3_param_persistence_threshold": 0}}
-    one, ref = train(model_dir, 1, rank)
-    three, got = train(model_dir, 3, rank)
+    one, ref, _ = train(model_dir, 1, rank)
+    three, got, _ = train(model_dir, 3, rank)
     whole = full_state_dict(three.module)  # collective: both ranks gather
     ckpt = Path(out).parent / "ckpt"
     three.save(ckpt, {})
