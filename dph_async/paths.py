@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch loads only where weights are read, not wherever a path is needed
+    import torch
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,29 @@ class RunPaths:
         return self.root / "plots"
 
 
-# The file of a DeepSpeed checkpoint that holds the model's weights (one learner rank).
+# The file of a DeepSpeed checkpoint that holds the model's weights (one learner rank, ZeRO 0-2).
 MODEL_STATES = "mp_rank_00_model_states.pt"
+# What ZeRO-3 writes instead (one per rank): its weights are placeholders, the weights themselves are
+# in the ranks' optimizer partitions, which `checkpoint_weights` puts together.
+ZERO3_MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+
+
+def is_learner_checkpoint(directory: Path) -> bool:
+    """Whether `directory` (checkpoints/v<N>) holds a learner checkpoint, whichever ZeRO stage wrote it."""
+    return (directory / MODEL_STATES).is_file() or (directory / ZERO3_MODEL_STATES).is_file()
+
+
+def checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The model's whole weights (on the CPU) in the learner checkpoint `directory`."""
+    import torch
+
+    if (directory / MODEL_STATES).is_file():
+        return torch.load(directory / MODEL_STATES, map_location="cpu", weights_only=True, mmap=True)["module"]
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    # Detached: DeepSpeed hands back tensors that require grad, which numpy() and analysis refuse.
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(directory.parent), tag=directory.name)
+    return {name: t.detach() for name, t in weights.items()}
 
 
 def checkpoint_dir(rl_dir: Path) -> Path:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kernels import fused_logprobs
+from learner import zero3
 from learner.batching import MicroBatch
 
 
@@ -66,7 +67,12 @@ def response_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float
     """log pi(y_t | x, y_<t) at `temperature` for every response token of `mb` ([B, T], 0 where masked),
     and the entropy if asked. `model` is a Hugging Face causal LM (its `.model` body and `.lm_head`);
     the hidden states go to the kernel with the LM head's weight, so the [tokens, vocab] logits
-    never exist."""
+    never exist. A model prepared for ZeRO-3 (`learner.zero3`) runs the kernel in its `FusedHead`,
+    which gathers the partitioned weight for the kernel's forward and backward."""
     h = response_hidden(model.model, mb)
-    return fused_logprobs(h, model.lm_head.weight, mb.response_ids, temperature, mask=mb.mask,
-                          with_entropy=with_entropy, impl=impl)
+    weight = model.lm_head.weight
+    head = getattr(model, zero3.HEAD, None)
+    if head is not None:
+        return head(h, mb.response_ids, mb.mask, weight=weight, temperature=temperature, with_entropy=with_entropy,
+                    impl=impl)
+    return fused_logprobs(h, weight, mb.response_ids, temperature, mask=mb.mask, with_entropy=with_entropy, impl=impl)

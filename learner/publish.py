@@ -22,6 +22,7 @@ import zmq
 from dph_async import net, protocol
 from dph_async.protocol import BucketInfo, ErrorReply, WeightsBucket, WeightsQuery, WeightsReady, WeightsRequest
 from dph_async.weights import make_buckets, tensor_to_array
+from learner.zero3 import full_state_dict
 
 KEEP_VERSIONS = 2
 # Peers the server pushes new manifests to (the most recent askers): a bound on what a flood of
@@ -65,9 +66,10 @@ class WeightServer:
             return next(reversed(self._versions)) if self._versions else -1
 
     def publish(self, model: torch.nn.Module, version: int) -> PublishStats:
-        """Snapshot `model`'s weights as `version` (checkpoint names, as vLLM's loader expects)."""
+        """Snapshot `model`'s weights as `version` (checkpoint names, as vLLM's loader expects). Under
+        ZeRO-3 the weights are gathered whole, a collective: every rank calls this."""
         start = time.perf_counter()
-        named = [(name, *tensor_to_array(t)) for name, t in model.state_dict().items()]
+        named = [(name, *tensor_to_array(t)) for name, t in full_state_dict(model).items()]
         buckets = make_buckets(named, self.bucket_bytes)
         with self._lock:
             self._versions[version] = buckets

@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from dph_async.config import LearnerConfig
 from dph_async.protocol import Batch
+from learner import zero3
 from learner.batching import MicroBatch, MiniBatch, PreparedBatch, pack, prepare
 from learner.diagnostics import policy_diagnostics
 from learner.kl_monitor import KLMonitor
@@ -110,9 +111,6 @@ class Trainer:
                  max_response_tokens: int, seed: int = 0) -> None:
         import deepspeed
 
-        if cfg.zero_stage > 2:
-            raise ValueError("learner.zero_stage: 3 is not supported with the fused log-prob kernels "
-                             "(they read the whole LM head); use 0, 1 or 2")
         self.objective: Objective = make_objective(cfg.loss)
         init_distributed()
         self.cfg, self.loss_cfg, self.seed = cfg, cfg.loss, seed
@@ -131,8 +129,12 @@ class Trainer:
                                         per_prompt=cfg.kl_per_prompt, temperature=temperature,
                                         max_tokens=max_response_tokens, eos_id=eos[0] if isinstance(eos, list) else eos,
                                         pad_id=pad_id, seed=seed)
+        if cfg.zero_stage == 3:
+            zero3.prepare_model(model)  # after the copy: the frozen reference model stays whole
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=deepspeed_config(cfg, dtype))
+        if cfg.zero_stage == 3:
+            zero3.prepare_engine(self.engine)
         self.version = 0
 
     @property

@@ -43,10 +43,11 @@ def test_a_wrong_value_is_named_with_what_is_allowed(override, key, says):
     assert f"{key}: " in msg and says in msg and value in msg.split(f"{key}: ")[1].split("(got ")[1]
 
 
-def test_zero_3_is_refused_with_its_reason():
-    msg = refusal(["learner.zero_stage=3"])
-    assert "learner.zero_stage" in msg and "use 0, 1 or 2" in msg and "LM head" in msg
-    assert [LearnerConfig(zero_stage=s).zero_stage for s in (0, 1, 2)] == [0, 1, 2]
+def test_zero_stages_0_to_3_and_what_stage_3_refuses():
+    assert [LearnerConfig(zero_stage=s).zero_stage for s in (0, 1, 2, 3)] == [0, 1, 2, 3]
+    assert "learner.zero_stage" in refusal(["learner.zero_stage=4"])
+    msg = refusal(["learner.zero_stage=3", "learner.diagnose_every=5"])
+    assert "learner.diagnose_every" in msg and "zero_stage=3" in msg
 
 
 def test_unknown_preset_and_malformed_override():
@@ -79,7 +80,7 @@ def test_sync_mode_sets_its_own_staleness_and_sync():
 
 
 @pytest.mark.parametrize(("override", "says"), [
-    ("learner.zero_stage=3", "ZeRO-3 shards the LM head"),
+    ("learner.zero_stage=4", "less than or equal to 3"),
     ("sampling.top_p=0.5", "sampling.top_p must be 1"),
     ("learner.stepz=3", "learner.stepz: unknown key"),
 ])

@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from dph_async.config.base import Section
 from dph_async.config.loss import LossConfig
@@ -131,8 +131,9 @@ class LearnerConfig(Section):
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    # ZeRO stage 0-2 (stage 3 shards the LM head, which the fused log-prob kernels read whole).
-    zero_stage: int = 1
+    # ZeRO stage 0-3. Stage 3 partitions the weights too: the fused log-prob kernel gathers the LM head
+    # for its forward and backward (learner/zero3.py), and published or saved weights are gathered whole.
+    zero_stage: int = Field(1, ge=0, le=3)
     # Micro-batches are packed up to this many (padded) tokens.
     micro_token_budget: int = Field(4096, ge=16)
     # The n completions of a prompt share one forward pass of the prompt (its keys and values feed
@@ -146,6 +147,7 @@ class LearnerConfig(Section):
     skip_zero_advantage: bool = True
     # Every this many versions, log the gradient norm of the objective's fresh part and of its
     # reference-pool part, and their cosine (grad/*): one more backward pass on those steps; 0 = never.
+    # Not with ZeRO-3, whose hooks gather the parameters for one backward pass per forward.
     diagnose_every: int = Field(0, ge=0)
     # Every this many versions, estimate KL(pi_theta || pi_0) at the sampling temperature on
     # `kl_samples` fresh responses of the current weights (kl_per_prompt to each of the batch's first
@@ -167,12 +169,13 @@ class LearnerConfig(Section):
     kernel: Literal["auto", "torch", "triton"] = "auto"
     loss: LossConfig = Field(default_factory=LossConfig)
 
-    @field_validator("zero_stage")
+    @field_validator("diagnose_every")
     @classmethod
-    def _zero_stage(cls, stage: int) -> int:
-        if stage not in (0, 1, 2):
-            raise ValueError("use 0, 1 or 2: ZeRO-3 shards the LM head, which the fused log-prob kernels read whole")
-        return stage
+    def _diagnose_every(cls, every: int, info: ValidationInfo) -> int:
+        if every and info.data.get("zero_stage") == 3:
+            raise ValueError("use 0 with learner.zero_stage=3: the diagnostic's second backward pass over one "
+                             "forward finds ZeRO-3's parameters released")
+        return every
 
 
 class EvalConfig(Section):

@@ -32,9 +32,7 @@ from dph_async.app.placement import on_home_node
 from dph_async.app.progress import console
 from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config, load_config
-from dph_async.paths import MODEL_STATES, RunPaths, checkpoint_dir, final_model
-
-# DeepSpeed's file with the module's full state dict (ZeRO stages 0-2, one model-parallel rank).
+from dph_async.paths import RunPaths, checkpoint_dir, checkpoint_weights, final_model, is_learner_checkpoint
 
 
 def eval_versions(steps: int, points: int) -> list[int]:
@@ -51,12 +49,11 @@ def cell_config(preset: str, overrides: list[str], cell: Cell, eval_points: int)
 
 
 @ray.remote(max_calls=1)
-def _export_task(base: str, states: str, out: str) -> str:
-    import torch
+def _export_task(base: str, checkpoint: str, out: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(base)
-    model.load_state_dict(torch.load(states, map_location="cpu", weights_only=False)["module"])
+    model.load_state_dict(checkpoint_weights(Path(checkpoint)))
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(base).save_pretrained(out)
     return out
@@ -64,10 +61,10 @@ def _export_task(base: str, states: str, out: str) -> str:
 
 def export_checkpoint(rl_dir: Path, version: int, base: Path, out: Path) -> Path:
     """The learner's weights at checkpoint v<version> as a Hugging Face model directory."""
-    states = checkpoint_dir(rl_dir) / f"v{version}" / MODEL_STATES
-    if not states.is_file():
-        raise FileNotFoundError(f"no checkpoint weights at {states} (learner.checkpoint_every must divide {version})")
-    return Path(ray.get(_export_task.options(**on_home_node()).remote(str(base), str(states), str(out))))
+    ckpt = checkpoint_dir(rl_dir) / f"v{version}"
+    if not is_learner_checkpoint(ckpt):
+        raise FileNotFoundError(f"no checkpoint weights in {ckpt} (learner.checkpoint_every must divide {version})")
+    return Path(ray.get(_export_task.options(**on_home_node()).remote(str(base), str(ckpt), str(out))))
 
 
 def run_cell(cfg: RunConfig, paths: RunPaths, prepared: Prepared, cell: Cell, eval_points: int,

@@ -2,8 +2,9 @@
 
 A checkpoint is read without building the model: a Hugging Face directory (safetensors, sharded or
 not, or pytorch_model.bin), a learner checkpoint `rl/<run>/checkpoints/v<N>` (DeepSpeed's model
-states), or a whole RL run directory `rl/<run>`, which stands for its checkpoints in version order
-followed by its final model: one run as a trajectory.
+states, or under ZeRO-3 the ranks' optimizer partitions put together), or a whole RL run directory
+`rl/<run>`, which stands for its checkpoints in version order followed by its final model: one run
+as a trajectory.
 
 Matrices are the 2-D floating-point tensors; each is named by its layer and its type (q, k, v, o,
 gate, up, down, embed, head, ... after the usual Hugging Face parameter names).
@@ -20,7 +21,14 @@ from pathlib import Path
 
 import torch
 
-from dph_async.paths import MODEL_STATES, checkpoint_dir, final_model
+from dph_async.paths import (
+    MODEL_STATES,
+    ZERO3_MODEL_STATES,
+    checkpoint_dir,
+    checkpoint_weights,
+    final_model,
+    is_learner_checkpoint,
+)
 
 # Parameter-name fragment -> (type, group). Llama/Qwen/Mistral names first, then fused (Phi-3) and
 # GPT-2 ones. A matrix matching none keeps its own module name as type, in group "other".
@@ -90,19 +98,20 @@ def expand(path: Path) -> list[Checkpoint]:
     path = Path(path)
     if (path / "config.json").is_file():
         return [Checkpoint(_label(path), path)]
-    if (path / MODEL_STATES).is_file():
+    if is_learner_checkpoint(path):
         return [Checkpoint(_label(path), path, deepspeed=True)]
     ckpts = checkpoint_dir(path)
     if ckpts.is_dir() or (final_model(path) / "config.json").is_file():
         versions = sorted((int(m.group(1)), d) for d in (ckpts.iterdir() if ckpts.is_dir() else [])
-                          if (m := _VERSION.fullmatch(d.name)) and (d / MODEL_STATES).is_file())
+                          if (m := _VERSION.fullmatch(d.name)) and is_learner_checkpoint(d))
         out = [Checkpoint(f"{path.name}/v{v}", d, deepspeed=True) for v, d in versions]
         if (final_model(path) / "config.json").is_file():
             out.append(Checkpoint(f"{path.name}/final", final_model(path)))
         if out:
             return out
     raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json), a learner checkpoint "
-                            f"(no {MODEL_STATES}) or an RL run directory (no checkpoints/v<N> or final_model)")
+                            f"(no {MODEL_STATES} or {ZERO3_MODEL_STATES}) or an RL run directory "
+                            "(no checkpoints/v<N> or final_model)")
 
 
 def run_dir_of(path: Path) -> Path | None:
@@ -130,8 +139,7 @@ class WeightReader:
         self._where: dict[str, object] = {}  # name -> an open safetensors file or a loaded state dict
         path = ckpt.path
         if ckpt.deepspeed:
-            states = torch.load(path / MODEL_STATES, map_location="cpu", weights_only=True, mmap=True)
-            self._add(states["module"])
+            self._add(checkpoint_weights(path))
         elif (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
             from safetensors import safe_open
 
