@@ -117,17 +117,18 @@ class RolloutWorker:
             return
         start = time.time()
         try:
-            tensors = self.weights.fetch(ready)
+            with self.weights.tensors(ready) as tensors:
+                fetched = time.time()
+                self.engine.load_weights(tensors, ready.version)
         except WeightFetchError as e:
-            # Nothing of that version reached the engine; generation goes on with the weights it has,
-            # and the next pass asks again (for the newest version, which may be another one).
+            # Nothing of that version reached the engine (it was refused before the load began);
+            # generation goes on with the weights it has, and the next pass asks again (for the
+            # newest version, which may be another one).
             n = self.stats.weight_fetch_failures = self.stats.weight_fetch_failures + 1
             if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ... failure: a persistent fault does not flood the log
                 log.warning("actor %d: weights not loaded, keeping version %d (%d refused so far): %s",
                             self.actor_id, self.engine.version, n, e)
             return
-        fetched = time.time()
-        self.engine.load_weights(tensors, ready.version)
         self.stats.weight_loads += 1
         self.stats.weight_bytes += sum(b.nbytes for b in ready.buckets)
         self.stats.weight_fetch_seconds += fetched - start
