@@ -77,6 +77,8 @@ class ActorStats:
     send_seconds: float = 0.0
     weight_bytes: int = 0
     weight_fetch_failures: int = 0  # versions refused (bad checksum, no longer held); the old weights stay
+    weight_shm_loads: int = 0  # of weight_loads: read from the learner's shared memory (the rest over TCP)
+    weight_shm_fallbacks: int = 0  # versions whose segment could not be opened here: read over TCP
     version: int = 0
     skipped_accepted: int = 0  # positions already accepted before a restart
     resumed_at: int = 0  # the replay's watermark when this process started: every position below was accepted
@@ -130,6 +132,8 @@ class RolloutWorker:
                             self.actor_id, self.engine.version, n, e)
             return
         self.stats.weight_loads += 1
+        self.stats.weight_shm_loads = self.weights.loads["shm"]
+        self.stats.weight_shm_fallbacks = self.weights.shm_fallbacks
         self.stats.weight_bytes += sum(b.nbytes for b in ready.buckets)
         self.stats.weight_fetch_seconds += fetched - start
         self.stats.weight_load_seconds += time.time() - start
