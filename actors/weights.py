@@ -157,7 +157,10 @@ class WeightClient:
         segment costs page faults on every read; a kept one costs them once)."""
         if seg.name in self._mapped:
             self._mapped.move_to_end(seg.name)
-            return self._mapped[seg.name]
+            fd, mm = self._mapped[seg.name]
+            if len(mm) != seg.size:  # a file's size never changes: the manifest is wrong
+                raise ValueError(f"{seg.name} holds {len(mm)} bytes, the manifest says {seg.size}")
+            return fd, mm
         fd = shm.open_for_reading(seg.name, seg.size)
         try:
             mm = mmap.mmap(fd, seg.size, mmap.MAP_SHARED, mmap.PROT_READ)

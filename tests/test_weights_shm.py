@@ -142,6 +142,10 @@ def test_a_hostile_manifest_is_refused_before_anything_is_mapped(server, client,
     with pytest.raises(WeightFetchError, match=f"refused: .*{says}"), client.tensors(bad):
         pass
     assert client.loads == {"shm": 0, "tcp": 0}  # refused, not sent round to the other transport
+    with client.tensors(ready):  # the segment, now mapped, is checked against each manifest anew
+        pass
+    with pytest.raises(WeightFetchError, match=f"refused: .*{says}"), client.tensors(bad):
+        pass
 
 
 def test_a_segment_someone_else_could_write_is_refused(server, client):
