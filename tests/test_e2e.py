@@ -54,7 +54,7 @@ def test_async_respects_staleness_and_trains(prepared):
     assert all(math.isfinite(m["loss/total"]) for m in result.metrics)
     # On one host every version reached the actors through the learner's shared memory.
     assert all(a["weight_shm_loads"] == a["weight_loads"] >= 1 and a["weight_shm_fallbacks"] == 0
-               for a in result.actor_stats), result.actor_stats
+               for a in result.actors), result.actors
     assert all(m["batch/reference_samples"] > 0 for m in result.metrics)  # the DPH term had samples
     steps = consumed(rl_dir)
     assert [s["version"] for s in steps] == list(range(5))
