@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import logging
 import mmap
 import os
 import secrets
@@ -23,8 +22,6 @@ import torch
 from dph_async import weights_shm as shm
 from dph_async.protocol import SHM_PREFIX, ShmSegment, storage_dtype
 from dph_async.weights import tensor_tag
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -115,7 +112,9 @@ class SlotWriter:
         offsets, size = shm.layout([t.numel() * t.element_size() for _, t in named])
         slot = self._slot_for(size, held)
         try:
-            shm.write_header(slot.mm, -1)  # a reader that gets in after this refuses the slot
+            # Should the write be cut short (an exception), the slot says it holds no version.
+            shm.write_header(slot.mm, -1)
+            slot.version = -1
             views = []
             with torch.no_grad():
                 for (name, t), tag, off in zip(named, tags, offsets, strict=True):
