@@ -20,6 +20,11 @@ again, so the kernels see exactly what a fresh engine built from the same weight
 second copy of the weights is kept. Layers that keep their weight (embeddings, the LM head) get the
 values copied in and are processed again too, since their kernels may hold a packed copy.
 
+Stacked shards that lie back to back in one buffer (as the learner's shared-memory segment lays out
+q/k/v and gate/up) are joined as one view, not concatenated. A layer whose packing keeps the weight it
+was given gets its own copy of it: the received tensors are views of the sender's memory (a message
+frame, or the shared segment, read-only and rewritten by the learner later).
+
 What the plan cannot place (names of another layout, a quantized or tensor-parallel layer, an
 update that leaves part of a stacked weight unset) is reported as None; the engine then loads the
 whole update through `reload_weights`.
@@ -103,6 +108,23 @@ def _target(model: nn.Module, name: str, shape: tuple[int, ...]) -> Target | Non
     return Target(layer, attr, start, rows, tuple(shape))
 
 
+def _joined(shards: list[torch.Tensor]) -> torch.Tensor:
+    """The shards stacked by rows: a view when they lie back to back in one storage, else a copy."""
+    first = shards[0]
+    end = first.storage_offset()
+    for t in shards:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() \
+                or t.storage_offset() != end:
+            return torch.cat(shards)
+        end += t.numel()
+    rows = sum(t.shape[0] for t in shards)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _covers(targets: list[Target], full_rows: int, padded: bool) -> bool:
     """Whether the targets fill every row of a weight (the first rows, for a padded embedding)."""
     end = 0
@@ -157,10 +179,13 @@ class InPlaceLoader:
                 else:
                     param.data[target.start:target.start + target.rows].copy_(t)
             for key, layer in touched.items():
+                weight = None
                 if key in dropped:
                     shards = [t for _, t in sorted(dropped[key], key=lambda s: s[0])]
-                    weight = shards[0] if len(shards) == 1 else torch.cat(shards)
+                    weight = shards[0] if len(shards) == 1 else _joined(shards)
                     layer.weight = nn.Parameter(weight.to(layer.weight.dtype), requires_grad=False)
                 if hasattr(layer, "cpu_linear"):  # the CPU kernels hold a packed copy: pack again
                     layer.quant_method.process_weights_after_loading(layer)
+                if weight is not None and _shares_memory(layer.weight, weight):
+                    layer.weight = nn.Parameter(layer.weight.detach().clone(), requires_grad=False)
         return True

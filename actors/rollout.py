@@ -77,6 +77,8 @@ class ActorStats:
     send_seconds: float = 0.0
     weight_bytes: int = 0
     weight_fetch_failures: int = 0  # versions refused (bad checksum, no longer held); the old weights stay
+    weight_shm_loads: int = 0  # of weight_loads: read from the learner's shared memory (the rest over TCP)
+    weight_shm_fallbacks: int = 0  # versions whose segment could not be opened here: read over TCP
     version: int = 0
     skipped_accepted: int = 0  # positions already accepted before a restart
     resumed_at: int = 0  # the replay's watermark when this process started: every position below was accepted
@@ -117,18 +119,21 @@ class RolloutWorker:
             return
         start = time.time()
         try:
-            tensors = self.weights.fetch(ready)
+            with self.weights.tensors(ready) as tensors:
+                fetched = time.time()
+                self.engine.load_weights(tensors, ready.version)
         except WeightFetchError as e:
-            # Nothing of that version reached the engine; generation goes on with the weights it has,
-            # and the next pass asks again (for the newest version, which may be another one).
+            # Nothing of that version reached the engine (it was refused before the load began);
+            # generation goes on with the weights it has, and the next pass asks again (for the
+            # newest version, which may be another one).
             n = self.stats.weight_fetch_failures = self.stats.weight_fetch_failures + 1
             if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ... failure: a persistent fault does not flood the log
                 log.warning("actor %d: weights not loaded, keeping version %d (%d refused so far): %s",
                             self.actor_id, self.engine.version, n, e)
             return
-        fetched = time.time()
-        self.engine.load_weights(tensors, ready.version)
         self.stats.weight_loads += 1
+        self.stats.weight_shm_loads = self.weights.loads["shm"]
+        self.stats.weight_shm_fallbacks = self.weights.shm_fallbacks
         self.stats.weight_bytes += sum(b.nbytes for b in ready.buckets)
         self.stats.weight_fetch_seconds += fetched - start
         self.stats.weight_load_seconds += time.time() - start

@@ -25,6 +25,7 @@ extension types are refused. docs/data_plane.md is the prose version of this fil
 from __future__ import annotations
 
 import math
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,7 +41,8 @@ from dph_async.rewards.result import RewardResult
 # 2: Control.version. 3: msgspec codec; frame count n in the header, arrays name their frame;
 #    BatchRequest.token and Control.token; Stats carries ReplayStats.
 # 4: Completion.policy_weight (which distribution sampled it: the DPO samplers).
-SCHEMA_VERSION = 4
+# 5: WeightsReady.shm (the version's shared-memory segment on the learner's host).
+SCHEMA_VERSION = 5
 
 MiB = 1 << 20
 
@@ -95,6 +97,12 @@ MAX_COMPLETIONS = 4096  # completions in one rollout group
 MAX_ITEMS = 1 << 22  # any other list in a header (ids, groups, tensors of a bucket)
 MAX_TOKEN_BYTES = 256  # a control token
 MAX_PATH = 4096  # a snapshot name
+# A shared-memory segment's name: this prefix, the writer's random token, a counter. Nothing else is
+# ever opened, so a manifest cannot name another file (no '/', no '..', nobody else's prefix).
+SHM_PREFIX = "dph-weights-"
+SHM_NAME = re.compile(r"dph-weights-[0-9a-f]{32}-[0-9]{1,12}")
+# A segment starts with a header (magic, the version it holds); tensors start past it.
+SHM_HEADER_BYTES = 4096
 
 _NAMES = {np.dtype(name): name for name in TENSOR_DTYPES}
 
@@ -479,14 +487,54 @@ class BucketInfo(_Struct):
             storage_dtype(tag)
 
 
+class ShmSegment(_Struct):
+    """Where a version's tensors lie in shared memory on the learner's host: the file `name` under
+    /dev/shm, of `size` bytes, on the host `host` (hostname and boot id); tensor i (in the order of
+    the buckets' names) starts at byte offsets[i]. Dtypes, shapes and checksums are the buckets'."""
+
+    name: Annotated[str, msgspec.Meta(max_length=64)]
+    host: Annotated[str, msgspec.Meta(max_length=512)]
+    size: int
+    offsets: Annotated[list[int], msgspec.Meta(max_length=MAX_ITEMS)]
+
+    def validate(self) -> None:
+        if not SHM_NAME.fullmatch(self.name):
+            raise ValueError(f"segment name {self.name!r} is not one of ours ({SHM_PREFIX}<token>-<n>)")
+        if not SHM_HEADER_BYTES <= self.size <= MAX_DIM:
+            raise ValueError(f"segment size {self.size} outside [{SHM_HEADER_BYTES}, {MAX_DIM}]")
+
+
 class WeightsReady(Message):
     MAX_BYTES: ClassVar[int] = 256 * MiB
 
     version: int
     buckets: Annotated[list[BucketInfo], msgspec.Meta(max_length=MAX_ITEMS)]
+    shm: ShmSegment | None = None
 
     def validate(self) -> None:
         _validate_each("buckets", self.buckets)
+        if self.shm is not None:
+            self._validate_shm(self.shm)
+
+    def _validate_shm(self, shm: ShmSegment) -> None:
+        """Every tensor inside the segment, past its header, in order and without overlap: what a
+        reader checks before it maps anything."""
+        shm.validate()
+        tags = [(tag, shape) for b in self.buckets for tag, shape in zip(b.dtypes, b.shapes, strict=True)]
+        if len(shm.offsets) != len(tags):
+            raise ValueError(_disagree(offsets=len(shm.offsets), tensors=len(tags)))
+        end = SHM_HEADER_BYTES
+        for i, (offset, (tag, shape)) in enumerate(zip(shm.offsets, tags, strict=True)):
+            if any(d < 0 for d in shape):
+                raise ValueError(f"shm tensor {i}: negative dimension in {shape}")
+            itemsize = storage_dtype(tag).itemsize
+            nbytes = itemsize * math.prod(shape)
+            if offset % itemsize:
+                raise ValueError(f"shm tensor {i}: offset {offset} not aligned to its {itemsize}-byte items")
+            if offset < end or offset + nbytes > shm.size:
+                raise ValueError(f"shm tensor {i}: bytes [{offset}, {offset + nbytes}) outside the segment's "
+                                 f"[{end}, {shm.size}) (overlapping, out of order or past its end)")
+            end = offset + nbytes
 
 
 class WeightsRequest(Message):

@@ -22,15 +22,27 @@ _TO_TAG = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "
 _FROM_TAG = {tag: dt for dt, tag in _TO_TAG.items()}
 
 
+def tensor_tag(t: torch.Tensor) -> str:
+    """The dtype tag `t` travels under; TypeError for a dtype that cannot be published."""
+    if t.dtype not in _TO_TAG:
+        raise TypeError(f"cannot publish a tensor of dtype {t.dtype}")
+    return _TO_TAG[t.dtype]
+
+
 def tensor_to_array(t: torch.Tensor) -> tuple[np.ndarray, str]:
     # Always a copy: for a CPU tensor .cpu() is the same storage, and a published version must not
     # change under the actors when the optimizer next updates the parameters in place.
+    tag = tensor_tag(t)
     t = t.detach().contiguous().to("cpu", copy=True)
-    if t.dtype not in _TO_TAG:
-        raise TypeError(f"cannot publish a tensor of dtype {t.dtype}")
-    tag = _TO_TAG[t.dtype]
     arr = t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
     return arr, tag
+
+
+def tag_dtype(tag: str) -> torch.dtype:
+    """The torch dtype of the tag `tag`."""
+    if tag not in _FROM_TAG:
+        raise TypeError(f"unknown dtype tag {tag!r}")
+    return _FROM_TAG[tag]
 
 
 def array_to_tensor(arr: np.ndarray, tag: str, shape: list[int]) -> torch.Tensor:

@@ -6,10 +6,15 @@ A server thread answers `WeightsQuery` with the newest manifest and `WeightsRequ
 bucket at a time, so no message holds more than `bucket_bytes` of weights. It also pushes each new
 manifest to every actor that has asked before, so actors learn of new weights without asking
 between every engine step (a round trip to this process per step, waiting on its busy learner).
+
+With the shared-memory transport (`learner.weight_transport` auto or shm) a version is written once,
+into a /dev/shm slot (learner/shm_slots.py); its manifest names the slot, so actors on this host
+copy from it directly, and the buckets served over the socket are views of the same slot.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -20,14 +25,27 @@ import torch
 import zmq
 
 from dph_async import net, protocol
-from dph_async.protocol import BucketInfo, ErrorReply, WeightsBucket, WeightsQuery, WeightsReady, WeightsRequest
+from dph_async import weights_shm as shm
+from dph_async.protocol import (
+    BucketInfo,
+    ErrorReply,
+    ShmSegment,
+    WeightsBucket,
+    WeightsQuery,
+    WeightsReady,
+    WeightsRequest,
+)
 from dph_async.weights import make_buckets, tensor_to_array
+from learner.shm_slots import SlotWriter
 from learner.zero3 import full_state_dict
+
+log = logging.getLogger(__name__)
 
 KEEP_VERSIONS = 2
 # Peers the server pushes new manifests to (the most recent askers): a bound on what a flood of
 # identities could make it hold.
 MAX_SUBSCRIBERS = 1024
+TRANSPORTS = ("auto", "tcp", "shm")
 
 
 @dataclass
@@ -39,9 +57,23 @@ class PublishStats:
 
 
 class WeightServer:
-    def __init__(self, addr: str, security: net.NetSecurity, bucket_bytes: int) -> None:
+    """transport: "tcp" publishes into buckets of its own memory; "shm" into shared-memory slots (an
+    error where they cannot be made); "auto" into slots where it can, else as "tcp"."""
+
+    def __init__(self, addr: str, security: net.NetSecurity, bucket_bytes: int, transport: str = "auto") -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"weight transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
         self.bucket_bytes = bucket_bytes
+        self.transport = transport
+        self._slots: SlotWriter | None = None
+        if transport != "tcp":
+            shm.remove_stale()  # segments of learners that died without closing
+            try:
+                self._slots = SlotWriter(KEEP_VERSIONS)
+            except shm.ShmUnavailable as e:
+                self._no_shm(e)
         self._versions: OrderedDict[int, list[tuple[BucketInfo, list[np.ndarray]]]] = OrderedDict()
+        self._segments: dict[int, ShmSegment] = {}
         self._lock = threading.Lock()
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -65,27 +97,61 @@ class WeightServer:
         with self._lock:
             return next(reversed(self._versions)) if self._versions else -1
 
+    def _no_shm(self, e: OSError) -> None:
+        if self.transport == "shm":
+            raise shm.ShmUnavailable(f"learner.weight_transport=shm, but {e}") from None
+        log.warning("weights go over TCP only (learner.weight_transport=auto): %s", e)
+        if self._slots is not None:
+            self._slots.close()
+        self._slots = None
+
+    @property
+    def segment_names(self) -> list[str]:
+        """The shared-memory files this server holds now."""
+        return self._slots.names if self._slots is not None else []
+
+    def _drop_oldest(self, keep: int) -> None:
+        with self._lock:
+            while len(self._versions) > keep:
+                old, _ = self._versions.popitem(last=False)
+                self._segments.pop(old, None)
+
     def publish(self, model: torch.nn.Module, version: int) -> PublishStats:
         """Snapshot `model`'s weights as `version` (checkpoint names, as vLLM's loader expects). Under
         ZeRO-3 the weights are gathered whole, a collective: every rank calls this."""
         start = time.perf_counter()
-        named = [(name, *tensor_to_array(t)) for name, t in full_state_dict(model).items()]
+        state = list(full_state_dict(model).items())
+        segment = None
+        if self._slots is not None:
+            # The slot to be rewritten must serve nothing meanwhile: the version it holds goes first.
+            self._drop_oldest(KEEP_VERSIONS - 1)
+            try:
+                with self._lock:
+                    held = set(self._versions)
+                segment, named = self._slots.write(state, version, held)
+            except shm.ShmUnavailable as e:
+                self._no_shm(e)
+        if segment is None:
+            named = [(name, *tensor_to_array(t)) for name, t in state]
         buckets = make_buckets(named, self.bucket_bytes)
         with self._lock:
             self._versions[version] = buckets
-            while len(self._versions) > KEEP_VERSIONS:
-                self._versions.popitem(last=False)
+            if segment is not None:
+                self._segments[version] = segment
+        self._drop_oldest(KEEP_VERSIONS)
         nbytes = sum(info.nbytes for info, _ in buckets)
         self._wake_tx.send(b"")
         return PublishStats(version, nbytes, len(buckets), time.perf_counter() - start)
+
+    def _manifest(self, version: int) -> WeightsReady:
+        return WeightsReady(version, [info for info, _ in self._versions[version]], self._segments.get(version))
 
     def _answer(self, msg: protocol.Message) -> protocol.Message:
         with self._lock:
             if isinstance(msg, WeightsQuery):
                 if not self._versions:
                     return ErrorReply("no weights published yet", kind="unavailable")
-                version = next(reversed(self._versions))
-                return WeightsReady(version, [info for info, _ in self._versions[version]])
+                return self._manifest(next(reversed(self._versions)))
             if isinstance(msg, WeightsRequest):
                 buckets = self._versions.get(msg.version)
                 if buckets is None:
@@ -102,8 +168,7 @@ class WeightServer:
         with self._lock:
             if not self._versions:
                 return
-            version = next(reversed(self._versions))
-            frames = protocol.encode(WeightsReady(version, [info for info, _ in self._versions[version]]))
+            frames = protocol.encode(self._manifest(next(reversed(self._versions))))
         for ident in self._subscribers:
             self._sock.send_multipart([ident, *frames], copy=False)
 
@@ -139,3 +204,8 @@ class WeightServer:
         self._sock.close(0)
         self._wake_rx.close(0)
         self._wake_tx.close(0)
+        with self._lock:
+            self._versions.clear()
+            self._segments.clear()
+        if self._slots is not None:
+            self._slots.close()

@@ -36,6 +36,7 @@ def test_a_wrong_key_is_named_with_the_keys_allowed_there(override, key, allowed
     ("learner.steps=0", "learner.steps", "greater than or equal to 1"),
     ("learner.steps=many", "learner.steps", "valid integer"),
     ("sampling.top_p=1.5", "sampling.top_p", "less than or equal to 1"),
+    ("learner.weight_transport=udp", "learner.weight_transport", "'auto', 'tcp' or 'shm'"),
 ])
 def test_a_wrong_value_is_named_with_what_is_allowed(override, key, says):
     msg = refusal([override])

@@ -52,6 +52,9 @@ def test_async_respects_staleness_and_trains(prepared):
     result, rl_dir = train(prepared, "async", "learner.steps=5", f"replay.max_staleness={eta}", "actors.num_actors=2")
     assert len(result.metrics) == 5
     assert all(math.isfinite(m["loss/total"]) for m in result.metrics)
+    # On one host every version reached the actors through the learner's shared memory.
+    assert all(a["weight_shm_loads"] == a["weight_loads"] >= 1 and a["weight_shm_fallbacks"] == 0
+               for a in result.actors), result.actors
     assert all(m["batch/reference_samples"] > 0 for m in result.metrics)  # the DPH term had samples
     steps = consumed(rl_dir)
     assert [s["version"] for s in steps] == list(range(5))

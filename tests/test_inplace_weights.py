@@ -1,10 +1,12 @@
 """Weights copied into a running vLLM engine in place give exactly the log-probs of a fresh engine
 built from the same weights (fp32): a tiny Llama and a tiny Qwen2 (stacked q/k/v and gate/up
-parameters, q/k/v biases, a padded vocabulary), sampled with the same seeds.
+parameters, q/k/v biases, a padded vocabulary), sampled with the same seeds; loaded from tensors of
+their own, and from the learner's shared-memory slot (read-only views of one map, stacked shards
+back to back).
 
 The engines run in one child process (vLLM engines live in processes of their own, as in an
 actor): per architecture it builds an engine from weights A, loads weights B in place, samples,
-then samples from a fresh engine on B.
+loads A again and then B through shared memory, samples, then samples from a fresh engine on B.
 """
 
 from __future__ import annotations
@@ -21,23 +23,39 @@ import torch
 pytestmark = pytest.mark.slow
 
 CHILD = """
-import json, sys
+import json, sys, time
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 from actors.engine import SamplingSpec, VLLMEngine
+from actors.weights import WeightClient
+from dph_async.net import NetSecurity
+from learner.publish import WeightServer
 
 def compare(a, b):
     spec = SamplingSpec(temperature=1.0, max_tokens=12, n=4, seed=7)
     prompts = [[1, 5, 6, 7, 8], [1, 9, 3], [1, 4, 4, 4, 4, 4, 4, 2, 3]]
     engine = VLLMEngine(str(a), max_model_len=32)
     before = engine.generate(prompts, spec)
-    tensors = [(k, v.clone()) for k, v in AutoModelForCausalLM.from_pretrained(b).state_dict().items()]
+    model_b = AutoModelForCausalLM.from_pretrained(b)
+    tensors = [(k, v.clone()) for k, v in model_b.state_dict().items()]
     engine.load_weights(tensors, version=1)
     loaded = engine.generate(prompts, spec)
+    engine.load_weights([(k, v.clone()) for k, v in AutoModelForCausalLM.from_pretrained(a).state_dict().items()], 2)
+    server = WeightServer("tcp://127.0.0.1:0", NetSecurity(), 1 << 20, transport="shm")
+    client = WeightClient(server.address, NetSecurity(), actor_id=0, transport="shm")
+    server.publish(model_b, version=3)
+    while (ready := client.newest(2)) is None:
+        time.sleep(0.01)
+    with client.tensors(ready) as shared:
+        engine.load_weights(shared, ready.version)
+    client.close()
+    server.close()
+    loaded_shm = engine.generate(prompts, spec)
     fresh = VLLMEngine(str(b), max_model_len=32).generate(prompts, spec)
     dump = lambda gs: [[(s.token_ids, s.logprobs) for s in g] for g in gs]
-    return {"loads": engine.loads, "before": dump(before), "loaded": dump(loaded), "fresh": dump(fresh)}
+    return {"loads": engine.loads, "before": dump(before), "loaded": dump(loaded), "loaded_shm": dump(loaded_shm),
+            "fresh": dump(fresh)}
 
 def main():
     out, *pairs = sys.argv[1:]
@@ -89,6 +107,7 @@ def test_inplace_load_matches_a_fresh_engine(tmp_path):
                           text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     for arch, res in json.loads(out.read_text()).items():
-        assert res["loads"] == {"inplace": 1, "reload": 0}, arch
+        assert res["loads"] == {"inplace": 3, "reload": 0}, arch
         assert res["loaded"] == res["fresh"], arch  # same tokens, bit-identical log-probs
+        assert res["loaded_shm"] == res["fresh"], arch
         assert res["loaded"] != res["before"], arch  # the load changed what the engine computes

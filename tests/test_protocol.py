@@ -19,6 +19,7 @@ from hypothesis.extra import numpy as hnp
 from dph_async import protocol as P
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.replay_stats import ReplayStats
+from dph_async.weights_shm import layout
 
 # ---------------------------------------------------------------------------------------------
 # Strategies built from the message annotations, so a message type added later is covered too.
@@ -66,6 +67,14 @@ def strategy(hint, name: str = "", array_specs: dict | None = None) -> st.Search
         str: st.text(max_size=12),
         bytes: st.binary(max_size=12),
     }[hint]
+
+
+def _valid(msg) -> bool:
+    try:
+        msg.validate()
+        return True
+    except ValueError:
+        return False
 
 
 @st.composite
@@ -124,20 +133,28 @@ def weights_bucket(draw):
     )
 
 
+@st.composite
+def weights_ready(draw):
+    """A manifest, with or without a shared-memory segment laid out as the learner lays one out."""
+    buckets = draw(st.lists(bucket_info().filter(_valid), max_size=3))
+    shm = None
+    if draw(st.booleans()):
+        sizes = [P.storage_dtype(t).itemsize * math.prod(s)
+                 for b in buckets for t, s in zip(b.dtypes, b.shapes, strict=True)]
+        offsets, size = layout(sizes)
+        token = draw(st.text("0123456789abcdef", min_size=32, max_size=32))
+        name = f"{P.SHM_PREFIX}{token}-{draw(st.integers(0, 99))}"
+        shm = P.ShmSegment(name, draw(st.text(max_size=40)), size + draw(st.integers(0, 64)), offsets)
+    return P.WeightsReady(draw(st.integers(0, 10**6)), buckets, shm)
+
+
 SPECIAL = {
     P.Completion: completion(),
     P.ReferenceSample: reference_sample(),
     P.BucketInfo: bucket_info(),
     P.WeightsBucket: weights_bucket(),
+    P.WeightsReady: weights_ready().filter(_valid),
 }
-
-
-def _valid(msg) -> bool:
-    try:
-        msg.validate()
-        return True
-    except ValueError:
-        return False
 
 
 def field_names(cls) -> list[str]:

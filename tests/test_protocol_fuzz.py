@@ -26,6 +26,8 @@ SEEDS = [
     P.BatchRequest(4, 16, 1.0, 77, b"token"),
     P.WeightsBucket(2, 0, ["a", "b"], TENSORS, "x", ["float32", "bfloat16"]),
     P.WeightsReady(2, [P.BucketInfo(0, 24, "x", ["a"], ["float32"], [[2, 3]])]),
+    P.WeightsReady(2, [P.BucketInfo(0, 24, "x", ["a"], ["float32"], [[2, 3]])],
+                   P.ShmSegment(f"{P.SHM_PREFIX}{'0' * 32}-0", "host/boot", 4096 + 24, [4096])),
     P.Stats(ReplayStats(version=3, drops={"stale": 2}, staleness_hist={0: 5, 1: 2})),
     P.Control("snapshot", "checkpoints/v3/replay", 3, b"token"),
     P.ErrorReply("nope", "header"),

@@ -46,7 +46,8 @@ def server(ipc):
 
 @pytest.fixture
 def client(server):
-    c = WeightClient(server.address, SECURITY, actor_id=0, timeout_s=5.0)
+    # Over the socket: these tests tamper with its replies (tests/test_weights_shm.py: shared memory).
+    c = WeightClient(server.address, SECURITY, actor_id=0, timeout_s=5.0, transport="tcp")
     yield c
     c.close()
 

@@ -40,6 +40,7 @@ from dph_async.replay_stats import ReplayStats
 from dph_async.rewards.scorer import make_scorer
 from dph_async.tasks.dataset import load_prompts
 from dph_async.telemetry import start_endpoint
+from dph_async.weights_shm import remove_stale as remove_stale_segments
 from learner.telemetry import LearnerCollector, learner_health
 from replay.service import ReplayService
 from replay.telemetry import ReplayCollector, replay_health
@@ -92,6 +93,9 @@ def ray_cluster(cfg: RunConfig) -> Iterator[None]:
         for f in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
             with contextlib.suppress(OSError):
                 os.remove(f)
+        # A learner stopped without closing (Ctrl-C, a kill) leaves its weight segments: no process
+        # holds them now.
+        remove_stale_segments()
 
 
 def _learner_endpoints(cfg: RunConfig, loop, replay, rl_dir: Path) -> list:
@@ -123,7 +127,8 @@ class LearnerProcess:
                                     reference_path=reference_path, wal_dir=wal, security=self.security,
                                     seed=cfg.seed, data_dir=rl_dir)
         self.replay.start_in_thread()
-        self.server = WeightServer(_bind(cfg), self.security, int(cfg.learner.weight_bucket_mb * 2**20))
+        self.server = WeightServer(_bind(cfg), self.security, int(cfg.learner.weight_bucket_mb * 2**20),
+                                   cfg.learner.weight_transport)
         self._stop = threading.Event()
         self.endpoints: list = []
 
@@ -222,7 +227,7 @@ class ActorProcess:
         from dph_async.app.model_shipping import materialize
 
         security = net.NetSecurity.from_config(cfg.net)
-        weight_client = WeightClient(weights, security, actor_id)
+        weight_client = WeightClient(weights, security, actor_id, transport=cfg.learner.weight_transport)
         version = 0
         with tempfile.TemporaryDirectory(prefix=f"dph-actor{actor_id}-") as local:  # gone once loaded
             if home_node() != home:

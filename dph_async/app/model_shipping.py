@@ -71,8 +71,9 @@ def materialize(shipment: Shipment, weights: WeightClient, dest: Path) -> tuple[
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
     ready = first_weights(weights)
-    tensors = {name: t.contiguous() for name, t in weights.fetch(ready)}
-    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    with weights.tensors(ready) as named:
+        save_file({name: t.contiguous() for name, t in named}, str(model_dir / "model.safetensors"),
+                  metadata={"format": "pt"})
     prompts = dest / shipment.prompts_name
     prompts.write_bytes(shipment.prompts)
     return model_dir, prompts, ready.version

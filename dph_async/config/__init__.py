@@ -159,6 +159,10 @@ class LearnerConfig(Section):
     sync_every: int = Field(1, ge=1)
     # Weights travel in buckets of at most this many bytes.
     weight_bucket_mb: float = Field(32.0, gt=0)
+    # How published weights reach actors: shm = through a shared-memory segment (actors on the
+    # learner's host only; an error where it cannot be used), tcp = buckets over the weight socket,
+    # auto = shm where the actor is on the learner's host and can open the segment, else tcp.
+    weight_transport: Literal["auto", "tcp", "shm"] = "auto"
     checkpoint_every: int = Field(10, ge=0)
     # Checkpoints kept: the newest N (0 keeps all) plus `keep_versions`; older ones are deleted once a
     # new one is complete (learner/retention.py).

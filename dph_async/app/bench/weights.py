@@ -2,23 +2,27 @@
 
 A model of >= 100 M parameters is made here (random init, a Llama config vLLM serves, saved with
 save_pretrained; kept for the next run). This process is the learner side: it publishes versions
-through the real `WeightServer`. A vLLM actor in a child process (the real `WeightClient` and
-`VLLMEngine`) learns of each version, fetches its buckets over the weight socket, verifies them and
-loads them into its engine. Per version, the stages:
+through two real `WeightServer`s, one with the shared-memory transport and one with TCP only. A vLLM
+actor in a child process (real `WeightClient`s and a `VLLMEngine`) learns of each version, reads it
+(from the learner's /dev/shm slot, or in buckets over the weight socket), verifies it and loads it
+into its engine. Per version, the stages:
 
-    snapshot   learner: the model's tensors copied into checksummed buckets (WeightServer.publish)
-    transfer   actor: the buckets over ZeroMQ (request, reply, one bucket at a time)
-    checksum   actor: verifying every bucket
+    snapshot   learner: the model's tensors copied into the shared-memory slot, or into buckets,
+               and checksummed (WeightServer.publish)
+    transfer   actor: shm: opening and read-locking the slot (a map kept from the previous reads);
+               tcp: the buckets over ZeroMQ (request, reply, one bucket at a time)
+    checksum   actor: verifying every bucket (in the slot, for shm)
     load       actor: into the engine, in place (the default) or through vLLM's reload path
     publish -> loaded   wall clock from the start of the publish to the end of the load
 
-GB/s = the version's bytes / seconds. memcpy: the same bytes copied bucket by bucket into buffers
-already touched, by one thread of this process, just before each publish, so each round's ratio is
-taken under the same load. The rounds alternate the in-place and the reload path, so a drift in
-others' load on the machine falls on both. Every stage is also timed in CPU-seconds of its process
-(memcpy's too): on a machine others share, wall-clock rates fall with the share of the cores a
-process gets, while the CPU cost of moving a byte does not. Target: the actor's fetch + verify +
-load (what the RL runs report as "load GB/s") at >= 50% of memcpy.
+The rounds cycle through three variants: "shm" and "tcp" (both loaded in place) and "tcp+reload"
+(vLLM's reload path, the way weights were loaded before the in-place loader), so a drift in others'
+load on the machine falls on all of them. GB/s = the version's bytes / seconds. memcpy: the same
+bytes copied tensor by tensor into buffers already touched, by one thread of this process, just
+before each publish, so each round's ratio is taken under the same load. Every stage is also timed
+in CPU-seconds of its process (memcpy's too): on a machine others share, wall-clock rates fall with
+the share of the cores a process gets, while the CPU cost of moving a byte does not. Target: the
+actor's fetch + verify + load (what the RL runs report as "load GB/s") at >= 50% of memcpy.
 """
 
 from __future__ import annotations
@@ -47,9 +51,12 @@ class ModelShape:
         return f"llama-h{self.hidden}-l{self.layers}-v{self.vocab}"
 
 
+VARIANTS = ("shm", "tcp", "tcp+reload")
+
+
 @dataclass
 class Round:
-    path: str  # "inplace" or "reload" (what the engine did)
+    path: str  # the variant: "shm", "tcp" or "tcp+reload" (transport, and how the engine loaded)
     memcpy_s: float  # copying the version's bytes, just before its publish
     snapshot_s: float
     transfer_s: float
@@ -72,7 +79,7 @@ class WeightsBench:
     bucket_mb: float
     memcpy_gb_per_s: float
     rounds: list[Round]
-    summary: dict[str, dict[str, float]] = field(default_factory=dict)  # path -> stage -> median GB/s
+    summary: dict[str, dict[str, float]] = field(default_factory=dict)  # variant -> stage -> median GB/s
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "rounds": [asdict(r) for r in self.rounds]}, indent=2)
@@ -109,42 +116,45 @@ def memcpy(dest: list[np.ndarray], arrays: list[np.ndarray]) -> tuple[float, flo
     return time.perf_counter() - start, time.thread_time() - cpu
 
 
-def actor_main(model_dir: str, addr: str, conn) -> None:
-    """The actor (a child process): for each ("load", version, inplace) from `conn`, wait for that
-    version, fetch, verify and load it, and answer with the stage times."""
+def actor_main(model_dir: str, addrs: dict[str, str], conn) -> None:
+    """The actor (a child process): for each ("load", version, variant) from `conn`, wait for that
+    version on the variant's server, read, verify and load it, and answer with the stage times."""
     from actors.engine import VLLMEngine
     from actors.weights import WeightClient
     from dph_async.net import NetSecurity
 
     engine = VLLMEngine(model_dir, max_model_len=64)
-    client = WeightClient(addr, NetSecurity(), actor_id=0)
+    # transport="shm" and "tcp": a variant that silently took the other transport would be misreported.
+    clients = {t: WeightClient(addr, NetSecurity(), actor_id=0, transport=t) for t, addr in addrs.items()}
     conn.send("ready")
     while (msg := conn.recv()) != "stop":
-        _, version, inplace = msg
+        _, version, variant = msg
+        client = clients[variant.split("+")[0]]
         while (ready := client.newest(engine.version, timeout_s=30.0)) is None or ready.version < version:
             time.sleep(0.001)
         transfer0, checksum0, cpu0 = client.fetch_seconds, client.checksum_seconds, time.process_time()
         verify_cpu0 = client.checksum_cpu_seconds
-        tensors = client.fetch(ready)
-        fetched, cpu1 = time.time(), time.process_time()
-        engine.inplace_loading = inplace
+        engine.inplace_loading = not variant.endswith("+reload")
         loads = dict(engine.loads)
-        engine.load_weights(tensors, ready.version)
-        done, cpu2 = time.time(), time.process_time()
+        with client.tensors(ready) as tensors:
+            fetched, cpu1 = time.time(), time.process_time()
+            engine.load_weights(tensors, ready.version)
+            done, cpu2 = time.time(), time.process_time()
         path = "inplace" if engine.loads["inplace"] > loads["inplace"] else "reload"
         del tensors
         checksum_s, checksum_cpu = client.checksum_seconds - checksum0, client.checksum_cpu_seconds - verify_cpu0
         conn.send({"path": path, "transfer_s": client.fetch_seconds - transfer0 - checksum_s,
                    "checksum_s": checksum_s, "load_s": done - fetched, "loaded_at": done,
                    "cpu": {"transfer": cpu1 - cpu0 - checksum_cpu, "checksum": checksum_cpu, "load": cpu2 - cpu1}})
-    client.close()
+    for client in clients.values():
+        client.close()
 
 
 STAGES = ("snapshot", "transfer", "checksum", "load", "actor", "publish_to_loaded")
 
 
 def _summary(rounds: list[Round], nbytes: int) -> dict[str, dict[str, float]]:
-    """Per load path: median GB/s of every stage (wall clock), of memcpy, the actor's share of memcpy
+    """Per variant: median GB/s of every stage (wall clock), of memcpy, the actor's share of memcpy
     per round (median), and the same in CPU-seconds."""
     out = {}
     for path in sorted({r.path for r in rounds}):
@@ -166,8 +176,8 @@ def _summary(rounds: list[Round], nbytes: int) -> dict[str, dict[str, float]]:
 
 def run(shape: ModelShape, model_root: Path, rounds: int, bucket_mb: float, machine: dict,
         on_round=None) -> WeightsBench:
-    """Publish `rounds` versions (after one warm-up per path, left out), alternating the in-place and
-    the reload path; return every round's stage times and the medians."""
+    """Publish `rounds` versions (after one warm-up per variant, left out), cycling through the
+    variants; return every round's stage times and the medians."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -177,11 +187,13 @@ def run(shape: ModelShape, model_root: Path, rounds: int, bucket_mb: float, mach
     model_dir = make_model(shape, model_root / shape.name)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = sum(p.numel() for p in model.parameters())
-    server = WeightServer("tcp://127.0.0.1:0", NetSecurity(),  # as in RL runs: tcp on loopback
-                          int(bucket_mb * 2**20))
+    # As in RL runs: tcp on loopback, the shared-memory slots under /dev/shm.
+    servers = {t: WeightServer("tcp://127.0.0.1:0", NetSecurity(), int(bucket_mb * 2**20), transport=t)
+               for t in ("shm", "tcp")}
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=actor_main, args=(str(model_dir), server.address, child), daemon=True)
+    proc = ctx.Process(target=actor_main, args=(str(model_dir), {t: s.address for t, s in servers.items()}, child),
+                       daemon=True)
     proc.start()
     try:
         if not parent.poll(600) or parent.recv() != "ready":
@@ -189,17 +201,20 @@ def run(shape: ModelShape, model_root: Path, rounds: int, bucket_mb: float, mach
         results: list[Round] = []
         sources = [t.detach().numpy() for t in model.state_dict().values()]
         dest = [np.ones_like(a) for a in sources]
-        plan = ["inplace", "reload"] + [("inplace", "reload")[i % 2] for i in range(rounds)]
-        for version, path in enumerate(plan, start=1):
+        plan = [*VARIANTS, *(VARIANTS[i % len(VARIANTS)] for i in range(rounds))]
+        for version, variant in enumerate(plan, start=1):
             copy_s, copy_cpu = memcpy(dest, sources)
             start, cpu = time.time(), time.thread_time()
-            stats = server.publish(model, version)
+            stats = servers[variant.split("+")[0]].publish(model, version)
             snapshot_cpu = time.thread_time() - cpu
-            parent.send(("load", version, path == "inplace"))
+            parent.send(("load", version, variant))
             reply = parent.recv()
-            r = Round(reply["path"], copy_s, stats.seconds, reply["transfer_s"], reply["checksum_s"], reply["load_s"],
+            want = "reload" if variant.endswith("+reload") else "inplace"
+            if reply["path"] != want:
+                raise RuntimeError(f"round {version} ({variant}): the engine loaded through its {reply['path']} path")
+            r = Round(variant, copy_s, stats.seconds, reply["transfer_s"], reply["checksum_s"], reply["load_s"],
                       reply["loaded_at"] - start, {"memcpy": copy_cpu, "snapshot": snapshot_cpu, **reply["cpu"]})
-            if version > 2:  # the first load of each path builds its plan: a warm-up
+            if version > len(VARIANTS):  # the first load of each variant builds its plan and maps: a warm-up
                 results.append(r)
                 if on_round:
                     on_round(r, stats.nbytes)
@@ -209,7 +224,8 @@ def run(shape: ModelShape, model_root: Path, rounds: int, bucket_mb: float, mach
     finally:
         if proc.is_alive():
             proc.kill()
-        server.close()
+        for server in servers.values():
+            server.close()
     return WeightsBench(
         date=time.strftime("%Y-%m-%d %H:%M %Z"),
         machine={**machine, "load_avg_end": os.getloadavg()},
@@ -237,12 +253,12 @@ def markdown(res: WeightsBench) -> str:
         f"Model: random-init Llama, hidden {m['hidden']}, {m['layers']} layers, vocabulary {m['vocab']}: "
         f"{m['parameters'] / 1e6:.0f} M parameters, {m['bytes'] / 1e6:.0f} MB per version (fp32), buckets of "
         f"{res.bucket_mb:g} MiB; {len(res.rounds)} rounds. memcpy of the same bytes: {mem:.2f} GB/s.", "",
-        "GB/s per stage, wall clock (medians over the rounds of each path; the shares of memcpy are each "
+        "GB/s per stage, wall clock (medians over the rounds of each variant; the shares of memcpy are each "
         "round's own, then the median):", "",
-        markdown_table(["load path", "memcpy", "snapshot", "transfer", "checksum", "load",
+        markdown_table(["variant", "memcpy", "snapshot", "transfer", "checksum", "load",
                         "actor (fetch+verify+load)", "publish -> loaded", "actor / memcpy",
                         "publish->loaded / memcpy"], rows), "",
         "GB per CPU-second of each stage's process (steadier than wall clock on a shared machine):", "",
-        markdown_table(["load path", "memcpy", "snapshot", "transfer", "checksum", "load", "actor",
+        markdown_table(["variant", "memcpy", "snapshot", "transfer", "checksum", "load", "actor",
                         "actor / memcpy"], cpu_rows), "",
     ])

@@ -9,17 +9,17 @@ NAME = "bench weights"
 HELP = "weight sync: publish -> loaded in a vLLM actor, per stage, against memcpy"
 DESCRIPTION = """\
 Make a model of >= 100 M parameters (random init, a Llama config; kept in --models for the next
-run), publish versions of it through the learner's weight server, and load each into a vLLM actor
-in a child process: its weight client fetches the buckets over the weight socket, verifies their
-checksums and loads them into its engine. Reports GB/s of every stage (snapshot into buckets,
-transfer, checksum, load into the engine, publish -> loaded) against memcpy of the same bytes on
-this machine, for the in-place load (the default) and vLLM's reload path, rounds alternating.
-Target: the actor's fetch + verify + load at >= 50% of memcpy. Needs ~4 GB of memory at the default
-size. Output: --out/bench.json and bench.md.
+run), publish versions of it through the learner's weight servers, and load each into a vLLM actor
+in a child process, cycling through three variants: "shm" (the actor reads the version from the
+learner's shared-memory slot), "tcp" (its buckets over the weight socket), both loaded in place,
+and "tcp+reload" (vLLM's reload path). Reports GB/s of every stage (snapshot, transfer, checksum,
+load into the engine, publish -> loaded) against memcpy of the same bytes on this machine, per
+variant. Target: the actor's fetch + verify + load at >= 50% of memcpy. Needs ~5 GB of memory and
+~1.1 GB of /dev/shm at the default size. Output: --out/bench.json and bench.md.
 
 examples:
-  dph-async bench weights                              # 134 M parameters, 6 rounds
-  dph-async bench weights --layers 24 --rounds 10      # 248 M parameters
+  dph-async bench weights                              # 134 M parameters, 9 rounds (3 per variant)
+  dph-async bench weights --layers 24 --rounds 12      # 248 M parameters
   dph-async bench weights --bucket-mb 128 --out runs/bench/weights-128
 """
 
@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=768, help="hidden size (default: %(default)s)")
     p.add_argument("--layers", type=int, default=12, help="decoder layers (default: %(default)s)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=6, help="versions published after the warm-up, alternating "
-                   "the in-place and the reload path (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=9, help="versions published after the warm-up, cycling "
+                   "through shm, tcp and tcp+reload (default: %(default)s)")
     p.add_argument("--bucket-mb", type=float, default=32.0, help="weight bucket size in MiB, as "
                    "learner.weight_bucket_mb (default: %(default)s)")
 
@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
                              intermediate=args.hidden * 8 // 3 // 64 * 64, vocab=args.vocab)
 
     def show(r: bench.Round, nbytes: int) -> None:
-        console.print(f"  {r.path:8s} memcpy {r.memcpy_s * 1e3:5.0f} ms, snapshot {r.snapshot_s * 1e3:5.0f}, transfer "
+        console.print(f"  {r.path:10s} memcpy {r.memcpy_s * 1e3:5.0f} ms, snapshot {r.snapshot_s * 1e3:5.0f}, transfer "
                       f"{r.transfer_s * 1e3:5.0f}, checksum {r.checksum_s * 1e3:5.0f}, load {r.load_s * 1e3:5.0f}: "
                       f"actor {nbytes / r.actor_s / 1e9:.2f} GB/s ({r.memcpy_s / r.actor_s:.0%} of memcpy), "
                       f"publish -> loaded {r.publish_to_loaded_s * 1e3:.0f} ms", highlight=False)
