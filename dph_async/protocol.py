@@ -489,8 +489,8 @@ class BucketInfo(_Struct):
 
 class ShmSegment(_Struct):
     """Where a version's tensors lie in shared memory on the learner's host: the file `name` under
-    /dev/shm, of `size` bytes, on the host `host` (hostname and boot id); tensor i (in the order of
-    the buckets' names) starts at byte offsets[i]. Dtypes, shapes and checksums are the buckets'."""
+    /dev/shm, of `size` bytes, on the host `host` (hostname, boot id, network namespace); tensor i
+    (in the order of the buckets' names) starts at byte offsets[i]. Dtypes, shapes and checksums are the buckets'."""
 
     name: Annotated[str, msgspec.Meta(max_length=64)]
     host: Annotated[str, msgspec.Meta(max_length=512)]

@@ -43,14 +43,18 @@ class ShmUnavailable(OSError):
 
 
 def host_identity() -> str:
-    """This host as the learner's manifest names it: hostname and boot id. Two processes with the same
-    identity see the same /dev/shm, unless they sit in different containers, in which case opening
-    the segment fails and the reader falls back to TCP. Empty where there is no boot id (not Linux)."""
+    """This host as the learner's manifest names it: hostname, boot id and network namespace. Two
+    processes with the same identity see the same /dev/shm, unless they sit in different containers,
+    in which case opening the segment fails and the reader falls back to TCP. The network namespace
+    is part of it so that a process in its own namespace (a container with its own network, or the
+    multi-host test's namespaced hosts) is another host, and gets its weights over the network like
+    one. Empty where there is no boot id (not Linux)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        netns = os.readlink("/proc/self/ns/net")
     except OSError:
         return ""
-    return f"{socket.gethostname()}/{boot}"
+    return f"{socket.gethostname()}/{boot}/{netns}"
 
 
 def segment_path(name: str) -> Path:
