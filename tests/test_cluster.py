@@ -268,6 +268,8 @@ def cut_off_run(base: Path, hosts: list[Host], hide_head: bool, cut: Callable[[H
         if victim.ip != survivor.ip:
             assert (ip_before, ip_after) == (victim.ip, survivor.ip)
         assert result["actor_restarts"] == 1
+        if victim.ip != survivor.ip:  # hosts of their own: weights came over the network, not a shared /dev/shm
+            assert all(a["weight_loads"] >= 1 and a["weight_shm_loads"] == 0 for a in result["actors"])
         assert read_versions(rl_dir / "metrics.jsonl") == list(range(1, STEPS + 1))
         # The cut-off process had been granted positions it never delivered; its replacement started at
         # the replay's watermark (passing positions accepted above it), so every position granted
