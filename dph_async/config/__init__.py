@@ -166,6 +166,10 @@ class LearnerConfig(Section):
     # Versions whose checkpoints are never deleted (an ablation sets its evaluation points here).
     keep_versions: list[int] = Field(default_factory=list)
     threads: int = Field(1, ge=1)
+    # Data-parallel DeepSpeed ranks, one process each (a core, or a device, apiece): each batch is
+    # split over them with the batch's own denominators, so R ranks take the step one would. Rank 0
+    # also hosts the replay and the weight server and writes the checkpoints.
+    ranks: int = Field(1, ge=1)
     kernel: Literal["auto", "torch", "triton"] = "auto"
     loss: LossConfig = Field(default_factory=LossConfig)
 
