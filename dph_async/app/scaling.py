@@ -127,11 +127,11 @@ def check(c: Costs, runs: list[RunFigures], cores: float) -> list[CheckRow]:
     rows = []
     for r in sorted(runs, key=lambda r: (r.mode, r.actors, r.name)):
         left = cores - (r.cpu_cores or {}).get("outside", 0.0)
-        lay = Layout(r.actors, cores=left, eta=r.eta, groups_per_step=r.groups_per_step,
+        lay = Layout(r.actors, r.ranks, cores=left, eta=r.eta, groups_per_step=r.groups_per_step,
                      inflight_prompts=r.inflight_prompts)
         projected = samples_per_s(c, r.mode, lay)
-        idle = samples_per_s(c, r.mode, Layout(r.actors, cores=cores, eta=r.eta, groups_per_step=r.groups_per_step,
-                                               inflight_prompts=r.inflight_prompts))
+        idle = samples_per_s(c, r.mode, Layout(r.actors, r.ranks, cores=cores, eta=r.eta,
+                                               groups_per_step=r.groups_per_step, inflight_prompts=r.inflight_prompts))
         rows.append(CheckRow(r.name, r.mode, r.actors, r.samples_per_s, projected, idle,
                              projected / r.samples_per_s - 1, left))
     return rows
