@@ -228,6 +228,10 @@ def init_distributed(rendezvous: Rendezvous | None = None) -> Ranks:
     local = 0 if torch.cuda.device_count() == 1 else rdv.rank
     os.environ.update(RANK=str(rdv.rank), LOCAL_RANK=str(local), WORLD_SIZE=str(rdv.world),
                       MASTER_ADDR=rdv.addr, MASTER_PORT=str(rdv.port))
+    if rdv.addr.startswith("127."):
+        # gloo listens on the address the host name resolves to unless told otherwise: ranks that meet
+        # on loopback keep all their sockets there, as every other socket of a run is by default.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo")
     if dist.get_world_size() != rdv.world:
         raise RuntimeError(f"this process already belongs to a group of {dist.get_world_size()} rank(s), "
