@@ -65,9 +65,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+Op = Literal["train", "save", "load", "stop"]
+
+
 class Command(msgspec.Struct):
-    op: Literal["train", "save", "load", "stop"]
-    tag: str = ""
+    """What rank 0 tells the others to do next; a "train" command's frames carry the batch."""
+
+    op: Op
+    tag: str = ""  # the checkpoint to load
 
 
 class _Record(msgspec.Struct):
@@ -82,6 +87,8 @@ class _Record(msgspec.Struct):
 
 @dataclass
 class Ranks:
+    """This process's place among the learner's ranks, and the collectives the trainer needs."""
+
     rank: int = 0
     world: int = 1
     group: dist.ProcessGroup | None = field(default=None, repr=False)  # the control group (gloo)
@@ -116,7 +123,7 @@ class Ranks:
 
     # --- Commands from rank 0 -------------------------------------------------------------------
 
-    def send(self, op: str, batch: Batch | None = None, tag: str = "") -> None:
+    def send(self, op: Op, batch: Batch | None = None, tag: str = "") -> None:
         """Rank 0 tells the others what to do next (nothing to do with one rank)."""
         if self.world == 1:
             return
