@@ -181,6 +181,14 @@ class LearnerConfig(Section):
                              "forward finds ZeRO-3's parameters released")
         return every
 
+    @field_validator("ranks")
+    @classmethod
+    def _ranks(cls, ranks: int, info: ValidationInfo) -> int:
+        if ranks > 1 and info.data.get("zero_stage") == 3:
+            raise ValueError("use 1 with learner.zero_stage=3 (or ZeRO 0-2): ZeRO-3 gathers weights in every "
+                             "forward, and rank 0 publishes and saves them alone (docs/scaling.md)")
+        return ranks
+
 
 class EvalConfig(Section):
     # Samples per test prompt for unbiased Pass@k, k = 1..k_max.
