@@ -11,15 +11,15 @@ proximal policy is the current one and nothing extra runs.
 
 Micro-batches accumulate gradients up to each optimizer step; each contributes its share of the
 mini-batch objective (`learner.objectives`: batch-wide denominators and the DPH sample-share
-weighting), so their sum is the mini-batch loss whatever the packing.
+weighting), so their sum is the mini-batch loss whatever the packing. With `learner.ranks` = R the
+micro-batches are split over R data-parallel ranks, and the update is the same
+(`learner.data_parallel`).
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import random
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +31,7 @@ from dph_async.config import LearnerConfig
 from dph_async.protocol import Batch
 from learner import zero3
 from learner.batching import MicroBatch, MiniBatch, PreparedBatch, pack, prepare
+from learner.data_parallel import Ranks, Rendezvous, init_distributed
 from learner.diagnostics import policy_diagnostics
 from learner.kl_monitor import KLMonitor
 from learner.logprobs import response_logprobs
@@ -51,21 +52,6 @@ def deepspeed_config(cfg: LearnerConfig, dtype: str) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-
-
-def init_distributed() -> None:
-    """A single learner rank over gloo, its (trivial) group rendezvousing on a free loopback port."""
-    import deepspeed
-
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    # Always a fresh port, never one inherited: a process that built a trainer in-process (a test, a
-    # notebook) leaves MASTER_PORT set, and every learner it starts would then meet its still
-    # listening store (EADDRINUSE).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
 
 
 @dataclass
@@ -108,11 +94,14 @@ def gradient_parts(grads: dict[str, list[torch.Tensor]]) -> dict[str, float]:
 
 class Trainer:
     def __init__(self, model_dir: str, cfg: LearnerConfig, *, temperature: float, dtype: str, pad_id: int,
-                 max_response_tokens: int, seed: int = 0) -> None:
+                 max_response_tokens: int, seed: int = 0, rendezvous: Rendezvous | None = None) -> None:
+        """`rendezvous`: this rank's place among `cfg.ranks` ranks; None for a single rank."""
         import deepspeed
 
         self.objective: Objective = make_objective(cfg.loss)
-        init_distributed()
+        if (rendezvous.world if rendezvous else 1) != cfg.ranks:
+            raise ValueError(f"learner.ranks={cfg.ranks} needs a rendezvous of as many ranks")
+        self.ranks: Ranks = init_distributed(rendezvous)
         self.cfg, self.loss_cfg, self.seed = cfg, cfg.loss, seed
         self.temperature, self.pad_id = temperature, pad_id
         self.norm = cfg.loss.aggregation_norm or max_response_tokens
@@ -123,7 +112,7 @@ class Trainer:
         self.reference_model, self.kl_monitor = None, None
         if self.objective.uses_reference_model or cfg.kl_every:
             self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
-        if cfg.kl_every:
+        if cfg.kl_every and self.ranks.main:  # rank 0 measures; the weights are the same on every rank
             eos = model.config.eos_token_id
             self.kl_monitor = KLMonitor(self.reference_model, every=cfg.kl_every, samples=cfg.kl_samples,
                                         per_prompt=cfg.kl_per_prompt, temperature=temperature,
@@ -157,9 +146,10 @@ class Trainer:
             # gradient exactly as it would without skipping (Adam's moments move either way).
             units = [mini.groups[0][:1]]
         whole = self.objective.whole_units  # a DPO pair stays in one row of one micro-batch
+        units, refs = self.ranks.share(units, [[s] for s in mini.reference])  # this rank's part
         fresh = pack(units, "fresh", cfg.micro_token_budget, self.pad_id, cfg.share_prompts or whole,
                      1 << 30 if whole else cfg.pack_row_tokens)
-        reference = pack([[s] for s in mini.reference], "reference", cfg.micro_token_budget, self.pad_id)
+        reference = pack(refs, "reference", cfg.micro_token_budget, self.pad_id)
         return fresh, reference
 
     def _record_prox(self, minis: list[MiniBatch], skip: bool, record: StepRecord) -> None:
@@ -169,7 +159,8 @@ class Trainer:
         with torch.no_grad():
             for mini in minis:
                 for mb in self._pack(mini, skip)[0]:
-                    mb.record_prox(self._logprobs(self.module, mb, with_entropy=False)[0])
+                    if mb.prox() is None:
+                        mb.record_prox(self._logprobs(self.module, mb, with_entropy=False)[0])
         self.engine.train()
         record.time("proximal", start)
 
@@ -218,18 +209,24 @@ class Trainer:
         fresh, reference = self._pack(mini, skip)
         micro = [*fresh, *reference]
         record.time("batching", start)
-        if not micro:
+        steps = self.ranks.most(len(micro))  # every rank runs as many backward passes
+        if not steps:
             return
         total = torch.zeros(())
-        for i, mb in enumerate(micro):
-            self.engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
-            share = self._fresh_share if mb.kind == "fresh" else self._reference_share
-            loss = share(mb, mini, record)
-            if diagnose:
-                self._add_grad(mb.kind, loss, record)
+        for i in range(steps):
+            self.engine.set_gradient_accumulation_boundary(i == steps - 1)
+            if i < len(micro):
+                mb = micro[i]
+                share = self._fresh_share if mb.kind == "fresh" else self._reference_share
+                loss = share(mb, mini, record)
+                if diagnose:
+                    self._add_grad(mb.kind, loss, record)
+            else:
+                loss = self._idle_loss(mini)
             start = time.perf_counter()
-            # Shares already carry their weight in the mini-batch objective: no 1/GAS rescaling.
-            self.engine.backward(loss, scale_wrt_gas=False)
+            # Shares already carry their weight in the mini-batch objective: no 1/GAS rescaling. Over
+            # R ranks DeepSpeed averages the gradients: times R, the shares add up.
+            self.engine.backward(loss * self.ranks.world, scale_wrt_gas=False)
             record.time("backward", start)
             total = total + loss.detach()
         record.loss.append(total)
@@ -237,9 +234,19 @@ class Trainer:
         self.engine.step()
         record.time("optimizer", start)
 
+    def _idle_loss(self, mini: MiniBatch) -> torch.Tensor:
+        """Zero times the log-probs of one real sequence: a backward pass that adds nothing, for a rank
+        with fewer micro-batches than the others, reaching the parameters in the usual order."""
+        seq = (mini.groups[0] if mini.groups else mini.reference)[:1]
+        (mb,) = pack([seq], "fresh", 1 << 30, self.pad_id)
+        logp, _ = self._logprobs(self.module, mb, with_entropy=False)
+        return (logp * mb.mask).sum() * 0.0
+
     def train_step(self, batch: Batch) -> dict[str, float]:
         """Train on `batch` (mini_batches x epochs optimizer steps); the version advances by one.
-        Returns the batch's metrics."""
+        Returns the batch's metrics (on rank 0; the others return none)."""
+        if self.ranks.main:
+            self.ranks.send("train", batch)
         lc, cfg = self.loss_cfg, self.cfg
         start = time.perf_counter()
         record = StepRecord()
@@ -253,7 +260,10 @@ class Trainer:
         plans = [p.mini_batches(cfg.mini_batches, rng if epoch else None) for epoch in range(cfg.epochs)]
         record.time("batching", start)
         if self.updates_per_batch > 1 and lc.correction != "behavior":
-            self._record_prox(plans[0][1:], skip, record)
+            # Each rank runs its part of the first mini-batch first; over R ranks, a later epoch can give
+            # a rank sequences another rank ran there, so it records those too.
+            minis = plans[0][1:] if self.ranks.world == 1 else [m for plan in plans for m in plan][1:]
+            self._record_prox(minis, skip, record)
         self.engine.train()
         diagnose = bool(cfg.diagnose_every) and self.version % cfg.diagnose_every == 0
         for epoch, plan in enumerate(plans):
@@ -262,6 +272,9 @@ class Trainer:
         # A batch that gave no update (every group filtered, or no DPO pair) still counts: the replay
         # admits rollouts by version, and would wait forever for a learner that never moves on.
         self.version += 1
+        self.ranks.merge(record, [p for p in self.module.parameters() if p.requires_grad])
+        if not self.ranks.main:
+            return {}
         metrics = self._metrics(batch, p, record, staleness)
         if self.kl_monitor is not None and self.kl_monitor.due(self.version):
             kl = self.kl_monitor.measure(self.module, [g.prompt_ids for g in batch.groups], self.version)
@@ -308,12 +321,22 @@ class Trainer:
     # --- Checkpoints ---------------------------------------------------------------------------
 
     def save(self, directory: Path, client_state: dict) -> None:
+        """Every rank writes its part; rank 0's `client_state` is the one kept."""
+        if self.ranks.main:
+            self.ranks.send("save")
         self.engine.save_checkpoint(str(directory), tag=f"v{self.version}",
                                     client_state={**client_state, "version": self.version})
 
     def load(self, directory: Path, tag: str) -> dict:
+        if self.ranks.main:
+            self.ranks.send("load", tag=tag)
         _, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
         if client_state is None:
             raise FileNotFoundError(f"no learner checkpoint {tag!r} in {directory}")
         self.version = int(client_state["version"])
         return client_state
+
+    def close(self) -> None:
+        """Release the other ranks (they return from `learner.data_parallel.follow`)."""
+        if self.ranks.main:
+            self.ranks.send("stop")

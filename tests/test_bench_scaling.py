@@ -57,6 +57,8 @@ def test_learner_ranks_split_training_and_pay_the_allreduce():
     assert scaling.learner_step_s(COSTS, lay(1, allreduce_gb_s=8.0)) == pytest.approx(0.6)
     assert scaling.learner_step_s(COSTS, lay(1, ranks=2, allreduce_gb_s=8.0)) == pytest.approx(0.3 + 0.5)
     assert scaling.learner_step_s(COSTS, lay(1, ranks=4, allreduce_gb_s=8.0)) == pytest.approx(0.15 + 0.75)
+    # On two shared cores, four ranks split the work two ways only (and still pay the all-reduce).
+    assert scaling.learner_step_s(COSTS, lay(1, ranks=4, cores=2, allreduce_gb_s=8.0)) == pytest.approx(0.3 + 0.75)
     with pytest.raises(ValueError, match="mode"):
         scaling.step_s(COSTS, "fast", lay(1))
 

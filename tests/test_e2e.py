@@ -88,3 +88,20 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
     assert result.metrics[-1]["learner/version"] == 8
     ids = group_ids(rl_dir)
     assert len(ids) == len(set(ids)) == 8 * 4
+
+
+def test_two_learner_ranks_train_checkpoint_and_resume(prepared):
+    """learner.ranks=2: a second DeepSpeed rank in the learner's placement group trains its share of
+    every batch; both write their parts of a checkpoint, and a resumed run goes on from it."""
+    ranks = ("learner.ranks=2", "actors.num_actors=1", "learner.checkpoint_every=2")
+    result, rl_dir = train(prepared, "ranks", "learner.steps=2", *ranks)
+    assert [m["learner/version"] for m in result.metrics] == [1, 2]
+    assert all(math.isfinite(m["loss/total"]) and m["batch/trained_fresh_tokens"] > 0 for m in result.metrics)
+    assert (rl_dir / "logs" / "learner1.log").is_file()
+    assert (rl_dir / "checkpoints" / "latest").read_text().strip() == "v2"
+    # Both ranks' optimizer partitions (ZeRO-1, the default) are in the checkpoint.
+    assert len(list((rl_dir / "checkpoints" / "v2").glob("*optim_states.pt"))) == 2
+    resumed, _ = train(prepared, "ranks", "learner.steps=3", *ranks, resume_tag="v2")
+    # The resumed run's metrics: the two steps logged before the checkpoint, then the new one.
+    assert [m["learner/version"] for m in resumed.metrics] == [1, 2, 3]
+    assert [s["version"] for s in consumed(rl_dir)] == [0, 1, 2]

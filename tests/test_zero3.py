@@ -206,11 +206,15 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
     import deepspeed
 
     import learner.trainer
+    from learner.data_parallel import Ranks
 
-    def init_distributed() -> None:
+    def init_distributed(rendezvous: object = None) -> Ranks:
+        """Each rank trains its own batch as a plain DeepSpeed rank: to the trainer it is the only one
+        (no split of the batch, no control group), so DeepSpeed averages the two ranks' gradients."""
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
         deepspeed.init_distributed(dist_backend="gloo")
+        return Ranks()
 
     torch.set_num_threads(1)
     learner.trainer.init_distributed = init_distributed

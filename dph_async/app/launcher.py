@@ -1,5 +1,7 @@
 """Ray starts and watches the processes of an RL run: one learner (hosting the replay service and
-the weight server) and N vLLM actors, each a Ray actor in its own process.
+the weight server) and N vLLM actors, each a Ray actor in its own process. With `learner.ranks` = R
+the learner is rank 0 of R data-parallel ranks, the others a Ray actor each in the learner's
+placement group (`learner.data_parallel`).
 
 A local Ray cluster is started by default; `launcher.address` joins an existing one. An actor that
 dies is restarted by Ray (up to `launcher.max_actor_restarts` times) and resumes its prompt stream
@@ -34,7 +36,7 @@ from dph_async import net
 from dph_async.app.placement import actor_placement, home_node, learner_placement
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
-from dph_async.paths import endpoints_dir, final_model
+from dph_async.paths import checkpoint_dir, endpoints_dir, final_model
 from dph_async.replay_client import ReplayClient, RolloutSender
 from dph_async.replay_stats import ReplayStats
 from dph_async.rewards.scorer import make_scorer
@@ -46,7 +48,11 @@ from replay.service import ReplayService
 from replay.telemetry import ReplayCollector, replay_health
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from dph_async.app.model_shipping import Shipment
+    from learner.data_parallel import Rendezvous
+    from learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +85,7 @@ def ray_cluster(cfg: RunConfig) -> Iterator[None]:
             ray.init(address=lc.address, logging_level=logging.ERROR, log_to_driver=False,
                      runtime_env={"env_vars": {"DPH_CACHE_DIR": str(cache_dir())}})
         else:
-            cpus = lc.num_cpus or max(os.cpu_count() or 1, cfg.actors.num_actors + 2)
+            cpus = lc.num_cpus or max(os.cpu_count() or 1, cfg.actors.num_actors + cfg.learner.ranks + 1)
             # Ray runs its workers at niceness 15 so that idle pools yield the CPU; here the workers
             # (actors, learner) are the job, and at 15 they lose the cores to any other process.
             os.environ.setdefault("RAY_worker_niceness", "0")
@@ -106,6 +112,27 @@ def _learner_endpoints(cfg: RunConfig, loop, replay, rl_dir: Path) -> list:
     return [e for e in endpoints if e is not None]
 
 
+def _build_trainer(cfg: RunConfig, model_dir: str, rendezvous: Rendezvous | None
+                   ) -> tuple[Trainer, PreTrainedTokenizerBase]:
+    """The learner's trainer (model, DeepSpeed engine) as rank `rendezvous.rank` (None: the only
+    rank), and the model's tokenizer."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("DPH_CACHE_DIR", ".cache"))
+                                                        / "torch_extensions"))
+    # torch, transformers and DeepSpeed, which reads TORCH_EXTENSIONS_DIR when imported.
+    import torch
+    from transformers import AutoTokenizer
+
+    from learner.trainer import Trainer
+
+    torch.set_num_threads(cfg.learner.threads)
+    torch.manual_seed(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    trainer = Trainer(model_dir, cfg.learner, temperature=cfg.sampling.temperature, dtype=cfg.model.dtype,
+                      pad_id=pad, max_response_tokens=cfg.sampling.max_tokens, seed=cfg.seed, rendezvous=rendezvous)
+    return trainer, tokenizer
+
+
 @ray.remote
 class LearnerProcess:
     """The learner, with the replay service and the weight server in threads of the same process."""
@@ -116,6 +143,7 @@ class LearnerProcess:
         engines built) while `setup` builds the trainer: the two slowest parts of start-up overlap."""
         log_to_file(Path(rl_dir) / "logs" / "learner.log")
         # torch (the weight server's tensors), in this Ray worker only: the driver never loads it.
+        from learner.data_parallel import free_port
         from learner.publish import WeightServer
 
         self.cfg, self.model_dir, self.resume_tag = cfg, model_dir, resume_tag
@@ -131,25 +159,22 @@ class LearnerProcess:
                                    cfg.learner.weight_transport)
         self._stop = threading.Event()
         self.endpoints: list = []
+        self.loop = None
+        # Where the other learner ranks meet this one (all ranks share the driver's node).
+        self.port = free_port() if cfg.learner.ranks > 1 else 0
+
+    def rendezvous_port(self) -> int:
+        return self.port
 
     def setup(self) -> None:
-        """Build the trainer (model, DeepSpeed engine) and the learner loop; resume if asked."""
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("DPH_CACHE_DIR", ".cache"))
-                                                            / "torch_extensions"))
-        # torch, transformers and DeepSpeed, which reads TORCH_EXTENSIONS_DIR when imported.
-        import torch
-        from transformers import AutoTokenizer
-
+        """Build the trainer (model, DeepSpeed engine) and the learner loop; resume if asked. With
+        several ranks, returns once the others have joined (they are set up at the same time)."""
+        from learner.data_parallel import Rendezvous
         from learner.loop import LearnerLoop
-        from learner.trainer import Trainer
 
         cfg = self.cfg
-        torch.set_num_threads(cfg.learner.threads)
-        torch.manual_seed(cfg.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        trainer = Trainer(self.model_dir, cfg.learner, temperature=cfg.sampling.temperature, dtype=cfg.model.dtype,
-                          pad_id=pad, max_response_tokens=cfg.sampling.max_tokens, seed=cfg.seed)
+        rdv = Rendezvous(0, cfg.learner.ranks, self.port) if cfg.learner.ranks > 1 else None
+        trainer, self.tokenizer = _build_trainer(cfg, self.model_dir, rdv)
         # The learner alone holds the control token (or, with CURVE, the control key): actors cannot
         # take batches or send commands. Snapshots go under rl_dir, the replay's data directory.
         client = ReplayClient(self.replay.batch_endpoint, self.security, token=self.replay.control_token,
@@ -198,10 +223,34 @@ class LearnerProcess:
         return out_dir
 
     def close(self) -> None:
+        if self.loop is not None:
+            self.loop.trainer.close()  # releases the other learner ranks
         for endpoint in self.endpoints:
             endpoint.close()
         self.replay.stop()
         self.server.close()
+
+
+@ray.remote
+class LearnerRank:
+    """A learner rank other than 0: the same trainer, training its share of each batch rank 0 sends,
+    and writing its part of each checkpoint, until rank 0 releases it."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str, rl_dir: str, rank: int, port: int) -> None:
+        log_to_file(Path(rl_dir) / "logs" / f"learner{rank}.log")
+        self.cfg, self.model_dir, self.rl_dir, self.rank, self.port = cfg, model_dir, Path(rl_dir), rank, port
+
+    def setup(self) -> None:
+        from learner.data_parallel import Rendezvous
+
+        rdv = Rendezvous(self.rank, self.cfg.learner.ranks, self.port)
+        self.trainer, _ = _build_trainer(self.cfg, self.model_dir, rdv)
+
+    def follow(self) -> int:
+        """Batches trained, once rank 0 says stop."""
+        from learner.data_parallel import follow
+
+        return follow(self.trainer, checkpoint_dir(self.rl_dir))
 
 
 def _actor_endpoint(cfg: RunConfig, worker, rl_dir: Path):
@@ -311,7 +360,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     start = time.time()
     # Absolute paths: actors on other nodes are handed them (and ask the learner for what they name).
     model_dir, rl_dir, prompts_path = model_dir.resolve(), rl_dir.resolve(), prompts_path.resolve()
-    pg = learner_placement()
+    pg = learner_placement(cfg.learner.ranks)
     # Actors find the learner by its name: a handle among a restartable actor's arguments is kept in
     # the object store, which Ray warns about on every start.
     learner_name = f"dph-learner-{uuid.uuid4().hex[:12]}"
@@ -319,6 +368,9 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                                      scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(
         cfg, str(model_dir), str(rl_dir), str(reference_path.resolve()) if reference_path else None, resume_tag)
     ingest, weights = ray.get(learner.addresses.remote())
+    port = ray.get(learner.rendezvous_port.remote())
+    ranks = [LearnerRank.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r)).remote(
+        cfg, str(model_dir), str(rl_dir), r, port) for r in range(1, cfg.learner.ranks)]
     # Ray restarts a dead actor (its __init__ runs again), on another node if its own is gone.
     actor_class = ActorProcess.options(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts,
                                        max_task_retries=0, **actor_placement())
@@ -326,10 +378,15 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                                  home_node(), learner_name)
               for i in range(cfg.actors.num_actors)]
     setup = learner.setup.remote()  # builds the trainer while the actors build their engines
+    # The other ranks join rank 0's group during its setup, then follow it (a resume's load included).
+    setups = [setup, *(r.setup.remote() for r in ranks)]
+    follows = {r.follow.remote(): i + 1 for i, r in enumerate(ranks)}
     pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)}
     nodes = {f"actor{i}": [ray.get(a.node.remote())] for i, a in enumerate(actors)}
     phases = {"actors_ready": time.time() - start}
-    ray.get(setup)
+    while setups:  # a rank that fails to start fails the run, rather than leave rank 0 waiting for it
+        done, setups = ray.wait(setups, num_returns=1)
+        ray.get(done)
     phases["learner_ready"] = time.time() - start
     if on_started:
         on_started(pids)
@@ -342,7 +399,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
         with progress() as bar:
             task = bar.add_task(f"RL [{name}]", total=cfg.learner.steps, completed=first)
             while True:
-                done, _ = ray.wait([learner_run, *runs.values()], num_returns=1, timeout=0.5)
+                done, _ = ray.wait([learner_run, *runs.values(), *follows], num_returns=1, timeout=0.5)
                 for m in ray.get(learner.metrics_since.remote(len(metrics))):
                     metrics.append(m)
                     if on_metrics:
@@ -352,6 +409,10 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                         f"RL [{name}] reward {m['reward/mean']:.2f} acc {m['reward/accuracy']:.2f}"))
                 if stop is not None and stop.is_set():
                     learner.stop.remote()
+                for ref in follows:
+                    if ref in done and learner_run not in done:
+                        ray.get(ref)  # raises what stopped the rank
+                        raise RuntimeError(f"learner rank {follows[ref]} stopped before rank 0")
                 if learner_run in done:
                     learner_stats = ray.get(learner_run)
                     phases["last_step"] = time.time() - start
@@ -381,7 +442,9 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
             actor_stats.append(ray.get(ref, timeout=60))
     replay = ray.get(learner.replay_stats.remote())
     ray.get(learner.close.remote())
-    for handle in [*actors, learner]:
+    with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
+        ray.get(list(follows), timeout=60)
+    for handle in [*actors, *ranks, learner]:
         ray.kill(handle, no_restart=True)
     remove_placement_group(pg)
     phases["end"] = time.time() - start

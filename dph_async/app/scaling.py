@@ -27,9 +27,9 @@ on batches up to w + eta: at most min(N, eta k) actors can be busy at once. Seco
 A sync step is generation then training. An async step is bounded by generation with the actors that
 admission lets work, by training, by the chain "weights v reach the actors, they generate batch
 v + eta, the learner trains on it" which eta + 1 steps share, and by the CPU work of a step spread
-over the cores. t(R) = t / R + 2 (R - 1) / R x G / `allreduce_gb_s`: training over R data-parallel
-ranks plus a ring all-reduce of the G gradient bytes (the published weights' size). The learner
-here runs one rank, so R > 1 is a projection.
+over the cores. t(R) = t / min(R, C - r) + 2 (R - 1) / R x G / `allreduce_gb_s`: training over R
+data-parallel ranks (`learner.ranks`; on shared cores, over no more ranks than there are free cores)
+plus a ring all-reduce of the G gradient bytes (the published weights' size).
 
 The model takes no account of processes slowing each other down beyond the CPU bound (cache, memory
 bandwidth, scheduling), of engine efficiency changing with the number of sequences in flight, or of
@@ -83,9 +83,11 @@ class Layout:
 
 
 def learner_step_s(c: Costs, lay: Layout) -> float:
-    """t(R): training split over R ranks plus a ring all-reduce of the gradients."""
+    """t(R): training split over R ranks plus a ring all-reduce of the gradients. On shared cores the
+    ranks split it over no more than the free cores: ranks beyond them take turns on the same ones."""
     r = lay.ranks
-    return c.learner_cpu_s_per_step / r + 2 * (r - 1) / r * c.grad_bytes / (lay.allreduce_gb_s * 1e9)
+    split = r if lay.cores is None else max(1.0, min(r, lay.cores - c.other_cores))
+    return c.learner_cpu_s_per_step / split + 2 * (r - 1) / r * c.grad_bytes / (lay.allreduce_gb_s * 1e9)
 
 
 def step_s(c: Costs, mode: str, lay: Layout) -> float:
@@ -127,11 +129,11 @@ def check(c: Costs, runs: list[RunFigures], cores: float) -> list[CheckRow]:
     rows = []
     for r in sorted(runs, key=lambda r: (r.mode, r.actors, r.name)):
         left = cores - (r.cpu_cores or {}).get("outside", 0.0)
-        lay = Layout(r.actors, cores=left, eta=r.eta, groups_per_step=r.groups_per_step,
+        lay = Layout(r.actors, r.ranks, cores=left, eta=r.eta, groups_per_step=r.groups_per_step,
                      inflight_prompts=r.inflight_prompts)
         projected = samples_per_s(c, r.mode, lay)
-        idle = samples_per_s(c, r.mode, Layout(r.actors, cores=cores, eta=r.eta, groups_per_step=r.groups_per_step,
-                                               inflight_prompts=r.inflight_prompts))
+        idle = samples_per_s(c, r.mode, Layout(r.actors, r.ranks, cores=cores, eta=r.eta,
+                                               groups_per_step=r.groups_per_step, inflight_prompts=r.inflight_prompts))
         rows.append(CheckRow(r.name, r.mode, r.actors, r.samples_per_s, projected, idle,
                              projected / r.samples_per_s - 1, left))
     return rows

@@ -170,6 +170,10 @@ class LearnerConfig(Section):
     # Versions whose checkpoints are never deleted (an ablation sets its evaluation points here).
     keep_versions: list[int] = Field(default_factory=list)
     threads: int = Field(1, ge=1)
+    # Data-parallel DeepSpeed ranks, one process each (a core, or a device, apiece): each batch is
+    # split over them with the batch's own denominators, so R ranks take the step one would. Rank 0
+    # also hosts the replay and the weight server and writes the checkpoints.
+    ranks: int = Field(1, ge=1)
     kernel: Literal["auto", "torch", "triton"] = "auto"
     loss: LossConfig = Field(default_factory=LossConfig)
 
@@ -180,6 +184,14 @@ class LearnerConfig(Section):
             raise ValueError("use 0 with learner.zero_stage=3: the diagnostic's second backward pass over one "
                              "forward finds ZeRO-3's parameters released")
         return every
+
+    @field_validator("ranks")
+    @classmethod
+    def _ranks(cls, ranks: int, info: ValidationInfo) -> int:
+        if ranks > 1 and info.data.get("zero_stage") == 3:
+            raise ValueError("use 1 with learner.zero_stage=3 (or ZeRO 0-2): ZeRO-3 gathers weights in every "
+                             "forward, and rank 0 publishes and saves them alone (docs/scaling.md)")
+        return ranks
 
 
 class EvalConfig(Section):

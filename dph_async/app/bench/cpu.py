@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TICK = os.sysconf("SC_CLK_TCK")
-COMPONENTS = {"ray::LearnerProcess": "learner", "ray::ActorProcess": "actors"}
+# Every learner rank counts as the learner: t is the CPU of a step, whichever rank spends it.
+COMPONENTS = {"ray::LearnerProcess": "learner", "ray::LearnerRank": "learner", "ray::ActorProcess": "actors"}
 
 
 @dataclass

@@ -50,3 +50,4 @@ class RunFigures:
     # wait, assemble, forward, backward, step, publish, ...) and the actors' spans summed over actors.
     learner_phase_s: dict[str, float]
     actor_span_s: dict[str, float]
+    ranks: int = 1  # learner.ranks

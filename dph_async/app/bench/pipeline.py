@@ -81,6 +81,7 @@ def measure(name: str, cfg: RunConfig, rl_dir: Path, skip: int, cpu: list[CpuSam
         eta=cfg.replay.max_staleness,
         inflight_prompts=cfg.actors.max_inflight_prompts,
         groups_per_step=cfg.learner.groups_per_step,
+        ranks=cfg.learner.ranks,
         steps=win.steps,
         window_s=win.seconds,
         step_s=win.seconds / win.steps,

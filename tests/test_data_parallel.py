@@ -1,0 +1,143 @@
+"""Data-parallel learner ranks: R = 2 ranks (two processes over gloo) take the step one rank takes.
+
+On the same batch, the gradients at each optimizer step, the parameters after the step and the
+batch's metrics must match a single rank's within fp32 tolerance: with one mini-batch, with two
+mini-batches over two epochs (the proximal policy recorded across ranks), and at ZeRO-2 (gradients
+reduced during every backward, so the ranks' uneven micro-batch counts are padded). Gradients are
+compared as well as parameters because Adam's update hardly sees a gradient's scale: a rank
+averaging instead of summing the shares changes the gradient by 1/R and the parameters barely.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_learner import V, group, recording_gradients, tiny
+
+from dph_async.config import LearnerConfig, LossConfig
+from dph_async.protocol import Batch, ReferenceSample
+from dph_async.tasks.tiny_model import build_tokenizer
+from learner.batching import Sequence
+from learner.data_parallel import Ranks, Rendezvous, follow, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> learner settings; each runs one batch from the same initial weights.
+CASES = {
+    "one_update": {"zero_stage": 0},
+    "two_minis_two_epochs": {"zero_stage": 0, "mini_batches": 2, "epochs": 2, "loss": {"correction": "decoupled"}},
+    "zero2": {"zero_stage": 2, "mini_batches": 2},
+}
+# Metrics that are timings, not results of the step.
+TIMING = ("time/", "learner/step_seconds", "learner/tokens_per_s")
+
+
+def the_batch() -> Batch:
+    """Groups of uneven lengths and reference samples: the ranks get different micro-batch counts."""
+    rng = np.random.default_rng(21)
+    rewards = [[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0],
+               [1.0, 0.0, 0.0, 0.0]]
+    refs = [ReferenceSample(f"r{i}", rng.integers(3, V, size=4 + i).astype(np.int32),
+                            rng.integers(3, V, size=2 + i).astype(np.int32), -np.ones(2 + i, np.float32), 1.0, "t")
+            for i in range(3)]
+    return Batch(0, [group(i, r, rng) for i, r in enumerate(rewards)], refs, {})
+
+
+def make_trainer(model_dir: str, settings: dict, rendezvous: Rendezvous | None = None):
+    from learner.trainer import Trainer
+
+    settings = dict(settings)
+    loss = LossConfig(**{"objective": "forward", "coeff": 0.5, **settings.pop("loss", {})})
+    cfg = LearnerConfig(lr=3e-2, micro_token_budget=40, ranks=rendezvous.world if rendezvous else 1, loss=loss,
+                        **settings)
+    return Trainer(model_dir, cfg, temperature=1.0, dtype="float32", pad_id=0, max_response_tokens=8, seed=0,
+                   rendezvous=rendezvous)
+
+
+def run_case(model_dir: str, settings: dict, rendezvous: Rendezvous | None = None) -> dict:
+    """Rank 0 (or the only rank) trains on the batch; another rank follows it until released."""
+    t = make_trainer(model_dir, settings, rendezvous)
+    if not t.ranks.main:
+        assert follow(t, Path(model_dir) / "checkpoints") == 1
+        return {}
+    grads = recording_gradients(t) if settings["zero_stage"] == 0 else []
+    metrics = t.train_step(the_batch())
+    t.close()
+    return {"metrics": metrics, "grads": grads, "params": [p.detach().clone() for p in t.module.parameters()]}
+
+
+def rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+    """One rank of the data-parallel run: every case in turn, rank 0 saving what it saw."""
+    torch.set_num_threads(1)
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(ROOT / ".cache" / "torch_extensions")
+    results = {name: run_case(model_dir, settings, Rendezvous(rank, world, port)) for name, settings in CASES.items()}
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    out = tmp_path_factory.mktemp("model")
+    tiny("llama").save_pretrained(out)
+    build_tokenizer("abcdefghijklmnopqrstu").save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir, tmp_path_factory) -> dict:
+    out = str(tmp_path_factory.mktemp("dp") / "rank0.pt")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, 2, port, model_dir, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_take_the_step_of_one(model_dir, two_ranks, case):
+    one, two = run_case(model_dir, CASES[case]), two_ranks[case]
+    assert len(one["grads"]) == len(two["grads"])
+    for step_one, step_two in zip(one["grads"], two["grads"], strict=True):
+        assert any(bool(g.abs().max() > 1e-3) for g in step_one)
+        for a, b in zip(step_one, step_two, strict=True):
+            torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-4)
+    with torch.no_grad():
+        moved = max(float((a - b).abs().max()) for a, b in zip(one["params"], tiny("llama").parameters(), strict=True))
+    assert moved > 1e-3
+    # Adam divides each element's step by that element's own gradient: where the gradient is near
+    # Adam's eps (1e-8), float noise in it moves the parameter by a visible share of a step. Within 1%
+    # of one step (lr = 3e-2) here; a missing or doubled share moves most elements by far more.
+    for a, b in zip(one["params"], two["params"], strict=True):
+        torch.testing.assert_close(b, a, atol=3e-4, rtol=0)
+    results = {k: v for k, v in one["metrics"].items() if not k.startswith(TIMING)}
+    assert results.keys() == {k for k in two["metrics"] if not k.startswith(TIMING)}
+    for k, v in results.items():
+        assert two["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+
+
+def test_units_are_shared_out_once_and_balanced():
+    rng = np.random.default_rng(0)
+    units = [[Sequence(np.zeros(3, np.int32), np.zeros(int(rng.integers(1, 20)), np.int32), np.zeros(0))
+              for _ in range(4)] for _ in range(9)]
+    refs = [[Sequence(np.zeros(2, np.int32), np.zeros(5, np.int32), np.zeros(0))] for _ in range(4)]
+    shares = [Ranks(r, 3).share(units, refs) for r in range(3)]
+    for kind, whole in enumerate((units, refs)):
+        got = [id(u) for s in shares for u in s[kind]]
+        assert sorted(got) == sorted(id(u) for u in whole)
+    tokens = [sum(len(u[0].prompt_ids) + sum(len(x.response_ids) for x in u) for k in s for u in k) for s in shares]
+    assert max(tokens) - min(tokens) <= max(3 + sum(len(x.response_ids) for x in u) for u in units)
+    assert Ranks().share(units, refs) == [units, refs]
