@@ -3,6 +3,7 @@
     rank 0: the learner (replay, weights, checkpoints)       ranks 1..R-1: follow(trainer, checkpoints)
     trainer.train_step(batch)   -- "train" + the batch -->   trainer.train_step(batch)
     trainer.save(...)           -- "save" -------------->    trainer.save(...)   (same tag)
+    trainer.whole_state()       -- "gather" ------------>    trainer.whole_state()  (ZeRO-3 only)
     trainer.load(..., tag)      -- "load" + tag -------->    trainer.load(..., tag)
     trainer.close()             -- "stop" -------------->    return
 
@@ -19,6 +20,11 @@ micro-batches pads with passes of zero weight over a real sequence (`Trainer._id
 Control traffic (commands, the batch, each step's record for the metrics) goes over a gloo group of
 its own, as bytes of the wire protocol or msgpack: nothing is pickled, and on GPUs it stays off NCCL.
 Only rank 0 computes metrics; it gathers the others' losses, parts and per-token diagnostics.
+
+Under ZeRO-3 each rank holds 1/R of every parameter, and every forward gathers them: a collective.
+So the ranks run as many forwards everywhere (the proximal passes are padded like the backward
+ones), and what needs whole weights on rank 0 alone (publishing, the final model, the KL monitor's
+sampling) starts with a "gather" that every rank takes part in.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-Op = Literal["train", "save", "load", "stop"]
+Op = Literal["train", "save", "load", "gather", "stop"]
 
 
 class Command(msgspec.Struct):
@@ -261,5 +267,7 @@ def follow(trainer: Trainer, checkpoints: Path) -> int:
             steps += 1
         elif cmd.op == "save":
             trainer.save(checkpoints, {})
+        elif cmd.op == "gather":
+            trainer.whole_state()
         else:
             trainer.load(checkpoints, cmd.tag)

@@ -58,7 +58,7 @@ class LearnerLoop:
 
     def publish(self) -> None:
         start = time.time()
-        info = self.server.publish(self.trainer.module, self.trainer.version)
+        info = self.server.publish(self.trainer.whole_state(), self.trainer.version)
         self.stats.publish_seconds += self._span(start, "publish")
         self.stats.publish_bytes += info.nbytes
 

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,11 +117,12 @@ class WeightServer:
                 old, _ = self._versions.popitem(last=False)
                 self._segments.pop(old, None)
 
-    def publish(self, model: torch.nn.Module, version: int) -> PublishStats:
-        """Snapshot `model`'s weights as `version` (checkpoint names, as vLLM's loader expects). Under
-        ZeRO-3 the weights are gathered whole, a collective: every rank calls this."""
+    def publish(self, weights: torch.nn.Module | Mapping[str, torch.Tensor], version: int) -> PublishStats:
+        """Snapshot the weights (a model, or its whole state dict: checkpoint names, as vLLM's loader
+        expects) as `version`. A partitioned ZeRO-3 model is gathered whole here, a collective: with
+        several ranks, pass `Trainer.whole_state()` instead."""
         start = time.perf_counter()
-        state = list(full_state_dict(model).items())
+        state = list((full_state_dict(weights) if isinstance(weights, torch.nn.Module) else weights).items())
         segment = None
         if self._slots is not None:
             # The slot to be rewritten must serve nothing meanwhile: the version it holds goes first.

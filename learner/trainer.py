@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from dph_async.config import LearnerConfig
@@ -47,7 +48,7 @@ def deepspeed_config(cfg: LearnerConfig, dtype: str) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
                                                    "betas": [0.9, 0.999], "torch_adam": True}},
         "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage},
+        "zero_optimization": {"stage": cfg.zero_stage, "stage3_param_persistence_threshold": cfg.zero3_persist_below},
         "bf16": {"enabled": dtype == "bfloat16"},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -124,6 +125,16 @@ class Trainer:
                                                config=deepspeed_config(cfg, dtype))
         if cfg.zero_stage == 3:
             zero3.prepare_engine(self.engine)
+        # Under ZeRO-3 with several ranks every forward of the model is a collective (its weights are
+        # gathered from all ranks): the ranks run as many, and rank 0 never runs one alone. Each
+        # micro-batch is then one pass of the model's body, never the two of a shared prompt: the
+        # ranks' i-th micro-batches must gather alike whatever their kind.
+        self.collective_forwards = cfg.zero_stage == 3 and self.ranks.world > 1
+        if self.collective_forwards and self.objective.whole_units:
+            raise ValueError(f"learner.loss.objective={cfg.loss.objective} keeps each pair in one shared-prompt "
+                             "row, which ZeRO-3 over several ranks cannot run: use learner.ranks=1 or "
+                             "learner.zero_stage<=2")
+        self._whole: torch.nn.Module | None = None  # rank 0's whole copy for the KL monitor, if needed
         self.version = 0
 
     @property
@@ -147,7 +158,8 @@ class Trainer:
             units = [mini.groups[0][:1]]
         whole = self.objective.whole_units  # a DPO pair stays in one row of one micro-batch
         units, refs = self.ranks.share(units, [[s] for s in mini.reference])  # this rank's part
-        fresh = pack(units, "fresh", cfg.micro_token_budget, self.pad_id, cfg.share_prompts or whole,
+        share = (cfg.share_prompts and not self.collective_forwards) or whole
+        fresh = pack(units, "fresh", cfg.micro_token_budget, self.pad_id, share,
                      1 << 30 if whole else cfg.pack_row_tokens)
         reference = pack(refs, "reference", cfg.micro_token_budget, self.pad_id)
         return fresh, reference
@@ -156,11 +168,20 @@ class Trainer:
         """log pi_prox of every sequence these mini-batches will train on, under the current weights."""
         start = time.perf_counter()
         self.engine.eval()
+        todo, recorded = [], set()  # a micro-batch runs if it has a sequence no earlier one records
+        for mini in minis:
+            for mb in self._pack(mini, skip)[0]:
+                if any(s.prox is None and id(s) not in recorded for s in mb.sequences):
+                    todo.append(mb)
+                    recorded.update(id(s) for s in mb.sequences)
+        # Counted before any runs: a rank waiting for the count would stall the others' forwards.
+        passes = self.ranks.most(len(todo)) if self.collective_forwards else len(todo)
         with torch.no_grad():
-            for mini in minis:
-                for mb in self._pack(mini, skip)[0]:
-                    if mb.prox() is None:
-                        mb.record_prox(self._logprobs(self.module, mb, with_entropy=False)[0])
+            for i in range(passes):
+                mb = todo[i] if i < len(todo) else self._idle_micro(minis[0])
+                logp = self._logprobs(self.module, mb, with_entropy=False)[0]
+                if i < len(todo):
+                    mb.record_prox(logp)
         self.engine.train()
         record.time("proximal", start)
 
@@ -234,11 +255,16 @@ class Trainer:
         self.engine.step()
         record.time("optimizer", start)
 
+    def _idle_micro(self, mini: MiniBatch) -> MicroBatch:
+        """One real sequence of `mini`, for the passes a rank runs only to match the others'."""
+        seq = (mini.groups[0] if mini.groups else mini.reference)[:1]
+        (mb,) = pack([seq], "fresh", 1 << 30, self.pad_id, share_prompts=False)
+        return mb
+
     def _idle_loss(self, mini: MiniBatch) -> torch.Tensor:
         """Zero times the log-probs of one real sequence: a backward pass that adds nothing, for a rank
         with fewer micro-batches than the others, reaching the parameters in the usual order."""
-        seq = (mini.groups[0] if mini.groups else mini.reference)[:1]
-        (mb,) = pack([seq], "fresh", 1 << 30, self.pad_id)
+        mb = self._idle_micro(mini)
         logp, _ = self._logprobs(self.module, mb, with_entropy=False)
         return (logp * mb.mask).sum() * 0.0
 
@@ -277,7 +303,7 @@ class Trainer:
             return {}
         metrics = self._metrics(batch, p, record, staleness)
         if self.kl_monitor is not None and self.kl_monitor.due(self.version):
-            kl = self.kl_monitor.measure(self.module, [g.prompt_ids for g in batch.groups], self.version)
+            kl = self.kl_monitor.measure(self._measured_model(), [g.prompt_ids for g in batch.groups], self.version)
             metrics.update(kl.metrics())
         metrics["learner/step_seconds"] = time.perf_counter() - start
         metrics["learner/tokens_per_s"] = record.trained_tokens / metrics["learner/step_seconds"]
@@ -318,7 +344,29 @@ class Trainer:
             m.update({f"policy/{k}": v for k, v in diag.items()})
         return m
 
-    # --- Checkpoints ---------------------------------------------------------------------------
+    def _measured_model(self) -> torch.nn.Module:
+        """The model the KL monitor samples from: the engine's own, or, when its forwards are
+        collectives, a whole copy on rank 0 with the weights gathered from every rank."""
+        if not self.collective_forwards:
+            return self.module
+        if self._whole is None:
+            assert self.reference_model is not None  # built whenever the monitor is
+            self._whole = copy.deepcopy(self.reference_model)
+        self._whole.load_state_dict(self.whole_state())
+        return self._whole
+
+    # --- Whole weights and checkpoints ---------------------------------------------------------
+
+    def whole_state(self) -> dict[str, Tensor]:
+        """The model's state dict with whole tensors on rank 0 (the others return none). Under ZeRO-3
+        every rank takes part in the gathers: rank 0 tells the others first."""
+        if self.collective_forwards and self.ranks.main:
+            self.ranks.send("gather")
+        return zero3.full_state_dict(self.module, keep=self.ranks.main)
+
+    def save_pretrained(self, out_dir: str) -> None:
+        """The model, whole, in Hugging Face's layout (rank 0; under ZeRO-3 every rank gathers)."""
+        self.module.save_pretrained(out_dir, state_dict=self.whole_state())
 
     def save(self, directory: Path, client_state: dict) -> None:
         """Every rank writes its part; rank 0's `client_state` is the one kept."""

@@ -24,7 +24,8 @@ the body's forward mark a micro-batch's start as the engine's would. Without it 
 gradient would overwrite the previous ones' instead of adding to them.
 
 Reading whole weights (`full_state_dict`) gathers one parameter at a time: every rank must call it
-(each gather is a collective).
+(each gather is a collective). With several ranks, rank 0 keeps the copies and the others only take
+part in the gathers (`Trainer.whole_state`).
 """
 
 from __future__ import annotations
@@ -73,12 +74,13 @@ def prepare_engine(engine) -> None:
     engine.module.get_decoder().register_forward_pre_hook(start_micro_batch)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
+def full_state_dict(model: torch.nn.Module, keep: bool = True) -> dict[str, Tensor]:
     """`model.state_dict()` with whole tensors. Without partitioned parameters, the state dict itself;
     under ZeRO-3, CPU copies gathered one parameter at a time (so no rank ever holds more than one
-    whole parameter beyond its partition), tied names sharing one copy. A collective under ZeRO-3."""
+    whole parameter beyond its partition), tied names sharing one copy. A collective under ZeRO-3;
+    `keep=False` takes part in the gathers and copies nothing (another rank keeps the weights)."""
     if not any(partitioned(p) for p in model.parameters()):
-        return model.state_dict()
+        return model.state_dict() if keep else {}
     import deepspeed
 
     copies: dict[int, Tensor] = {}
@@ -87,13 +89,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, Tensor]:
         if id(t) not in copies:
             if partitioned(t):
                 with deepspeed.zero.GatheredParameters([t]):
-                    copies[id(t)] = t.detach().to("cpu", copy=True)
+                    copies[id(t)] = t.detach().to("cpu", copy=True) if keep else t
             else:
                 copies[id(t)] = t.detach()
         out[name] = copies[id(t)]
-    return out
-
-
-def save_pretrained(model: torch.nn.Module, out_dir: str) -> None:
-    """`model.save_pretrained(out_dir)` with whole weights (a collective under ZeRO-3)."""
-    model.save_pretrained(out_dir, state_dict=full_state_dict(model))
+    return out if keep else {}

@@ -49,9 +49,7 @@ def test_zero_stages_0_to_3_and_what_stage_3_refuses():
     assert "learner.zero_stage" in refusal(["learner.zero_stage=4"])
     msg = refusal(["learner.zero_stage=3", "learner.diagnose_every=5"])
     assert "learner.diagnose_every" in msg and "zero_stage=3" in msg
-    msg = refusal(["learner.zero_stage=3", "learner.ranks=2"])
-    assert "learner.ranks" in msg and "zero_stage=3" in msg
-    assert LearnerConfig(zero_stage=2, ranks=2).ranks == 2
+    assert LearnerConfig(zero_stage=3, ranks=2).ranks == 2
 
 
 def test_unknown_preset_and_malformed_override():

@@ -2,8 +2,10 @@
 
 On the same batch, the gradients at each optimizer step, the parameters after the step and the
 batch's metrics must match a single rank's within fp32 tolerance: with one mini-batch, with two
-mini-batches over two epochs (the proximal policy recorded across ranks), and at ZeRO-2 (gradients
-reduced during every backward, so the ranks' uneven micro-batch counts are padded). Gradients are
+mini-batches over two epochs (the proximal policy recorded across ranks), at ZeRO-2 (gradients
+reduced during every backward, so the ranks' uneven micro-batch counts are padded), and at ZeRO-3
+(every forward a collective: the proximal passes padded too, and the KL monitor sampling from
+weights gathered from both ranks, against a single ZeRO-3 rank's own forward). Gradients are
 compared as well as parameters because Adam's update hardly sees a gradient's scale: a rank
 averaging instead of summing the shares changes the gradient by 1/R and the parameters barely.
 """
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from test_learner import V, group, recording_gradients, tiny
+from test_zero3 import recording
 
 from dph_async.config import LearnerConfig, LossConfig
 from dph_async.protocol import Batch, ReferenceSample
@@ -32,6 +35,9 @@ CASES = {
     "one_update": {"zero_stage": 0},
     "two_minis_two_epochs": {"zero_stage": 0, "mini_batches": 2, "epochs": 2, "loss": {"correction": "decoupled"}},
     "zero2": {"zero_stage": 2, "mini_batches": 2},
+    # A budget of 16 tokens gives the ranks uneven proximal passes (unpadded, they deadlock).
+    "zero3": {"zero_stage": 3, "mini_batches": 2, "epochs": 2, "loss": {"correction": "decoupled"},
+              "kl_every": 1, "kl_samples": 4, "micro_token_budget": 16, "zero3_persist_below": 0},
 }
 # Metrics that are timings, not results of the step.
 TIMING = ("time/", "learner/step_seconds", "learner/tokens_per_s")
@@ -53,8 +59,8 @@ def make_trainer(model_dir: str, settings: dict, rendezvous: Rendezvous | None =
 
     settings = dict(settings)
     loss = LossConfig(**{"objective": "forward", "coeff": 0.5, **settings.pop("loss", {})})
-    cfg = LearnerConfig(lr=3e-2, micro_token_budget=40, ranks=rendezvous.world if rendezvous else 1, loss=loss,
-                        **settings)
+    cfg = LearnerConfig(**{"lr": 3e-2, "micro_token_budget": 40, **settings},
+                        ranks=rendezvous.world if rendezvous else 1, loss=loss)
     return Trainer(model_dir, cfg, temperature=1.0, dtype="float32", pad_id=0, max_response_tokens=8, seed=0,
                    rendezvous=rendezvous)
 
@@ -62,13 +68,16 @@ def make_trainer(model_dir: str, settings: dict, rendezvous: Rendezvous | None =
 def run_case(model_dir: str, settings: dict, rendezvous: Rendezvous | None = None) -> dict:
     """Rank 0 (or the only rank) trains on the batch; another rank follows it until released."""
     t = make_trainer(model_dir, settings, rendezvous)
+    stage = settings["zero_stage"]
+    # ZeRO-3's whole gradients are gathered from every rank: both record them.
+    grads = recording(t)[0] if stage == 3 else recording_gradients(t) if stage == 0 and t.ranks.main else []
     if not t.ranks.main:
         assert follow(t, Path(model_dir) / "checkpoints") == 1
         return {}
-    grads = recording_gradients(t) if settings["zero_stage"] == 0 else []
     metrics = t.train_step(the_batch())
+    params = [x.detach().clone() for x in t.whole_state().values()]
     t.close()
-    return {"metrics": metrics, "grads": grads, "params": [p.detach().clone() for p in t.module.parameters()]}
+    return {"metrics": metrics, "grads": grads, "params": params}
 
 
 def rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
@@ -115,8 +124,9 @@ def test_two_ranks_take_the_step_of_one(model_dir, two_ranks, case):
         assert any(bool(g.abs().max() > 1e-3) for g in step_one)
         for a, b in zip(step_one, step_two, strict=True):
             torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-4)
+    start = tiny("llama").state_dict().values()
     with torch.no_grad():
-        moved = max(float((a - b).abs().max()) for a, b in zip(one["params"], tiny("llama").parameters(), strict=True))
+        moved = max(float((a - b).abs().max()) for a, b in zip(one["params"], start, strict=True))
     assert moved > 1e-3
     # Adam divides each element's step by that element's own gradient: where the gradient is near
     # Adam's eps (1e-8), float noise in it moves the parameter by a visible share of a step. Within 1%

@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import small_config
 
 from dph_async.app.launcher import RLResult, ray_cluster, run_rl
@@ -105,3 +106,22 @@ def test_two_learner_ranks_train_checkpoint_and_resume(prepared):
     # The resumed run's metrics: the two steps logged before the checkpoint, then the new one.
     assert [m["learner/version"] for m in resumed.metrics] == [1, 2, 3]
     assert [s["version"] for s in consumed(rl_dir)] == [0, 1, 2]
+
+
+def test_zero3_over_two_learner_ranks_publishes_measures_and_saves_whole_weights(prepared):
+    """learner.zero_stage=3 with two ranks, every parameter partitioned: each rank holds half of every
+    weight, so publishing, the KL monitor and the final model gather them from both ranks."""
+    from transformers import AutoModelForCausalLM
+
+    _, prep = prepared
+    result, _ = train(prepared, "zero3", "learner.steps=2", "learner.ranks=2", "learner.zero_stage=3",
+                      "learner.zero3_persist_below=0", "learner.kl_every=1", "learner.kl_samples=4",
+                      "actors.num_actors=1", "replay.max_staleness=0")
+    assert [m["learner/version"] for m in result.metrics] == [1, 2]
+    # Staleness 0: the batch of version 1 was sampled with the weights published after step 1.
+    assert all(m["staleness/max"] == 0 for m in result.metrics)
+    assert all(m["kl/k3"] >= 0 and m["kl/sequences"] > 0 for m in result.metrics)
+    final = AutoModelForCausalLM.from_pretrained(result.final_model).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(prep.base).state_dict()
+    assert {k: v.shape for k, v in final.items()} == {k: v.shape for k, v in base.items()}
+    assert any(not torch.equal(final[k], base[k]) for k in base)

@@ -1,11 +1,12 @@
 """ZeRO-3 against ZeRO-1: the same gradients and weights, and whole weights wherever they leave the learner.
 
 Under ZeRO-3 the fused kernel reads a partitioned LM head (learner/zero3.py). Every test sets
-DeepSpeed's persistence threshold to 0: by default parameters under 100k elements (all of these tiny
-models') stay whole on every rank, and nothing would be partitioned. Gradients are compared at each
-optimizer step (Adam's first step, lr * g / |g|, would magnify float noise in a gradient near 0),
-the weights after the run within a looser tolerance. Updates have a fresh and a reference-pool
-micro-batch each, so gradient accumulation across micro-batches is part of what is compared.
+learner.zero3_persist_below (DeepSpeed's persistence threshold) to 0: by default parameters under
+100k elements (all of these tiny models') stay whole on every rank, and nothing would be
+partitioned. Gradients are compared at each optimizer step (Adam's first step, lr * g / |g|, would
+magnify float noise in a gradient near 0), the weights after the run within a looser tolerance.
+Updates have a fresh and a reference-pool micro-batch each, so gradient accumulation across micro-
+batches is part of what is compared.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dph_async.net import NetSecurity
 from dph_async.paths import checkpoint_weights, is_learner_checkpoint
 from dph_async.protocol import Batch, ReferenceSample
 from dph_async.tasks.tiny_model import build_tokenizer
-from learner.zero3 import full_state_dict, save_pretrained
+from learner.zero3 import full_state_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 UPDATE = dict(mini_batches=2, micro_token_budget=16,
@@ -51,24 +52,12 @@ def model_dirs(tmp_path_factory) -> dict[bool, str]:
     return {tied: save_tiny(tmp_path_factory.mktemp(f"tied{tied}"), tied) for tied in (False, True)}
 
 
-def partition_everything(monkeypatch) -> None:
-    import learner.trainer
-
-    make = learner.trainer.deepspeed_config
-
-    def config(cfg: LearnerConfig, dtype: str) -> dict:
-        out = make(cfg, dtype)
-        out["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-        return out
-
-    monkeypatch.setattr(learner.trainer, "deepspeed_config", config)
-
-
 def trainer(model_dir: str, stage: int, lr: float = 1e-2, **learner):
     from learner.trainer import Trainer
 
     settings = {**UPDATE, **learner}
-    cfg = LearnerConfig(lr=lr, zero_stage=stage, **{**settings, "loss": LossConfig(**settings["loss"])})
+    cfg = LearnerConfig(lr=lr, zero_stage=stage, zero3_persist_below=0,
+                        **{**settings, "loss": LossConfig(**settings["loss"])})
     return Trainer(model_dir, cfg, temperature=1.0, dtype="float32", pad_id=0, max_response_tokens=8, seed=0)
 
 
@@ -140,26 +129,23 @@ def assert_same_training(ref, got) -> None:
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied_embeddings"])
-def test_zero3_trains_as_zero1(model_dirs, tied, monkeypatch):
-    partition_everything(monkeypatch)
+def test_zero3_trains_as_zero1(model_dirs, tied):
     assert_same_training(train(model_dirs[tied], 1)[1], train(model_dirs[tied], 3)[1])
 
 
-def test_zero3_with_the_frozen_reference_model_and_the_kl_monitor(model_dirs, monkeypatch):
+def test_zero3_with_the_frozen_reference_model_and_the_kl_monitor(model_dirs):
     """Reverse KL scores fresh tokens with the frozen reference copy (whole, made before DeepSpeed
     partitions the model), and the KL monitor samples through the model's own forward between
     updates: both as under ZeRO-1."""
-    partition_everything(monkeypatch)
     settings = dict(kl_every=1, kl_samples=4, loss={"objective": "reverse_kl", "coeff": 0.5})
     (_, ref, m1), (_, got, m3) = (train(model_dirs[False], stage, **settings) for stage in (1, 3))
     assert_same_training(ref, got)
     assert m1["kl/k3"] > 0 and m3["kl/k3"] == pytest.approx(m1["kl/k3"], rel=1e-4)
 
 
-def test_zero3_publishes_saves_and_resumes_whole_weights(model_dirs, tmp_path, monkeypatch):
+def test_zero3_publishes_saves_and_resumes_whole_weights(model_dirs, tmp_path):
     from learner.publish import WeightServer
 
-    partition_everything(monkeypatch)
     one, three = trainer(model_dirs[False], 1), trainer(model_dirs[False], 3)
     for t in (one, three):
         t.train_step(with_reference(5))
@@ -179,7 +165,7 @@ def test_zero3_publishes_saves_and_resumes_whole_weights(model_dirs, tmp_path, m
     assert {n: a.shape for n, a in published.items()} == {n: tuple(x.shape) for n, x in expected.items()}
     assert all(np.array_equal(published[n], got[n].numpy()) for n in got)
 
-    save_pretrained(three.module, str(tmp_path / "final_model"))
+    three.save_pretrained(str(tmp_path / "final_model"))
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final_model").state_dict()
     assert all(torch.equal(saved[n], got[n]) for n in got)
 
@@ -218,9 +204,6 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
 
     torch.set_num_threads(1)
     learner.trainer.init_distributed = init_distributed
-    make = learner.trainer.deepspeed_config
-    learner.trainer.deepspeed_config = lambda cfg, dtype: {
-        **make(cfg, dtype), "zero_optimization": {"stage": cfg.zero_stage, "stage3_param_persistence_threshold": 0}}
     one, ref, _ = train(model_dir, 1, rank)
     three, got, _ = train(model_dir, 3, rank)
     whole = full_state_dict(three.module)  # collective: both ranks gather

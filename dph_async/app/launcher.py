@@ -216,9 +216,7 @@ class LearnerProcess:
         return str(self.loop.checkpoint())
 
     def save_model(self, out_dir: str) -> str:
-        from learner.zero3 import save_pretrained
-
-        save_pretrained(self.loop.trainer.module, out_dir)
+        self.loop.trainer.save_pretrained(out_dir)
         self.tokenizer.save_pretrained(out_dir)
         return out_dir
 

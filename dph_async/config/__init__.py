@@ -134,6 +134,9 @@ class LearnerConfig(Section):
     # ZeRO stage 0-3. Stage 3 partitions the weights too: the fused log-prob kernel gathers the LM head
     # for its forward and backward (learner/zero3.py), and published or saved weights are gathered whole.
     zero_stage: int = Field(1, ge=0, le=3)
+    # ZeRO-3 keeps parameters of fewer elements than this whole on every rank (DeepSpeed's
+    # stage3_param_persistence_threshold): gathering small ones costs more than holding them.
+    zero3_persist_below: int = Field(100_000, ge=0)
     # Micro-batches are packed up to this many (padded) tokens.
     micro_token_budget: int = Field(4096, ge=16)
     # The n completions of a prompt share one forward pass of the prompt (its keys and values feed
@@ -184,14 +187,6 @@ class LearnerConfig(Section):
             raise ValueError("use 0 with learner.zero_stage=3: the diagnostic's second backward pass over one "
                              "forward finds ZeRO-3's parameters released")
         return every
-
-    @field_validator("ranks")
-    @classmethod
-    def _ranks(cls, ranks: int, info: ValidationInfo) -> int:
-        if ranks > 1 and info.data.get("zero_stage") == 3:
-            raise ValueError("use 1 with learner.zero_stage=3 (or ZeRO 0-2): ZeRO-3 gathers weights in every "
-                             "forward, and rank 0 publishes and saves them alone (docs/scaling.md)")
-        return ranks
 
 
 class EvalConfig(Section):
