@@ -30,11 +30,12 @@ from transformers import AutoModelForCausalLM
 from dph_async.config import LearnerConfig
 from dph_async.protocol import Batch
 from learner import zero3
-from learner.batching import MicroBatch, MiniBatch, PreparedBatch, pack, prepare
+from learner.batching import MicroBatch, MiniBatch, PreparedBatch, Unit, pack, prepare
+from learner.critic import Critic
 from learner.data_parallel import Ranks, Rendezvous, init_distributed
 from learner.diagnostics import policy_diagnostics
 from learner.kl_monitor import KLMonitor
-from learner.logprobs import response_logprobs
+from learner.logprobs import response_hidden, response_logprobs
 from learner.losses import PolicyLoss, policy_loss
 from learner.objectives import Objective, make_objective
 
@@ -99,6 +100,8 @@ class Trainer:
         import deepspeed
 
         self.objective: Objective = make_objective(cfg.loss)
+        if cfg.critic.enabled and self.objective.whole_units:
+            raise ValueError(f"learner.critic: objective {self.objective.name!r} has no per-token advantage")
         if (rendezvous.world if rendezvous else 1) != cfg.ranks:
             raise ValueError(f"learner.ranks={cfg.ranks} needs a rendezvous of as many ranks")
         self.ranks: Ranks = init_distributed(rendezvous)
@@ -118,6 +121,9 @@ class Trainer:
                                         per_prompt=cfg.kl_per_prompt, temperature=temperature,
                                         max_tokens=max_response_tokens, eos_id=eos[0] if isinstance(eos, list) else eos,
                                         pad_id=pad_id, seed=seed)
+        self.critic = None
+        if cfg.critic.enabled:
+            self.critic = Critic(cfg.critic, model.config.hidden_size, cfg.grad_clip, seed)
         if cfg.zero_stage == 3:
             zero3.prepare_model(model)  # after the copy: the frozen reference model stays whole
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -134,9 +140,10 @@ class Trainer:
     def updates_per_batch(self) -> int:
         return self.cfg.mini_batches * self.cfg.epochs
 
-    def _logprobs(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return response_logprobs(model, mb, self.temperature, with_entropy=with_entropy, impl=self.cfg.kernel)
+    def _logprobs(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool,
+                  hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return response_logprobs(model, mb, self.temperature, with_entropy=with_entropy, impl=self.cfg.kernel,
+                                 hidden=hidden)
 
     def _pack(self, mini: MiniBatch, skip: bool) -> tuple[list[MicroBatch], list[MicroBatch]]:
         cfg = self.cfg
@@ -164,9 +171,28 @@ class Trainer:
         self.engine.train()
         record.time("proximal", start)
 
+    def _critic_targets(self, groups: list[Unit], record: StepRecord) -> dict[str, float]:
+        """V_old, returns and advantages of every fresh sequence from the current weights and critic,
+        before the batch's first update (and log pi_prox from the same pass when it will be needed)."""
+        start = time.perf_counter()
+        self.engine.eval()
+        micro = []
+        with torch.no_grad():
+            for mb in pack(groups, "fresh", self.cfg.micro_token_budget, self.pad_id, self.cfg.share_prompts,
+                           self.cfg.pack_row_tokens):
+                hidden = response_hidden(self.module.model, mb)
+                if self.updates_per_batch > 1:
+                    mb.record_prox(self._logprobs(self.module, mb, with_entropy=False, hidden=hidden)[0])
+                micro.append((mb, hidden))
+            metrics = self.critic.prepare_targets(micro)
+        self.engine.train()
+        record.time("critic", start)
+        return metrics
+
     def _fresh_share(self, mb: MicroBatch, mini: MiniBatch, record: StepRecord) -> torch.Tensor:
         start = time.perf_counter()
-        logp, entropy = self._logprobs(self.module, mb, with_entropy=True)
+        hidden = response_hidden(self.module.model, mb)
+        logp, entropy = self._logprobs(self.module, mb, with_entropy=True, hidden=hidden)
         logp_ref = None
         if self.objective.uses_reference_model:
             with torch.no_grad():
@@ -175,7 +201,13 @@ class Trainer:
         if prox is None and self.updates_per_batch > 1:
             mb.record_prox(logp)  # the batch's first update: the current policy is the proximal one
         start = record.time("forward", start)
-        out = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.mask, self.loss_cfg, prox)
+        advantages = mb.advantages
+        if self.critic is not None:
+            advantages = mb.token_field("token_advantages")
+            value = self.critic.loss(mb, hidden, mini.counts.fresh_tokens)
+            value.backward()  # the critic's own graph: the hidden states are detached
+            record.add_parts({"value": value.detach() / self.cfg.critic.value_coeff})
+        out = policy_loss(logp, mb.old_logprobs, advantages, mb.mask, self.loss_cfg, prox)
         share = self.objective.fresh_share(out, mb.mask, mini.counts, self.norm, entropy=entropy, logp=logp,
                                            logp_ref=logp_ref, advantages=mb.advantages)
         m = mb.mask
@@ -232,6 +264,8 @@ class Trainer:
         record.loss.append(total)
         start = time.perf_counter()
         self.engine.step()
+        if self.critic is not None:
+            self.critic.step()
         record.time("optimizer", start)
 
     def _idle_loss(self, mini: MiniBatch) -> torch.Tensor:
@@ -255,7 +289,9 @@ class Trainer:
         p = prepare(Batch(batch.version, batch.groups, reference, batch.drops), use_std=lc.use_std,
                     eps=lc.adv_eps, filter_zero_spread=lc.filter_zero_spread)
         p.groups, p.skipped_groups = self.objective.form_units(p.groups)
-        skip = cfg.skip_zero_advantage and not self.objective.needs_every_fresh_token()
+        # A learned critic gives a group with equal rewards per-token advantages too: none is skipped.
+        skip = cfg.skip_zero_advantage and not self.objective.needs_every_fresh_token() and self.critic is None
+        critic_metrics = self._critic_targets(p.groups, record) if self.critic is not None else {}
         rng = random.Random(f"{self.seed}/{self.version}")
         plans = [p.mini_batches(cfg.mini_batches, rng if epoch else None) for epoch in range(cfg.epochs)]
         record.time("batching", start)
@@ -276,6 +312,7 @@ class Trainer:
         if not self.ranks.main:
             return {}
         metrics = self._metrics(batch, p, record, staleness)
+        metrics.update(critic_metrics)
         if self.kl_monitor is not None and self.kl_monitor.due(self.version):
             kl = self.kl_monitor.measure(self.module, [g.prompt_ids for g in batch.groups], self.version)
             metrics.update(kl.metrics())
@@ -324,8 +361,9 @@ class Trainer:
         """Every rank writes its part; rank 0's `client_state` is the one kept."""
         if self.ranks.main:
             self.ranks.send("save")
+        critic = {} if self.critic is None else {"critic": self.critic.state_dict()}
         self.engine.save_checkpoint(str(directory), tag=f"v{self.version}",
-                                    client_state={**client_state, "version": self.version})
+                                    client_state={**client_state, **critic, "version": self.version})
 
     def load(self, directory: Path, tag: str) -> dict:
         if self.ranks.main:
@@ -334,6 +372,8 @@ class Trainer:
         if client_state is None:
             raise FileNotFoundError(f"no learner checkpoint {tag!r} in {directory}")
         self.version = int(client_state["version"])
+        if self.critic is not None:
+            self.critic.load_state_dict(client_state["critic"])
         return client_state
 
     def close(self) -> None:
