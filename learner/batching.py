@@ -39,10 +39,7 @@ class Sequence:
     policy_weight: float = 1.0  # which distribution sampled it (Completion.policy_weight)
     # log pi_prox of each response token, recorded before the batch's first update (None until then).
     prox: torch.Tensor | None = field(default=None, repr=False)
-    # With a learned critic (learner/critic.py), per response token, set at the start of the batch:
-    # V_old, the GAE returns and the (whitened) advantages that replace `advantage`.
-    values: torch.Tensor | None = field(default=None, repr=False)
-    returns: torch.Tensor | None = field(default=None, repr=False)
+    # With a learned critic (learner/critic.py): the per-token advantages that replace `advantage`.
     token_advantages: torch.Tensor | None = field(default=None, repr=False)
 
 

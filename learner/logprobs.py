@@ -63,15 +63,13 @@ def response_hidden(body: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
 
 
 def response_logprobs(model: torch.nn.Module, mb: MicroBatch, temperature: float, *, with_entropy: bool = False,
-                      impl: str = "auto", hidden: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | x, y_<t) at `temperature` for every response token of `mb` ([B, T], 0 where masked),
     and the entropy if asked. `model` is a Hugging Face causal LM (its `.model` body and `.lm_head`);
     the hidden states go to the kernel with the LM head's weight, so the [tokens, vocab] logits
     never exist. A model prepared for ZeRO-3 (`learner.zero3`) runs the kernel in its `FusedHead`,
-    which gathers the partitioned weight for the kernel's forward and backward. `hidden`: the
-    micro-batch's `response_hidden`, when the caller has it already (the critic reads it too)."""
-    h = response_hidden(model.model, mb) if hidden is None else hidden
+    which gathers the partitioned weight for the kernel's forward and backward."""
+    h = response_hidden(model.model, mb)
     weight = model.lm_head.weight
     head = getattr(model, zero3.HEAD, None)
     if head is not None:

@@ -35,7 +35,7 @@ from learner.critic import Critic
 from learner.data_parallel import Ranks, Rendezvous, init_distributed
 from learner.diagnostics import policy_diagnostics
 from learner.kl_monitor import KLMonitor
-from learner.logprobs import response_hidden, response_logprobs
+from learner.logprobs import response_logprobs
 from learner.losses import PolicyLoss, policy_loss
 from learner.objectives import Objective, make_objective
 
@@ -123,7 +123,7 @@ class Trainer:
                                         pad_id=pad_id, seed=seed)
         self.critic = None
         if cfg.critic.enabled:
-            self.critic = Critic(cfg.critic, model.config.hidden_size, cfg.grad_clip, seed)
+            self.critic = Critic(cfg.critic, model, cfg.grad_clip, seed)
         if cfg.zero_stage == 3:
             zero3.prepare_model(model)  # after the copy: the frozen reference model stays whole
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -140,10 +140,19 @@ class Trainer:
     def updates_per_batch(self) -> int:
         return self.cfg.mini_batches * self.cfg.epochs
 
-    def _logprobs(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool,
-                  hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return response_logprobs(model, mb, self.temperature, with_entropy=with_entropy, impl=self.cfg.kernel,
-                                 hidden=hidden)
+    def _logprobs(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return response_logprobs(model, mb, self.temperature, with_entropy=with_entropy, impl=self.cfg.kernel)
+
+    def _critic_update(self, groups: list[Unit], record: StepRecord) -> dict[str, float]:
+        """The critic's targets and update (`Critic.update`) on every fresh sequence of the batch,
+        before the policy's first update sets out to use the advantages."""
+        start = time.perf_counter()
+        cfg = self.cfg
+        metrics = self.critic.update(pack(groups, "fresh", cfg.micro_token_budget, self.pad_id, cfg.share_prompts,
+                                          cfg.pack_row_tokens))
+        record.time("critic", start)
+        return metrics
 
     def _pack(self, mini: MiniBatch, skip: bool) -> tuple[list[MicroBatch], list[MicroBatch]]:
         cfg = self.cfg
@@ -171,28 +180,9 @@ class Trainer:
         self.engine.train()
         record.time("proximal", start)
 
-    def _critic_targets(self, groups: list[Unit], record: StepRecord) -> dict[str, float]:
-        """V_old, returns and advantages of every fresh sequence from the current weights and critic,
-        before the batch's first update (and log pi_prox from the same pass when it will be needed)."""
-        start = time.perf_counter()
-        self.engine.eval()
-        micro = []
-        with torch.no_grad():
-            for mb in pack(groups, "fresh", self.cfg.micro_token_budget, self.pad_id, self.cfg.share_prompts,
-                           self.cfg.pack_row_tokens):
-                hidden = response_hidden(self.module.model, mb)
-                if self.updates_per_batch > 1:
-                    mb.record_prox(self._logprobs(self.module, mb, with_entropy=False, hidden=hidden)[0])
-                micro.append((mb, hidden))
-            metrics = self.critic.prepare_targets(micro)
-        self.engine.train()
-        record.time("critic", start)
-        return metrics
-
     def _fresh_share(self, mb: MicroBatch, mini: MiniBatch, record: StepRecord) -> torch.Tensor:
         start = time.perf_counter()
-        hidden = response_hidden(self.module.model, mb)
-        logp, entropy = self._logprobs(self.module, mb, with_entropy=True, hidden=hidden)
+        logp, entropy = self._logprobs(self.module, mb, with_entropy=True)
         logp_ref = None
         if self.objective.uses_reference_model:
             with torch.no_grad():
@@ -201,12 +191,7 @@ class Trainer:
         if prox is None and self.updates_per_batch > 1:
             mb.record_prox(logp)  # the batch's first update: the current policy is the proximal one
         start = record.time("forward", start)
-        advantages = mb.advantages
-        if self.critic is not None:
-            advantages = mb.token_field("token_advantages")
-            value = self.critic.loss(mb, hidden, mini.counts.fresh_tokens)
-            value.backward()  # the critic's own graph: the hidden states are detached
-            record.add_parts({"value": value.detach() / self.cfg.critic.value_coeff})
+        advantages = mb.advantages if self.critic is None else mb.token_field("token_advantages")
         out = policy_loss(logp, mb.old_logprobs, advantages, mb.mask, self.loss_cfg, prox)
         share = self.objective.fresh_share(out, mb.mask, mini.counts, self.norm, entropy=entropy, logp=logp,
                                            logp_ref=logp_ref, advantages=mb.advantages)
@@ -264,8 +249,6 @@ class Trainer:
         record.loss.append(total)
         start = time.perf_counter()
         self.engine.step()
-        if self.critic is not None:
-            self.critic.step()
         record.time("optimizer", start)
 
     def _idle_loss(self, mini: MiniBatch) -> torch.Tensor:
@@ -291,7 +274,7 @@ class Trainer:
         p.groups, p.skipped_groups = self.objective.form_units(p.groups)
         # A learned critic gives a group with equal rewards per-token advantages too: none is skipped.
         skip = cfg.skip_zero_advantage and not self.objective.needs_every_fresh_token() and self.critic is None
-        critic_metrics = self._critic_targets(p.groups, record) if self.critic is not None else {}
+        critic_metrics = self._critic_update(p.groups, record) if self.critic is not None else {}
         rng = random.Random(f"{self.seed}/{self.version}")
         plans = [p.mini_batches(cfg.mini_batches, rng if epoch else None) for epoch in range(cfg.epochs)]
         record.time("batching", start)

@@ -90,38 +90,29 @@ def test_whiten_and_explained_variance_closed_forms():
 def test_critic_targets_come_from_the_learner_and_advantages_are_whitened(model_dir):  # noqa: F811
     t = trainer(model_dir, lr=1e-3, critic={"enabled": True})
     m = t.train_step(batch(5))
-    assert {"critic/explained_variance", "critic/value_mean", "loss/value"} <= set(m)
+    assert {"critic/explained_variance", "critic/value_loss", "critic/value_mean"} <= set(m)
     # A learned critic gives per-token advantages to every sequence: none is skipped.
     assert m["batch/trained_fresh_tokens"] == m["batch/fresh_tokens"]
     groups = prepare(batch(5), use_std=True, eps=1e-6, filter_zero_spread=False).groups
-    t._critic_targets(groups, StepRecord())
+    t._critic_update(groups, StepRecord())
     seqs = [s for g in groups for s in g]
     adv = torch.cat([s.token_advantages for s in seqs]).double()
     assert abs(float(adv.mean())) < 1e-5 and float(adv.std(unbiased=False)) == pytest.approx(1.0, abs=1e-4)
-    # The returns are the rewards (gamma = lam = 1), on every token.
-    for s in seqs:
-        torch.testing.assert_close(s.returns, torch.full_like(s.returns, s.reward))
 
 
-def test_the_critic_loss_falls_on_a_fixed_batch(model_dir):  # noqa: F811
+def test_the_critic_learns_a_fixed_batch(model_dir):  # noqa: F811
     t = trainer(model_dir, lr=1e-6, critic={"enabled": True, "lr": 1e-2})
-    losses = [t.train_step(batch(5))["loss/value"] for _ in range(30)]
+    metrics = [t.train_step(batch(5)) for _ in range(20)]
+    losses = [m["critic/value_loss"] for m in metrics]
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
+    assert metrics[-1]["critic/explained_variance"] > 0.5, metrics[-1]
 
 
 def test_the_critic_update_is_the_same_whatever_the_packing(model_dir):  # noqa: F811
-    def critic_grads(budget: int) -> list[torch.Tensor]:
+    def critic_after(budget: int) -> list[torch.Tensor]:
         t = trainer(model_dir, micro_token_budget=budget, critic={"enabled": True})
-        seen = []
-        step = t.critic.step
-
-        def observed():
-            seen.append([p.grad.detach().clone() for p in t.critic.model.parameters()])
-            step()
-
-        t.critic.step = observed
         t.train_step(batch(5))
-        return seen[0]
+        return [p.detach().clone() for p in t.critic.model.parameters()]
 
-    for a, b in zip(critic_grads(24), critic_grads(4096), strict=True):
+    for a, b in zip(critic_after(24), critic_after(4096), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -54,8 +54,8 @@ class LossConfig(Section):
 
 class CriticConfig(Section):
     """PPO with a learned critic (learner/critic.py), in place of GRPO's group baseline: per-token
-    advantages by GAE from a value model that the learner runs on the policy's detached hidden states,
-    recomputed at the start of every batch (never an actor's, stale, values)."""
+    advantages by GAE from a separate value model that the learner runs at the start of every batch
+    (never an actor's, stale, values)."""
 
     enabled: bool = False
     # GAE(gamma, lambda). The verifier's reward comes at the last token: gamma = lam = 1 gives
@@ -70,6 +70,7 @@ class CriticConfig(Section):
     # Weight of the value loss in the critic's objective (its own optimizer: it shares no parameter
     # with the policy, so the coefficient scales the critic's gradient before clipping at grad_clip).
     value_coeff: float = Field(0.5, gt=0)
-    # The value model: an MLP of this width over the policy's final hidden states, trained by AdamW.
-    hidden: int = Field(128, ge=1)
+    # The value model: a copy of pi_0's decoder body with a scalar head, trained by AdamW with
+    # `epochs` steps on each batch.
     lr: float = Field(1e-3, gt=0)
+    epochs: int = Field(4, ge=1)
