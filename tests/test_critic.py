@@ -9,6 +9,9 @@ import pytest
 import torch
 from test_learner import batch, model_dir, trainer  # noqa: F401  (model_dir: the fixture)
 
+from dph_async.app.pipeline import validate
+from dph_async.app.specs import RunSpec
+from dph_async.config import ConfigError, load_config
 from learner import losses as L
 from learner.batching import prepare
 from learner.trainer import StepRecord
@@ -116,3 +119,21 @@ def test_the_critic_update_is_the_same_whatever_the_packing(model_dir):  # noqa:
 
     for a, b in zip(critic_after(24), critic_after(4096), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_what_a_critic_cannot_serve_is_refused_before_the_run_starts():
+    with pytest.raises(ConfigError, match=r"learner\.critic: .*learner\.ranks=1"):
+        load_config("default", ["learner.critic.enabled=true", "learner.ranks=2"])
+    with pytest.raises(ConfigError, match=r"learner\.critic\.enabled: objective 'dpo'"):
+        validate(load_config("default", ["learner.critic.enabled=true"]), [RunSpec.parse("dpo")])
+
+
+def test_the_critic_is_saved_and_restored_with_the_learner(model_dir, tmp_path):  # noqa: F811
+    a = trainer(model_dir, critic={"enabled": True})
+    a.train_step(batch(5))
+    a.save(tmp_path, {})
+    b = trainer(model_dir, critic={"enabled": True})
+    b.load(tmp_path, "v1")
+    for x, y in zip(a.critic.model.parameters(), b.critic.model.parameters(), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert b.critic.optimizer.state_dict()["state"].keys() == a.critic.optimizer.state_dict()["state"].keys()
