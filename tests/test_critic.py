@@ -137,3 +137,9 @@ def test_the_critic_is_saved_and_restored_with_the_learner(model_dir, tmp_path):
     for x, y in zip(a.critic.model.parameters(), b.critic.model.parameters(), strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert b.critic.optimizer.state_dict()["state"].keys() == a.critic.optimizer.state_dict()["state"].keys()
+
+
+def test_the_critic_serves_every_mini_batch_and_epoch(model_dir):  # noqa: F811
+    t = trainer(model_dir, mini_batches=2, epochs=2, critic={"enabled": True}, loss={"correction": "decoupled"})
+    m = t.train_step(batch(6))
+    assert m["learner/optimizer_steps"] == 4 and m["policy/ratio_dev"] > 1e-4

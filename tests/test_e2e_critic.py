@@ -46,10 +46,9 @@ def test_ppo_with_a_learned_critic_raises_reward_and_its_critic_learns(tmp_path)
     assert mean("reward/mean", last) > mean("reward/mean", first) + 0.1, reward
     # The critic learns: its values, measured on each batch before it trains on it, explain part of
     # the returns' variance over the second half of the run (a constant critic explains none; one
-    # batch's figure varies by about 0.1), far more than at the start. Its value loss falls from the
-    # first steps, though it also follows Var(R), which grows as the accuracy climbs towards 1/2.
+    # batch's figure varies by about 0.1), far more than at the start. The raw value loss is not
+    # asserted: it follows Var(R) = p(1 - p), which grows as the accuracy p climbs towards 1/2 (with
+    # seed 1 it went 0.105 -> 0.115 while the explained variance went -0.13 -> 0.07).
     ev = [round(x["critic/explained_variance"], 3) for x in m]
     assert mean("critic/explained_variance", slice(-20, None)) > 0.0, ev
     assert mean("critic/explained_variance", last) > mean("critic/explained_variance", first) + 0.1, ev
-    value = [round(x["critic/value_loss"], 3) for x in m]
-    assert mean("critic/value_loss", last) < mean("critic/value_loss", first), value
