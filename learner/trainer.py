@@ -146,7 +146,7 @@ class Trainer:
 
     def _critic_update(self, groups: list[Unit], record: StepRecord) -> dict[str, float]:
         """The critic's targets and update (`Critic.update`) on every fresh sequence of the batch,
-        before the policy's first update sets out to use the advantages."""
+        before the policy's first update, which uses the advantages it sets."""
         start = time.perf_counter()
         cfg = self.cfg
         metrics = self.critic.update(pack(groups, "fresh", cfg.micro_token_budget, self.pad_id, cfg.share_prompts,
@@ -274,10 +274,10 @@ class Trainer:
         p.groups, p.skipped_groups = self.objective.form_units(p.groups)
         # A learned critic gives a group with equal rewards per-token advantages too: none is skipped.
         skip = cfg.skip_zero_advantage and not self.objective.needs_every_fresh_token() and self.critic is None
-        critic_metrics = self._critic_update(p.groups, record) if self.critic is not None else {}
         rng = random.Random(f"{self.seed}/{self.version}")
         plans = [p.mini_batches(cfg.mini_batches, rng if epoch else None) for epoch in range(cfg.epochs)]
         record.time("batching", start)
+        critic_metrics = self._critic_update(p.groups, record) if self.critic is not None else {}
         if self.updates_per_batch > 1 and lc.correction != "behavior":
             # Each rank runs its part of the first mini-batch first; over R ranks, a later epoch can give
             # a rank sequences another rank ran there, so it records those too.
