@@ -39,6 +39,8 @@ class Sequence:
     policy_weight: float = 1.0  # which distribution sampled it (Completion.policy_weight)
     # log pi_prox of each response token, recorded before the batch's first update (None until then).
     prox: torch.Tensor | None = field(default=None, repr=False)
+    # With a learned critic (learner/critic.py): the per-token advantages that replace `advantage`.
+    token_advantages: torch.Tensor | None = field(default=None, repr=False)
 
 
 # A unit of packing: the sequences of one prompt (a GRPO group, or one reference sample).
@@ -70,11 +72,16 @@ class MicroBatch:
 
     def prox(self) -> torch.Tensor | None:
         """[B, T] log pi_prox if every sequence has it recorded, else None."""
-        if any(s.prox is None for s in self.sequences):
+        return self.token_field("prox")
+
+    def token_field(self, name: str) -> torch.Tensor | None:
+        """[B, T] of a per-token field of the sequences (0 on padding), None unless all have it."""
+        parts = [getattr(s, name) for s in self.sequences]
+        if any(p is None for p in parts):
             return None
-        out = torch.zeros(self.mask.shape, dtype=self.sequences[0].prox.dtype)
-        for i, s in enumerate(self.sequences):
-            out[i, : len(s.response_ids)] = s.prox
+        out = torch.zeros(self.mask.shape, dtype=parts[0].dtype)
+        for i, p in enumerate(parts):
+            out[i, : len(p)] = p
         return out
 
     def record_prox(self, logp: torch.Tensor) -> None:

@@ -167,6 +167,71 @@ def policy_loss(
     return PolicyLoss(weight * keep * loss, keep, ratio.detach(), log_w.exp(), clipped, dual)
 
 
+# --- PPO with a learned critic ----------------------------------------------------------------
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over right-padded responses, per token t < T_i:
+
+        delta_t = r_t + gamma V(s_{t+1}) - V(s_t),   V(s_{T_i}) = 0 (the episode ends)
+        A_t     = sum_k (gamma lam)^k delta_{t+k}
+        G_t     = A_t + V(s_t)                        (the critic's regression target)
+
+    rewards, values, mask [B, T]; padding after a response's last token is ignored. With the
+    verifier's reward on the last token and gamma = lam = 1: A_t = R - V(s_t), G_t = R.
+    Returns (advantages, returns), 0 outside `mask`, without gradient.
+    """
+    rewards, values = upcast(rewards.detach(), values.detach())
+    mask = mask.to(values.dtype)
+    advantages = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0])
+    next_value = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * m
+        advantages[:, t] = running
+        next_value = values[:, t] * m
+    return advantages, (advantages + values) * mask
+
+
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / (std + eps) over the masked entries (population std), 0 outside `mask`."""
+    mask = mask.to(x.dtype)
+    mean = masked_mean(x, mask)
+    std = masked_mean((x - mean) ** 2, mask).sqrt()
+    return (x - mean) / (std + eps) * mask
+
+
+def value_loss(values: Tensor, values_old: Tensor, returns: Tensor, clip: float | None) -> Tensor:
+    """Per-token clipped value loss, PPO's:
+
+        l = 1/2 max((V - G)^2, (V_old + clip(V - V_old, -eps_v, eps_v) - G)^2)
+
+    V_old: the critic's values when the batch's advantages were computed; clip None gives
+    l = 1/2 (V - G)^2. Minimised by V = G; the clip stops one update moving V far from V_old.
+    """
+    values, values_old, returns = upcast(values, values_old, returns)
+    loss = (values - returns) ** 2
+    if clip is not None:
+        clipped = values_old + (values - values_old).clamp(-clip, clip)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    return 0.5 * loss
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var(G - V) / Var(G) over the masked tokens: 1 for a perfect critic, 0 for a constant one at
+    the mean return, negative for one worse than that (0 where the returns do not vary)."""
+    values, returns = upcast(values.detach(), returns.detach())
+    mask = mask.to(values.dtype)
+
+    def var(x: Tensor) -> Tensor:
+        return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+
+    total = var(returns)
+    return torch.where(total > 0, 1.0 - var(returns - values) / total.clamp(min=1e-30), torch.zeros_like(total))
+
+
 # --- DPH divergences ------------------------------------------------------------------------------
 
 

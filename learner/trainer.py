@@ -31,7 +31,8 @@ from transformers import AutoModelForCausalLM
 from dph_async.config import LearnerConfig
 from dph_async.protocol import Batch
 from learner import zero3
-from learner.batching import MicroBatch, MiniBatch, PreparedBatch, pack, prepare
+from learner.batching import MicroBatch, MiniBatch, PreparedBatch, Unit, pack, prepare
+from learner.critic import Critic
 from learner.data_parallel import Ranks, Rendezvous, init_distributed
 from learner.diagnostics import policy_diagnostics
 from learner.kl_monitor import KLMonitor
@@ -100,6 +101,8 @@ class Trainer:
         import deepspeed
 
         self.objective: Objective = make_objective(cfg.loss)
+        if cfg.critic.enabled and self.objective.whole_units:
+            raise ValueError(f"learner.critic: objective {self.objective.name!r} has no per-token advantage")
         if (rendezvous.world if rendezvous else 1) != cfg.ranks:
             raise ValueError(f"learner.ranks={cfg.ranks} needs a rendezvous of as many ranks")
         self.ranks: Ranks = init_distributed(rendezvous)
@@ -119,6 +122,9 @@ class Trainer:
                                         per_prompt=cfg.kl_per_prompt, temperature=temperature,
                                         max_tokens=max_response_tokens, eos_id=eos[0] if isinstance(eos, list) else eos,
                                         pad_id=pad_id, seed=seed)
+        self.critic = None
+        if cfg.critic.enabled:
+            self.critic = Critic(cfg.critic, model, cfg.grad_clip, seed)
         if cfg.zero_stage == 3:
             zero3.prepare_model(model)  # after the copy: the frozen reference model stays whole
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -148,6 +154,16 @@ class Trainer:
     def _logprobs(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return response_logprobs(model, mb, self.temperature, with_entropy=with_entropy, impl=self.cfg.kernel)
+
+    def _critic_update(self, groups: list[Unit], record: StepRecord) -> dict[str, float]:
+        """The critic's targets and update (`Critic.update`) on every fresh sequence of the batch,
+        before the policy's first update, which uses the advantages it sets."""
+        start = time.perf_counter()
+        cfg = self.cfg
+        metrics = self.critic.update(pack(groups, "fresh", cfg.micro_token_budget, self.pad_id, cfg.share_prompts,
+                                          cfg.pack_row_tokens))
+        record.time("critic", start)
+        return metrics
 
     def _pack(self, mini: MiniBatch, skip: bool) -> tuple[list[MicroBatch], list[MicroBatch]]:
         cfg = self.cfg
@@ -196,7 +212,8 @@ class Trainer:
         if prox is None and self.updates_per_batch > 1:
             mb.record_prox(logp)  # the batch's first update: the current policy is the proximal one
         start = record.time("forward", start)
-        out = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.mask, self.loss_cfg, prox)
+        advantages = mb.advantages if self.critic is None else mb.token_field("token_advantages")
+        out = policy_loss(logp, mb.old_logprobs, advantages, mb.mask, self.loss_cfg, prox)
         share = self.objective.fresh_share(out, mb.mask, mini.counts, self.norm, entropy=entropy, logp=logp,
                                            logp_ref=logp_ref, advantages=mb.advantages)
         m = mb.mask
@@ -281,10 +298,12 @@ class Trainer:
         p = prepare(Batch(batch.version, batch.groups, reference, batch.drops), use_std=lc.use_std,
                     eps=lc.adv_eps, filter_zero_spread=lc.filter_zero_spread)
         p.groups, p.skipped_groups = self.objective.form_units(p.groups)
-        skip = cfg.skip_zero_advantage and not self.objective.needs_every_fresh_token()
+        # A learned critic gives a group with equal rewards per-token advantages too: none is skipped.
+        skip = cfg.skip_zero_advantage and not self.objective.needs_every_fresh_token() and self.critic is None
         rng = random.Random(f"{self.seed}/{self.version}")
         plans = [p.mini_batches(cfg.mini_batches, rng if epoch else None) for epoch in range(cfg.epochs)]
         record.time("batching", start)
+        critic_metrics = self._critic_update(p.groups, record) if self.critic is not None else {}
         if self.updates_per_batch > 1 and lc.correction != "behavior":
             # Each rank runs its part of the first mini-batch first; over R ranks, a later epoch can give
             # a rank sequences another rank ran there, so it records those too.
@@ -302,6 +321,7 @@ class Trainer:
         if not self.ranks.main:
             return {}
         metrics = self._metrics(batch, p, record, staleness)
+        metrics.update(critic_metrics)
         if self.kl_monitor is not None and self.kl_monitor.due(self.version):
             kl = self.kl_monitor.measure(self._measured_model(), [g.prompt_ids for g in batch.groups], self.version)
             metrics.update(kl.metrics())
@@ -372,8 +392,9 @@ class Trainer:
         """Every rank writes its part; rank 0's `client_state` is the one kept."""
         if self.ranks.main:
             self.ranks.send("save")
+        critic = {} if self.critic is None else {"critic": self.critic.state_dict()}
         self.engine.save_checkpoint(str(directory), tag=f"v{self.version}",
-                                    client_state={**client_state, "version": self.version})
+                                    client_state={**client_state, **critic, "version": self.version})
 
     def load(self, directory: Path, tag: str) -> dict:
         if self.ranks.main:
@@ -382,6 +403,8 @@ class Trainer:
         if client_state is None:
             raise FileNotFoundError(f"no learner checkpoint {tag!r} in {directory}")
         self.version = int(client_state["version"])
+        if self.critic is not None:
+            self.critic.load_state_dict(client_state["critic"])
         return client_state
 
     def close(self) -> None:

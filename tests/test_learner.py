@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from dph_async.config import LearnerConfig, LossConfig
+from dph_async.config import CriticConfig, LearnerConfig, LossConfig
 from dph_async.protocol import Batch, Completion, ReferenceSample, RolloutGroup, SamplingInfo
 from dph_async.rewards.result import RewardResult
 from dph_async.tasks.tiny_model import build_tokenizer
@@ -153,8 +153,9 @@ def trainer(model_dir: str, lr: float = 3e-2, **learner):
     from learner.trainer import Trainer
 
     loss = learner.pop("loss", {})
+    critic = learner.pop("critic", {})
     cfg = LearnerConfig(lr=lr, zero_stage=0, **{"micro_token_budget": 64, **learner},
-                        loss=LossConfig(**{"objective": "grpo", **loss}))
+                        loss=LossConfig(**{"objective": "grpo", **loss}), critic=CriticConfig(**critic))
     return Trainer(model_dir, cfg, temperature=1.0, dtype="float32", pad_id=0, max_response_tokens=8, seed=0)
 
 

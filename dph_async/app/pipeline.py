@@ -48,7 +48,9 @@ def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
     if s.n < 2:
         raise ConfigError("sampling.n must be >= 2: GRPO advantages compare completions of the same prompt")
     for spec in specs:
-        spec.objective_class()
+        if spec.objective_class().whole_units and cfg.learner.critic.enabled:
+            raise ConfigError(f"learner.critic.enabled: objective {spec.objective!r} trains on pairs, with no "
+                              "per-token advantage for a critic to give")
     if cfg.mode == "sync":
         cfg = cfg.model_copy(deep=True)
         cfg.replay.max_staleness = 0

@@ -19,13 +19,13 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from dph_async.config.base import Section
-from dph_async.config.loss import LossConfig
+from dph_async.config.loss import CriticConfig, LossConfig
 from dph_async.config.replay import ReplayConfig
 from dph_async.config.rewards import RewardConfig
 from dph_async.errors import UserError
 
-__all__ = ["ConfigError", "LossConfig", "NetConfig", "ReplayConfig", "RewardConfig", "RunConfig", "load_config",
-           "presets"]
+__all__ = ["ConfigError", "CriticConfig", "LossConfig", "NetConfig", "ReplayConfig", "RewardConfig", "RunConfig",
+           "load_config", "presets"]
 
 
 # The actors' sampling distributions (ActorsConfig.sampler).
@@ -179,6 +179,7 @@ class LearnerConfig(Section):
     ranks: int = Field(1, ge=1)
     kernel: Literal["auto", "torch", "triton"] = "auto"
     loss: LossConfig = Field(default_factory=LossConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
 
     @field_validator("diagnose_every")
     @classmethod
@@ -187,6 +188,14 @@ class LearnerConfig(Section):
             raise ValueError("use 0 with learner.zero_stage=3: the diagnostic's second backward pass over one "
                              "forward finds ZeRO-3's parameters released")
         return every
+
+    @field_validator("critic")
+    @classmethod
+    def _critic(cls, critic: CriticConfig, info: ValidationInfo) -> CriticConfig:
+        # The value model's gradient is not averaged over ranks: one rank trains it.
+        if critic.enabled and info.data.get("ranks", 1) > 1:
+            raise ValueError("a learned critic trains on one learner rank: use learner.ranks=1")
+        return critic
 
 
 class EvalConfig(Section):

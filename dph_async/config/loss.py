@@ -50,3 +50,27 @@ class LossConfig(Section):
     aggregation_norm: int | None = Field(None, gt=0)
     # Entropy bonus on fresh tokens (0 in all the reference's scripts).
     entropy_coeff: float = 0.0
+
+
+class CriticConfig(Section):
+    """PPO with a learned critic (learner/critic.py), in place of GRPO's group baseline: per-token
+    advantages by GAE from a separate value model that the learner runs at the start of every batch
+    (never an actor's, stale, values)."""
+
+    enabled: bool = False
+    # GAE(gamma, lambda). The verifier's reward comes at the last token: gamma = lam = 1 gives
+    # A_t = R - V(s_t), unbiased whatever the critic, which a critic trained from scratch needs.
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    # Advantages whitened over the batch's tokens: an untrained critic's offset (R - V > 0 everywhere)
+    # would otherwise push up every sampled token.
+    whiten: bool = True
+    # PPO's value clipping: one update moves V at most this far from the batch's V_old (None: off).
+    value_clip: float | None = Field(0.2, gt=0)
+    # Weight of the value loss in the critic's objective (its own optimizer: it shares no parameter
+    # with the policy, so the coefficient scales the critic's gradient before clipping at grad_clip).
+    value_coeff: float = Field(0.5, gt=0)
+    # The value model: a copy of pi_0's decoder body with a scalar head, trained by AdamW with
+    # `epochs` steps on each batch.
+    lr: float = Field(1e-3, gt=0)
+    epochs: int = Field(4, ge=1)
