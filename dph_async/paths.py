@@ -56,7 +56,7 @@ class RunPaths:
         return self.root / "plots"
 
 
-# The file of a DeepSpeed checkpoint that holds the model's weights (one learner rank, ZeRO 0-2).
+# The file of a DeepSpeed checkpoint that holds the model's whole weights (ZeRO 0-2: rank 0 writes it).
 MODEL_STATES = "mp_rank_00_model_states.pt"
 # What ZeRO-3 writes instead (one per rank): its weights are placeholders, the weights themselves are
 # in the ranks' optimizer partitions, which `checkpoint_weights` puts together.
