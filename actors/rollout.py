@@ -25,14 +25,10 @@ from dph_async.config import RunConfig
 from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
 from dph_async.replay_client import RolloutSender
 from dph_async.rewards.scorer import Scorer
+from dph_async.spans import add_span
 from dph_async.tasks.dataset import PromptRecord
 
 log = logging.getLogger(__name__)
-
-# Spans kept per actor for the timeline (a few per engine step): enough for a benchmark's runs, and a
-# bound on memory for a run that goes on for days.
-TIMELINE_SPANS = 200_000
-
 
 class PromptCursor:
     """Position `seq` of an actor's stream -> a prompt of its shard; deterministic from the seed."""
@@ -101,14 +97,8 @@ class RolloutWorker:
         self._t0 = time.time()
 
     def _mark(self, start: float, what: str) -> None:
-        """Add to the busy/wait timeline, merging with the previous interval of the same kind; past
-        TIMELINE_SPANS spans a long run stops recording (the totals in the stats go on)."""
-        end = time.time()
-        line = self.stats.timeline
-        if line and line[-1][2] == what and start - line[-1][1] < 0.01:
-            line[-1] = (line[-1][0], end, what)
-        elif len(line) < TIMELINE_SPANS:
-            line.append((start, end, what))
+        """Add the span from `start` to now to the busy/wait timeline."""
+        add_span(self.stats.timeline, start, time.time(), what)
 
     def update_weights(self) -> None:
         """Load the newest published weights if they are newer than the engine's."""

@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from dph_async.config import RunConfig
 from dph_async.paths import checkpoint_dir
 from dph_async.protocol import Batch, ReferenceSample, RolloutGroup
 from dph_async.replay_client import ReplayClient
+from dph_async.spans import Span, add_span
 from learner import retention
 from learner.publish import WeightServer
 from learner.trainer import Trainer
@@ -35,7 +37,7 @@ class LearnerStats:
     publish_bytes: int = 0
     checkpoint_seconds: float = 0.0
     drops: dict[str, int] = field(default_factory=dict)
-    timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, what), wall clock
+    timeline: list[Span] = field(default_factory=list)
 
 
 class LearnerLoop:
@@ -48,12 +50,18 @@ class LearnerLoop:
         # trail for staleness, and how resume is checked against an uninterrupted run.
         self.consumed_path = run_dir / "consumed.jsonl"
         self.stats = LearnerStats()
-        self.metrics: list[dict[str, float]] = []
+        # Steps in metrics.jsonl; of those, the ones from `_unread_from` on that the driver has not
+        # read yet (a long-running learner keeps no per-step history in memory: the file has it).
+        self.logged = 0
+        self._unread: list[dict[str, float]] = []
+        self._unread_from = 0
+        # Called with each step's metrics as it is logged (the process's Prometheus collector).
+        self.listeners: list[Callable[[dict[str, float]], None]] = []
         self._lock = threading.Lock()
 
     def _span(self, start: float, what: str) -> float:
         end = time.time()
-        self.stats.timeline.append((start, end, what))
+        add_span(self.stats.timeline, start, end, what)
         return end - start
 
     def publish(self) -> None:
@@ -83,7 +91,7 @@ class LearnerLoop:
         tag = f"v{self.trainer.version}"
         replay_dir = self.checkpoint_dir / tag / "replay"
         self.replay.snapshot(str(replay_dir.resolve()), self.trainer.version)
-        self.trainer.save(self.checkpoint_dir, {"replay": str(replay_dir), "metrics": len(self.metrics)})
+        self.trainer.save(self.checkpoint_dir, {"replay": str(replay_dir), "metrics": self.logged})
         retention.prune(self.checkpoint_dir, self.cfg.learner.keep_checkpoints, self.cfg.learner.keep_versions)
         self.stats.checkpoint_seconds += self._span(start, "checkpoint")
         return self.checkpoint_dir / tag
@@ -96,11 +104,33 @@ class LearnerLoop:
         for path in (self.metrics_path, self.consumed_path):
             lines = path.read_text().splitlines()[: int(state["metrics"])] if path.exists() else []
             path.write_text("".join(x + "\n" for x in lines))
-        self.metrics = [json.loads(x) for x in self.metrics_path.read_text().splitlines()]
+        with self._lock:  # the driver of this process has read none of them
+            self._unread = [json.loads(x) for x in self.metrics_path.read_text().splitlines()]
+            self._unread_from, self.logged = 0, len(self._unread)
+
+    def log_step(self, m: dict[str, float], batch: Batch) -> None:
+        """Log a step: its metrics (metrics.jsonl, the driver, the listeners) and what it consumed."""
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(m) + "\n")
+        with self.consumed_path.open("a") as f:
+            groups = [[g.actor_id, g.seq, g.min_version, g.max_version] for g in batch.groups]
+            f.write(json.dumps({"version": batch.version, "groups": groups}) + "\n")
+        with self._lock:
+            self._unread.append(m)
+            self.logged += 1
+            for listener in self.listeners:
+                listener(m)
 
     def metrics_since(self, index: int) -> list[dict[str, float]]:
+        """The metrics of steps `index`, `index + 1`, ... logged so far (0: the run's first step).
+        One reader: asking from `index` says it holds every step before it, which are forgotten."""
         with self._lock:
-            return self.metrics[index:]
+            if not self._unread_from <= index <= self.logged:
+                raise ValueError(f"metrics from step {index} asked; held: steps {self._unread_from} to "
+                                 f"{self.logged} (earlier ones were read; {self.metrics_path} has them all)")
+            del self._unread[: index - self._unread_from]
+            self._unread_from = index
+            return list(self._unread)
 
     def run(self, stop: threading.Event) -> LearnerStats:
         lc = self.cfg.learner
@@ -118,13 +148,7 @@ class LearnerLoop:
                 self.publish()
             m["time/wall"] = time.time()
             m.update({f"drops/{k}": float(v) for k, v in self.stats.drops.items()})
-            with self._lock:
-                self.metrics.append(m)
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(m) + "\n")
-            with self.consumed_path.open("a") as f:
-                groups = [[g.actor_id, g.seq, g.min_version, g.max_version] for g in batch.groups]
-                f.write(json.dumps({"version": batch.version, "groups": groups}) + "\n")
+            self.log_step(m, batch)
             if lc.checkpoint_every and self.trainer.version % lc.checkpoint_every == 0:
                 self.checkpoint()
         return self.stats

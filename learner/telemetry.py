@@ -1,4 +1,4 @@
-"""The learner's Prometheus metrics and health, read from its `LearnerLoop` at each scrape."""
+"""The learner's Prometheus metrics and health: steps as its `LearnerLoop` logs them, stats at each scrape."""
 
 from __future__ import annotations
 
@@ -26,27 +26,28 @@ def checkpoint_usage(directory: Path) -> tuple[int, int]:
 
 
 class LearnerCollector(Collector):
+    """Counters summed from each step's metrics as the loop logs it; gauges from the last step."""
+
     def __init__(self, loop) -> None:
         self.loop = loop
-        self._seen = 0
         self._totals = {key: 0.0 for key, _, _ in TOTALS}
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
+        loop.listeners.append(self._observe)
 
-    def _update(self) -> dict[str, float]:
+    def _observe(self, m: dict[str, float]) -> None:
         with self._lock:
-            new = self.loop.metrics_since(self._seen)
-            self._seen += len(new)
-            for m in new:
-                for key in self._totals:
-                    self._totals[key] += m.get(key, 0.0)
-            if new:
-                self._last = new[-1]
-            return dict(self._totals)
+            for key in self._totals:
+                self._totals[key] += m.get(key, 0.0)
+            self._last = m
+
+    def _snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
+        with self._lock:
+            return dict(self._totals), self._last
 
     def collect(self) -> Iterator[Metric]:
-        totals = self._update()
-        stats, last = self.loop.stats, self._last
+        totals, last = self._snapshot()
+        stats = self.loop.stats
         yield GaugeMetricFamily("dph_learner_version", "Optimizer steps applied", value=self.loop.trainer.version)
         yield CounterMetricFamily("dph_learner_steps", "Steps taken by this process", value=stats.steps)
         for key, name, doc in TOTALS:

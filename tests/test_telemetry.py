@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import time
-from dataclasses import dataclass, field
+import tracemalloc
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,11 +19,13 @@ from dph_async.app.bench.transport import synthetic_group
 from dph_async.app.cli import main as cli
 from dph_async.app.commands.status import row
 from dph_async.app.endpoints import find_endpoints, scrape
-from dph_async.config import NetConfig
+from dph_async.config import NetConfig, RunConfig
 from dph_async.config.replay import ReplayConfig
+from dph_async.protocol import Batch
 from dph_async.replay_client import ReplayClient, RolloutSender
+from dph_async.spans import MAX_SPANS, add_span
 from dph_async.telemetry import MAX_CLIENTS, start_endpoint
-from learner.loop import LearnerStats
+from learner.loop import LearnerLoop
 from learner.telemetry import LearnerCollector, learner_health
 from replay.service import ReplayService
 from replay.telemetry import ReplayCollector, replay_health, staleness_buckets
@@ -73,30 +75,28 @@ def test_staleness_buckets_are_cumulative():
         ("0", 3.0), ("1", 3.0), ("2", 4.0), ("4", 4.0), ("8", 4.0), ("16", 6.0), ("32", 6.0), ("+Inf", 6.0)]
 
 
-@dataclass
-class _Loop:
-    """The parts of a LearnerLoop its collector reads (a stand-in: the real loop needs a model)."""
+def _loop(run_dir: Path) -> LearnerLoop:
+    """A real LearnerLoop without its model, replay or weight server: the parts the tests log through."""
+    loop = LearnerLoop(RunConfig(), trainer=SimpleNamespace(version=0), replay=None, server=None, run_dir=run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return loop
 
-    checkpoint_dir: Path
-    stats: LearnerStats = field(default_factory=LearnerStats)
-    trainer: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(version=0))
-    metrics: list[dict[str, float]] = field(default_factory=list)
 
-    def metrics_since(self, index: int) -> list[dict[str, float]]:
-        return self.metrics[index:]
+def _log(loop: LearnerLoop, v: int, **m: float) -> None:
+    loop.trainer.version, loop.stats.steps = v, v
+    loop.log_step({"learner/version": float(v), **m}, Batch(v - 1, [], [], {}))
 
 
 def test_learner_metrics_move_with_steps(tmp_path):
-    loop = _Loop(tmp_path / "checkpoints")
+    loop = _loop(tmp_path / "rl")
     endpoint = start_endpoint("learner", [LearnerCollector(loop)], lambda: learner_health(loop), NetConfig(), 1,
                               tmp_path / "endpoints")
     try:
         (ep,) = find_endpoints([str(tmp_path)])
         assert scrape(ep).value("dph_learner_fresh_tokens_total") == 0
         for v in (1, 2):
-            loop.metrics.append({"batch/fresh_tokens": 100.0 * v, "batch/scorer_failed": 1.0,
-                                 "learner/tokens_per_s": 500.0 + v})
-            loop.trainer.version, loop.stats.steps = v, v
+            _log(loop, v, **{"batch/fresh_tokens": 100.0 * v, "batch/scorer_failed": 1.0,
+                             "learner/tokens_per_s": 500.0 + v})
         (loop.checkpoint_dir / "v2").mkdir(parents=True)
         (loop.checkpoint_dir / "v2" / "model.pt").write_bytes(b"x" * 1000)
         r = scrape(ep)
@@ -106,6 +106,45 @@ def test_learner_metrics_move_with_steps(tmp_path):
         assert r.health["version"] == 2
     finally:
         endpoint.close()
+
+
+def test_the_learner_holds_only_the_steps_its_driver_has_not_read(tmp_path):
+    loop = _loop(tmp_path / "rl")
+    for v in (1, 2, 3):
+        _log(loop, v)
+    assert [m["learner/version"] for m in loop.metrics_since(0)] == [1, 2, 3]
+    assert [m["learner/version"] for m in loop.metrics_since(2)] == [3]  # the driver holds steps 0 and 1
+    _log(loop, 4)
+    assert [m["learner/version"] for m in loop.metrics_since(3)] == [4]
+    with pytest.raises(ValueError, match=r"metrics\.jsonl"):
+        loop.metrics_since(1)  # read and forgotten: the file has it
+    with pytest.raises(ValueError, match="from step 9"):
+        loop.metrics_since(9)
+    lines = (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["learner/version"] for x in lines] == [1, 2, 3, 4]
+    # A long-running learner read as it goes: memory does not grow with the steps (it kept every
+    # step's dict before, about 2.5 KB each in a real run).
+    tracemalloc.start()
+    try:
+        for v in range(5, 3005):
+            _log(loop, v, **{f"metric/{k}": float(k) for k in range(40)})
+            if v == 1000:
+                base = tracemalloc.get_traced_memory()[0]
+            loop.metrics_since(v)
+        grown = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert grown < 50_000, grown  # 2000 steps kept would be about 6 MB
+    assert loop.logged == 3004
+
+
+def test_a_timeline_stops_recording_at_its_bound():
+    line: list = []
+    for i in range(MAX_SPANS + 100):
+        add_span(line, 2.0 * i, 2.0 * i + 1, "train" if i % 2 else "wait")
+    assert len(line) == MAX_SPANS and line[-1] == (2.0 * (MAX_SPANS - 1), 2.0 * MAX_SPANS - 1, "train")
+    add_span(line, 2.0 * MAX_SPANS - 1, 2.0 * MAX_SPANS + 5, "train")  # touching the last span: merged
+    assert len(line) == MAX_SPANS and line[-1] == (2.0 * (MAX_SPANS - 1), 2.0 * MAX_SPANS + 5, "train")
 
 
 def test_actor_metrics_and_the_status_table(tmp_path, replay, capsys):

@@ -351,10 +351,11 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
            reference_path: Path | None, *, resume_tag: str | None = None,
            on_metrics: Callable[[dict[str, float]], None] | None = None,
            on_started: Callable[[dict[str, int]], None] | None = None,
-           stop: threading.Event | None = None) -> RLResult:
+           stop: threading.Event | None = None, keep_metrics: bool = True) -> RLResult:
     """Start the learner and the actors, watch them until the learner has taken `learner.steps` steps
     (or `stop` is set: the learner finishes its step, and the run ends as if those were all), stop
-    everything, and return what happened. Must run inside `ray_cluster(cfg)`."""
+    everything, and return what happened. Must run inside `ray_cluster(cfg)`. Without `keep_metrics`
+    the result holds no per-step metrics (a run of days: metrics.jsonl and `on_metrics` have them)."""
     start = time.time()
     # Absolute paths: actors on other nodes are handed them (and ask the learner for what they name).
     model_dir, rl_dir, prompts_path = model_dir.resolve(), rl_dir.resolve(), prompts_path.resolve()
@@ -391,6 +392,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     runs = {i: a.run.remote() for i, a in enumerate(actors)}
     learner_run = learner.run.remote()
     metrics: list[dict[str, float]] = []
+    read = 0  # steps whose metrics were read from the learner
     restarts = 0
     first = ray.get(learner.version.remote())
     try:
@@ -398,8 +400,10 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
             task = bar.add_task(f"RL [{name}]", total=cfg.learner.steps, completed=first)
             while True:
                 done, _ = ray.wait([learner_run, *runs.values(), *follows], num_returns=1, timeout=0.5)
-                for m in ray.get(learner.metrics_since.remote(len(metrics))):
-                    metrics.append(m)
+                for m in ray.get(learner.metrics_since.remote(read)):
+                    read += 1
+                    if keep_metrics:
+                        metrics.append(m)
                     if on_metrics:
                         on_metrics(m)
                     phases.setdefault("first_step", time.time() - start)

@@ -310,7 +310,8 @@ def run_soak(cfg: RunConfig, minutes: float, interval_s: float, warmup_s: float,
         sampler.start()
         try:
             rl = run_rl(mcfg, f"soak {minutes:g} min", rl_dir, prepared.base, prepared.prompts_for(spec),
-                        prepared.pool_for(spec), on_metrics=sampler.first_step, stop=sampler.stop)
+                        prepared.pool_for(spec), on_metrics=sampler.first_step, stop=sampler.stop,
+                        keep_metrics=False)
         finally:
             sampler.join()
     meta = {"minutes": minutes, "interval_s": interval_s, "warmup_s": warmup_s, "run": spec.name,
