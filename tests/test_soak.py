@@ -7,28 +7,35 @@ from pathlib import Path
 
 import pytest
 
-from dph_async.app.soak import ProcessSample, Sample, evaluate, run_soak, write_report
+from dph_async.app.soak import Check, ProcessSample, Sample, cpu_per_step, evaluate, run_soak, write_report
 from dph_async.config import load_config
 
 MB = 2**20
 
 
 def series(rss: list[float], fds: list[int] | None = None, steps_per_interval: list[float] | None = None,
-           wal_mb: float = 1.0, checkpoints: int = 2) -> list[Sample]:
-    """Samples 60 s apart of one process with these RSS values (MB), fds and learner steps per interval."""
+           wal_mb: float = 1.0, checkpoints: int = 2, cpu_per_step: list[float] | None = None) -> list[Sample]:
+    """Samples 60 s apart of one process with these RSS values (MB), fds, learner steps and CPU-seconds
+    per step over each interval."""
     fds = fds or [100] * len(rss)
     steps_per_interval = steps_per_interval or [600.0] * len(rss)
-    out, version = [], 0.0
-    for i, (r, f, d) in enumerate(zip(rss, fds, steps_per_interval, strict=True)):
+    cpu_per_step = cpu_per_step or [0.1] * len(rss)
+    out, version, cpu = [], 0.0, 0.0
+    for i, (r, f, d, c) in enumerate(zip(rss, fds, steps_per_interval, cpu_per_step, strict=True)):
         version += d if i else 0.0
-        out.append(Sample(60.0 * i, {"learner": ProcessSample(r * MB, f, 40)}, 4, int(wal_mb * MB), checkpoints,
-                          checkpoints * MB, version, 0.0, 0.0))
+        cpu += d * c if i else 0.0
+        out.append(Sample(60.0 * i, {"learner": ProcessSample(r * MB, f, 40, cpu)}, 4, int(wal_mb * MB),
+                          checkpoints, checkpoints * MB, version, 0.0, 0.0))
     return out
 
 
-def verdicts(samples: list[Sample], warmup_s: float = 60.0) -> dict[str, bool]:
+def judged(samples: list[Sample], warmup_s: float = 60.0) -> list[Check]:
     cfg = load_config("default", ["replay.wal_compact_mb=4", "replay.wal_segment_mb=1", "learner.keep_checkpoints=2"])
-    return {c.name: c.ok for c in evaluate(samples, warmup_s, cfg)}
+    return evaluate(samples, warmup_s, cfg)
+
+
+def verdicts(samples: list[Sample], warmup_s: float = 60.0) -> dict[str, bool]:
+    return {c.name: c.ok for c in judged(samples, warmup_s)}
 
 
 def test_flat_resources_pass():
@@ -45,6 +52,17 @@ def test_flat_resources_pass():
 def test_each_check_fails_on_its_own(kwargs, failing):
     got = verdicts(series(**kwargs))
     assert not got[failing] and all(ok for name, ok in got.items() if name != failing), got
+
+
+def test_cpu_seconds_per_step_tell_a_slower_machine_from_more_work():
+    # The same work per step, one interval on a machine 25% slower: the process was as busy (60 s of
+    # CPU in each interval) but took 0.125 CPU-s per step instead of 0.1.
+    samples = series([1000] * 5, steps_per_interval=[600, 600, 600, 480, 600],
+                     cpu_per_step=[0.1, 0.1, 0.1, 0.125, 0.1])
+    assert [round(c, 6) for _, c in cpu_per_step(samples, "learner")] == [0.1, 0.1, 0.125, 0.1]
+    (throughput,) = [c for c in judged(samples) if c.name == "throughput"]
+    assert not throughput.ok
+    assert "CPU-s per step: learner 0.100-0.125 (worst +25.0% of the median)" in throughput.detail
 
 
 def test_too_few_samples_after_warm_up_fail():
@@ -67,7 +85,7 @@ def test_two_minute_soak(tmp_path: Path):
     assert len(samples) >= 8 and samples[-1].t >= 115
     actors = {f"actor{i}" for i in range(cfg.actors.num_actors)}  # the default: one per core beside the learner
     assert all(set(s.processes) == {"learner", *actors} for s in samples)
-    assert all(p.rss_bytes > 100 * MB and p.open_fds > 10 and p.threads > 2 for s in samples
+    assert all(p.rss_bytes > 100 * MB and p.open_fds > 10 and p.threads > 2 and p.cpu_seconds > 0 for s in samples
                for p in s.processes.values())
     versions = [s.learner_version for s in samples]
     assert versions == sorted(versions) and versions[-1] > 4 * 25  # more than 4 checkpoints were written

@@ -42,6 +42,7 @@ class ProcessSample:
     rss_bytes: float
     open_fds: float
     threads: float
+    cpu_seconds: float = 0.0  # cumulative, user + system
 
 
 @dataclass
@@ -115,7 +116,7 @@ def take_sample(t: float, rl_dir: Path, cfg: RunConfig) -> Sample:
         if r.endpoint.name != "replay":  # the replay shares the learner's process
             processes[r.endpoint.name] = ProcessSample(
                 r.value("process_resident_memory_bytes", 0.0), r.value("process_open_fds", 0.0),
-                r.value("process_threads", 0.0))
+                r.value("process_threads", 0.0), r.value("process_cpu_seconds_total", 0.0))
         learner_version = max(learner_version, r.value("dph_learner_version", 0.0))
         learner_tokens += r.value("dph_learner_fresh_tokens_total", 0.0)
         actor_tokens += r.value("dph_actor_tokens_generated_total", 0.0)
@@ -136,6 +137,28 @@ def throughputs(samples: list[Sample], what: str = "learner_version") -> list[tu
             for a, b in itertools.pairwise(samples) if b.t > a.t]
 
 
+def cpu_per_step(samples: list[Sample], name: str) -> list[tuple[float, float]]:
+    """(t, CPU-seconds of process `name` per learner step) over each interval between samples. Every
+    step is the same work, so this moves only if the work costs more (the system) or the same work
+    takes more CPU time (the machine: a shared host, its clock); read with every process at once."""
+    return [(b.t, (b.processes[name].cpu_seconds - a.processes[name].cpu_seconds)
+             / (b.learner_version - a.learner_version))
+            for a, b in itertools.pairwise(samples)
+            if name in a.processes and name in b.processes and b.learner_version > a.learner_version
+            and b.processes[name].cpu_seconds > 0]  # 0: not sampled
+
+
+def _worst(deviations: list[float]) -> float:
+    """The deviation farthest from 0, with its sign (a slower interval reads -20%, not +20%)."""
+    return max(deviations, key=abs)
+
+
+def _spread(values: list[float]) -> str:
+    median = statistics.median(values)
+    worst = _worst([v / median - 1 for v in values]) if median > 0 else 0.0
+    return f"{min(values):.3f}-{max(values):.3f} (worst {worst:+.1%} of the median)"
+
+
 def evaluate(samples: list[Sample], warmup_s: float, cfg: RunConfig) -> list[Check]:
     """The pass/fail checks on the samples taken after `warmup_s` (see the module docstring)."""
     after = [s for s in samples if s.t >= warmup_s]
@@ -147,8 +170,8 @@ def evaluate(samples: list[Sample], warmup_s: float, cfg: RunConfig) -> list[Che
     for name, p0 in first.processes.items():
         series = [s.processes[name] for s in after if name in s.processes]
         rss = [p.rss_bytes for p in series]
-        worst = max(abs(x / p0.rss_bytes - 1) for x in rss)
-        checks.append(Check(f"rss {name}", worst <= RSS_TOLERANCE,
+        worst = _worst([x / p0.rss_bytes - 1 for x in rss])
+        checks.append(Check(f"rss {name}", abs(worst) <= RSS_TOLERANCE,
                             f"{p0.rss_bytes / 2**20:.0f} MB after warm-up, {min(rss) / 2**20:.0f}-"
                             f"{max(rss) / 2**20:.0f} MB, worst {worst:+.1%} (limit ±{RSS_TOLERANCE:.0%})"))
         fds = max(p.open_fds for p in series)
@@ -170,10 +193,12 @@ def evaluate(samples: list[Sample], warmup_s: float, cfg: RunConfig) -> list[Che
     rates = [r for t, r in throughputs(after)]
     if rates:
         median = statistics.median(rates)
-        worst = max(abs(r / median - 1) for r in rates) if median > 0 else float("inf")
-        checks.append(Check("throughput", worst <= THROUGHPUT_TOLERANCE,
+        worst = _worst([r / median - 1 for r in rates]) if median > 0 else float("inf")
+        cpu = {name: [c for _, c in cpu_per_step(after, name)] for name in sorted(first.processes)}
+        cpu_note = "; ".join(f"{name} {_spread(v)}" for name, v in cpu.items() if v)
+        checks.append(Check("throughput", abs(worst) <= THROUGHPUT_TOLERANCE,
                             f"learner {median:.2f} steps/s median over {len(rates)} intervals, worst {worst:+.1%} "
-                            f"(limit ±{THROUGHPUT_TOLERANCE:.0%})"))
+                            f"(limit ±{THROUGHPUT_TOLERANCE:.0%}); CPU-s per step: {cpu_note or 'not sampled'}"))
     return checks
 
 
@@ -187,14 +212,16 @@ def markdown(result: SoakResult) -> str:
              "| check | verdict | detail |", "|---|---|---|"]
     lines += [f"| {c.name} | {'ok' if c.ok else 'FAIL'} | {c.detail} |" for c in result.checks]
     names = sorted({n for s in result.samples for n in s.processes})
-    lines += ["", "| t (s) | " + " | ".join(f"{n} RSS MB / fds / threads" for n in names)
+    lines += ["", "| t (s) | " + " | ".join(f"{n} RSS MB / fds / threads / CPU-s per step" for n in names)
               + " | shm | WAL MB | ckpts | version | steps/s | learner tok/s | load 1 min |",
               "|---" * (len(names) + 8) + "|"]
     steps = dict(throughputs(result.samples))
     tokens = dict(throughputs(result.samples, "learner_tokens"))
+    cpu = {n: dict(cpu_per_step(result.samples, n)) for n in names}
     for s in result.samples:
-        cells = [f"{p.rss_bytes / 2**20:.0f} / {p.open_fds:.0f} / {p.threads:.0f}" if (p := s.processes.get(n))
-                 else "" for n in names]
+        cells = [f"{p.rss_bytes / 2**20:.0f} / {p.open_fds:.0f} / {p.threads:.0f} / "
+                 + (f"{cpu[n][s.t]:.3f}" if s.t in cpu[n] else "-") if (p := s.processes.get(n)) else ""
+                 for n in names]
         rates = f"{steps[s.t]:.2f} | {tokens[s.t]:.0f}" if s.t in steps else " | "
         lines.append(f"| {s.t:.0f} | " + " | ".join(cells) + f" | {s.shm_files} | {s.wal_bytes / 2**20:.1f} | "
                      f"{s.checkpoints} | {s.learner_version:.0f} | {rates} | {s.load[0]:.2f} |")
@@ -220,7 +247,12 @@ def plot(result: SoakResult, path: Path) -> None:
         axes[0, 0].legend(fontsize=7)
     rates = throughputs(samples)
     axes[1, 0].plot([x / 60 for x, _ in rates], [r for _, r in rates], marker="o")
-    axes[1, 0].set(title="learner steps/s (per interval)", xlabel="minutes")
+    axes[1, 0].set(title="learner steps/s (per interval); CPU-s per step (dashed)", xlabel="minutes")
+    cpu_axis = axes[1, 0].twinx()
+    for i, name in enumerate(sorted({n for s in samples for n in s.processes})):
+        pts = cpu_per_step(samples, name)
+        cpu_axis.plot([x / 60 for x, _ in pts], [c for _, c in pts], linestyle="--", color=f"C{i + 1}", label=name)
+    cpu_axis.legend(fontsize=7)
     axes[1, 1].plot(t, [s.wal_bytes / 2**20 for s in samples], label="WAL MB")
     axes[1, 1].plot(t, [s.checkpoint_bytes / 2**20 for s in samples], label="checkpoints MB")
     axes[1, 1].plot(t, [s.shm_files for s in samples], label="/dev/shm files")
