@@ -4,8 +4,8 @@
 
 The RL run is the ordinary one (Ray, learner with the replay, actors), with `learner.steps` out of
 reach: actors cycle through their prompts (a new shuffle per epoch) until the soak stops the learner.
-Every `interval_s` the sampler reads each process's /metrics (RSS, open fds, threads; learner and actor
-token counters) and the run directory (write-ahead log bytes, checkpoints), and lists the /dev/shm
+Every `interval_s` the sampler reads each process's /metrics (RSS, open fds, threads, CPU time; learner
+and actor token counters) and the run directory (write-ahead log bytes, checkpoints), and lists the /dev/shm
 files the processes have mapped or open. After `warmup_s` (start-up, caches, the allocator settling)
 the checks are:
 
@@ -13,7 +13,8 @@ the checks are:
     fds, shm     never more than the first sample after warm-up plus a little (+8 fds, +2 files)
     WAL          never more than replay.wal_compact_mb + 2 * replay.wal_segment_mb
     checkpoints  never more than learner.keep_checkpoints + learner.keep_versions + 1
-    throughput   learner steps/s of every interval within ±10 % of the median interval
+    throughput   learner steps/s of every interval within ±10 % of the median interval (reported with
+                 each process's CPU-seconds per step: a slower machine raises them all at once)
 
 Results: <out>/soak/soak.json (every sample, the checks, the machine's load), soak.md, soak.png.
 """
