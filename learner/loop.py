@@ -118,8 +118,11 @@ class LearnerLoop:
         with self._lock:
             self._unread.append(m)
             self.logged += 1
-            for listener in self.listeners:
+        for listener in list(self.listeners):
+            try:
                 listener(m)
+            except Exception:  # a broken observer must not stop training
+                log.exception("a metrics listener failed on step %d", self.logged)
 
     def metrics_since(self, index: int) -> list[dict[str, float]]:
         """The metrics of steps `index`, `index + 1`, ... logged so far (0: the run's first step).

@@ -20,7 +20,7 @@ def series(rss: list[float], fds: list[int] | None = None, steps_per_interval: l
     fds = fds or [100] * len(rss)
     steps_per_interval = steps_per_interval or [600.0] * len(rss)
     cpu_per_step = cpu_per_step or [0.1] * len(rss)
-    out, version, cpu = [], 0.0, 0.0
+    out, version, cpu = [], 0.0, 1.0
     for i, (r, f, d, c) in enumerate(zip(rss, fds, steps_per_interval, cpu_per_step, strict=True)):
         version += d if i else 0.0
         cpu += d * c if i else 0.0
@@ -63,6 +63,9 @@ def test_cpu_seconds_per_step_tell_a_slower_machine_from_more_work():
     (throughput,) = [c for c in judged(samples) if c.name == "throughput"]
     assert not throughput.ok
     assert "CPU-s per step: learner 0.100-0.125 (worst +25.0% of the median)" in throughput.detail
+    for s in samples[2:]:  # restarted between the 2nd and 3rd samples: its counter went back
+        s.processes["learner"].cpu_seconds -= 100
+    assert [round(c, 6) for _, c in cpu_per_step(samples, "learner")] == [0.1, 0.125, 0.1]
 
 
 def test_too_few_samples_after_warm_up_fail():

@@ -122,11 +122,15 @@ def test_the_learner_holds_only_the_steps_its_driver_has_not_read(tmp_path):
         loop.metrics_since(9)
     lines = (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["learner/version"] for x in lines] == [1, 2, 3, 4]
+    loop.listeners.append(lambda m: 1 / 0)  # a broken observer is logged, and training goes on
+    _log(loop, 5)
+    assert [m["learner/version"] for m in loop.metrics_since(4)] == [5]
+    loop.listeners.clear()
     # A long-running learner read as it goes: memory does not grow with the steps (it kept every
     # step's dict before, about 2.5 KB each in a real run).
     tracemalloc.start()
     try:
-        for v in range(5, 3005):
+        for v in range(6, 3006):
             _log(loop, v, **{f"metric/{k}": float(k) for k in range(40)})
             if v == 1000:
                 base = tracemalloc.get_traced_memory()[0]
@@ -135,7 +139,7 @@ def test_the_learner_holds_only_the_steps_its_driver_has_not_read(tmp_path):
     finally:
         tracemalloc.stop()
     assert grown < 50_000, grown  # 2000 steps kept would be about 6 MB
-    assert loop.logged == 3004
+    assert loop.logged == 3005
 
 
 def test_a_timeline_stops_recording_at_its_bound():

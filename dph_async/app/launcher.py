@@ -209,6 +209,9 @@ class LearnerProcess:
     def metrics_since(self, index: int) -> list[dict[str, float]]:
         return self.loop.metrics_since(index)
 
+    def steps_logged(self) -> int:
+        return self.loop.logged
+
     def replay_stats(self) -> ReplayStats:
         return self.replay.stats()
 
@@ -392,7 +395,9 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     runs = {i: a.run.remote() for i, a in enumerate(actors)}
     learner_run = learner.run.remote()
     metrics: list[dict[str, float]] = []
-    read = 0  # steps whose metrics were read from the learner
+    # Steps whose metrics were read from the learner; without keep_metrics a resumed run skips the
+    # steps before its checkpoint (the learner then drops them at the first read).
+    read = 0 if keep_metrics else ray.get(learner.steps_logged.remote())
     restarts = 0
     first = ray.get(learner.version.remote())
     try:

@@ -146,7 +146,7 @@ def cpu_per_step(samples: list[Sample], name: str) -> list[tuple[float, float]]:
              / (b.learner_version - a.learner_version))
             for a, b in itertools.pairwise(samples)
             if name in a.processes and name in b.processes and b.learner_version > a.learner_version
-            and b.processes[name].cpu_seconds > 0]  # 0: not sampled
+            and 0 < a.processes[name].cpu_seconds <= b.processes[name].cpu_seconds]  # 0: not sampled; less: restarted
 
 
 def _worst(deviations: list[float]) -> float:
