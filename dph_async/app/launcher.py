@@ -392,12 +392,13 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     phases["learner_ready"] = time.time() - start
     if on_started:
         on_started(pids)
+    # Steps whose metrics were read from the learner; without keep_metrics a resumed run skips the
+    # steps before its checkpoint (the learner then drops them at the first read). Asked before the
+    # learner runs, so that no new step is skipped.
+    read = 0 if keep_metrics else ray.get(learner.steps_logged.remote())
     runs = {i: a.run.remote() for i, a in enumerate(actors)}
     learner_run = learner.run.remote()
     metrics: list[dict[str, float]] = []
-    # Steps whose metrics were read from the learner; without keep_metrics a resumed run skips the
-    # steps before its checkpoint (the learner then drops them at the first read).
-    read = 0 if keep_metrics else ray.get(learner.steps_logged.remote())
     restarts = 0
     first = ray.get(learner.version.remote())
     try:
