@@ -54,7 +54,7 @@ def test_async_respects_staleness_and_trains(prepared):
     assert len(result.metrics) == 5
     assert all(math.isfinite(m["loss/total"]) for m in result.metrics)
     # On one host every version reached the actors through the learner's shared memory.
-    assert all(a["weight_shm_loads"] == a["weight_loads"] >= 1 and a["weight_shm_fallbacks"] == 0
+    assert all(a["weight_shm_loads"] == a["weight_loads"] and a["weight_shm_fallbacks"] == 0
                for a in result.actors), result.actors
     assert all(m["batch/reference_samples"] > 0 for m in result.metrics)  # the DPH term had samples
     steps = consumed(rl_dir)
@@ -65,8 +65,10 @@ def test_async_respects_staleness_and_trains(prepared):
             assert 0 <= step["version"] - oldest <= eta
     ids = group_ids(rl_dir)
     assert len(ids) == len(set(ids)), "a group was used twice"
-    # Both actors loaded new weights, and tokens made with them reached the learner.
-    assert all(a["weight_loads"] >= 1 for a in result.actors)
+    # Every actor that contributed loaded new weights, and tokens made with them reached the learner.
+    # (Not necessarily both: in a run of 5 steps, about 2 s, one actor can take every ticket while
+    # the other is still in its first engine step.)
+    assert all(a["weight_loads"] >= 1 for a in result.actors if a["groups_sent"] > 0)
     assert max(newest for s in steps for *_, newest in s["groups"]) >= 1
     assert (rl_dir / "final_model" / "config.json").is_file()
 
