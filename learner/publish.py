@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -82,7 +83,9 @@ class WeightServer:
         self.address = net.bind(self._sock, addr, security)
         # publish() runs in the learner's thread, the ROUTER belongs to the server thread: a publish
         # wakes the server thread through this in-process pair, and the server does the pushing.
-        self._wake_addr = f"inproc://weights-wake-{id(self)}"
+        # A fresh name: id(self) can repeat once an earlier server is freed, while its socket (never
+        # closed) still holds the name in the shared context.
+        self._wake_addr = f"inproc://weights-wake-{uuid.uuid4().hex}"
         self._wake_rx = self._ctx.socket(zmq.PULL)
         self._wake_rx.bind(self._wake_addr)
         self._wake_tx = self._ctx.socket(zmq.PUSH)
