@@ -154,9 +154,14 @@ def _worst(deviations: list[float]) -> float:
     return max(deviations, key=abs)
 
 
-def _spread(values: list[float]) -> str:
+def _off_median(values: list[float]) -> tuple[float, float]:
+    """(median, the worst relative deviation from it); inf when the median is not positive."""
     median = statistics.median(values)
-    worst = _worst([v / median - 1 for v in values]) if median > 0 else 0.0
+    return median, _worst([v / median - 1 for v in values]) if median > 0 else float("inf")
+
+
+def _spread(values: list[float]) -> str:
+    worst = _off_median(values)[1]
     return f"{min(values):.3f}-{max(values):.3f} (worst {worst:+.1%} of the median)"
 
 
@@ -193,8 +198,7 @@ def evaluate(samples: list[Sample], warmup_s: float, cfg: RunConfig) -> list[Che
                         f"(limit {ckpt_limit if ckpt_limit is not None else 'none: keep_checkpoints=0'})"))
     rates = [r for t, r in throughputs(after)]
     if rates:
-        median = statistics.median(rates)
-        worst = _worst([r / median - 1 for r in rates]) if median > 0 else float("inf")
+        median, worst = _off_median(rates)
         cpu = {name: [c for _, c in cpu_per_step(after, name)] for name in sorted(first.processes)}
         cpu_note = "; ".join(f"{name} {_spread(v)}" for name, v in cpu.items() if v)
         checks.append(Check("throughput", abs(worst) <= THROUGHPUT_TOLERANCE,
