@@ -137,3 +137,68 @@ def test_presampling_output_follows_the_split_rule(small_base):
     assert all(r["reward"] == 1.0 for r in pool)
     assert (summary["d_pef_prompts"], summary["d_exp_prompts"], summary["reference_samples"]) == (
         len(pef), len(exp), len(pool))
+
+
+ONE_ENGINE = """
+import json, sys
+from pathlib import Path
+from actors.engine import VLLMEngine
+from dph_async.app.evaluate import evaluate_jobs
+from dph_async.app.pipeline import EvalJob
+from dph_async.config import load_config
+
+root, base, other, overrides = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), json.loads(sys.argv[4])
+cfg = load_config("default", overrides)
+tests = {"in_domain": root / "data" / "test.parquet", "ood": root / "data" / "ood_test.parquet"}
+out = Path(sys.argv[5])
+generated = []  # the token ids of every generate() call, in order: 4 per job (greedy and sampled, 2 splits)
+generate = VLLMEngine.generate
+def recorded(self, prompts, spec):
+    groups = generate(self, prompts, spec)
+    generated.append([[s.token_ids for s in g] for g in groups])
+    return groups
+VLLMEngine.generate = recorded
+# One engine built from the base evaluates the base, then the other model loaded in place...
+evaluate_jobs(cfg, base, [EvalJob(base, out / "base.json", 3), EvalJob(other, out / "after.json", 5)], tests)
+# ...and a fresh engine built from the other model evaluates it alone, then with another seed.
+evaluate_jobs(cfg, other, [EvalJob(other, out / "fresh.json", 5), EvalJob(other, out / "seed6.json", 6)], tests)
+(out / "generated.json").write_text(json.dumps(dict(zip(("base", "after", "fresh", "seed6"),
+                                                        (generated[i:i + 4] for i in range(0, 16, 4))))))
+"""
+
+
+@pytest.mark.slow
+def test_a_model_evaluated_after_another_in_one_engine_gets_a_fresh_engines_results(small_base, tmp_path):
+    """Evaluation loads each model of a stage into one engine: a model evaluated after another (the
+    engine's generators used, its prefix cache filled) draws the samples a fresh engine built from it
+    draws, token for token, and gets its results; another seed draws other samples."""
+    import subprocess
+    import sys
+
+    import torch
+    from conftest import SMALL
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = small_base / "base_model"
+    other = tmp_path / "other"
+    model = AutoModelForCausalLM.from_pretrained(base)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    model.save_pretrained(other)
+    AutoTokenizer.from_pretrained(base).save_pretrained(other)
+    out = tmp_path / "eval"
+    subprocess.run([sys.executable, "-c", ONE_ENGINE, str(small_base), str(base), str(other), json.dumps(SMALL),
+                    str(out)], check=True, timeout=600)
+
+    tokens = json.loads((out / "generated.json").read_text())
+    assert tokens["after"] == tokens["fresh"]
+    assert tokens["base"] != tokens["after"], "the other model should answer differently from the base"
+    assert tokens["seed6"][0] == tokens["fresh"][0], "greedy answers do not depend on the seed"
+    assert tokens["seed6"][1] != tokens["fresh"][1], "another seed should draw other samples"
+    after, fresh = (json.loads((out / n).read_text()) for n in ("after.json", "fresh.json"))
+    assert after.keys() == {"in_domain", "ood"}
+    for split in (*after.values(), *fresh.values()):
+        del split["seconds"]  # wall clock
+    assert after == fresh

@@ -156,6 +156,9 @@ def test_complete_run_writes_the_report(runs):
     assert summary["modes"] == list(MODES)
     evals = {name: load_results(full / "eval" / f"{name}.json") for name in ("base", *MODES)}
     assert set(summary["eval"]) == set(evals)
+    # One engine evaluated the base and the trained models (they share config and tokenizer): one
+    # evaluation worker, so one log.
+    assert [p.name for p in (full / "eval").glob("*.log")] == ["base.log"]
     for mode in MODES:
         assert summary["rl"][mode]["learner"]["steps"] == STEPS
         assert len(metrics_of(full / "rl" / mode)) == STEPS

@@ -7,16 +7,26 @@ prompts; unbiased for every k <= n. Diversity: distinct correct answers per prom
 from __future__ import annotations
 
 import json
+import random
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from math import comb
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
 
 from actors.engine import SamplingSpec, VLLMEngine
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
+from dph_async.paths import checkpoint_weights, is_learner_checkpoint
 from dph_async.rewards.scorer import make_scorer
 from dph_async.tasks.dataset import PromptRecord, load_prompts
+
+if TYPE_CHECKING:
+    from dph_async.app.pipeline import EvalJob
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -82,23 +92,69 @@ def evaluate_split(engine: VLLMEngine, scorer, name: str, records: list[PromptRe
     )
 
 
-def evaluate(cfg: RunConfig, model_dir: Path, test_sets: dict[str, Path], out_path: Path | None = None
-             ) -> dict[str, SplitResult]:
-    """Evaluate one model on every test set; optionally write the results as JSON."""
-    engine = VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+def read_weights(source: Path) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of a Hugging Face model directory (its safetensors files) or of a learner
+    checkpoint: the names the engine's loaders take."""
+    from safetensors.torch import load_file
+
+    if is_learner_checkpoint(source):
+        return list(checkpoint_weights(source).items())
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{source}: no *.safetensors weights and no learner checkpoint")
+    return [item for f in files for item in load_file(f).items()]
+
+
+def evaluate_jobs(cfg: RunConfig, engine_dir: Path, jobs: Sequence[EvalJob], test_sets: dict[str, Path]) -> None:
+    """Evaluate several models of one architecture with one engine, built once from `engine_dir`; each
+    job's weights are loaded into it in place (about 11 CPU-seconds of imports and engine build saved
+    per model after the first). Each job's sampling starts from its own seed and its prompts are
+    cached under its own salt, so its results are those of a fresh engine holding its weights."""
+    engine = VLLMEngine(str(engine_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
                         seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads)
+    held = engine_dir
+    with make_scorer(cfg.rewards) as scorer:
+        for job in jobs:
+            if job.weights != held:
+                engine.load_weights(read_weights(job.weights), engine.version + 1)
+                held = job.weights
+            write_results(evaluate_engine(engine, scorer, cfg, test_sets, job.seed, job.weights.name), job.out)
+
+
+def evaluate_engine(engine: VLLMEngine, scorer, cfg: RunConfig, test_sets: dict[str, Path], seed: int,
+                    label: str) -> dict[str, SplitResult]:
+    """Evaluate the engine's current weights on every test set, sampling from `seed`."""
+    # Unseeded requests sample from the process's generators: reseeded here, the samples depend on the
+    # seed and the weights, not on what the engine generated before.
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
     results = {}
-    with make_scorer(cfg.rewards) as scorer, progress(transient=True) as bar:
-        task = bar.add_task(f"eval {model_dir.name}", total=len(test_sets))
+    with progress(transient=True) as bar:
+        task = bar.add_task(f"eval {label}", total=len(test_sets))
         for name, path in test_sets.items():
             records = load_prompts(path, engine.tokenizer, cfg.model.max_model_len - cfg.sampling.max_tokens,
                                    limit=cfg.eval.max_prompts)
             results[name] = evaluate_split(engine, scorer, name, records, cfg)
             bar.update(task, advance=1)
-    if out_path is not None:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps({k: asdict(v) for k, v in results.items()}, indent=2))
     return results
+
+
+def evaluate(cfg: RunConfig, model_dir: Path, test_sets: dict[str, Path], out_path: Path | None = None
+             ) -> dict[str, SplitResult]:
+    """Evaluate one model on every test set; optionally write the results as JSON."""
+    engine = VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+                        seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads)
+    with make_scorer(cfg.rewards) as scorer:
+        results = evaluate_engine(engine, scorer, cfg, test_sets, cfg.seed, model_dir.name)
+    if out_path is not None:
+        write_results(results, out_path)
+    return results
+
+
+def write_results(results: dict[str, SplitResult], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({k: asdict(v) for k, v in results.items()}, indent=2))
 
 
 # Test prompts grouped by what pi_0 did on them (its n samples): like D_pef, like D_exp, or unsolved.

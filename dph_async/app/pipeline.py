@@ -23,7 +23,7 @@ from dph_async.app.progress import console
 from dph_async.app.report import write_report
 from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config
-from dph_async.paths import RunPaths, checkpoint_dir, final_model
+from dph_async.paths import RunPaths, checkpoint_dir, final_model, is_learner_checkpoint
 from dph_async.tasks.dataset import verl_row, write_rows
 from dph_async.tasks.embedded import ALPHABET, make_splits
 
@@ -78,11 +78,11 @@ def _presample_task(cfg: RunConfig, model_dir: str, train: str, out_dir: str) ->
 
 
 @ray.remote(max_calls=1)
-def _evaluate_task(cfg: RunConfig, model_dir: str, test_sets: dict[str, str], out: str) -> None:
-    from dph_async.app.evaluate import evaluate  # as for _presample_task
+def _evaluate_task(cfg: RunConfig, engine_dir: str, jobs: list[EvalJob], test_sets: dict[str, str]) -> None:
+    from dph_async.app.evaluate import evaluate_jobs  # as for _presample_task
 
-    log_to_file(Path(out).with_suffix(".log"))
-    evaluate(cfg, Path(model_dir), {k: Path(v) for k, v in test_sets.items()}, Path(out))
+    log_to_file(jobs[0].out.with_suffix(".log"))
+    evaluate_jobs(cfg, Path(engine_dir), jobs, {k: Path(v) for k, v in test_sets.items()})
 
 
 def prepare_embedded(cfg: RunConfig, paths: RunPaths, timer: StageTimer) -> dict[str, Path]:
@@ -164,13 +164,49 @@ def prepare(cfg: RunConfig, paths: RunPaths, timer: StageTimer, need_presample: 
     return Prepared(base, train, tests, presample, pool, paths.exploration_data)
 
 
-def evaluate_model(cfg: RunConfig, model_dir: Path, tests: dict[str, Path], out: Path) -> Path:
-    """Evaluate in a fresh Ray worker process (its engine's memory goes when it exits); skip if done."""
-    if not out.is_file() and tests:
-        with console.status(f"evaluating {out.stem}: greedy and {cfg.eval.k_max} samples per test prompt"):
+@dataclass(frozen=True)
+class EvalJob:
+    """One model to evaluate: its weights (a Hugging Face model directory, or a learner checkpoint
+    `checkpoints/v<N>` of a model of `evaluate_models`' `arch`), the file its results go to, and the
+    seed of its samples."""
+
+    weights: Path
+    out: Path
+    seed: int
+
+
+# What transformers writes into a saved config about where it was loaded from, not about the model.
+_PROVENANCE = ("_name_or_path", "name_or_path", "is_local", "local_files_only")
+
+
+def _architecture(model_dir: Path) -> str:
+    """What an engine is built from besides the weights (config and tokenizer): models equal in it
+    share one engine."""
+    parts = {}
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        path = model_dir / name
+        content = json.loads(path.read_text()) if path.is_file() else None
+        parts[name] = {k: v for k, v in content.items() if k not in _PROVENANCE} if isinstance(content, dict) \
+            else content
+    return json.dumps(parts, sort_keys=True)
+
+
+def evaluate_models(cfg: RunConfig, jobs: list[EvalJob], tests: dict[str, Path], arch: Path | None = None) -> None:
+    """Evaluate the jobs whose results are not written yet, in fresh Ray worker processes (an engine's
+    memory goes when its worker exits): one worker and one engine for all models of one architecture,
+    each loaded into it in turn. `arch`: the model directory a checkpoint's weights belong to."""
+    todo = [job for job in jobs if not job.out.is_file()] if tests else []
+    groups: dict[str, tuple[Path, list[EvalJob]]] = {}
+    for job in todo:
+        model_dir = arch if is_learner_checkpoint(job.weights) else job.weights
+        if model_dir is None:
+            raise ValueError(f"{job.weights} is a learner checkpoint: give the model directory it belongs to")
+        groups.setdefault(_architecture(model_dir), (model_dir, []))[1].append(job)
+    for model_dir, group in groups.values():
+        names = ", ".join(job.out.stem for job in group)
+        with console.status(f"evaluating {names}: greedy and {cfg.eval.k_max} samples per test prompt"):
             ray.get(_evaluate_task.options(**on_home_node()).remote(
-                cfg, str(model_dir), {k: str(v) for k, v in tests.items()}, str(out)))
-    return out
+                cfg, str(model_dir), group, {k: str(v) for k, v in tests.items()}))
 
 
 def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
@@ -193,10 +229,11 @@ def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
         for spec in specs:
             results[spec.name] = train_mode(cfg, paths, prepared, spec, paths.rl(spec.slug), timer)
         t = time.time()
-        evals = {"base": evaluate_model(cfg, prepared.base, prepared.tests, paths.eval / "base.json")}
+        jobs = {"base": EvalJob(prepared.base, paths.eval / "base.json", cfg.seed)}
         for spec in specs:
-            evals[spec.name] = evaluate_model(cfg, final_model(paths.rl(spec.slug)), prepared.tests,
-                                              paths.eval / f"{spec.slug}.json")
+            jobs[spec.name] = EvalJob(final_model(paths.rl(spec.slug)), paths.eval / f"{spec.slug}.json", cfg.seed)
+        evaluate_models(cfg, list(jobs.values()), prepared.tests)
+        evals = {name: job.out for name, job in jobs.items()}
         timer.add("evaluation", t)
     summary = {
         "config": cfg.model_dump(mode="json"),

@@ -11,8 +11,8 @@ where it stopped and a grown grid (more seeds, another eta) runs only the new ce
 midway resumes from its newest checkpoint (its wall-clock curve then holds the pause; cell.json
 says `resumed`).
 
-Pass@k along a run: every cell checkpoints `eval_points` times; after its run each checkpoint's
-weights are exported to a Hugging Face directory, evaluated like the final model, and deleted.
+Pass@k along a run: every cell checkpoints `eval_points` times; after its run one engine evaluates
+the final model and each kept checkpoint's weights, loaded into it in turn.
 """
 
 from __future__ import annotations
@@ -23,16 +23,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import ray
-
 from dph_async.app.ablate.cells import Cell, Sweep
 from dph_async.app.launcher import ray_cluster
-from dph_async.app.pipeline import Prepared, StageTimer, evaluate_model, prepare, train_mode, validate
-from dph_async.app.placement import on_home_node
+from dph_async.app.pipeline import EvalJob, Prepared, StageTimer, evaluate_models, prepare, train_mode, validate
 from dph_async.app.progress import console
 from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config, load_config
-from dph_async.paths import RunPaths, checkpoint_dir, checkpoint_weights, final_model, is_learner_checkpoint
+from dph_async.paths import RunPaths, checkpoint_dir, final_model, is_learner_checkpoint
 
 
 def eval_versions(steps: int, points: int) -> list[int]:
@@ -48,25 +45,6 @@ def cell_config(preset: str, overrides: list[str], cell: Cell, eval_points: int)
     return validate(cfg, [RunSpec.parse(cell.mode)])
 
 
-@ray.remote(max_calls=1)
-def _export_task(base: str, checkpoint: str, out: str) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(base)
-    model.load_state_dict(checkpoint_weights(Path(checkpoint)))
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out)
-    return out
-
-
-def export_checkpoint(rl_dir: Path, version: int, base: Path, out: Path) -> Path:
-    """The learner's weights at checkpoint v<version> as a Hugging Face model directory."""
-    ckpt = checkpoint_dir(rl_dir) / f"v{version}"
-    if not is_learner_checkpoint(ckpt):
-        raise FileNotFoundError(f"no checkpoint weights in {ckpt} (learner.checkpoint_every must divide {version})")
-    return Path(ray.get(_export_task.options(**on_home_node()).remote(str(base), str(ckpt), str(out))))
-
-
 def run_cell(cfg: RunConfig, paths: RunPaths, prepared: Prepared, cell: Cell, eval_points: int,
              timer: StageTimer) -> None:
     """Train and evaluate one cell (resuming a stopped one); write its cell.json last."""
@@ -75,16 +53,13 @@ def run_cell(cfg: RunConfig, paths: RunPaths, prepared: Prepared, cell: Cell, ev
     start = time.time()
     train_mode(cfg, paths, prepared, RunSpec.parse(cell.mode), rl_dir, timer, name=cell.key)
     steps = cfg.learner.steps
+    jobs = []
     for v in eval_versions(steps, eval_points):
-        out = rl_dir / "eval" / f"v{v}.json"
-        if out.is_file():
-            continue
-        if v == steps:
-            evaluate_model(cfg, final_model(rl_dir), prepared.tests, out)
-        else:
-            model = export_checkpoint(rl_dir, v, prepared.base, rl_dir / "models" / f"v{v}")
-            evaluate_model(cfg, model, prepared.tests, out)
-            shutil.rmtree(model.parent)  # only evaluations are kept: the checkpoint holds the weights
+        weights = final_model(rl_dir) if v == steps else checkpoint_dir(rl_dir) / f"v{v}"
+        if v != steps and not is_learner_checkpoint(weights):
+            raise FileNotFoundError(f"no checkpoint weights in {weights} (learner.checkpoint_every must divide {v})")
+        jobs.append(EvalJob(weights, rl_dir / "eval" / f"v{v}.json", cfg.seed))
+    evaluate_models(cfg, jobs, prepared.tests, arch=prepared.base)
     record = {**asdict(cell), "steps": steps, "resumed": resumed, "seconds": time.time() - start}
     (rl_dir / "cell.json").write_text(json.dumps(record, indent=2))
 
@@ -114,10 +89,10 @@ def run_sweep(preset: str, overrides: list[str], sweep: Sweep, out: Path, eval_p
     timer = StageTimer()
     with ray_cluster(base):
         prepared = prepare(base, paths, timer, any(s.needs_presampling for s in specs))
-        evaluate_model(base, prepared.base, prepared.tests, paths.eval / "base.json")
+        jobs = [EvalJob(prepared.base, paths.eval / "base.json", base.seed)]
         if sweep.kind == "divergence":  # pi_0 again on fresh samples: the per-band table's unbiased row
-            evaluate_model(base.model_copy(update={"seed": base.seed + 1}), prepared.base, prepared.tests,
-                           paths.eval / "base_redraw.json")
+            jobs.append(EvalJob(prepared.base, paths.eval / "base_redraw.json", base.seed + 1))
+        evaluate_models(base, jobs, prepared.tests)
         start = time.time()
         for i, cell in enumerate(todo):
             if i:

@@ -128,7 +128,7 @@ def run_recovery(cfg: RunConfig, base: Path, trained: Path, tests: dict[str, Pat
                  recoveries: list[Recovery], types: list[str] | None, keep_models: bool = True) -> RecoveryResult:
     """Build, evaluate and report every recovery (skipping what a previous run finished)."""
     from dph_async.app.launcher import ray_cluster
-    from dph_async.app.pipeline import evaluate_model
+    from dph_async.app.pipeline import EvalJob, evaluate_models
 
     for name, path in (("BASE", base), ("TRAINED", trained)):
         if not (path / "config.json").is_file():
@@ -141,8 +141,9 @@ def run_recovery(cfg: RunConfig, base: Path, trained: Path, tests: dict[str, Pat
             ray_cluster(cfg):
         matrices = select(list(common_matrices(b, [t])), types)
         svds: dict[str, tuple[SVD, SVD]] = {}
-        evals["base"] = evaluate_model(cfg, base, tests, out / "eval" / "base.json")
-        evals["trained"] = evaluate_model(cfg, trained, tests, out / "eval" / "trained.json")
+        evals.update(base=out / "eval" / "base.json", trained=out / "eval" / "trained.json")
+        evaluate_models(cfg, [EvalJob(base, evals["base"], cfg.seed), EvalJob(trained, evals["trained"], cfg.seed)],
+                        tests)
         for i, rec in enumerate(recoveries):
             model, result = out / "models" / rec.name, out / "eval" / f"{rec.name}.json"
             built = (model / "recovery.json").is_file() and (result.is_file() or (model / "config.json").is_file())
@@ -151,7 +152,8 @@ def run_recovery(cfg: RunConfig, base: Path, trained: Path, tests: dict[str, Pat
                 with console.status(f"recovery {i + 1}/{len(recoveries)}: writing {rec.name}"):
                     write_recovered(b, t, svds, rec, model)
             records.append(RecoveryRecord(**json.loads((model / "recovery.json").read_text())))
-            evals[rec.name] = evaluate_model(cfg, model, tests, result)
+            evaluate_models(cfg, [EvalJob(model, result, cfg.seed)], tests)
+            evals[rec.name] = result
             if not keep_models:  # the record stays: the report needs it
                 for f in model.iterdir():
                     if f.name != "recovery.json":
