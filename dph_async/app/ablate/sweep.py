@@ -56,9 +56,10 @@ def run_cell(cfg: RunConfig, paths: RunPaths, prepared: Prepared, cell: Cell, ev
     jobs = []
     for v in eval_versions(steps, eval_points):
         weights = final_model(rl_dir) if v == steps else checkpoint_dir(rl_dir) / f"v{v}"
-        if v != steps and not is_learner_checkpoint(weights):
+        out = rl_dir / "eval" / f"v{v}.json"
+        if v != steps and not out.is_file() and not is_learner_checkpoint(weights):
             raise FileNotFoundError(f"no checkpoint weights in {weights} (learner.checkpoint_every must divide {v})")
-        jobs.append(EvalJob(weights, rl_dir / "eval" / f"v{v}.json", cfg.seed))
+        jobs.append(EvalJob(weights, out, cfg.seed))
     evaluate_models(cfg, jobs, prepared.tests, arch=prepared.base)
     record = {**asdict(cell), "steps": steps, "resumed": resumed, "seconds": time.time() - start}
     (rl_dir / "cell.json").write_text(json.dumps(record, indent=2))
