@@ -8,11 +8,13 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import subprocess
+import sys
 from fractions import Fraction
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import small_config
+from conftest import SMALL, small_config
 
 from actors.engine import Sample, SamplingSpec
 from dph_async.app.evaluate import evaluate_split, pass_at_k
@@ -172,11 +174,7 @@ def test_a_model_evaluated_after_another_in_one_engine_gets_a_fresh_engines_resu
     """Evaluation loads each model of a stage into one engine: a model evaluated after another (the
     engine's generators used, its prefix cache filled) draws the samples a fresh engine built from it
     draws, token for token, and gets its results; another seed draws other samples."""
-    import subprocess
-    import sys
-
     import torch
-    from conftest import SMALL
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base = small_base / "base_model"

@@ -105,13 +105,18 @@ def read_weights(source: Path) -> list[tuple[str, torch.Tensor]]:
     return [item for f in files for item in load_file(f).items()]
 
 
+def build_engine(cfg: RunConfig, model_dir: Path) -> VLLMEngine:
+    """The evaluation engine for the model in `model_dir`, on the learner's threads."""
+    return VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+                      seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads)
+
+
 def evaluate_jobs(cfg: RunConfig, engine_dir: Path, jobs: Sequence[EvalJob], test_sets: dict[str, Path]) -> None:
     """Evaluate several models of one architecture with one engine, built once from `engine_dir`; each
     job's weights are loaded into it in place (about 11 CPU-seconds of imports and engine build saved
     per model after the first). Each job's sampling starts from its own seed and its prompts are
     cached under its own salt, so its results are those of a fresh engine holding its weights."""
-    engine = VLLMEngine(str(engine_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                        seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads)
+    engine = build_engine(cfg, engine_dir)
     held = engine_dir
     with make_scorer(cfg.rewards) as scorer:
         for job in jobs:
@@ -143,8 +148,7 @@ def evaluate_engine(engine: VLLMEngine, scorer, cfg: RunConfig, test_sets: dict[
 def evaluate(cfg: RunConfig, model_dir: Path, test_sets: dict[str, Path], out_path: Path | None = None
              ) -> dict[str, SplitResult]:
     """Evaluate one model on every test set; optionally write the results as JSON."""
-    engine = VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                        seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads)
+    engine = build_engine(cfg, model_dir)
     with make_scorer(cfg.rewards) as scorer:
         results = evaluate_engine(engine, scorer, cfg, test_sets, cfg.seed, model_dir.name)
     if out_path is not None:
