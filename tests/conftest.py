@@ -1,5 +1,6 @@
 """Fixtures shared across modules.
 
+`ray_session`: one Ray cluster for the tests that run the processes in-process.
 `small_base`: one warm-started tiny base model with its pre-sampled pools (D_pef, D_exp), made once
 per session and reused by every end-to-end module (they copy it or train from it, never change it).
 `scorer_process`: the scorer service in a process of its own.
@@ -46,16 +47,24 @@ def small_config(root: Path, *overrides: str):
 
 
 @pytest.fixture(scope="session")
-def small_base(tmp_path_factory) -> Path:
-    """A run directory holding pi_0 (warm start), the datasets and the pre-sampling of the small size."""
+def ray_session(tmp_path_factory) -> Iterator[None]:
+    """One local Ray cluster for every test that runs the processes in this one: their `ray_cluster`
+    uses it and leaves it running, instead of paying a cluster's start (5-9 s here) each. Runs in
+    subprocesses start clusters of their own. Four CPUs: the most any of these tests asks for."""
     from dph_async.app.launcher import ray_cluster
+
+    with ray_cluster(small_config(tmp_path_factory.mktemp("ray"), "launcher.num_cpus=4")):
+        yield
+
+
+@pytest.fixture(scope="session")
+def small_base(ray_session, tmp_path_factory) -> Path:
+    """A run directory holding pi_0 (warm start), the datasets and the pre-sampling of the small size."""
     from dph_async.app.pipeline import StageTimer, prepare
     from dph_async.paths import RunPaths
 
     root = tmp_path_factory.mktemp("small-base")
-    cfg = small_config(root)
-    with ray_cluster(cfg):
-        prepare(cfg, RunPaths(root), StageTimer(), need_presample=True)
+    prepare(small_config(root), RunPaths(root), StageTimer(), need_presample=True)
     return root
 
 

@@ -305,7 +305,7 @@ def test_recovered_model_directory_in_closed_form(models, tmp_path):
 
 
 @pytest.mark.slow
-def test_recover_command_end_to_end(tmp_path):
+def test_recover_command_end_to_end(ray_session, tmp_path):
     """Two tiny models (the trained one's q_proj of layer 1 rotated), the full-rank recovery (the base's
     weights back), evaluated on small in-domain and OOD sets in Ray workers; a rerun finds it done."""
     from dph_async.tasks.dataset import verl_row, write_rows

@@ -6,8 +6,8 @@ and what is allowed (README); a truncated sampling support is refused before any
 from __future__ import annotations
 
 import pytest
-import ray
 
+from dph_async.app import pipeline
 from dph_async.app.cli import main
 from dph_async.app.pipeline import validate
 from dph_async.app.specs import RunSpec
@@ -86,10 +86,12 @@ def test_sync_mode_sets_its_own_staleness_and_sync():
     ("sampling.top_p=0.5", "sampling.top_p must be 1"),
     ("learner.stepz=3", "learner.stepz: unknown key"),
 ])
-def test_the_cli_exits_2_with_the_message_and_starts_nothing(override, says, tmp_path, capsys):
+def test_the_cli_exits_2_with_the_message_and_starts_nothing(override, says, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
+    started = []
+    monkeypatch.setattr(pipeline, "ray_cluster", lambda cfg: started.append(cfg))
     assert main(["run", override, "--output", str(out)]) == 2
     printed = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
     assert "error:" in printed and says in printed
-    assert not ray.is_initialized()
+    assert not started
     assert not (out / "base_model").exists() and not (out / "rl").exists()

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from conftest import small_config
 
@@ -48,6 +49,15 @@ def train(prepared, name: str, *overrides: str, mode: str = "js_low_var", **kwar
     cfg = spec.apply(small_config(root, *overrides))
     rl_dir = root / name
     return run_rl(cfg, name, rl_dir, prep.base, prep.prompts_for(spec), prep.pool_for(spec), **kwargs), rl_dir
+
+
+def test_a_cluster_this_process_holds_is_used_and_left_running(prepared):
+    """A run inside a Ray cluster it did not start (a service's, a notebook's, the test session's) must
+    not shut that cluster down when it ends."""
+    node = ray.get_runtime_context().get_node_id()
+    with ray_cluster(small_config(prepared[0])):
+        assert ray.get_runtime_context().get_node_id() == node
+    assert ray.is_initialized() and ray.get_runtime_context().get_node_id() == node
 
 
 def test_async_respects_staleness_and_trains(prepared):

@@ -27,7 +27,7 @@ SETTINGS = ("warmstart.steps=800", "learner.steps=40", "learner.groups_per_step=
 K = 10  # steps averaged at each end: one batch's reward has a standard error near 0.06
 
 
-def test_ppo_with_a_learned_critic_raises_reward_and_its_critic_learns(tmp_path):
+def test_ppo_with_a_learned_critic_raises_reward_and_its_critic_learns(ray_session, tmp_path):
     cfg = small_config(tmp_path, *SETTINGS)
     spec = RunSpec.parse("grpo")
     with ray_cluster(cfg):

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import copy_base
 
 from dph_async.app.soak import Check, ProcessSample, Sample, cpu_per_step, evaluate, run_soak, write_report
 from dph_async.config import load_config
@@ -73,9 +74,10 @@ def test_too_few_samples_after_warm_up_fail():
 
 
 @pytest.mark.slow
-def test_two_minute_soak(tmp_path: Path):
+def test_two_minute_soak(small_base, tmp_path: Path):
     """A small run trained for 2 minutes: every process sampled, training moving, checkpoints pruned to
     learner.keep_checkpoints while many were written, file descriptors, /dev/shm and the WAL bounded."""
+    copy_base(small_base, tmp_path)  # its pi_0: the soak's own warm start is skipped
     cfg = load_config("default", [
         f"output_dir={tmp_path}", "learner.loss.objective=grpo", "warmstart.steps=60", "task.num_train=64",
         "task.num_test=16", "learner.groups_per_step=4", "sampling.n=4", "sampling.max_tokens=10",

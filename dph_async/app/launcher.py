@@ -78,9 +78,11 @@ def log_to_file(path: Path) -> None:
 
 @contextlib.contextmanager
 def ray_cluster(cfg: RunConfig) -> Iterator[None]:
-    """A local Ray cluster (or a connection to `launcher.address`), shut down cleanly on exit."""
-    if not ray.is_initialized():
-        lc = cfg.launcher
+    """A local Ray cluster (or a connection to `launcher.address`), shut down cleanly on exit. Inside
+    one this process already holds, that one is used and left running: its owner shuts it down."""
+    owned = not ray.is_initialized()
+    lc = cfg.launcher
+    if owned:
         if lc.address:
             ray.init(address=lc.address, logging_level=logging.ERROR, log_to_driver=False,
                      runtime_env={"env_vars": {"DPH_CACHE_DIR": str(cache_dir())}})
@@ -94,11 +96,14 @@ def ray_cluster(cfg: RunConfig) -> Iterator[None]:
     try:
         yield
     finally:
-        ray.shutdown()
-        # DeepSpeed's CPU all-reduce leaves shared-memory buffers behind when ranks exit.
-        for f in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
-            with contextlib.suppress(OSError):
-                os.remove(f)
+        if owned:
+            ray.shutdown()
+        if owned and not lc.address:
+            # DeepSpeed's CPU all-reduce leaves shared-memory buffers behind when ranks exit. Only a
+            # cluster of our own is known to be done with them: another job may share the others.
+            for f in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
+                with contextlib.suppress(OSError):
+                    os.remove(f)
         # A learner stopped without closing (Ctrl-C, a kill) leaves its weight segments: no process
         # holds them now.
         remove_stale_segments()
