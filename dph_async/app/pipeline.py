@@ -6,6 +6,7 @@ so re-running the same command resumes a stopped run (RL continues from its newe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -224,8 +225,14 @@ def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
     timer = StageTimer()
     start = time.time()
     results: dict[str, dict] = {}
-    with ray_cluster(cfg):
-        prepared = prepare(cfg, paths, timer, any(s.needs_presampling for s in specs))
+    need_presample = any(s.needs_presampling for s in specs)
+    # A finished run invoked again only reads what it wrote: no Ray, whose start would be most of it.
+    done = [paths.eval / "base.json", *(p for s in specs for p in (paths.rl(s.slug) / "result.json",
+                                                                   paths.eval / f"{s.slug}.json"))]
+    if need_presample:
+        done.append(paths.presample / "summary.json")
+    with contextlib.nullcontext() if all(p.is_file() for p in done) else ray_cluster(cfg):
+        prepared = prepare(cfg, paths, timer, need_presample)
         for spec in specs:
             results[spec.name] = train_mode(cfg, paths, prepared, spec, paths.rl(spec.slug), timer)
         t = time.time()
