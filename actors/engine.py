@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -67,6 +67,19 @@ def configure_vllm_env(kv_cache_gib: int, threads: int) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def select_cpu_gemm(cpu_gemm: Literal["onednn", "torch"]) -> None:
+    """Choose the CPU kernels of the linear layers of the engines built next in this process.
+
+    vLLM packs a CPU linear layer's weight for oneDNN when its build has the oneDNN op, and otherwise
+    runs `F.linear` on the weight as loaded; that test (`vllm._custom_ops._supports_onednn`) is its
+    only switch, read at every layer's `process_weights_after_loading`, so the choice holds for the
+    process's later loads too.
+    """
+    import vllm._custom_ops as ops
+
+    ops._supports_onednn = cpu_gemm == "onednn" and hasattr(torch.ops._C, "create_onednn_mm_handler")
+
+
 def _the_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
@@ -75,10 +88,13 @@ class VLLMEngine:
     """vLLM's LLMEngine driven request by request, with per-token policy versions."""
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 64, seed: int = 0,
-                 kv_cache_gib: int = 1, threads: int = 1, version: int = 0) -> None:
+                 kv_cache_gib: int = 1, threads: int = 1, version: int = 0,
+                 cpu_gemm: Literal["onednn", "torch"] = "onednn") -> None:
         configure_vllm_env(kv_cache_gib, threads)
         torch.set_num_threads(threads)
         from vllm import LLM
+
+        select_cpu_gemm(cpu_gemm)
 
         self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
                        logprobs_mode="processed_logprobs", enable_prefix_caching=True)

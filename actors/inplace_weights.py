@@ -17,8 +17,10 @@ On the CPU a linear layer keeps no weight after loading: `process_weights_after_
 for the GEMM kernel (oneDNN) and drops the parameter. Such a layer gets its received weight back
 (its shards concatenated, for a stacked one) and its own `process_weights_after_loading` packs it
 again, so the kernels see exactly what a fresh engine built from the same weights sees, and no
-second copy of the weights is kept. Layers that keep their weight (embeddings, the LM head) get the
-values copied in and are processed again too, since their kernels may hold a packed copy.
+second copy of the weights is kept. Layers that keep their weight (embeddings, the LM head, and every
+linear layer under `actors.cpu_gemm=torch`, which runs F.linear on it) get the values copied in and
+are processed again too, since their kernels may hold a packed copy; under `torch` that processing
+packs nothing, and a load is the copy alone.
 
 Stacked shards that lie back to back in one buffer (as the learner's shared-memory segment lays out
 q/k/v and gate/up) are joined as one view, not concatenated. A layer whose packing keeps the weight it

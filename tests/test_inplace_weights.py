@@ -4,9 +4,12 @@ parameters, q/k/v biases, a padded vocabulary), sampled with the same seeds; loa
 their own, and from the learner's shared-memory slot (read-only views of one map, stacked shards
 back to back).
 
+The same holds under both CPU kernels of the linear layers (`actors.cpu_gemm`): oneDNN's, packed again
+after every load, and F.linear on the weights as loaded.
+
 The engines run in one child process (vLLM engines live in processes of their own, as in an
-actor): per architecture it builds an engine from weights A, loads weights B in place, samples,
-loads A again and then B through shared memory, samples, then samples from a fresh engine on B.
+actor): per case it builds an engine from weights A, loads weights B in place, samples, loads A
+again and then B through shared memory, samples, then samples from a fresh engine on B.
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ from actors.weights import WeightClient
 from dph_async.net import NetSecurity
 from learner.publish import WeightServer
 
-def compare(a, b):
+def compare(a, b, gemm):
     spec = SamplingSpec(temperature=1.0, max_tokens=12, n=4, seed=7)
     prompts = [[1, 5, 6, 7, 8], [1, 9, 3], [1, 4, 4, 4, 4, 4, 4, 2, 3]]
-    engine = VLLMEngine(str(a), max_model_len=32)
+    engine = VLLMEngine(str(a), max_model_len=32, cpu_gemm=gemm)
     before = engine.generate(prompts, spec)
     model_b = AutoModelForCausalLM.from_pretrained(b)
     tensors = [(k, v.clone()) for k, v in model_b.state_dict().items()]
@@ -52,15 +55,18 @@ def compare(a, b):
     client.close()
     server.close()
     loaded_shm = engine.generate(prompts, spec)
-    fresh = VLLMEngine(str(b), max_model_len=32).generate(prompts, spec)
+    model = engine.llm.apply_model(lambda m: m)[0]
+    kept = [name for name, p in model.named_parameters() if name.endswith("proj.weight") and p.numel() > 0]
+    fresh = VLLMEngine(str(b), max_model_len=32, cpu_gemm=gemm).generate(prompts, spec)
     dump = lambda gs: [[(s.token_ids, s.logprobs) for s in g] for g in gs]
     return {"loads": engine.loads, "before": dump(before), "loaded": dump(loaded), "loaded_shm": dump(loaded_shm),
-            "fresh": dump(fresh)}
+            "fresh": dump(fresh), "linear_weights_kept": len(kept)}
 
 def main():
-    out, *pairs = sys.argv[1:]
+    out, *cases = sys.argv[1:]
     out = Path(out)
-    out.write_text(json.dumps({pairs[i]: compare(pairs[i + 1], pairs[i + 2]) for i in range(0, len(pairs), 3)}))
+    out.write_text(json.dumps({f"{cases[i]}/{cases[i + 1]}": compare(cases[i + 2], cases[i + 3], cases[i + 1])
+                               for i in range(0, len(cases), 4)}))
 
 if __name__ == "__main__":
     main()
@@ -97,17 +103,34 @@ def _pair(arch: str, tmp: Path) -> tuple[Path, Path]:
     return paths[0], paths[1]
 
 
+# Both CPU kernels of the linear layers (actors.cpu_gemm): oneDNN's, packed again after a load, on
+# both architectures; F.linear on the weights as loaded (nothing packed) on the Llama.
+CASES = (("llama", "onednn"), ("qwen2", "onednn"), ("llama", "torch"))
+
+
 def test_inplace_load_matches_a_fresh_engine(tmp_path):
-    pairs = [str(x) for arch in ("llama", "qwen2") for x in (arch, *_pair(arch, tmp_path))]
+    models = {arch: _pair(arch, tmp_path) for arch in ("llama", "qwen2")}
+    cases = [str(x) for arch, gemm in CASES for x in (arch, gemm, *models[arch])]
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     out = tmp_path / "out.json"
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(script), str(out), *pairs], cwd=root, capture_output=True,
+    proc = subprocess.run([sys.executable, str(script), str(out), *cases], cwd=root, capture_output=True,
                           text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for arch, res in json.loads(out.read_text()).items():
-        assert res["loads"] == {"inplace": 3, "reload": 0}, arch
-        assert res["loaded"] == res["fresh"], arch  # same tokens, bit-identical log-probs
-        assert res["loaded_shm"] == res["fresh"], arch
-        assert res["loaded"] != res["before"], arch  # the load changed what the engine computes
+    results = json.loads(out.read_text())
+    assert set(results) == {f"{arch}/{gemm}" for arch, gemm in CASES}
+    for case, res in results.items():
+        assert res["loads"] == {"inplace": 3, "reload": 0}, case
+        assert res["loaded"] == res["fresh"], case  # same tokens, bit-identical log-probs
+        assert res["loaded_shm"] == res["fresh"], case
+        assert res["loaded"] != res["before"], case  # the load changed what the engine computes
+        # oneDNN keeps only its packed copy of a linear layer's weight; F.linear runs on the weight.
+        assert (res["linear_weights_kept"] > 0) == case.endswith("/torch"), (case, res["linear_weights_kept"])
+    # The two kernels compute the same function (not bitwise alike): each sample's first token, drawn
+    # with the same seed, and its log-prob.
+    def first(res: dict) -> list[tuple[int, float]]:
+        return [(ids[0], lps[0]) for group in res["fresh"] for ids, lps in group]
+
+    for (a, lp_a), (b, lp_b) in zip(first(results["llama/torch"]), first(results["llama/onednn"]), strict=True):
+        assert a == b and abs(lp_a - lp_b) < 1e-4

@@ -295,7 +295,7 @@ class ActorProcess:
             if cfg.actors.sampler == "online":
                 engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
                                     seed=cfg.seed + 1000 * actor_id, kv_cache_gib=cfg.actors.kv_cache_gib,
-                                    threads=cfg.actors.threads, version=version)
+                                    threads=cfg.actors.threads, version=version, cpu_gemm=cfg.actors.cpu_gemm)
             else:  # pi_ref is the model the actor starts from: pi_0
                 from actors.mixture import MixtureEngine
 

@@ -116,6 +116,12 @@ class ActorsConfig(Section):
     kv_cache_gib: int = Field(1, ge=1)
     # Threads torch may use inside each actor process.
     threads: int = Field(1, ge=1)
+    # The CPU engine's linear layers. onednn: vLLM packs each weight for oneDNN, which generates
+    # faster (1.4x at 134 M parameters, one thread) but must pack again on every weight load (85% of
+    # a load). torch: plain F.linear on the weights as loaded, so a load is one copy (6x faster).
+    # torch pays where loads are frequent against generation: big models, short rollouts per version
+    # (docs/benchmarks.md, weight sync). GPUs ignore it.
+    cpu_gemm: Literal["onednn", "torch"] = "onednn"
 
 
 class LearnerConfig(Section):

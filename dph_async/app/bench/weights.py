@@ -77,6 +77,7 @@ class WeightsBench:
     machine: dict
     model: dict  # shape, parameters, bytes
     bucket_mb: float
+    cpu_gemm: str  # the actor engine's linear layers (actors.cpu_gemm)
     memcpy_gb_per_s: float
     rounds: list[Round]
     summary: dict[str, dict[str, float]] = field(default_factory=dict)  # variant -> stage -> median GB/s
@@ -116,14 +117,14 @@ def memcpy(dest: list[np.ndarray], arrays: list[np.ndarray]) -> tuple[float, flo
     return time.perf_counter() - start, time.thread_time() - cpu
 
 
-def actor_main(model_dir: str, addrs: dict[str, str], conn) -> None:
+def actor_main(model_dir: str, addrs: dict[str, str], conn, cpu_gemm: str) -> None:
     """The actor (a child process): for each ("load", version, variant) from `conn`, wait for that
     version on the variant's server, read, verify and load it, and answer with the stage times."""
     from actors.engine import VLLMEngine
     from actors.weights import WeightClient
     from dph_async.net import NetSecurity
 
-    engine = VLLMEngine(model_dir, max_model_len=64)
+    engine = VLLMEngine(model_dir, max_model_len=64, cpu_gemm=cpu_gemm)
     # transport="shm" and "tcp": a variant that silently took the other transport would be misreported.
     clients = {t: WeightClient(addr, NetSecurity(), actor_id=0, transport=t) for t, addr in addrs.items()}
     conn.send("ready")
@@ -175,7 +176,7 @@ def _summary(rounds: list[Round], nbytes: int) -> dict[str, dict[str, float]]:
 
 
 def run(shape: ModelShape, model_root: Path, rounds: int, bucket_mb: float, machine: dict,
-        on_round=None) -> WeightsBench:
+        on_round=None, cpu_gemm: str = "onednn") -> WeightsBench:
     """Publish `rounds` versions (after one warm-up per variant, left out), cycling through the
     variants; return every round's stage times and the medians."""
     import torch
@@ -192,8 +193,8 @@ def run(shape: ModelShape, model_root: Path, rounds: int, bucket_mb: float, mach
                for t in ("shm", "tcp")}
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=actor_main, args=(str(model_dir), {t: s.address for t, s in servers.items()}, child),
-                       daemon=True)
+    proc = ctx.Process(target=actor_main, args=(str(model_dir), {t: s.address for t, s in servers.items()}, child,
+                                                cpu_gemm), daemon=True)
     proc.start()
     try:
         if not parent.poll(600) or parent.recv() != "ready":
@@ -231,6 +232,7 @@ def run(shape: ModelShape, model_root: Path, rounds: int, bucket_mb: float, mach
         machine={**machine, "load_avg_end": os.getloadavg()},
         model={**asdict(shape), "parameters": params, "bytes": nbytes},
         bucket_mb=bucket_mb,
+        cpu_gemm=cpu_gemm,
         memcpy_gb_per_s=nbytes / statistics.median(r.memcpy_s for r in results) / 1e9,
         rounds=results,
         summary=_summary(results, nbytes),
@@ -252,7 +254,8 @@ def markdown(res: WeightsBench) -> str:
         f"{res.machine.get('load_avg')}, at end {res.machine.get('load_avg_end')}.",
         f"Model: random-init Llama, hidden {m['hidden']}, {m['layers']} layers, vocabulary {m['vocab']}: "
         f"{m['parameters'] / 1e6:.0f} M parameters, {m['bytes'] / 1e6:.0f} MB per version (fp32), buckets of "
-        f"{res.bucket_mb:g} MiB; {len(res.rounds)} rounds. memcpy of the same bytes: {mem:.2f} GB/s.", "",
+        f"{res.bucket_mb:g} MiB; {len(res.rounds)} rounds; the actor's CPU linear layers: {res.cpu_gemm}. memcpy "
+        f"of the same bytes: {mem:.2f} GB/s.", "",
         "GB/s per stage, wall clock (medians over the rounds of each variant; the shares of memcpy are each "
         "round's own, then the median):", "",
         markdown_table(["variant", "memcpy", "snapshot", "transfer", "checksum", "load",

@@ -14,13 +14,16 @@ in a child process, cycling through three variants: "shm" (the actor reads the v
 learner's shared-memory slot), "tcp" (its buckets over the weight socket), both loaded in place,
 and "tcp+reload" (vLLM's reload path). Reports GB/s of every stage (snapshot, transfer, checksum,
 load into the engine, publish -> loaded) against memcpy of the same bytes on this machine, per
-variant. Target: the actor's fetch + verify + load at >= 50% of memcpy. Needs ~5 GB of memory and
+variant. Target: the actor's fetch + verify + load at >= 50% of memcpy. --cpu-gemm torch runs the
+actor's linear layers as actors.cpu_gemm=torch does (F.linear on the weights as loaded: no oneDNN
+packing on a load, slower generation). Needs ~5 GB of memory and
 ~1.1 GB of /dev/shm at the default size. Output: --out/bench.json and bench.md.
 
 examples:
   dph-async bench weights                              # 134 M parameters, 9 rounds (3 per variant)
   dph-async bench weights --layers 24 --rounds 12      # 248 M parameters
   dph-async bench weights --bucket-mb 128 --out runs/bench/weights-128
+  dph-async bench weights --cpu-gemm torch --out runs/bench/weights-torch
 """
 
 
@@ -34,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=9, help="versions published after the warm-up, cycling "
                    "through shm, tcp and tcp+reload (default: %(default)s)")
+    p.add_argument("--cpu-gemm", choices=("onednn", "torch"), default="onednn", help="the actor engine's CPU "
+                   "linear layers, as actors.cpu_gemm (default: %(default)s)")
     p.add_argument("--bucket-mb", type=float, default=32.0, help="weight bucket size in MiB, as "
                    "learner.weight_bucket_mb (default: %(default)s)")
 
@@ -58,7 +63,8 @@ def main(args: argparse.Namespace) -> int:
     def work() -> None:
         args.models.mkdir(parents=True, exist_ok=True)
         console.print(f"{shape.name}: making it (once) and starting the actor's engine")
-        res = bench.run(shape, args.models, args.rounds, args.bucket_mb, machine(), on_round=show)
+        res = bench.run(shape, args.models, args.rounds, args.bucket_mb, machine(), on_round=show,
+                        cpu_gemm=args.cpu_gemm)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench.json").write_text(res.to_json())
         (args.out / "bench.md").write_text(bench.markdown(res))
