@@ -2,7 +2,8 @@
 docs/ablations.md describes it: a cell killed midway resumes from its checkpoint; a grown grid runs
 only the new cell; the summary table, summary.json and the plots hold the figures of the cells' own
 records; `--report-only` rewrites the summary and runs nothing; a different base config in the same
-`--out` is refused, unless `--fresh`, which starts over.
+`--out` is refused, unless `--fresh`, which starts over (there a divergence sweep, whose pi_0 is
+evaluated twice, on two draws of its samples).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 from conftest import SMALL, copy_base, session_members
 
 from dph_async.app.cli import main
+from dph_async.app.evaluate import load_results
 
 pytestmark = pytest.mark.slow
 
@@ -166,9 +168,18 @@ def test_a_different_base_config_is_refused_unless_fresh(small_base, tmp_path, c
     assert "holds a sweep with another base config" in err and "--fresh" in err
     assert (out / "rl" / "eta9-decoupled-seed0").is_dir() and (out / "base_model").is_dir()  # nothing touched
 
-    # --fresh starts over: the old cells go, and the shared base is made again from this config.
+    # --fresh starts over: the old cells go, and the shared base is made again from this config. The
+    # sweep that starts over is a divergence sweep of one cell, whose evaluation of pi_0 also draws
+    # its samples a second time (base_redraw, the per-band table's pi_0 row).
     old_base = (out / "base_model" / "config.json").stat().st_mtime_ns
-    assert main([*args(out, ["0"], steps=2, points=1), "--fresh"]) == 0
-    assert sorted(p.name for p in (out / "rl").iterdir()) == ["eta0-decoupled-seed0"]
+    assert main(["ablate", "divergence", *SMALL, "--modes", "grpo", "--steps", "2", "--eval-points", "1",
+                 "--seeds", "0", "--out", str(out), "--fresh"]) == 0
+    assert sorted(p.name for p in (out / "rl").iterdir()) == ["grpo-seed0"]
     assert (out / "base_model" / "config.json").stat().st_mtime_ns != old_base
     assert (out / "config.yaml").read_text() != "seed: 7\n"
+    base, redraw = (load_results(out / "eval" / f"{name}.json") for name in ("base", "base_redraw"))
+    for split in base:  # pi_0 both times: the same greedy answer on every prompt, and all its samples
+        assert [(r.prompt_id, r.greedy) for r in base[split].per_prompt] == \
+            [(r.prompt_id, r.greedy) for r in redraw[split].per_prompt]
+        assert redraw[split].samples == base[split].samples > 0
+    assert "pi_0's row is a second draw of its samples" in " ".join((out / "summary.md").read_text().split())
