@@ -144,7 +144,8 @@ def test_presampling_output_follows_the_split_rule(small_base):
 ONE_ENGINE = """
 import json, sys
 from pathlib import Path
-from actors.engine import VLLMEngine
+from actors.engine import SamplingSpec, VLLMEngine
+from dph_async.app import evaluate
 from dph_async.app.evaluate import evaluate_jobs
 from dph_async.app.pipeline import EvalJob
 from dph_async.config import load_config
@@ -160,12 +161,20 @@ def recorded(self, prompts, spec):
     generated.append([[s.token_ids for s in g] for g in groups])
     return groups
 VLLMEngine.generate = recorded
+engines = []
+build = evaluate.build_engine
+evaluate.build_engine = lambda *a: engines.append(build(*a)) or engines[-1]
 # One engine built from the base evaluates the base, then the other model loaded in place...
 evaluate_jobs(cfg, base, [EvalJob(base, out / "base.json", 3), EvalJob(other, out / "after.json", 5)], tests)
 # ...and a fresh engine built from the other model evaluates it alone, then with another seed.
 evaluate_jobs(cfg, other, [EvalJob(other, out / "fresh.json", 5), EvalJob(other, out / "seed6.json", 6)], tests)
 (out / "generated.json").write_text(json.dumps(dict(zip(("base", "after", "fresh", "seed6"),
                                                         (generated[i:i + 4] for i in range(0, 16, 4))))))
+# Evaluation asks for no log-probs: the same seeded draws as with them, the samples without.
+draws = {lp: generate(engines[-1], [[1, 5, 6, 7], [1, 9]], SamplingSpec(n=4, max_tokens=8, seed=11, logprobs=lp))
+         for lp in (True, False)}
+(out / "logprobs.json").write_text(json.dumps({str(lp): [[(s.token_ids, s.logprobs) for s in g] for g in gs]
+                                               for lp, gs in draws.items()}))
 """
 
 
@@ -173,7 +182,8 @@ evaluate_jobs(cfg, other, [EvalJob(other, out / "fresh.json", 5), EvalJob(other,
 def test_a_model_evaluated_after_another_in_one_engine_gets_a_fresh_engines_results(small_base, tmp_path):
     """Evaluation loads each model of a stage into one engine: a model evaluated after another (the
     engine's generators used, its prefix cache filled) draws the samples a fresh engine built from it
-    draws, token for token, and gets its results; another seed draws other samples."""
+    draws, token for token, and gets its results; another seed draws other samples. Asking for no
+    log-probs (as evaluation does) draws the same tokens."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -195,6 +205,10 @@ def test_a_model_evaluated_after_another_in_one_engine_gets_a_fresh_engines_resu
     assert tokens["base"] != tokens["after"], "the other model should answer differently from the base"
     assert tokens["seed6"][0] == tokens["fresh"][0], "greedy answers do not depend on the seed"
     assert tokens["seed6"][1] != tokens["fresh"][1], "another seed should draw other samples"
+    draws = json.loads((out / "logprobs.json").read_text())
+    with_lp, without = ([s for g in draws[k] for s in g] for k in ("True", "False"))
+    assert [ids for ids, _ in with_lp] == [ids for ids, _ in without]
+    assert all(len(lps) == len(ids) > 0 for ids, lps in with_lp) and all(lps == [] for _, lps in without)
     after, fresh = (json.loads((out / n).read_text()) for n in ("after.json", "fresh.json"))
     assert after.keys() == {"in_domain", "ood"}
     for split in (*after.values(), *fresh.values()):

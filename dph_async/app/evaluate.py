@@ -70,9 +70,10 @@ def evaluate_split(engine: VLLMEngine, scorer, name: str, records: list[PromptRe
     start = time.time()
     ec, n = cfg.eval, cfg.eval.k_max
     prompts = [r.prompt_ids for r in records]
-    greedy = engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=cfg.sampling.max_tokens))
+    greedy = engine.generate(prompts, SamplingSpec(temperature=0.0, max_tokens=cfg.sampling.max_tokens,
+                                                   logprobs=False))
     sampled = engine.generate(prompts, SamplingSpec(temperature=ec.temperature, top_p=ec.top_p,
-                                                    max_tokens=cfg.sampling.max_tokens, n=n))
+                                                    max_tokens=cfg.sampling.max_tokens, n=n, logprobs=False))
     greedy_ok = _score(scorer, records, [[g[0].text] for g in greedy])
     texts = [[s.text for s in group] for group in sampled]
     ok = _score(scorer, records, texts)
