@@ -70,7 +70,11 @@ def configure_vllm_env(kv_cache_gib: int, threads: int) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def select_cpu_gemm(cpu_gemm: Literal["onednn", "torch"]) -> None:
+# The CPU kernels of the linear layers (actors.cpu_gemm).
+CpuGemm = Literal["onednn", "torch"]
+
+
+def select_cpu_gemm(cpu_gemm: CpuGemm) -> None:
     """Choose the CPU kernels of the linear layers of the engines built next in this process.
 
     vLLM packs a CPU linear layer's weight for oneDNN when its build has the oneDNN op, and otherwise
@@ -92,7 +96,7 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 64, seed: int = 0,
                  kv_cache_gib: int = 1, threads: int = 1, version: int = 0,
-                 cpu_gemm: Literal["onednn", "torch"] = "onednn") -> None:
+                 cpu_gemm: CpuGemm = "onednn") -> None:
         configure_vllm_env(kv_cache_gib, threads)
         torch.set_num_threads(threads)
         from vllm import LLM

@@ -226,9 +226,9 @@ def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
     start = time.time()
     results: dict[str, dict] = {}
     need_presample = any(s.needs_presampling for s in specs)
+    evals = {"base": paths.eval / "base.json", **{s.name: paths.eval / f"{s.slug}.json" for s in specs}}
     # A finished run invoked again only reads what it wrote: no Ray, whose start would be most of it.
-    done = [paths.eval / "base.json", *(p for s in specs for p in (paths.rl(s.slug) / "result.json",
-                                                                   paths.eval / f"{s.slug}.json"))]
+    done = [*evals.values(), *(paths.rl(s.slug) / "result.json" for s in specs)]
     if need_presample:
         done.append(paths.presample / "summary.json")
     with contextlib.nullcontext() if all(p.is_file() for p in done) else ray_cluster(cfg):
@@ -236,11 +236,8 @@ def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
         for spec in specs:
             results[spec.name] = train_mode(cfg, paths, prepared, spec, paths.rl(spec.slug), timer)
         t = time.time()
-        jobs = {"base": EvalJob(prepared.base, paths.eval / "base.json", cfg.seed)}
-        for spec in specs:
-            jobs[spec.name] = EvalJob(final_model(paths.rl(spec.slug)), paths.eval / f"{spec.slug}.json", cfg.seed)
-        evaluate_models(cfg, list(jobs.values()), prepared.tests)
-        evals = {name: job.out for name, job in jobs.items()}
+        models = {"base": prepared.base, **{s.name: final_model(paths.rl(s.slug)) for s in specs}}
+        evaluate_models(cfg, [EvalJob(models[name], out, cfg.seed) for name, out in evals.items()], prepared.tests)
         timer.add("evaluation", t)
     summary = {
         "config": cfg.model_dump(mode="json"),
