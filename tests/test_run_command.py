@@ -4,7 +4,7 @@ One uninterrupted run, and the same command SIGKILLed (the driver's whole proces
 middle of the second mode's RL and then run again. What that proves:
 - a complete run writes summary.json, summary.md with the comparison table, and the plots, whose
   content is that of the evaluations and metrics written beside them; a second invocation of a
-  finished run redoes nothing;
+  finished run redoes nothing and starts no Ray;
 - resume is the uninterrupted run: the same groups, losses, final weights and optimizer state, bit
   for bit (sync mode with one actor makes the run a function of its seed);
 - the actors' behaviour log-probs are the learner's at the version stamped on every token, per token
