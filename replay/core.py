@@ -164,7 +164,7 @@ class ReplayCore:
             return None
         entries = self.store.take(req.num_groups, reuse=self.cfg.max_reuse > 1)
         samples = sum(len(e.group.completions) for e in entries)
-        refs = self.reference.draw(int(self.cfg.reference_ratio * samples + 0.5))
+        refs = self.reference.draw(self._reference_due(samples))
         record = ServeRecord(
             req.request_id,
             req.version,
@@ -178,6 +178,15 @@ class ReplayCore:
         self._maybe_compact()
         drops = Counter(reason for _, reason in record.dropped)
         return Batch(req.version, [e.group for e in entries], refs, dict(drops), req.request_id)
+
+    def _reference_due(self, samples: int) -> int:
+        """Reference samples for a batch of `samples` fresh ones: round(ratio x fresh samples served),
+        counted over every batch so far, minus those already drawn. A learner step put together from
+        partial batches (its deadline passed before enough groups arrived) thus draws what one batch
+        of its size would, which keeps a seeded run the same whatever the timing."""
+        c = self.metrics.counters
+        due = int(self.cfg.reference_ratio * (c["served_samples"] + samples) + 0.5) - c["served_reference"]
+        return max(due, 0)
 
     def _served(self, record: ServeRecord, entries: list[Entry]) -> None:
         """Bookkeeping shared by serving a batch and replaying its log record."""

@@ -129,6 +129,25 @@ def test_schema_problems_name_file_column_and_row(tmp_path, override, message):
     assert str(info.value).startswith(str(path)) and message in str(info.value)
 
 
+def test_a_step_of_partial_batches_draws_what_one_batch_would():
+    """The learner tops up a step from partial batches when its deadline passes first (an actor still
+    starting): 4 + 12 fresh samples must draw the references of 16 at once, or a seeded run would
+    depend on the timing (0.125 x 4 rounds up to 1, 0.125 x 12 to 2: 3 instead of 2)."""
+    def refs(sizes: list[int]) -> list[str]:
+        core = ReplayCore(ReplayConfig(reference_ratio=0.125, wal_dir=None), 4, reference=ReferencePool(samples(50)))
+        core.ingest([synthetic_group(0, i, n=4, tokens=4) for i in range(8)])
+        drawn = []
+        for rid, size in enumerate(sizes, 1):
+            batch = core.request(BatchRequest(0, size, 0.0, request_id=rid))
+            assert len(batch.groups) == size
+            drawn.append([r.sample_id for r in batch.reference])
+        return drawn
+
+    whole, split = refs([4, 4]), refs([1, 3, 4])
+    assert [len(x) for x in whole] == [2, 2] and [len(x) for x in split] == [1, 1, 2]
+    assert split[0] + split[1] == whole[0] and split[2] == whole[1]
+
+
 def test_corrupt_and_missing_files(tmp_path):
     path = tmp_path / "pef.parquet"
     pq.write_table(_table(), path)
