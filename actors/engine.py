@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol
 
 import torch
@@ -108,10 +109,31 @@ class VLLMEngine:
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.version = version
+        self._epoch = 0  # runs of this engine (reset): part of the prefix-cache salt
         self._live: dict[str, dict[int, Sample]] = {}  # request key -> completion index -> sample
         self._inplace: InPlaceLoader | None = None
         self.inplace_loading = True  # False: every load through vLLM's reload path (to compare the two)
         self.loads = {"inplace": 0, "reload": 0}  # weight loads by path
+
+    @property
+    def _salt(self) -> str:
+        return f"r{self._epoch}w{self.version}"
+
+    def reset(self, model_dir: str) -> None:
+        """Back to the weights of `model_dir` (the checkpoint the engine was built from, or one of the
+        same architecture) at version 0, with nothing in flight and no prefix-cache entry usable: what
+        a new engine built from `model_dir` would be, without vLLM's import and build."""
+        from safetensors.torch import load_file
+
+        if self._live:
+            self.abort(list(self._live))
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to reset the engine to")
+        named = [item for f in files for item in load_file(f).items()]
+        self.load_weights(named, 0)
+        self._epoch += 1
+        self.llm.reset_prefix_cache()
 
     def _params(self, spec: SamplingSpec, n: int, delta: bool):
         from vllm import SamplingParams
@@ -133,8 +155,8 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         # The salt keeps each weights version's prompt KV apart in the prefix cache: a new request
-        # never reuses prompt KV computed by older weights.
-        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=f"w{self.version}")
+        # never reuses prompt KV computed by older weights (nor by a past run's version of that number).
+        prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=self._salt)
         self.engine.add_request(key, prompt, self._params(spec, n, True))
         self._live[key] = {j: Sample(key=f"{key}/{j}") for j in range(n)}
 
@@ -188,7 +210,7 @@ class VLLMEngine:
         """Batch generation (evaluation, pre-sampling): `spec.n` completions per prompt."""
         from vllm.inputs import TokensPrompt
 
-        batch = [TokensPrompt(prompt_token_ids=list(p), cache_salt=f"w{self.version}") for p in prompts]
+        batch = [TokensPrompt(prompt_token_ids=list(p), cache_salt=self._salt) for p in prompts]
         outs = self.llm.generate(batch, self._params(spec, spec.n, False), use_tqdm=False)
         result = []
         for i, out in enumerate(outs):

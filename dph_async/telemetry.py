@@ -85,6 +85,7 @@ class MetricsEndpoint:
     def __init__(self, name: str, registry: CollectorRegistry, health: Callable[[], dict],
                  host: str = "127.0.0.1", port: int = 0) -> None:
         self.name = name
+        self.announced: Path | None = None  # the file announce() wrote
 
         class Handler(BaseHTTPRequestHandler):
             timeout = CLIENT_TIMEOUT_S  # for the request line and headers of a slow client
@@ -125,6 +126,7 @@ class MetricsEndpoint:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"name": self.name, "url": self.url, "pid": os.getpid()}))
         tmp.replace(path)
+        self.announced = path
         return path
 
     def close(self) -> None:

@@ -9,7 +9,8 @@ after every load, and F.linear on the weights as loaded.
 
 The engines run in one child process (vLLM engines live in processes of their own, as in an
 actor): per case it builds an engine from weights A, loads weights B in place, samples, loads A
-again and then B through shared memory, samples, then samples from a fresh engine on B.
+again and then B through shared memory, samples, resets the engine to A (as a kept actor does before
+its next run) and samples, then samples from a fresh engine on B.
 """
 
 from __future__ import annotations
@@ -57,10 +58,13 @@ def compare(a, b, gemm):
     loaded_shm = engine.generate(prompts, spec)
     model = engine.llm.apply_model(lambda m: m)[0]
     kept = [name for name, p in model.named_parameters() if name.endswith("proj.weight") and p.numel() > 0]
+    engine.reset(str(a))  # what a kept actor does before its next run: back to A, version 0
+    reset = engine.generate(prompts, spec)
     fresh = VLLMEngine(str(b), max_model_len=32, cpu_gemm=gemm).generate(prompts, spec)
     dump = lambda gs: [[(s.token_ids, s.logprobs) for s in g] for g in gs]
     return {"loads": engine.loads, "before": dump(before), "loaded": dump(loaded), "loaded_shm": dump(loaded_shm),
-            "fresh": dump(fresh), "linear_weights_kept": len(kept)}
+            "fresh": dump(fresh), "linear_weights_kept": len(kept), "reset": dump(reset),
+            "reset_version": engine.version}
 
 def main():
     out, *cases = sys.argv[1:]
@@ -121,10 +125,12 @@ def test_inplace_load_matches_a_fresh_engine(tmp_path):
     results = json.loads(out.read_text())
     assert set(results) == {f"{arch}/{gemm}" for arch, gemm in CASES}
     for case, res in results.items():
-        assert res["loads"] == {"inplace": 3, "reload": 0}, case
+        assert res["loads"] == {"inplace": 4, "reload": 0}, case
         assert res["loaded"] == res["fresh"], case  # same tokens, bit-identical log-probs
         assert res["loaded_shm"] == res["fresh"], case
         assert res["loaded"] != res["before"], case  # the load changed what the engine computes
+        # Reset to A: the engine computes again what it computed when it was new on A.
+        assert res["reset"] == res["before"] and res["reset_version"] == 0, case
         # oneDNN keeps only its packed copy of a linear layer's weight; F.linear runs on the weight.
         assert (res["linear_weights_kept"] > 0) == case.endswith("/torch"), (case, res["linear_weights_kept"])
     # The two kernels compute the same function (not bitwise alike): each sample's first token, drawn

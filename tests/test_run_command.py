@@ -265,6 +265,14 @@ def test_resumed_run_equals_the_uninterrupted_run(runs):
                            (runs["full"], runs["killed"]))
 
 
+def test_the_second_mode_ran_on_the_first_modes_kept_engine(runs):
+    """launcher.reuse_actors: in the full run js_low_var's actor was grpo's process, its engine reset
+    to pi_0; the killed run's js_low_var began on a new engine. That both gave the same run bit for
+    bit (the test above) shows the reset engine is a new one."""
+    pids = {mode: json.loads((runs["full"] / "rl" / mode / "result.json").read_text())["pids"] for mode in MODES}
+    assert pids[MODES[0]] == pids[MODES[1]]
+
+
 # --- Behaviour log-probs are the learner's ---------------------------------------------------------
 
 

@@ -6,6 +6,8 @@ placement group (`learner.data_parallel`).
 A local Ray cluster is started by default; `launcher.address` joins an existing one. An actor that
 dies is restarted by Ray (up to `launcher.max_actor_restarts` times) and resumes its prompt stream
 from the replay's record of what it already delivered; the run goes on. Ctrl-C stops everything.
+The actors' processes outlive a run for the next one of the same invocation when its engine settings
+match (`launcher.reuse_actors`): the engine is reset to pi_0 instead of being imported and built again.
 On a cluster the learner stays on the driver's node and the actors go to the worker nodes
 (dph_async/app/placement.py); an actor on another node gets the model, the prompts and the weights
 from the learner (dph_async/app/model_shipping.py), and one whose node is lost restarts elsewhere.
@@ -96,6 +98,7 @@ def ray_cluster(cfg: RunConfig) -> Iterator[None]:
     try:
         yield
     finally:
+        release_actors()
         if owned:
             ray.shutdown()
         if owned and not lc.address:
@@ -265,27 +268,57 @@ def _actor_endpoint(cfg: RunConfig, worker, rl_dir: Path):
                           endpoints_dir(rl_dir))
 
 
+def _prompts(cfg: RunConfig, prompts_path: str, engine) -> list:
+    return load_prompts(prompts_path, engine.tokenizer, cfg.model.max_model_len - cfg.sampling.max_tokens)
+
+
 @ray.remote
 class ActorProcess:
-    """One vLLM actor: engine, prompt stream, reward workers, and its connections.
+    """One vLLM actor process. Its engine is built by the first `bind` and may serve several RL runs
+    of one invocation (`launcher.reuse_actors`); each `bind` gives it a run's prompt stream, reward
+    workers and connections, and `unbind` closes them.
 
     On the driver's node (`home`) it reads the model and the prompts from their paths; on any other
     node it gets them from the learner and its weight server (dph_async/app/model_shipping.py)."""
 
-    def __init__(self, actor_id: int, cfg: RunConfig, model_dir: str, prompts_path: str, ingest: str,
-                 weights: str, log_dir: str, home: str, learner: str) -> None:
-        log_to_file(Path(log_dir) / f"actor{actor_id}.log")
+    def __init__(self, actor_id: int) -> None:
+        self.actor_id = actor_id
+        self.engine = None
+        self.worker = None
+        self.endpoint = None
+        self._stop = threading.Event()
+
+    def bind(self, cfg: RunConfig, model_dir: str, prompts_path: str, ingest: str, weights: str, log_dir: str,
+             home: str, learner: str) -> bool:
+        """Join a run; returns whether this process may serve a later run (an engine on the driver's
+        node, built from `model_dir`, which a reset brings back to it)."""
+        log_to_file(Path(log_dir) / f"actor{self.actor_id}.log")
         # vLLM and torch, in this Ray worker only: the driver never loads the engine.
-        from actors.engine import VLLMEngine
         from actors.rollout import RolloutWorker
         from actors.weights import WeightClient
+
+        actor_id, security = self.actor_id, net.NetSecurity.from_config(cfg.net)
+        weight_client = WeightClient(weights, security, actor_id, transport=cfg.learner.weight_transport)
+        at_home = home_node() == home
+        if self.engine is not None:  # the launcher hands a kept process only a run its engine fits
+            self.engine.reset(model_dir)
+            prompts = _prompts(cfg, prompts_path, self.engine)
+        else:
+            prompts = self._build_engine(cfg, model_dir, prompts_path, weight_client, at_home, learner)
+        self.worker = RolloutWorker(actor_id, cfg, self.engine, prompts, RolloutSender(ingest, actor_id, security),
+                                    weight_client, make_scorer(cfg.rewards))
+        self.endpoint = _actor_endpoint(cfg, self.worker, Path(log_dir).parent)
+        return at_home and cfg.actors.sampler == "online"
+
+    def _build_engine(self, cfg: RunConfig, model_dir: str, prompts_path: str, weight_client, at_home: bool,
+                      learner: str) -> list:
+        """Build the engine (self.engine); return the run's prompts, read while a shipped copy exists."""
+        from actors.engine import VLLMEngine
         from dph_async.app.model_shipping import materialize
 
-        security = net.NetSecurity.from_config(cfg.net)
-        weight_client = WeightClient(weights, security, actor_id, transport=cfg.learner.weight_transport)
-        version = 0
+        actor_id, version = self.actor_id, 0
         with tempfile.TemporaryDirectory(prefix=f"dph-actor{actor_id}-") as local:  # gone once loaded
-            if home_node() != home:
+            if not at_home:
                 if cfg.actors.sampler != "online":  # the shipped model is the newest policy, not pi_0
                     raise RuntimeError(f"actors.sampler={cfg.actors.sampler} mixes in pi_0, which only the "
                                        "driver's node holds: run these actors on that node")
@@ -293,19 +326,27 @@ class ActorProcess:
                 model, prompts_file, version = materialize(shipment, weight_client, Path(local))
                 model_dir, prompts_path = str(model), str(prompts_file)
             if cfg.actors.sampler == "online":
-                engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                                    seed=cfg.seed + 1000 * actor_id, kv_cache_gib=cfg.actors.kv_cache_gib,
-                                    threads=cfg.actors.threads, version=version, cpu_gemm=cfg.actors.cpu_gemm)
+                self.engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+                                         seed=cfg.seed + 1000 * actor_id, kv_cache_gib=cfg.actors.kv_cache_gib,
+                                         threads=cfg.actors.threads, version=version, cpu_gemm=cfg.actors.cpu_gemm)
             else:  # pi_ref is the model the actor starts from: pi_0
                 from actors.mixture import MixtureEngine
 
-                engine = MixtureEngine(model_dir, cfg.actors.sampler, dtype=cfg.model.dtype,
-                                       seed=cfg.seed + 1000 * actor_id, threads=cfg.actors.threads)
-            prompts = load_prompts(prompts_path, engine.tokenizer, cfg.model.max_model_len - cfg.sampling.max_tokens)
-        self.worker = RolloutWorker(actor_id, cfg, engine, prompts, RolloutSender(ingest, actor_id, security),
-                                    weight_client, make_scorer(cfg.rewards))
-        self._stop = threading.Event()
-        self.endpoint = _actor_endpoint(cfg, self.worker, Path(log_dir).parent)
+                self.engine = MixtureEngine(model_dir, cfg.actors.sampler, dtype=cfg.model.dtype,
+                                            seed=cfg.seed + 1000 * actor_id, threads=cfg.actors.threads)
+            return _prompts(cfg, prompts_path, self.engine)
+
+    def unbind(self) -> None:
+        """Close the run's connections, reward workers and metrics endpoint; the engine stays."""
+        if self.endpoint is not None:  # and its announcement: this process no longer serves that run
+            self.endpoint.close()
+            if self.endpoint.announced is not None:
+                self.endpoint.announced.unlink(missing_ok=True)
+        if self.worker is not None:
+            self.worker.sender.close()
+            self.worker.weights.close()
+            self.worker.scorer.close()
+        self.worker = self.endpoint = None
 
     def pid(self) -> int:
         return os.getpid()
@@ -320,6 +361,39 @@ class ActorProcess:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+# Actor processes kept between the RL runs of this driver (launcher.reuse_actors), by what their
+# engines were built for.
+_kept: dict[tuple, ray.actor.ActorHandle] = {}
+
+
+def _engine_key(cfg: RunConfig, model_dir: Path, actor_id: int) -> tuple:
+    """Everything an actor's process and engine were made from: a run that differs in any of it gets
+    a new process."""
+    m, a = cfg.model, cfg.actors
+    config = (model_dir / "config.json").read_text() if (model_dir / "config.json").is_file() else ""
+    return (actor_id, str(model_dir), config, m.dtype, m.max_model_len, cfg.seed, a.sampler, a.kv_cache_gib,
+            a.threads, a.cpu_gemm, cfg.launcher.max_actor_restarts)
+
+
+def release_actors() -> None:
+    """End the kept actor processes: their engines' memory goes back (before an evaluation builds its
+    own engine, and when the cluster is left)."""
+    for handle in _kept.values():
+        with contextlib.suppress(Exception):
+            ray.kill(handle, no_restart=True)
+    _kept.clear()
+
+
+def _keep(actor: ray.actor.ActorHandle, key: tuple) -> bool:
+    """Close the actor's run and keep its process for the next run; False if it did not answer."""
+    try:
+        ray.get(actor.unbind.remote(), timeout=60)
+    except (RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+    _kept[key] = actor
+    return True
 
 
 def _wait_restarted(actor: ray.actor.ActorHandle, timeout_s: float = 600.0) -> int:
@@ -378,16 +452,21 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     port = ray.get(learner.rendezvous_port.remote())
     ranks = [LearnerRank.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r)).remote(
         cfg, str(model_dir), str(rl_dir), r, port) for r in range(1, cfg.learner.ranks)]
-    # Ray restarts a dead actor (its __init__ runs again), on another node if its own is gone.
+    # Ray restarts a dead actor (its __init__ runs again, then the run binds it again), on another node
+    # if its own is gone.
     actor_class = ActorProcess.options(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts,
                                        max_task_retries=0, **actor_placement())
-    actors = [actor_class.remote(i, cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"),
-                                 home_node(), learner_name)
-              for i in range(cfg.actors.num_actors)]
-    setup = learner.setup.remote()  # builds the trainer while the actors build their engines
+    keys = [_engine_key(cfg, model_dir, i) for i in range(cfg.actors.num_actors)]
+    actors = [_kept.pop(key, None) or actor_class.remote(i) for i, key in enumerate(keys)]
+    release_actors()  # kept for runs unlike this one
+    run_args = (cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"), home_node(),
+                learner_name)
+    binds = [a.bind.remote(*run_args) for a in actors]
+    setup = learner.setup.remote()  # builds the trainer while the actors build (or reset) their engines
     # The other ranks join rank 0's group during its setup, then follow it (a resume's load included).
     setups = [setup, *(r.setup.remote() for r in ranks)]
     follows = {r.follow.remote(): i + 1 for i, r in enumerate(ranks)}
+    reusable = ray.get(binds)
     pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)}
     nodes = {f"actor{i}": [ray.get(a.node.remote())] for i, a in enumerate(actors)}
     phases = {"actors_ready": time.time() - start}
@@ -440,6 +519,9 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                                 raise RuntimeError(f"actor {i} keeps dying; giving up") from e
                             log.warning("actor %d died (%s); Ray restarts it and it resumes", i, type(e).__name__)
                             pids[f"actor{i}"] = _wait_restarted(actors[i])
+                            ray.get(actors[i].bind.remote(*run_args))
+                            # Not kept: Ray's restart budget is per process, and this one spent some.
+                            reusable[i] = False
                             nodes[f"actor{i}"].append(ray.get(actors[i].node.remote()))
                         runs[i] = actors[i].run.remote()
         out = final_model(rl_dir)
@@ -449,15 +531,19 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
             with contextlib.suppress(RayActorError):
                 a.stop.remote()
         learner.stop.remote()
-    actor_stats = []
-    for ref in runs.values():
+    actor_stats, ended = [], set()
+    for i, ref in runs.items():
         with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
             actor_stats.append(ray.get(ref, timeout=60))
+            ended.add(i)
     replay = ray.get(learner.replay_stats.remote())
     ray.get(learner.close.remote())
     with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
         ray.get(list(follows), timeout=60)
-    for handle in [*actors, *ranks, learner]:
+    for i, a in enumerate(actors):
+        if not (cfg.launcher.reuse_actors and reusable[i] and i in ended and _keep(a, keys[i])):
+            ray.kill(a, no_restart=True)
+    for handle in [*ranks, learner]:
         ray.kill(handle, no_restart=True)
     remove_placement_group(pg)
     phases["end"] = time.time() - start

@@ -18,7 +18,7 @@ from pathlib import Path
 import ray
 
 from dph_async.app.inputs import check_datasets, check_model_dir
-from dph_async.app.launcher import log_to_file, ray_cluster, run_rl
+from dph_async.app.launcher import log_to_file, ray_cluster, release_actors, run_rl
 from dph_async.app.placement import on_home_node
 from dph_async.app.progress import console
 from dph_async.app.report import write_report
@@ -197,6 +197,8 @@ def evaluate_models(cfg: RunConfig, jobs: list[EvalJob], tests: dict[str, Path],
     memory goes when its worker exits): one worker and one engine for all models of one architecture,
     each loaded into it in turn. `arch`: the model directory a checkpoint's weights belong to."""
     todo = [job for job in jobs if not job.out.is_file()] if tests else []
+    if todo:
+        release_actors()  # the RL runs' kept engines give their memory to the evaluation's
     groups: dict[str, tuple[Path, list[EvalJob]]] = {}
     for job in todo:
         model_dir = arch if is_learner_checkpoint(job.weights) else job.weights
