@@ -85,6 +85,18 @@ def test_async_respects_staleness_and_trains(prepared):
     assert (rl_dir / "final_model" / "config.json").is_file()
 
 
+def test_a_kept_actor_process_that_died_is_replaced(prepared):
+    """launcher.reuse_actors: the run after one whose kept actor process died (and that Ray may not
+    restart) gets a new process and trains, instead of failing on the dead one."""
+    once = ("learner.steps=2", "launcher.max_actor_restarts=0")
+    first, _ = train(prepared, "kept-1", *once, mode="grpo")
+    again, _ = train(prepared, "kept-2", *once, mode="grpo")
+    assert again.pids == first.pids  # kept: the same process served both runs
+    os.kill(first.pids["actor0"], signal.SIGKILL)
+    third, _ = train(prepared, "kept-3", *once, mode="grpo")
+    assert third.pids["actor0"] != first.pids["actor0"] and len(third.metrics) == 2
+
+
 def test_killed_actor_is_restarted_and_run_completes(prepared):
     pids: dict[str, int] = {}
     steps_at_kill: list[int] = []

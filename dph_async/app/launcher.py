@@ -386,6 +386,20 @@ def release_actors() -> None:
     _kept.clear()
 
 
+def _take(key: tuple) -> ray.actor.ActorHandle | None:
+    """A kept actor process for `key` that still answers, or None."""
+    actor = _kept.pop(key, None)
+    if actor is None:
+        return None
+    try:
+        ray.get(actor.pid.remote(), timeout=30)
+    except (RayActorError, ray.exceptions.GetTimeoutError):  # died while kept: a new one instead
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+        return None
+    return actor
+
+
 def _keep(actor: ray.actor.ActorHandle, key: tuple) -> bool:
     """Close the actor's run and keep its process for the next run; False if it did not answer."""
     try:
@@ -457,7 +471,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     actor_class = ActorProcess.options(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts,
                                        max_task_retries=0, **actor_placement())
     keys = [_engine_key(cfg, model_dir, i) for i in range(cfg.actors.num_actors)]
-    actors = [_kept.pop(key, None) or actor_class.remote(i) for i, key in enumerate(keys)]
+    actors = [_take(key) or actor_class.remote(i) for i, key in enumerate(keys)]
     release_actors()  # kept for runs unlike this one
     run_args = (cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"), home_node(),
                 learner_name)
