@@ -368,13 +368,13 @@ class ActorProcess:
 _kept: dict[tuple, ray.actor.ActorHandle] = {}
 
 
-def _engine_key(cfg: RunConfig, model_dir: Path, actor_id: int) -> tuple:
-    """Everything an actor's process and engine were made from: a run that differs in any of it gets
-    a new process."""
+def _engine_settings(cfg: RunConfig, model_dir: Path) -> tuple:
+    """Everything an actor's process and engine were made from, but its id: a run that differs in any
+    of it gets new processes."""
     m, a = cfg.model, cfg.actors
     config = (model_dir / "config.json").read_text() if (model_dir / "config.json").is_file() else ""
-    return (actor_id, str(model_dir), config, m.dtype, m.max_model_len, cfg.seed, a.sampler, a.kv_cache_gib,
-            a.threads, a.cpu_gemm, cfg.launcher.max_actor_restarts)
+    return (str(model_dir), config, m.dtype, m.max_model_len, cfg.seed, a.sampler, a.kv_cache_gib, a.threads,
+            a.cpu_gemm, cfg.launcher.max_actor_restarts)
 
 
 def release_actors() -> None:
@@ -470,7 +470,8 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     # if its own is gone.
     actor_class = ActorProcess.options(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts,
                                        max_task_retries=0, **actor_placement())
-    keys = [_engine_key(cfg, model_dir, i) for i in range(cfg.actors.num_actors)]
+    settings = _engine_settings(cfg, model_dir)
+    keys = [(i, *settings) for i in range(cfg.actors.num_actors)]
     actors = [_take(key) or actor_class.remote(i) for i, key in enumerate(keys)]
     release_actors()  # kept for runs unlike this one
     run_args = (cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"), home_node(),
