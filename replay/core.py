@@ -160,7 +160,7 @@ class ReplayCore:
 
     def serve(self, req: BatchRequest, final: bool) -> Batch | None:
         self._expire()
-        if self.store.count("unserved") < req.num_groups and not final:
+        if not final and (self.store.count("unserved") < req.num_groups or self._awaiting_last_chance(req)):
             return None
         entries = self.store.take(req.num_groups, reuse=self.cfg.max_reuse > 1)
         samples = sum(len(e.group.completions) for e in entries)
@@ -178,6 +178,17 @@ class ReplayCore:
         self._maybe_compact()
         drops = Counter(reason for _, reason in record.dropped)
         return Batch(req.version, [e.group for e in entries], refs, dict(drops), req.request_id)
+
+    def _awaiting_last_chance(self, req: BatchRequest) -> bool:
+        """Hold the batch for groups on their way whose tickets were granted at version v - eta: this
+        batch is the last that may use them, and admission counted them into it. Served without
+        them, fresher groups would fill it and they would arrive to be dropped as stale. Only while
+        they all fit; the request's deadline still bounds the wait (an actor that died holding them)."""
+        if not self.cfg.admission:
+            return False
+        coming = self.admission.last_chance(req.version)
+        oldest = req.version - self.cfg.max_staleness
+        return coming > 0 and self.store.unserved_up_to(oldest) + coming <= req.num_groups
 
     def _reference_due(self, samples: int) -> int:
         """Reference samples for a batch of `samples` fresh ones: round(ratio x fresh samples served),

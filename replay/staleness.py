@@ -17,6 +17,11 @@ granted but not yet turned into accepted groups. v is the learner's version, or 
 version if that is older: a group made with weights w is consumed by a batch of version at most
 w + eta only if at most (eta + w + 1) * B groups are ahead of it.
 
+"Ahead" is in grant order, but groups arrive in any order: a slow actor's group granted at w can
+arrive after fresher groups filled batch w + eta. So the replay records each ticket's basis version
+w, and a batch of version v that could be served waits (up to its deadline) while tickets granted at
+v - eta are still on their way and fit in it: it is their last batch.
+
 in_flight is the replay's own record: what it granted each actor, less the groups that arrived. An
 actor's account of the tickets it holds (`TicketRequest.outstanding`) may only lower that record (an
 actor gives back tickets it lost), never raise it, so no peer can shrink the capacity of the others.
@@ -25,6 +30,8 @@ actor ids peers make up.
 """
 
 from __future__ import annotations
+
+from collections import Counter, deque
 
 DROP_REASONS = ("stale", "stale_reused", "rewound")
 
@@ -42,23 +49,60 @@ class Admission:
         self.max_staleness = max_staleness
         self.groups_per_batch = groups_per_batch
         self.enabled = enabled
-        self.in_flight: dict[int, int] = {}  # actor -> tickets granted and not yet used; no zero entries
+        # actor -> [basis version, tickets] granted and not yet used, oldest grant first; no empty entries
+        self.in_flight: dict[int, deque[list[int]]] = {}
+        self.by_version: Counter[int] = Counter()  # basis version -> tickets in flight; no zero entries
         self.in_flight_total = 0
         self.granted_total = 0
         self.overclaimed = 0  # requests whose actor claimed more tickets than it was granted
 
+    @staticmethod
+    def basis(learner_version: int, weights_version: int) -> int:
+        """The version a group made now is at least as new as: the learner's, or the actor's weights
+        if those are older (-1: not told)."""
+        return learner_version if weights_version < 0 else min(learner_version, weights_version)
+
     def capacity(self, learner_version: int, admitted: int, weights_version: int = -1) -> int:
         """How many more tickets may be granted now."""
-        version = learner_version if weights_version < 0 else min(learner_version, weights_version)
-        limit = (self.max_staleness + version + 1) * self.groups_per_batch
+        limit = (self.max_staleness + self.basis(learner_version, weights_version) + 1) * self.groups_per_batch
         return max(0, limit - admitted - self.in_flight_total)
 
-    def _set(self, actor: int, n: int) -> None:
-        self.in_flight_total += n - self.in_flight.get(actor, 0)
-        if n > 0:
-            self.in_flight[actor] = n
+    def held(self, actor: int) -> int:
+        return sum(n for _, n in self.in_flight.get(actor, ()))
+
+    def last_chance(self, batch_version: int) -> int:
+        """Tickets in flight whose groups a batch of `batch_version` is the last one allowed to use."""
+        return self.by_version.get(batch_version - self.max_staleness, 0)
+
+    def _add(self, actor: int, basis: int, n: int) -> None:
+        chunks = self.in_flight.setdefault(actor, deque())
+        if chunks and chunks[-1][0] == basis:
+            chunks[-1][1] += n
         else:
-            self.in_flight.pop(actor, None)
+            chunks.append([basis, n])
+        self.by_version[basis] += n
+        self.in_flight_total += n
+
+    def _use(self, actor: int, n: int) -> int:
+        """Take up to n of the actor's tickets, oldest grant first (an actor fills them in order);
+        returns how many it held of them."""
+        chunks = self.in_flight.get(actor)
+        used = 0
+        while chunks and used < n:
+            basis, held = chunks[0]
+            k = min(held, n - used)
+            used += k
+            self.by_version[basis] -= k
+            if not self.by_version[basis]:
+                del self.by_version[basis]
+            if k == held:
+                chunks.popleft()
+            else:
+                chunks[0][1] -= k
+        if chunks is not None and not chunks:
+            del self.in_flight[actor]
+        self.in_flight_total -= used
+        return used
 
     def grant(
         self,
@@ -70,24 +114,22 @@ class Admission:
         weights_version: int,
     ) -> int:
         """Answer a ticket request. `outstanding` (the actor's own count of unused tickets) lowers our
-        record of what it holds, never raises it."""
-        held = self.in_flight.get(actor, 0)
+        record of what it holds, never raises it: the tickets it no longer counts are its oldest."""
+        held = self.held(actor)
         if outstanding > held:
             self.overclaimed += 1
-        self._set(actor, min(held, outstanding))
+        self._use(actor, held - min(held, max(outstanding, 0)))
         granted = want if not self.enabled else min(want, self.capacity(learner_version, admitted, weights_version))
-        self._set(actor, self.in_flight.get(actor, 0) + granted)
-        self.granted_total += granted
+        if granted > 0:
+            self._add(actor, self.basis(learner_version, weights_version), granted)
+            self.granted_total += granted
         return granted
 
     def arrived(self, actor: int) -> None:
-        """A new group from `actor` was accepted: one of its tickets is used."""
-        if actor in self.in_flight:
-            self._set(actor, self.in_flight[actor] - 1)
+        """A new group from `actor` was accepted: its oldest ticket is used."""
+        self._use(actor, 1)
 
     def reset(self, actor: int) -> int:
         """The actor (re)connected and resumed: its earlier tickets are void. Returns how many there
         were: positions granted to its previous process and never delivered (they are regenerated)."""
-        voided = self.in_flight.get(actor, 0)
-        self._set(actor, 0)
-        return voided
+        return self._use(actor, self.held(actor))

@@ -91,6 +91,10 @@ class FreshStore:
             heapq.heappop(self._heaps[place])
         return entry
 
+    def unserved_up_to(self, version: int) -> int:
+        """How many unserved groups have tokens as old as `version` or older."""
+        return sum(1 for e in self._entries.values() if e.place == "unserved" and e.min_version <= version)
+
     def take(self, n: int, reuse: bool) -> list[Entry]:
         """Up to n groups, unserved ones first (then reusable ones if `reuse`), now pending."""
         taken: list[Entry] = []

@@ -99,6 +99,41 @@ def test_a_replacement_actor_voids_the_tickets_its_predecessor_never_used():
     assert core.tickets(TicketRequest(0, 4, 0, weights_version=0)).granted == 3
 
 
+def test_a_batch_waits_for_a_late_group_it_is_the_last_to_be_allowed_to_use():
+    """A slow actor's group granted at version 0 arrives after a fast actor's version-1 groups: batch 1
+    is its last (eta = 1), so batch 1 waits for it instead of filling up with the fresher groups."""
+    core = ReplayCore(ReplayConfig(max_staleness=1, admission=True, wal_dir=None), groups_per_batch=4)
+
+    def deliver(actor: int, first: int, n: int, version: int) -> None:
+        core.ingest([synthetic_group(actor, first + i, n=2, tokens=3, version=version) for i in range(n)])
+
+    assert core.tickets(TicketRequest(0, 4, 0, weights_version=0)).granted == 4
+    assert core.tickets(TicketRequest(1, 4, 0, weights_version=0)).granted == 4
+    deliver(0, 0, 4, version=0)
+    deliver(1, 0, 3, version=0)  # actor 1's fourth group is still being made
+    assert len(core.request(BatchRequest(0, 4, 5.0, request_id=1)).groups) == 4
+    req = BatchRequest(1, 4, 5.0, request_id=2)
+    assert core.request(req) is None  # three groups here
+    assert core.tickets(TicketRequest(0, 4, 0, weights_version=1)).granted == 4
+    deliver(0, 4, 4, version=1)
+    assert core.serve(req, final=False) is None  # seven here, but the one on its way must be in this batch
+    deliver(1, 3, 1, version=0)
+    batch = core.serve(req, final=False)
+    assert batch is not None and [g.min_version for g in batch.groups] == [0, 0, 0, 0]
+    assert len(core.request(BatchRequest(2, 4, 5.0, request_id=3)).groups) == 4
+    assert core.stats().drops == {}
+
+    # At its deadline the batch is served without the late group (its actor may have died).
+    assert core.tickets(TicketRequest(1, 4, 0, weights_version=2)).granted == 4
+    deliver(1, 4, 3, version=2)
+    req = BatchRequest(3, 4, 5.0, request_id=4)
+    assert core.request(req) is None
+    assert core.tickets(TicketRequest(0, 4, 0, weights_version=3)).granted == 4
+    deliver(0, 8, 4, version=3)
+    assert core.serve(req, final=False) is None
+    assert [g.min_version for g in core.serve(req, final=True).groups] == [2, 2, 2, 3]
+
+
 def test_steady_workload_over_sockets_has_no_drops(ipc):
     b, steps = 4, 12
     cfg = ReplayConfig(max_staleness=1, admission=True, wal_dir=None)
