@@ -48,12 +48,13 @@ class SamplingSpec:
 
 class Engine(Protocol):
     version: int
+    shares_weights: bool  # whether load_weights(keep=True) may keep views of the tensors it is given
 
     def add(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec, n: int = 1) -> None: ...
     def step(self) -> list[Sample]: ...
     def has_unfinished(self) -> bool: ...
     def abort(self, keys: Sequence[str]) -> None: ...
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, keep: bool = False) -> None: ...
     def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec) -> list[list[Sample]]: ...
 
 
@@ -114,6 +115,9 @@ class VLLMEngine:
         self._inplace: InPlaceLoader | None = None
         self.inplace_loading = True  # False: every load through vLLM's reload path (to compare the two)
         self.loads = {"inplace": 0, "reload": 0}  # weight loads by path
+        # Under F.linear the layers run on their weights as loaded, so a load may make them views of
+        # a leased shared-memory segment (no copy); oneDNN packs a copy of every layer anyway.
+        self.shares_weights = cpu_gemm == "torch"
 
     @property
     def _salt(self) -> str:
@@ -189,18 +193,21 @@ class VLLMEngine:
         for k in keys:
             self._live.pop(k, None)
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, keep: bool = False) -> None:
         """Load new weights in place; running requests continue on them (their KV cache is kept).
 
-        Copied straight into the model's parameters (actors/inplace_weights.py); what that cannot
-        place goes through vLLM's `reload_weights`."""
+        Copied straight into the model's parameters (actors/inplace_weights.py), or with `keep` (the
+        tensors stay valid until the next load: a leased segment) made views of them where the
+        layers run on their weights as loaded; what that cannot place goes through vLLM's
+        `reload_weights`."""
         named = list(tensors)
         if self._inplace is None:
             # The in-process engine core runs the model in this process: apply_model hands it over.
             self._inplace = InPlaceLoader(self.llm.apply_model(_the_model)[0])
-        if self.inplace_loading and self._inplace.load(named):
+        if self.inplace_loading and self._inplace.load(named, keep=keep and self.shares_weights):
             self.loads["inplace"] += 1
         else:
+            self._inplace.own()  # vLLM's reload may write into the parameters it finds
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
             self._inplace = None  # the reload rebuilt the layers' parameters: plan again next time
             self.loads["reload"] += 1

@@ -135,7 +135,9 @@ class MixtureEngine:
         for k in keys:
             self._live.pop(k, None)
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    shares_weights = False  # load_state_dict copies
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, keep: bool = False) -> None:
         """New weights for pi_theta (pi_ref stays pi_0); running completions continue on them."""
         self.policy.load_state_dict(dict(tensors), strict=True)
         self.version = version

@@ -75,6 +75,7 @@ class ActorStats:
     weight_fetch_failures: int = 0  # versions refused (bad checksum, no longer held); the old weights stay
     weight_shm_loads: int = 0  # of weight_loads: read from the learner's shared memory (the rest over TCP)
     weight_shm_fallbacks: int = 0  # versions whose segment could not be opened here: read over TCP
+    weight_leased_loads: int = 0  # of weight_shm_loads: the engine kept views of the leased segment, no copy
     version: int = 0
     skipped_accepted: int = 0  # positions already accepted before a restart
     resumed_at: int = 0  # the replay's watermark when this process started: every position below was accepted
@@ -109,9 +110,10 @@ class RolloutWorker:
             return
         start = time.time()
         try:
-            with self.weights.tensors(ready) as tensors:
+            with self.weights.tensors(ready, lease=self.engine.shares_weights) as tensors:
                 fetched = time.time()
-                self.engine.load_weights(tensors, ready.version)
+                leased = self.weights.leased
+                self.engine.load_weights(tensors, ready.version, keep=leased)
         except WeightFetchError as e:
             # Nothing of that version reached the engine (it was refused before the load began);
             # generation goes on with the weights it has, and the next pass asks again (for the
@@ -122,6 +124,7 @@ class RolloutWorker:
                             self.actor_id, self.engine.version, n, e)
             return
         self.stats.weight_loads += 1
+        self.stats.weight_leased_loads += leased
         self.stats.weight_shm_loads = self.weights.loads["shm"]
         self.stats.weight_shm_fallbacks = self.weights.shm_fallbacks
         self.stats.weight_bytes += sum(b.nbytes for b in ready.buckets)

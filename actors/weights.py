@@ -57,6 +57,8 @@ class WeightClient:
         self.transport = transport
         self._host = shm.host_identity()
         self._mapped: OrderedDict[str, tuple[int, mmap.mmap]] = OrderedDict()  # segment name -> (fd, map)
+        self._lease: int | None = None  # the descriptor whose read lock the engine's weights rest on
+        self.leased = False  # inside a leased `tensors` block over shared memory
         self.loads = {"shm": 0, "tcp": 0}  # versions read, by transport
         self.shm_fallbacks = 0  # versions that named a segment this actor could not open: read over TCP
         self._ctx = zmq.Context.instance()
@@ -134,23 +136,43 @@ class WeightClient:
         return tensors
 
     @contextlib.contextmanager
-    def tensors(self, ready: WeightsReady) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """All tensors of `ready`, verified; valid only inside the block (over shared memory they are
-        read-only views of the learner's segment, which it may rewrite once the block is left)."""
+    def tensors(self, ready: WeightsReady, lease: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """All tensors of `ready`, verified. Over shared memory they are read-only views of the
+        learner's segment, valid inside the block: the reader's lock keeps the learner from rewriting
+        it. With `lease`, a block left without an exception keeps that lock until the next leased
+        read has ended (or `release`), so the engine may keep the views as its weights; inside the
+        block `leased` says whether it may (False over TCP, where the tensors are this process's
+        own memory and the engine copies them)."""
         start = time.perf_counter()
         views = self._from_shm(ready) if self.transport != "tcp" else None
         if views is None:
             tensors = self.fetch(ready)
             self.loads["tcp"] += 1
+            self.leased = False
             yield tensors
             return
         fd, named = views
         self.fetch_seconds += time.perf_counter() - start
         self.loads["shm"] += 1
+        self.leased = lease
+        kept = False
         try:
             yield named
+            kept = lease
         finally:
-            shm.unlock(fd)
+            self.leased = False
+            if kept:
+                self.release()
+                self._lease = fd
+            elif fd != self._lease:
+                shm.unlock(fd)
+
+    def release(self) -> None:
+        """Give back the lease on the segment whose views the engine held: it now holds others (or
+        its own copies), and the learner may rewrite that slot."""
+        if self._lease is not None:
+            shm.unlock(self._lease)
+            self._lease = None
 
     def _segment(self, seg: ShmSegment) -> tuple[int, mmap.mmap]:
         """The segment's descriptor and read-only map, opened once and kept (a fresh map of a large
@@ -169,7 +191,8 @@ class WeightClient:
             raise shm.ShmUnavailable(f"cannot map {seg.name}: {e.strerror}") from None
         self._mapped[seg.name] = (fd, mm)
         while len(self._mapped) > MAX_MAPPED:
-            old_fd, _ = self._mapped.popitem(last=False)[1]
+            oldest = next(name for name, (fd, _) in self._mapped.items() if fd != self._lease)
+            old_fd, _ = self._mapped.pop(oldest)
             os.close(old_fd)  # the map itself goes with the last view of it
         return fd, mm
 
@@ -236,11 +259,13 @@ class WeightClient:
             self.checksum_seconds += time.perf_counter() - verify
             self.checksum_cpu_seconds += time.thread_time() - verify_cpu
         except BaseException:
-            shm.unlock(fd)
+            if fd != self._lease:  # the engine's weights still rest on that lock
+                shm.unlock(fd)
             raise
         return fd, named
 
     def close(self) -> None:
+        self.release()
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None

@@ -8,7 +8,7 @@ so a torn transfer never reaches the engine.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -70,27 +70,32 @@ def checksum(arrays: Iterable[np.ndarray]) -> str:
 Bucket = tuple[BucketInfo, list[np.ndarray]]
 
 
-def make_buckets(named: list[tuple[str, np.ndarray, str]], bucket_bytes: int) -> list[Bucket]:
-    """Group (name, array, dtype tag) into buckets of at most bucket_bytes (a larger tensor goes alone)."""
+def bucket_groups(nbytes: Sequence[int], bucket_bytes: int) -> list[range]:
+    """Which tensors (by position) each bucket holds: in order, at most bucket_bytes per bucket (a
+    larger tensor goes alone)."""
+    groups: list[range] = []
+    start, size = 0, 0
+    for i, n in enumerate(nbytes):
+        if i > start and size + n > bucket_bytes:
+            groups.append(range(start, i))
+            start, size = i, 0
+        size += n
+    if len(nbytes) > start:
+        groups.append(range(start, len(nbytes)))
+    return groups
+
+
+def make_buckets(named: list[tuple[str, np.ndarray, str]], bucket_bytes: int,
+                 checksums: Sequence[str] | None = None) -> list[Bucket]:
+    """Group (name, array, dtype tag) into buckets (`bucket_groups`), each with its checksum: the
+    one given (computed as the bytes were written, learner/shm_slots.py) or computed here."""
     buckets: list[Bucket] = []
-    names: list[str] = []
-    arrays: list[np.ndarray] = []
-    tags: list[str] = []
-    size = 0
-
-    def close() -> None:
-        info = BucketInfo(index=len(buckets), nbytes=size, checksum=checksum(arrays), names=list(names),
-                          dtypes=list(tags), shapes=[list(a.shape) for a in arrays])
-        buckets.append((info, list(arrays)))
-
-    for name, arr, tag in named:
-        if arrays and size + arr.nbytes > bucket_bytes:
-            close()
-            names, arrays, tags, size = [], [], [], 0
-        names.append(name)
-        arrays.append(arr)
-        tags.append(tag)
-        size += arr.nbytes
-    if arrays:
-        close()
+    for index, group in enumerate(bucket_groups([arr.nbytes for _, arr, _ in named], bucket_bytes)):
+        items = [named[i] for i in group]
+        arrays = [arr for _, arr, _ in items]
+        info = BucketInfo(index=index, nbytes=sum(a.nbytes for a in arrays),
+                          checksum=checksums[index] if checksums is not None else checksum(arrays),
+                          names=[name for name, _, _ in items], dtypes=[tag for _, _, tag in items],
+                          shapes=[list(a.shape) for a in arrays])
+        buckets.append((info, arrays))
     return buckets

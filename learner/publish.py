@@ -126,19 +126,19 @@ class WeightServer:
         several ranks, pass `Trainer.whole_state()` instead."""
         start = time.perf_counter()
         state = list((full_state_dict(weights) if isinstance(weights, torch.nn.Module) else weights).items())
-        segment = None
+        segment, checksums = None, None
         if self._slots is not None:
             # The slot to be rewritten must serve nothing meanwhile: the version it holds goes first.
             self._drop_oldest(KEEP_VERSIONS - 1)
             try:
                 with self._lock:
                     held = set(self._versions)
-                segment, named = self._slots.write(state, version, held)
+                segment, named, checksums = self._slots.write(state, version, held, self.bucket_bytes)
             except shm.ShmUnavailable as e:
                 self._no_shm(e)
         if segment is None:
             named = [(name, *tensor_to_array(t)) for name, t in state]
-        buckets = make_buckets(named, self.bucket_bytes)
+        buckets = make_buckets(named, self.bucket_bytes, checksums)
         with self._lock:
             self._versions[version] = buckets
             if segment is not None:

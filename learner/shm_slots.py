@@ -2,8 +2,11 @@
 the model's tensors into /dev/shm files that actors on this host map (dph_async/weights_shm.py).
 
 `SlotWriter.write` copies each tensor once, into a slot kept mapped across versions (no page faults
-after the first version, no intermediate buffer); the returned numpy views of the slot are what the
-TCP path serves too, so a version exists once in the learner's memory whichever way it travels.
+after the first version, no intermediate buffer), and checksums each bucket piece by piece as it is
+written; the returned numpy views of the slot are what the TCP path serves too, so a version exists
+once in the learner's memory whichever way it travels. Actors on this host may keep their engine's
+weights as views of a slot (a reader's lease, actors/weights.py): a slot a reader holds is never
+rewritten, so the learner writes the next version into another one.
 """
 
 from __future__ import annotations
@@ -18,10 +21,32 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import xxhash
 
 from dph_async import weights_shm as shm
 from dph_async.protocol import SHM_PREFIX, ShmSegment, storage_dtype
-from dph_async.weights import tensor_tag
+from dph_async.weights import bucket_groups, tensor_tag
+
+# Copied and hashed in pieces that stay in a core's L2 cache, so the checksum reads each piece from
+# the cache rather than from memory: copy + hash of 536 MB ran at 12.1 GB/s this way, against 9.5 GB/s
+# copying the whole and then hashing it (memcpy 13.4; 2-CPU AMD EPYC, 1 MiB of L2 per core).
+CHUNK_BYTES = 512 * 1024
+
+
+def _copy_hashing(dest: np.ndarray, t: torch.Tensor, tag: str, h) -> None:
+    """dest[...] = t, feeding dest's bytes to the hash `h` in order."""
+    if not t.is_cpu:  # from an accelerator: one copy across, then the hash
+        out = torch.from_numpy(dest)
+        (out.view(torch.bfloat16) if tag == "bfloat16" else out).copy_(t)
+        h.update(memoryview(dest.reshape(-1)).cast("B"))
+        return
+    src = t.contiguous()
+    src = (src.view(torch.uint16) if tag == "bfloat16" else src).numpy().reshape(-1)
+    flat = dest.reshape(-1)
+    step = max(1, CHUNK_BYTES // flat.itemsize)
+    for i in range(0, flat.size, step):
+        np.copyto(flat[i:i + step], src[i:i + step])
+        h.update(memoryview(flat[i:i + step]).cast("B"))
 
 
 @dataclass
@@ -104,32 +129,36 @@ class SlotWriter:
             self._slots.append(slot)
         return slot
 
-    def write(self, named: Sequence[tuple[str, torch.Tensor]], version: int,
-              held: set[int]) -> tuple[ShmSegment, list[tuple[str, np.ndarray, str]]]:
+    def write(self, named: Sequence[tuple[str, torch.Tensor]], version: int, held: set[int],
+              bucket_bytes: int) -> tuple[ShmSegment, list[tuple[str, np.ndarray, str]], list[str]]:
         """Copy the tensors into a slot not holding a version in `held` (those stay readable); return
-        the segment's manifest entry and read-only numpy views of each tensor in it."""
+        the segment's manifest entry, read-only numpy views of each tensor in it, and the checksum of
+        each bucket (`bucket_groups`) of them, hashed as they were written."""
         tags = [tensor_tag(t) for _, t in named]
-        offsets, size = shm.layout([t.numel() * t.element_size() for _, t in named])
+        sizes = [t.numel() * t.element_size() for _, t in named]
+        offsets, size = shm.layout(sizes)
         slot = self._slot_for(size, held)
         try:
             # Should the write be cut short (an exception), the slot says it holds no version.
             shm.write_header(slot.mm, -1)
             slot.version = -1
-            views = []
+            views, checksums = [], []
             with torch.no_grad():
-                for (name, t), tag, off in zip(named, tags, offsets, strict=True):
-                    arr = np.frombuffer(slot.mm, storage_dtype(tag), t.numel(), off).reshape(t.shape)
-                    dest = torch.from_numpy(arr)
-                    dest = dest.view(torch.bfloat16) if tag == "bfloat16" else dest
-                    dest.copy_(t.detach())
-                    arr = arr.view()
-                    arr.flags.writeable = False
-                    views.append((name, arr, tag))
+                for group in bucket_groups(sizes, bucket_bytes):
+                    h = xxhash.xxh3_64()
+                    for i in group:
+                        (name, t), tag = named[i], tags[i]
+                        arr = np.frombuffer(slot.mm, storage_dtype(tag), t.numel(), offsets[i]).reshape(t.shape)
+                        _copy_hashing(arr, t.detach(), tag, h)
+                        arr = arr.view()
+                        arr.flags.writeable = False
+                        views.append((name, arr, tag))
+                    checksums.append(h.hexdigest())
             shm.write_header(slot.mm, version)
             slot.version = version
         finally:
             shm.unlock(slot.fd)
-        return ShmSegment(slot.name, self.host, size, offsets), views
+        return ShmSegment(slot.name, self.host, size, offsets), views, checksums
 
     def close(self) -> None:
         for slot in list(self._slots):

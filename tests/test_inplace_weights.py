@@ -9,7 +9,8 @@ after every load, and F.linear on the weights as loaded.
 
 The engines run in one child process (vLLM engines live in processes of their own, as in an
 actor): per case it builds an engine from weights A, loads weights B in place, samples, loads A
-again and then B through shared memory, samples, resets the engine to A (as a kept actor does before
+again and then B through shared memory (under F.linear as views of the leased segment, while the
+learner publishes three more versions), samples, resets the engine to A (as a kept actor does before
 its next run) and samples, then samples from a fresh engine on B.
 """
 
@@ -51,11 +52,16 @@ def compare(a, b, gemm):
     server.publish(model_b, version=3)
     while (ready := client.newest(2)) is None:
         time.sleep(0.01)
-    with client.tensors(ready) as shared:
-        engine.load_weights(shared, ready.version)
+    with client.tensors(ready, lease=engine.shares_weights) as shared:
+        engine.load_weights(shared, ready.version, keep=client.leased)
+    views = len(engine._inplace.viewing)
+    model_a = AutoModelForCausalLM.from_pretrained(a)
+    for version in (4, 5, 6):  # the learner publishes on: the leased slot must not be rewritten
+        server.publish(model_a, version=version)
+    loaded_shm = engine.generate(prompts, spec)
+    replaced = server._slots.replaced_busy
     client.close()
     server.close()
-    loaded_shm = engine.generate(prompts, spec)
     model = engine.llm.apply_model(lambda m: m)[0]
     kept = [name for name, p in model.named_parameters() if name.endswith("proj.weight") and p.numel() > 0]
     engine.reset(str(a))  # what a kept actor does before its next run: back to A, version 0
@@ -64,7 +70,7 @@ def compare(a, b, gemm):
     dump = lambda gs: [[(s.token_ids, s.logprobs) for s in g] for g in gs]
     return {"loads": engine.loads, "before": dump(before), "loaded": dump(loaded), "loaded_shm": dump(loaded_shm),
             "fresh": dump(fresh), "linear_weights_kept": len(kept), "reset": dump(reset),
-            "reset_version": engine.version}
+            "reset_version": engine.version, "views": views, "replaced": replaced}
 
 def main():
     out, *cases = sys.argv[1:]
@@ -131,6 +137,10 @@ def test_inplace_load_matches_a_fresh_engine(tmp_path):
         assert res["loaded"] != res["before"], case  # the load changed what the engine computes
         # Reset to A: the engine computes again what it computed when it was new on A.
         assert res["reset"] == res["before"] and res["reset_version"] == 0, case
+        # Under F.linear the engine ran on views of the leased segment (no copy), and the learner's
+        # next publishes went around the slot it held instead of rewriting it.
+        torch_gemm = case.endswith("/torch")
+        assert (res["views"] > 0) == torch_gemm and (res["replaced"] > 0) == torch_gemm, (case, res["views"])
         # oneDNN keeps only its packed copy of a linear layer's weight; F.linear runs on the weight.
         assert (res["linear_weights_kept"] > 0) == case.endswith("/torch"), (case, res["linear_weights_kept"])
     # The two kernels compute the same function (not bitwise alike): each sample's first token, drawn

@@ -130,11 +130,13 @@ def flip_a_bit(reply: WeightsBucket) -> WeightsBucket:
 class RecordingEngine:
     """Stands in for vLLM in this unit test: records what would have been loaded."""
 
+    shares_weights = False
+
     def __init__(self) -> None:
         self.version = 0
         self.loaded: list[tuple[int, list[tuple[str, torch.Tensor]]]] = []
 
-    def load_weights(self, tensors, version: int) -> None:
+    def load_weights(self, tensors, version: int, keep: bool = False) -> None:
         self.loaded.append((version, list(tensors)))
         self.version = version
 

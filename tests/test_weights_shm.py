@@ -221,3 +221,26 @@ def test_tcp_transport_makes_no_segment(ipc):
         server.close()
     with pytest.raises(ValueError, match="not one of auto, tcp, shm"):
         WeightServer(ipc("w2"), SECURITY, bucket_bytes=200, transport="udp")
+
+
+def test_checksums_hashed_while_writing_equal_those_of_the_written_bytes(monkeypatch):
+    """The writer hashes each bucket in pieces as it copies; the checksums are those of the bytes
+    in the slot, computed afresh, for every dtype and with pieces that split tensors anywhere."""
+    from dph_async.weights import make_buckets
+    from learner import shm_slots
+
+    monkeypatch.setattr(shm_slots, "CHUNK_BYTES", 1000)  # not a multiple of any row or dtype
+    g = torch.Generator().manual_seed(11)
+    named = [("a", torch.randn(37, 29, generator=g)), ("b", torch.randn(300, generator=g).to(torch.bfloat16)),
+             ("c", torch.randint(-9, 9, (17, 3), generator=g)), ("d", torch.randn(5, 7, generator=g).t()),
+             ("e", torch.randn(2000, generator=g).to(torch.float16))]
+    writer = shm_slots.SlotWriter(keep=2)
+    try:
+        _, views, checksums = writer.write(named, version=1, held=set(), bucket_bytes=3000)
+        fresh = make_buckets(views, 3000)
+        assert len(checksums) == len(fresh) > 2 and checksums == [info.checksum for info, _ in fresh]
+        for (name, t), (vname, arr, _) in zip(named, views, strict=True):
+            got = torch.from_numpy(arr.copy())
+            assert name == vname and torch.equal(got.view(t.dtype) if t.dtype == torch.bfloat16 else got, t)
+    finally:
+        writer.close()

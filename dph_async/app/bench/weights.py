@@ -15,9 +15,13 @@ into its engine. Per version, the stages:
     load       actor: into the engine, in place (the default) or through vLLM's reload path
     publish -> loaded   wall clock from the start of the publish to the end of the load
 
-The rounds cycle through three variants: "shm" and "tcp" (both loaded in place) and "tcp+reload"
-(vLLM's reload path, the way weights were loaded before the in-place loader), so a drift in others'
-load on the machine falls on all of them. GB/s = the version's bytes / seconds. memcpy: the same
+The rounds run three variants one after the other: "shm" and "tcp" (both loaded in place) and
+"tcp+reload" (vLLM's reload path, the way weights were loaded before the in-place loader). Each
+variant's rounds run back to back, as in an RL run that reads every version the same way: under
+`actors.cpu_gemm=torch` a shared-memory load leaves the engine's layers as views of the leased slot,
+and a load after a TCP one frees the engine's own copy first (about 10 ms at this size), which no RL
+run pays per version. Each round's ratio is to a memcpy timed just before its publish, so a drift in
+others' load on the machine falls on both sides of it. GB/s = the version's bytes / seconds. memcpy: the same
 bytes copied tensor by tensor into buffers already touched, by one thread of this process, just
 before each publish, so each round's ratio is taken under the same load. Every stage is also timed
 in CPU-seconds of its process (memcpy's too): on a machine others share, wall-clock rates fall with
@@ -137,9 +141,9 @@ def actor_main(model_dir: str, addrs: dict[str, str], conn, cpu_gemm: str) -> No
         verify_cpu0 = client.checksum_cpu_seconds
         engine.inplace_loading = not variant.endswith("+reload")
         loads = dict(engine.loads)
-        with client.tensors(ready) as tensors:
+        with client.tensors(ready, lease=engine.shares_weights) as tensors:
             fetched, cpu1 = time.time(), time.process_time()
-            engine.load_weights(tensors, ready.version)
+            engine.load_weights(tensors, ready.version, keep=client.leased)
             done, cpu2 = time.time(), time.process_time()
         path = "inplace" if engine.loads["inplace"] > loads["inplace"] else "reload"
         del tensors
@@ -150,6 +154,11 @@ def actor_main(model_dir: str, addrs: dict[str, str], conn, cpu_gemm: str) -> No
     for client in clients.values():
         client.close()
 
+
+# Versions of each variant left out: the first load builds the engine's plan and maps the slot, and
+# the learner's first KEEP_VERSIONS writes create its slots (page faults on new files cost several
+# times the copy).
+WARMUP = 2
 
 STAGES = ("snapshot", "transfer", "checksum", "load", "actor", "publish_to_loaded")
 
@@ -177,7 +186,7 @@ def _summary(rounds: list[Round], nbytes: int) -> dict[str, dict[str, float]]:
 
 def run(shape: ModelShape, model_root: Path, rounds: int, bucket_mb: float, machine: dict,
         on_round=None, cpu_gemm: str = "onednn") -> WeightsBench:
-    """Publish `rounds` versions (after one warm-up per variant, left out), cycling through the
+    """Publish `rounds` versions (after WARMUP warm-ups per variant, left out), split between the
     variants; return every round's stage times and the medians."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -202,8 +211,9 @@ def run(shape: ModelShape, model_root: Path, rounds: int, bucket_mb: float, mach
         results: list[Round] = []
         sources = [t.detach().numpy() for t in model.state_dict().values()]
         dest = [np.ones_like(a) for a in sources]
-        plan = [*VARIANTS, *(VARIANTS[i % len(VARIANTS)] for i in range(rounds))]
-        for version, variant in enumerate(plan, start=1):
+        per_variant = [rounds // len(VARIANTS) + (i < rounds % len(VARIANTS)) for i in range(len(VARIANTS))]
+        plan = [(v, i >= WARMUP) for v, n in zip(VARIANTS, per_variant, strict=True) for i in range(WARMUP + n)]
+        for version, (variant, timed) in enumerate(plan, start=1):
             copy_s, copy_cpu = memcpy(dest, sources)
             start, cpu = time.time(), time.thread_time()
             stats = servers[variant.split("+")[0]].publish(model, version)
@@ -215,7 +225,7 @@ def run(shape: ModelShape, model_root: Path, rounds: int, bucket_mb: float, mach
                 raise RuntimeError(f"round {version} ({variant}): the engine loaded through its {reply['path']} path")
             r = Round(variant, copy_s, stats.seconds, reply["transfer_s"], reply["checksum_s"], reply["load_s"],
                       reply["loaded_at"] - start, {"memcpy": copy_cpu, "snapshot": snapshot_cpu, **reply["cpu"]})
-            if version > len(VARIANTS):  # the first load of each variant builds its plan and maps: a warm-up
+            if timed:
                 results.append(r)
                 if on_round:
                     on_round(r, stats.nbytes)

@@ -10,7 +10,7 @@ HELP = "weight sync: publish -> loaded in a vLLM actor, per stage, against memcp
 DESCRIPTION = """\
 Make a model of >= 100 M parameters (random init, a Llama config; kept in --models for the next
 run), publish versions of it through the learner's weight servers, and load each into a vLLM actor
-in a child process, cycling through three variants: "shm" (the actor reads the version from the
+in a child process, in three variants one after the other: "shm" (the actor reads the version from the
 learner's shared-memory slot), "tcp" (its buckets over the weight socket), both loaded in place,
 and "tcp+reload" (vLLM's reload path). Reports GB/s of every stage (snapshot, transfer, checksum,
 load into the engine, publish -> loaded) against memcpy of the same bytes on this machine, per
@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=768, help="hidden size (default: %(default)s)")
     p.add_argument("--layers", type=int, default=12, help="decoder layers (default: %(default)s)")
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=9, help="versions published after the warm-up, cycling "
-                   "through shm, tcp and tcp+reload (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=9, help="versions published after the warm-ups, split "
+                   "between shm, tcp and tcp+reload (default: %(default)s)")
     p.add_argument("--cpu-gemm", choices=("onednn", "torch"), default="onednn", help="the actor engine's CPU "
                    "linear layers, as actors.cpu_gemm (default: %(default)s)")
     p.add_argument("--bucket-mb", type=float, default=32.0, help="weight bucket size in MiB, as "
