@@ -97,33 +97,6 @@ def test_a_kept_actor_process_that_died_is_replaced(prepared):
     assert third.pids["actor0"] != first.pids["actor0"] and len(third.metrics) == 2
 
 
-def test_under_f_linear_the_actor_runs_on_the_learners_shared_weights(prepared):
-    """actors.cpu_gemm=torch: every version reaches the engine as views of the learner's shared-memory
-    slot, leased while the engine runs on it (no copy), and the behaviour log-probs are still the
-    learner's at the version that made them (sync mode: one version per group)."""
-    from test_run_command import LOGPROB_TOL, worst_gap
-    from transformers import AutoModelForCausalLM
-
-    from dph_async.paths import MODEL_STATES
-    from learner.batching import Sequence
-    from replay.wal import IngestRecord, WriteAheadLog
-
-    result, rl_dir = train(prepared, "views", "mode=sync", "learner.steps=4", "actors.num_actors=1",
-                           "actors.cpu_gemm=torch", "learner.checkpoint_every=2", "learner.keep_checkpoints=0",
-                           mode="grpo")
-    (actor,) = result.actors
-    assert actor["weight_loads"] >= 3, actor
-    assert actor["weight_leased_loads"] == actor["weight_shm_loads"] == actor["weight_loads"], actor
-    made_at_2 = [[Sequence(g.prompt_ids, c.token_ids, c.logprobs) for c in g.completions if len(c.token_ids)]
-                 for r in WriteAheadLog(rl_dir / "replay_wal").records() if isinstance(r, IngestRecord)
-                 for g in r.groups if {v for c in g.completions for v in c.versions} == {2}]
-    assert made_at_2
-    model = AutoModelForCausalLM.from_pretrained(prepared[0] / "base_model", dtype=torch.float32).eval()
-    states = torch.load(rl_dir / "checkpoints" / "v2" / MODEL_STATES, map_location="cpu", weights_only=False)
-    model.load_state_dict(states["module"])
-    assert worst_gap(model, made_at_2, "fresh") < LOGPROB_TOL
-
-
 def test_killed_actor_is_restarted_and_run_completes(prepared):
     pids: dict[str, int] = {}
     steps_at_kill: list[int] = []
@@ -191,3 +164,32 @@ def test_zero3_over_two_learner_ranks_publishes_measures_and_saves_whole_weights
     base = AutoModelForCausalLM.from_pretrained(prep.base).state_dict()
     assert {k: v.shape for k, v in final.items()} == {k: v.shape for k, v in base.items()}
     assert any(not torch.equal(final[k], base[k]) for k in base)
+
+
+# Last in the module: its engine settings differ (cpu_gemm), so it ends the kept actor process the
+# tests above share.
+def test_under_f_linear_the_actor_runs_on_the_learners_shared_weights(prepared):
+    """actors.cpu_gemm=torch: every version reaches the engine as views of the learner's shared-memory
+    slot, leased while the engine runs on it (no copy), and the behaviour log-probs are still the
+    learner's at the version that made them (sync mode: one version per group)."""
+    from test_run_command import LOGPROB_TOL, worst_gap
+    from transformers import AutoModelForCausalLM
+
+    from dph_async.paths import MODEL_STATES
+    from learner.batching import Sequence
+    from replay.wal import IngestRecord, WriteAheadLog
+
+    result, rl_dir = train(prepared, "views", "mode=sync", "learner.steps=4", "actors.num_actors=1",
+                           "actors.cpu_gemm=torch", "learner.checkpoint_every=2", "learner.keep_checkpoints=0",
+                           mode="grpo")
+    (actor,) = result.actors
+    assert actor["weight_loads"] >= 3, actor
+    assert actor["weight_leased_loads"] == actor["weight_shm_loads"] == actor["weight_loads"], actor
+    made_at_2 = [[Sequence(g.prompt_ids, c.token_ids, c.logprobs) for c in g.completions if len(c.token_ids)]
+                 for r in WriteAheadLog(rl_dir / "replay_wal").records() if isinstance(r, IngestRecord)
+                 for g in r.groups if {v for c in g.completions for v in c.versions} == {2}]
+    assert made_at_2
+    model = AutoModelForCausalLM.from_pretrained(prepared[0] / "base_model", dtype=torch.float32).eval()
+    states = torch.load(rl_dir / "checkpoints" / "v2" / MODEL_STATES, map_location="cpu", weights_only=False)
+    model.load_state_dict(states["module"])
+    assert worst_gap(model, made_at_2, "fresh") < LOGPROB_TOL
