@@ -162,7 +162,8 @@ class WeightClient:
         finally:
             self.leased = False
             if kept:
-                self.release()
+                if fd != self._lease:  # (one descriptor holds one lock: the same slot read again keeps it)
+                    self.release()
                 self._lease = fd
             elif fd != self._lease:
                 shm.unlock(fd)
