@@ -193,6 +193,25 @@ def test_a_slot_held_by_a_reader_is_replaced_not_rewritten(server, client):
         assert_bitwise(got, models[3])
 
 
+def test_a_leased_slot_read_again_stays_leased(server, client):
+    """An engine keeps views of a leased slot after its block; reading that slot again (the same
+    version loaded twice) must not drop the lease, or the learner would rewrite it under the views."""
+    models = {v: Net(30 + v) for v in (1, 2, 3)}
+    server.publish(models[1], version=1)
+    ready = newest(client, 1)
+    with client.tensors(ready, lease=True) as kept:
+        pass
+    with client.tensors(ready, lease=True) as again:
+        assert_bitwise(again, models[1])
+    server.publish(models[2], version=2)
+    server.publish(models[3], version=3)  # version 1's slot is due, but the lease holds it
+    assert server._slots.replaced_busy == 1
+    assert_bitwise(kept, models[1])
+    client.release()
+    server.publish(Net(34), version=4)  # released: version 2's slot is due and free, rewritten
+    assert server._slots.replaced_busy == 1
+
+
 def test_stale_segments_are_removed_and_live_ones_kept(server):
     server.publish(Net(4), version=1)
     live = set(server.segment_names)
