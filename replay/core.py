@@ -123,7 +123,7 @@ class ReplayCore:
     def _accept(self, group: RolloutGroup) -> None:
         self.accepted.add(group.group_id)
         self.store.add(group)
-        self.admission.arrived(group.actor_id)
+        self.admission.arrived(group.actor_id, group.min_version)
         self.metrics.count("accepted")
         self.metrics.count("admitted")
 

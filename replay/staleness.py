@@ -20,7 +20,10 @@ w + eta only if at most (eta + w + 1) * B groups are ahead of it.
 "Ahead" is in grant order, but groups arrive in any order: a slow actor's group granted at w can
 arrive after fresher groups filled batch w + eta. So the replay records each ticket's basis version
 w, and a batch of version v that could be served waits (up to its deadline) while tickets granted at
-v - eta are still on their way and fit in it: it is their last batch.
+v - eta are still on their way and fit in it: it is their last batch. An arriving group uses its
+actor's ticket of the newest basis not newer than its oldest token (an actor running several prompts
+at once finishes them out of order), and tickets an actor no longer counts are taken from its newest
+grant; both err toward waiting for a group, never toward forgetting one on its way.
 
 in_flight is the replay's own record: what it granted each actor, less the groups that arrived. An
 actor's account of the tickets it holds (`TicketRequest.outstanding`) may only lower that record (an
@@ -83,26 +86,33 @@ class Admission:
         self.by_version[basis] += n
         self.in_flight_total += n
 
-    def _use(self, actor: int, n: int) -> int:
-        """Take up to n of the actor's tickets, oldest grant first (an actor fills them in order);
-        returns how many it held of them."""
+    def _use(self, actor: int, n: int, newest: bool = False) -> int:
+        """Take up to n of the actor's tickets, oldest grant first (or newest); returns how many it
+        held of them."""
         chunks = self.in_flight.get(actor)
         used = 0
         while chunks and used < n:
-            basis, held = chunks[0]
-            k = min(held, n - used)
-            used += k
-            self.by_version[basis] -= k
-            if not self.by_version[basis]:
-                del self.by_version[basis]
-            if k == held:
-                chunks.popleft()
-            else:
-                chunks[0][1] -= k
-        if chunks is not None and not chunks:
+            used += self._take(chunks, -1 if newest else 0, n - used)
+        self._settle(actor, used)
+        return used
+
+    def _take(self, chunks: deque[list[int]], i: int, n: int) -> int:
+        """Take up to n tickets from chunk i, dropping it once empty."""
+        basis, held = chunks[i]
+        k = min(held, n)
+        self.by_version[basis] -= k
+        if not self.by_version[basis]:
+            del self.by_version[basis]
+        if k == held:
+            del chunks[i]
+        else:
+            chunks[i][1] -= k
+        return k
+
+    def _settle(self, actor: int, used: int) -> None:
+        if actor in self.in_flight and not self.in_flight[actor]:
             del self.in_flight[actor]
         self.in_flight_total -= used
-        return used
 
     def grant(
         self,
@@ -114,20 +124,29 @@ class Admission:
         weights_version: int,
     ) -> int:
         """Answer a ticket request. `outstanding` (the actor's own count of unused tickets) lowers our
-        record of what it holds, never raises it: the tickets it no longer counts are its oldest."""
+        record of what it holds, never raises it. The tickets it no longer counts are taken as its
+        newest: an honest actor counts fewer than we do only while a grant is on its way to it."""
         held = self.held(actor)
         if outstanding > held:
             self.overclaimed += 1
-        self._use(actor, held - min(held, max(outstanding, 0)))
+        self._use(actor, held - min(held, max(outstanding, 0)), newest=True)
         granted = want if not self.enabled else min(want, self.capacity(learner_version, admitted, weights_version))
         if granted > 0:
             self._add(actor, self.basis(learner_version, weights_version), granted)
             self.granted_total += granted
         return granted
 
-    def arrived(self, actor: int) -> None:
-        """A new group from `actor` was accepted: its oldest ticket is used."""
-        self._use(actor, 1)
+    def arrived(self, actor: int, min_version: int) -> None:
+        """A new group from `actor` was accepted. It used a ticket granted at a basis no newer than
+        its oldest token's version: the newest such (groups finish out of order when an actor runs
+        several prompts at once, so the oldest ticket is not always the one used; taking the newest
+        that fits errs toward waiting for a group still on its way, never toward forgetting it)."""
+        chunks = self.in_flight.get(actor)
+        if not chunks:
+            return
+        fits = [i for i, (basis, _) in enumerate(chunks) if basis <= min_version]
+        self._take(chunks, fits[-1] if fits else 0, 1)
+        self._settle(actor, 1)
 
     def reset(self, actor: int) -> int:
         """The actor (re)connected and resumed: its earlier tickets are void. Returns how many there

@@ -134,6 +134,47 @@ def test_a_batch_waits_for_a_late_group_it_is_the_last_to_be_allowed_to_use():
     assert [g.min_version for g in core.serve(req, final=True).groups] == [2, 2, 2, 3]
 
 
+def test_a_group_finished_out_of_order_uses_the_ticket_of_its_own_version():
+    """An actor running two prompts at once holds tickets granted at versions 0 and 1; the version-1
+    group finishes first. It must use the version-1 ticket, so batch 1 still waits for the version-0
+    group it is the last allowed to use (crediting the oldest ticket, it did not, and dropped it)."""
+    core = ReplayCore(ReplayConfig(max_staleness=1, admission=True, wal_dir=None), groups_per_batch=4)
+
+    def deliver(actor: int, seq: int, version: int) -> None:
+        core.ingest([synthetic_group(actor, seq, n=2, tokens=3, version=version)])
+
+    assert core.tickets(TicketRequest(0, 4, 0, weights_version=0)).granted == 4
+    assert core.tickets(TicketRequest(1, 1, 0, weights_version=0)).granted == 1
+    for seq in range(4):
+        deliver(0, seq, version=0)
+    assert len(core.request(BatchRequest(0, 4, 5.0, request_id=1)).groups) == 4
+    req = BatchRequest(1, 4, 5.0, request_id=2)
+    assert core.request(req) is None
+    assert core.tickets(TicketRequest(1, 1, 1, weights_version=1)).granted == 1
+    assert core.tickets(TicketRequest(0, 3, 0, weights_version=1)).granted == 3
+    for seq in range(4, 7):
+        deliver(0, seq, version=1)
+    deliver(1, 1, version=1)  # actor 1's second prompt finished first
+    assert core.admission.last_chance(1) == 1
+    assert core.serve(req, final=False) is None  # four here, but the version-0 group is on its way
+    deliver(1, 0, version=0)
+    batch = core.serve(req, final=False)
+    assert batch is not None and sorted(g.min_version for g in batch.groups) == [0, 1, 1, 1]
+    assert len(core.request(BatchRequest(2, 4, 0.0, request_id=3)).groups) == 1  # at its deadline
+    assert core.stats().drops == {}
+
+
+def test_tickets_an_actor_no_longer_counts_are_taken_from_its_newest_grant():
+    """An honest actor counts fewer tickets than the replay only while a grant is on its way to it:
+    those are the newest, and the older ones it still holds keep their batch waiting for them."""
+    core = ReplayCore(ReplayConfig(max_staleness=1, admission=True, wal_dir=None), groups_per_batch=4)
+    assert core.tickets(TicketRequest(0, 2, 0, weights_version=0)).granted == 2
+    core.version = 1
+    assert core.tickets(TicketRequest(0, 2, 2, weights_version=1)).granted == 2
+    assert core.tickets(TicketRequest(0, 0, outstanding=2, weights_version=1)).granted == 0
+    assert (core.admission.last_chance(1), core.admission.last_chance(2)) == (2, 0)
+
+
 def test_steady_workload_over_sockets_has_no_drops(ipc):
     b, steps = 4, 12
     cfg = ReplayConfig(max_staleness=1, admission=True, wal_dir=None)
