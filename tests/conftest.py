@@ -92,6 +92,14 @@ def session_members(sid: int) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.split()[1] == str(sid)]
 
 
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def processes() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, command line) of every process."""
     # -ww: whole command lines, whatever COLUMNS says (pytest sets it; ps would cut lines to it).

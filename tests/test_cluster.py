@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import SMALL, copy_base, descendants, kill_tree, processes
+from conftest import SMALL, alive, copy_base, descendants, kill_tree, processes
 
 from replay.state import read_state
 
@@ -102,14 +102,6 @@ def host_running(title: str, hosts: list[Host]) -> list[Host]:
 
 def sh(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, **kwargs)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def leftovers(names: list[str]) -> list[tuple[str, int]]:

@@ -65,10 +65,17 @@ def test_unknown_preset_and_malformed_override():
     ("learner.sync_every=3", "replay.max_staleness (1) must be >= learner.sync_every - 1 (2)"),
     ("model.path=/nonexistent", "not a Hugging Face model directory"),
     ("task.data=/nonexistent.parquet", "task.data: no such file"),
+    ("launcher.keep_actors_s=60", "launcher.keep_actors_s: Value error, actors can outlive this invocation only"),
 ])
 def test_settings_the_run_cannot_honour_are_refused_before_it_starts(override, says):
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
         validate(load_config("default", [override]), [])
+
+
+def test_actors_kept_on_a_cluster_need_time_to_hear_from_their_driver():
+    with pytest.raises(ConfigError, match=r"launcher\.keep_actors_s: Value error, at least 10 s"):
+        load_config("default", ["launcher.address=auto", "launcher.keep_actors_s=5"])
+    assert load_config("default", ["launcher.address=auto", "launcher.keep_actors_s=10"]).launcher.keep_actors_s == 10
 
 
 def test_compare_names_the_objectives():

@@ -10,6 +10,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,8 +19,9 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from conftest import small_config
+from conftest import alive, small_config
 
+from dph_async.app.actor_pool import POOL_NAMESPACE
 from dph_async.app.launcher import RLResult, ray_cluster, run_rl
 from dph_async.app.pipeline import StageTimer, prepare
 from dph_async.app.specs import RunSpec
@@ -95,6 +98,51 @@ def test_a_kept_actor_process_that_died_is_replaced(prepared):
     os.kill(first.pids["actor0"], signal.SIGKILL)
     third, _ = train(prepared, "kept-3", *once, mode="grpo")
     assert third.pids["actor0"] != first.pids["actor0"] and len(third.metrics) == 2
+
+
+# Another invocation: a driver process (a Ray job) of its own, running one RL run on a cluster it joins.
+INVOCATION = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from conftest import alive, small_config
+from dph_async.app.launcher import ray_cluster, run_rl
+from dph_async.app.pipeline import StageTimer, prepare
+from dph_async.app.specs import RunSpec
+from dph_async.paths import RunPaths
+root, name, overrides = Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
+spec = RunSpec.parse("grpo")
+cfg = spec.apply(small_config(root, *overrides))
+with ray_cluster(cfg):
+    prep = prepare(cfg, RunPaths(root), StageTimer(), need_presample=True)
+    result = run_rl(cfg, name, root / name, prep.base, prep.prompts_for(spec), prep.pool_for(spec))
+print(json.dumps({"pids": result.pids, "steps": len(result.metrics)}))
+"""
+
+
+def pooled() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == POOL_NAMESPACE and a["name"].startswith("dph-actor-")]
+
+
+def test_an_actor_kept_on_the_cluster_serves_the_next_invocation_then_ends_when_idle(prepared):
+    """launcher.keep_actors_s: a run on a cluster that outlives its driver leaves its actor process
+    there; the next invocation, another driver process, takes it instead of building an engine; and
+    once no driver calls it for keep_actors_s, it ends itself (and leaves the pool)."""
+    keep_s = 10
+    pool = ("learner.steps=2", f"launcher.address={ray.get_runtime_context().gcs_address}",
+            f"launcher.keep_actors_s={keep_s}")
+    first, _ = train(prepared, "pool-1", *pool, mode="grpo")
+    assert len(pooled()) == 1
+    child = subprocess.run([sys.executable, "-c", INVOCATION, str(Path(__file__).parent), str(prepared[0]),
+                            "pool-2", *pool], capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    second = json.loads(child.stdout.strip().splitlines()[-1])
+    assert second["steps"] == 2 and second["pids"] == first.pids  # the same process, its engine reset
+    deadline = time.monotonic() + keep_s + 30
+    while (pooled() or alive(first.pids["actor0"])) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert pooled() == [] and not alive(first.pids["actor0"]), "an idle pooled actor did not end itself"
 
 
 def test_killed_actor_is_restarted_and_run_completes(prepared):

@@ -35,6 +35,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.telemetry import ActorCollector, actor_health
 from dph_async import net
+from dph_async.app.actor_pool import engine_settings, holding, keep, new_actor_options, release_actors, take
 from dph_async.app.placement import actor_placement, home_node, learner_placement
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
@@ -275,23 +276,59 @@ def _prompts(cfg: RunConfig, prompts_path: str, engine) -> list:
 @ray.remote
 class ActorProcess:
     """One vLLM actor process. Its engine is built by the first `bind` and may serve several RL runs
-    of one invocation (`launcher.reuse_actors`); each `bind` gives it a run's prompt stream, reward
-    workers and connections, and `unbind` closes them.
+    of one invocation (`launcher.reuse_actors`), or of later invocations on the same cluster
+    (`launcher.keep_actors_s`, dph_async/app/actor_pool.py); each `bind` gives it a run's prompt
+    stream, reward workers and connections, and `unbind` closes them.
 
     On the driver's node (`home`) it reads the model and the prompts from their paths; on any other
     node it gets them from the learner and its weight server (dph_async/app/model_shipping.py)."""
 
-    def __init__(self, actor_id: int) -> None:
+    def __init__(self, actor_id: int, keep_s: float = 0.0) -> None:
         self.actor_id = actor_id
         self.engine = None
         self.worker = None
         self.endpoint = None
         self._stop = threading.Event()
+        # Outliving the invocation (dph_async/app/actor_pool.py): one driver at a time holds the
+        # process (its maker, or after a restart the run it serves), and it ends itself once no
+        # driver has called it for keep_s seconds.
+        self.keep_s = keep_s
+        self._held = True
+        self._binding = False
+        self._called = time.monotonic()
+        if keep_s > 0:
+            threading.Thread(target=self._expire, name="actor-expiry", daemon=True).start()
+
+    def take(self, keep_s: float) -> bool:
+        """For a driver looking for a kept process: True once, until the process is kept again."""
+        self._called = time.monotonic()
+        if self._held:
+            return False
+        self._held, self.keep_s = True, keep_s
+        return True
+
+    def touch(self) -> None:
+        """The driver holding this process is alive."""
+        self._called = time.monotonic()
+
+    def _expire(self) -> None:
+        while self._binding or time.monotonic() - self._called < self.keep_s:
+            time.sleep(1.0)
+        self._stop.set()
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     def bind(self, cfg: RunConfig, model_dir: str, prompts_path: str, ingest: str, weights: str, log_dir: str,
-             home: str, learner: str) -> bool:
+             home: str, learner: tuple[str, str]) -> bool:
         """Join a run; returns whether this process may serve a later run (an engine on the driver's
         node, built from `model_dir`, which a reset brings back to it)."""
+        self._binding = True
+        try:
+            return self._bind(cfg, model_dir, prompts_path, ingest, weights, log_dir, home, learner)
+        finally:
+            self._binding, self._called = False, time.monotonic()
+
+    def _bind(self, cfg: RunConfig, model_dir: str, prompts_path: str, ingest: str, weights: str, log_dir: str,
+              home: str, learner: tuple[str, str]) -> bool:
         log_to_file(Path(log_dir) / f"actor{self.actor_id}.log")
         # vLLM and torch, in this Ray worker only: the driver never loads the engine.
         from actors.rollout import RolloutWorker
@@ -311,7 +348,7 @@ class ActorProcess:
         return at_home and cfg.actors.sampler == "online"
 
     def _build_engine(self, cfg: RunConfig, model_dir: str, prompts_path: str, weight_client, at_home: bool,
-                      learner: str) -> list:
+                      learner: tuple[str, str]) -> list:
         """Build the engine (self.engine); return the run's prompts, read while a shipped copy exists."""
         from actors.engine import VLLMEngine
         from dph_async.app.model_shipping import materialize
@@ -322,7 +359,8 @@ class ActorProcess:
                 if cfg.actors.sampler != "online":  # the shipped model is the newest policy, not pi_0
                     raise RuntimeError(f"actors.sampler={cfg.actors.sampler} mixes in pi_0, which only the "
                                        "driver's node holds: run these actors on that node")
-                shipment = ray.get(ray.get_actor(learner).shipment.remote(prompts_path))
+                name, namespace = learner  # the driver's namespace: this process may be in the pool's
+                shipment = ray.get(ray.get_actor(name, namespace=namespace).shipment.remote(prompts_path))
                 model, prompts_file, version = materialize(shipment, weight_client, Path(local))
                 model_dir, prompts_path = str(model), str(prompts_file)
             if cfg.actors.sampler == "online":
@@ -347,6 +385,7 @@ class ActorProcess:
             self.worker.weights.close()
             self.worker.scorer.close()
         self.worker = self.endpoint = None
+        self._held, self._called = False, time.monotonic()
 
     def pid(self) -> int:
         return os.getpid()
@@ -361,53 +400,6 @@ class ActorProcess:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-# Actor processes kept between the RL runs of this driver (launcher.reuse_actors), by what their
-# engines were built for.
-_kept: dict[tuple, ray.actor.ActorHandle] = {}
-
-
-def _engine_settings(cfg: RunConfig, model_dir: Path) -> tuple:
-    """Everything an actor's process and engine were made from, but its id: a run that differs in any
-    of it gets new processes."""
-    m, a = cfg.model, cfg.actors
-    config = (model_dir / "config.json").read_text() if (model_dir / "config.json").is_file() else ""
-    return (str(model_dir), config, m.dtype, m.max_model_len, cfg.seed, a.sampler, a.kv_cache_gib, a.threads,
-            a.cpu_gemm, cfg.launcher.max_actor_restarts)
-
-
-def release_actors() -> None:
-    """End the kept actor processes: their engines' memory goes back (before an evaluation builds its
-    own engine, and when the cluster is left)."""
-    for handle in _kept.values():
-        with contextlib.suppress(Exception):
-            ray.kill(handle, no_restart=True)
-    _kept.clear()
-
-
-def _take(key: tuple) -> ray.actor.ActorHandle | None:
-    """A kept actor process for `key` that still answers, or None."""
-    actor = _kept.pop(key, None)
-    if actor is None:
-        return None
-    try:
-        ray.get(actor.pid.remote(), timeout=30)
-    except (RayActorError, ray.exceptions.GetTimeoutError):  # died while kept: a new one instead
-        with contextlib.suppress(Exception):
-            ray.kill(actor, no_restart=True)
-        return None
-    return actor
-
-
-def _keep(actor: ray.actor.ActorHandle, key: tuple) -> bool:
-    """Close the actor's run and keep its process for the next run; False if it did not answer."""
-    try:
-        ray.get(actor.unbind.remote(), timeout=60)
-    except (RayActorError, ray.exceptions.GetTimeoutError):
-        return False
-    _kept[key] = actor
-    return True
 
 
 def _wait_restarted(actor: ray.actor.ActorHandle, timeout_s: float = 600.0) -> int:
@@ -468,99 +460,103 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
         cfg, str(model_dir), str(rl_dir), r, port) for r in range(1, cfg.learner.ranks)]
     # Ray restarts a dead actor (its __init__ runs again, then the run binds it again), on another node
     # if its own is gone.
-    actor_class = ActorProcess.options(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts,
-                                       max_task_retries=0, **actor_placement())
-    settings = _engine_settings(cfg, model_dir)
-    keys = [(i, *settings) for i in range(cfg.actors.num_actors)]
-    actors = [_take(key) or actor_class.remote(i) for i, key in enumerate(keys)]
+    actor_options = dict(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts,
+                         max_task_retries=0, **actor_placement())
+    keep_s = cfg.launcher.keep_actors_s
+    settings = engine_settings(cfg, model_dir)
+    # Pooled processes are named and detached, the others are not: the two never stand in for each other.
+    keys = [(i, home_node(), keep_s > 0, *settings) for i in range(cfg.actors.num_actors)]
+    actors = [take(key, keep_s) or ActorProcess.options(**actor_options, **new_actor_options(key, keep_s)).remote(
+        i, keep_s) for i, key in enumerate(keys)]
     release_actors()  # kept for runs unlike this one
-    run_args = (cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"), home_node(),
-                learner_name)
-    binds = [a.bind.remote(*run_args) for a in actors]
-    setup = learner.setup.remote()  # builds the trainer while the actors build (or reset) their engines
-    # The other ranks join rank 0's group during its setup, then follow it (a resume's load included).
-    setups = [setup, *(r.setup.remote() for r in ranks)]
-    follows = {r.follow.remote(): i + 1 for i, r in enumerate(ranks)}
-    reusable = ray.get(binds)
-    pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)}
-    nodes = {f"actor{i}": [ray.get(a.node.remote())] for i, a in enumerate(actors)}
-    phases = {"actors_ready": time.time() - start}
-    while setups:  # a rank that fails to start fails the run, rather than leave rank 0 waiting for it
-        done, setups = ray.wait(setups, num_returns=1)
-        ray.get(done)
-    phases["learner_ready"] = time.time() - start
-    if on_started:
-        on_started(pids)
-    # Steps whose metrics were read from the learner; without keep_metrics a resumed run skips the
-    # steps before its checkpoint (the learner then drops them at the first read). Asked before the
-    # learner runs, so that no new step is skipped.
-    read = 0 if keep_metrics else ray.get(learner.steps_logged.remote())
-    runs = {i: a.run.remote() for i, a in enumerate(actors)}
-    learner_run = learner.run.remote()
-    metrics: list[dict[str, float]] = []
-    restarts = 0
-    first = ray.get(learner.version.remote())
-    try:
-        with progress() as bar:
-            task = bar.add_task(f"RL [{name}]", total=cfg.learner.steps, completed=first)
-            while True:
-                done, _ = ray.wait([learner_run, *runs.values(), *follows], num_returns=1, timeout=0.5)
-                for m in ray.get(learner.metrics_since.remote(read)):
-                    read += 1
-                    if keep_metrics:
-                        metrics.append(m)
-                    if on_metrics:
-                        on_metrics(m)
-                    phases.setdefault("first_step", time.time() - start)
-                    bar.update(task, completed=int(m["learner/version"]), description=(
-                        f"RL [{name}] reward {m['reward/mean']:.2f} acc {m['reward/accuracy']:.2f}"))
-                if stop is not None and stop.is_set():
-                    learner.stop.remote()
-                for ref in follows:
-                    if ref in done and learner_run not in done:
-                        ray.get(ref)  # raises what stopped the rank
-                        raise RuntimeError(f"learner rank {follows[ref]} stopped before rank 0")
-                if learner_run in done:
-                    learner_stats = ray.get(learner_run)
-                    phases["last_step"] = time.time() - start
-                    break
-                for i, ref in list(runs.items()):
-                    if ref in done:
-                        try:
-                            ray.get(ref)
-                        except RayActorError as e:
-                            restarts += 1
-                            if restarts > cfg.launcher.max_actor_restarts * cfg.actors.num_actors:
-                                raise RuntimeError(f"actor {i} keeps dying; giving up") from e
-                            log.warning("actor %d died (%s); Ray restarts it and it resumes", i, type(e).__name__)
-                            pids[f"actor{i}"] = _wait_restarted(actors[i])
-                            ray.get(actors[i].bind.remote(*run_args))
-                            # Not kept: Ray's restart budget is per process, and this one spent some.
-                            reusable[i] = False
-                            nodes[f"actor{i}"].append(ray.get(actors[i].node.remote()))
-                        runs[i] = actors[i].run.remote()
-        out = final_model(rl_dir)
-        ray.get(learner.save_model.remote(str(out)))
-    finally:
-        for a in actors:
-            with contextlib.suppress(RayActorError):
-                a.stop.remote()
-        learner.stop.remote()
-    actor_stats, ended = [], set()
-    for i, ref in runs.items():
+    with holding(actors, keep_s):  # pooled actors end themselves once their driver stops calling
+        run_args = (cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"), home_node(),
+                    (learner_name, ray.get_runtime_context().namespace))
+        binds = [a.bind.remote(*run_args) for a in actors]
+        setup = learner.setup.remote()  # builds the trainer while the actors build (or reset) their engines
+        # The other ranks join rank 0's group during its setup, then follow it (a resume's load included).
+        setups = [setup, *(r.setup.remote() for r in ranks)]
+        follows = {r.follow.remote(): i + 1 for i, r in enumerate(ranks)}
+        reusable = ray.get(binds)
+        pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)}
+        nodes = {f"actor{i}": [ray.get(a.node.remote())] for i, a in enumerate(actors)}
+        phases = {"actors_ready": time.time() - start}
+        while setups:  # a rank that fails to start fails the run, rather than leave rank 0 waiting for it
+            done, setups = ray.wait(setups, num_returns=1)
+            ray.get(done)
+        phases["learner_ready"] = time.time() - start
+        if on_started:
+            on_started(pids)
+        # Steps whose metrics were read from the learner; without keep_metrics a resumed run skips the
+        # steps before its checkpoint (the learner then drops them at the first read). Asked before the
+        # learner runs, so that no new step is skipped.
+        read = 0 if keep_metrics else ray.get(learner.steps_logged.remote())
+        runs = {i: a.run.remote() for i, a in enumerate(actors)}
+        learner_run = learner.run.remote()
+        metrics: list[dict[str, float]] = []
+        restarts = 0
+        first = ray.get(learner.version.remote())
+        try:
+            with progress() as bar:
+                task = bar.add_task(f"RL [{name}]", total=cfg.learner.steps, completed=first)
+                while True:
+                    done, _ = ray.wait([learner_run, *runs.values(), *follows], num_returns=1, timeout=0.5)
+                    for m in ray.get(learner.metrics_since.remote(read)):
+                        read += 1
+                        if keep_metrics:
+                            metrics.append(m)
+                        if on_metrics:
+                            on_metrics(m)
+                        phases.setdefault("first_step", time.time() - start)
+                        bar.update(task, completed=int(m["learner/version"]), description=(
+                            f"RL [{name}] reward {m['reward/mean']:.2f} acc {m['reward/accuracy']:.2f}"))
+                    if stop is not None and stop.is_set():
+                        learner.stop.remote()
+                    for ref in follows:
+                        if ref in done and learner_run not in done:
+                            ray.get(ref)  # raises what stopped the rank
+                            raise RuntimeError(f"learner rank {follows[ref]} stopped before rank 0")
+                    if learner_run in done:
+                        learner_stats = ray.get(learner_run)
+                        phases["last_step"] = time.time() - start
+                        break
+                    for i, ref in list(runs.items()):
+                        if ref in done:
+                            try:
+                                ray.get(ref)
+                            except RayActorError as e:
+                                restarts += 1
+                                if restarts > cfg.launcher.max_actor_restarts * cfg.actors.num_actors:
+                                    raise RuntimeError(f"actor {i} keeps dying; giving up") from e
+                                log.warning("actor %d died (%s); Ray restarts it and it resumes", i, type(e).__name__)
+                                pids[f"actor{i}"] = _wait_restarted(actors[i])
+                                ray.get(actors[i].bind.remote(*run_args))
+                                # Not kept: Ray's restart budget is per process, and this one spent some.
+                                reusable[i] = False
+                                nodes[f"actor{i}"].append(ray.get(actors[i].node.remote()))
+                            runs[i] = actors[i].run.remote()
+            out = final_model(rl_dir)
+            ray.get(learner.save_model.remote(str(out)))
+        finally:
+            for a in actors:
+                with contextlib.suppress(RayActorError):
+                    a.stop.remote()
+            learner.stop.remote()
+        actor_stats, ended = [], set()
+        for i, ref in runs.items():
+            with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
+                actor_stats.append(ray.get(ref, timeout=60))
+                ended.add(i)
+        replay = ray.get(learner.replay_stats.remote())
+        ray.get(learner.close.remote())
         with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
-            actor_stats.append(ray.get(ref, timeout=60))
-            ended.add(i)
-    replay = ray.get(learner.replay_stats.remote())
-    ray.get(learner.close.remote())
-    with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
-        ray.get(list(follows), timeout=60)
-    for i, a in enumerate(actors):
-        if not (cfg.launcher.reuse_actors and reusable[i] and i in ended and _keep(a, keys[i])):
-            ray.kill(a, no_restart=True)
-    for handle in [*ranks, learner]:
-        ray.kill(handle, no_restart=True)
-    remove_placement_group(pg)
-    phases["end"] = time.time() - start
-    return RLResult(name, metrics, learner_stats, actor_stats, replay, restarts, phases["end"], str(out), pids, phases,
-                    nodes)
+            ray.get(list(follows), timeout=60)
+        for i, a in enumerate(actors):
+            if not (cfg.launcher.reuse_actors and reusable[i] and i in ended and keep(a, keys[i], keep_s > 0)):
+                ray.kill(a, no_restart=True)
+        for handle in [*ranks, learner]:
+            ray.kill(handle, no_restart=True)
+        remove_placement_group(pg)
+        phases["end"] = time.time() - start
+        return RLResult(name, metrics, learner_stats, actor_stats, replay, restarts, phases["end"], str(out), pids,
+                        phases, nodes)

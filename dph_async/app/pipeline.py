@@ -17,8 +17,9 @@ from pathlib import Path
 
 import ray
 
+from dph_async.app.actor_pool import release_actors
 from dph_async.app.inputs import check_datasets, check_model_dir
-from dph_async.app.launcher import log_to_file, ray_cluster, release_actors, run_rl
+from dph_async.app.launcher import log_to_file, ray_cluster, run_rl
 from dph_async.app.placement import on_home_node
 from dph_async.app.progress import console
 from dph_async.app.report import write_report

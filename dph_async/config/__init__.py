@@ -222,6 +222,24 @@ class LauncherConfig(Section):
     # run then skips vLLM's import and engine build (about 12 s of one core here); the engine is
     # reset to pi_0 and its prefix cache to empty, so a run is the same as on a new engine.
     reuse_actors: bool = True
+    # With `address` (a cluster that outlives this invocation): an actor kept at the end of a run also
+    # outlives the invocation, for the next invocation with the same engine settings to take, so that
+    # its first run skips vLLM's import and engine build too. A kept actor ends itself once no driver
+    # has called it for this many seconds (a driver calls a running actor every few seconds). 0: the
+    # actors end with the invocation.
+    keep_actors_s: float = Field(0.0, ge=0)
+
+    @field_validator("keep_actors_s")
+    @classmethod
+    def _pool_needs_cluster(cls, keep_s: float, info: ValidationInfo) -> float:
+        if keep_s > 0 and not info.data.get("address"):
+            raise ValueError("actors can outlive this invocation only on a cluster that does: set "
+                             "launcher.address (a local cluster ends with the invocation)")
+        if 0 < keep_s < 10:
+            raise ValueError("at least 10 s: a driver tells its actors it is alive every 2 s")
+        if keep_s > 0 and not info.data.get("reuse_actors", True):
+            raise ValueError("launcher.keep_actors_s keeps actors for later runs: it needs launcher.reuse_actors=true")
+        return keep_s
 
 
 class NetConfig(Section):
