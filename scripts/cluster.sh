@@ -92,6 +92,12 @@ case "${1:-}" in
       for _ in $(seq 120); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
       kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
     fi
+    # Ray's record of the cluster started here (what ray.init and `ray status` read) outlives it
+    # when `ray start` is stopped this way: remove it when it names the head stopped here.
+    current="${RAY_TMPDIR:-${TMPDIR:-/tmp}}/ray/ray_current_cluster"
+    if [ -f "$STATE/head_address" ] && [ -f "$current" ] && [ "$(cat "$current")" = "$(cat "$STATE/head_address")" ]; then
+      rm -f "$current"
+    fi
     rm -f "$STATE/ray.pid" "$STATE/head_address"
     echo "Ray node stopped" ;;
   *) usage ;;

@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -61,6 +63,25 @@ def test_a_cluster_this_process_holds_is_used_and_left_running(prepared):
     with ray_cluster(small_config(prepared[0])):
         assert ray.get_runtime_context().get_node_id() == node
     assert ray.is_initialized() and ray.get_runtime_context().get_node_id() == node
+
+
+def test_a_local_run_starts_its_own_cluster_whatever_ray_remembers_of_a_stopped_one():
+    """Ray records the address of a cluster `ray start` made on this machine, and a cluster stopped
+    without `ray stop` (cluster.sh stops its node by signal) leaves that record behind. A run without
+    launcher.address must still start its own cluster, not try to join the dead one and fail."""
+    tmp = Path(tempfile.mkdtemp(prefix="r"))  # short: Ray's socket paths live under it
+    try:
+        (tmp / "ray").mkdir()
+        (tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+        code = ("import ray\nfrom dph_async.config import load_config\nfrom dph_async.app.launcher import ray_cluster\n"
+                "with ray_cluster(load_config('default', ['launcher.num_cpus=1'])):\n"
+                "    print(ray.get_runtime_context().gcs_address)")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(tmp)}
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert child.returncode == 0, child.stderr[-3000:]
+        assert child.stdout.strip() and "127.0.0.1:1" not in child.stdout
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_async_respects_staleness_and_trains(prepared):

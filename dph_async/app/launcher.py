@@ -94,8 +94,12 @@ def ray_cluster(cfg: RunConfig) -> Iterator[None]:
             # Ray runs its workers at niceness 15 so that idle pools yield the CPU; here the workers
             # (actors, learner) are the job, and at 15 they lose the cores to any other process.
             os.environ.setdefault("RAY_worker_niceness", "0")
-            ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False,
-                     runtime_env={"env_vars": {"DPH_CACHE_DIR": str(cache_dir())}})
+            # "local": a new cluster even where Ray's record of a cluster started on this machine
+            # (`ray start`) remains after that cluster stopped, which would make ray.init join it
+            # and fail. RAY_ADDRESS, where set, still says which cluster to join.
+            address = None if os.environ.get("RAY_ADDRESS") else "local"
+            ray.init(address=address, num_cpus=cpus, include_dashboard=False, logging_level=logging.ERROR,
+                     log_to_driver=False, runtime_env={"env_vars": {"DPH_CACHE_DIR": str(cache_dir())}})
     try:
         yield
     finally:
