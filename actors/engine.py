@@ -54,7 +54,8 @@ class Engine(Protocol):
     def step(self) -> list[Sample]: ...
     def has_unfinished(self) -> bool: ...
     def abort(self, keys: Sequence[str]) -> None: ...
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, keep: bool = False) -> None: ...
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, keep: bool = False) -> bool:
+        """Load `tensors` as version `version`; returns whether the engine now runs on views of them."""
     def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec) -> list[list[Sample]]: ...
 
 
@@ -193,13 +194,14 @@ class VLLMEngine:
         for k in keys:
             self._live.pop(k, None)
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, keep: bool = False) -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, keep: bool = False) -> bool:
         """Load new weights in place; running requests continue on them (their KV cache is kept).
 
         Copied straight into the model's parameters (actors/inplace_weights.py), or with `keep` (the
         tensors stay valid until the next load: a leased segment) made views of them where the
         layers run on their weights as loaded; what that cannot place goes through vLLM's
-        `reload_weights`."""
+        `reload_weights`. Returns whether the engine now runs on views of `tensors` (none after a
+        reload, which leaves it only its own memory)."""
         named = list(tensors)
         if self._inplace is None:
             # The in-process engine core runs the model in this process: apply_model hands it over.
@@ -212,6 +214,7 @@ class VLLMEngine:
             self._inplace = None  # the reload rebuilt the layers' parameters: plan again next time
             self.loads["reload"] += 1
         self.version = version
+        return self._inplace is not None and bool(self._inplace.viewing)
 
     def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec) -> list[list[Sample]]:
         """Batch generation (evaluation, pre-sampling): `spec.n` completions per prompt."""

@@ -137,10 +137,11 @@ class MixtureEngine:
 
     shares_weights = False  # load_state_dict copies
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, keep: bool = False) -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, keep: bool = False) -> bool:
         """New weights for pi_theta (pi_ref stays pi_0); running completions continue on them."""
         self.policy.load_state_dict(dict(tensors), strict=True)
         self.version = version
+        return False
 
     def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec) -> list[list[Sample]]:
         keys = [f"g{i}" for i in range(len(prompts))]

@@ -112,8 +112,7 @@ class RolloutWorker:
         try:
             with self.weights.tensors(ready, lease=self.engine.shares_weights) as tensors:
                 fetched = time.time()
-                leased = self.weights.leased
-                self.engine.load_weights(tensors, ready.version, keep=leased)
+                viewing = self.engine.load_weights(tensors, ready.version, keep=self.weights.leased)
         except WeightFetchError as e:
             # Nothing of that version reached the engine (it was refused before the load began);
             # generation goes on with the weights it has, and the next pass asks again (for the
@@ -123,8 +122,10 @@ class RolloutWorker:
                 log.warning("actor %d: weights not loaded, keeping version %d (%d refused so far): %s",
                             self.actor_id, self.engine.version, n, e)
             return
+        if not viewing:  # the engine holds its own copies (or fell back to vLLM's reload): the slot is free
+            self.weights.release()
         self.stats.weight_loads += 1
-        self.stats.weight_leased_loads += leased
+        self.stats.weight_leased_loads += viewing
         self.stats.weight_shm_loads = self.weights.loads["shm"]
         self.stats.weight_shm_fallbacks = self.weights.shm_fallbacks
         self.stats.weight_bytes += sum(b.nbytes for b in ready.buckets)

@@ -57,7 +57,7 @@ class WeightClient:
         self.transport = transport
         self._host = shm.host_identity()
         self._mapped: OrderedDict[str, tuple[int, mmap.mmap]] = OrderedDict()  # segment name -> (fd, map)
-        self._lease: int | None = None  # the descriptor whose read lock the engine's weights rest on
+        self._leases: set[int] = set()  # descriptors whose read locks the engine's weights rest on
         self.leased = False  # inside a leased `tensors` block over shared memory
         self.loads = {"shm": 0, "tcp": 0}  # versions read, by transport
         self.shm_fallbacks = 0  # versions that named a segment this actor could not open: read over TCP
@@ -142,7 +142,8 @@ class WeightClient:
         it. With `lease`, a block left without an exception keeps that lock until the next leased
         read has ended (or `release`), so the engine may keep the views as its weights; inside the
         block `leased` says whether it may (False over TCP, where the tensors are this process's
-        own memory and the engine copies them)."""
+        own memory and the engine copies them). A leased block left by an exception keeps its lock
+        as well as the earlier lease, until then: the load may have installed some views first."""
         start = time.perf_counter()
         views = self._from_shm(ready) if self.transport != "tcp" else None
         if views is None:
@@ -161,19 +162,23 @@ class WeightClient:
             kept = lease
         finally:
             self.leased = False
-            if kept:
-                if fd != self._lease:  # (one descriptor holds one lock: the same slot read again keeps it)
-                    self.release()
-                self._lease = fd
-            elif fd != self._lease:
+            if kept:  # the engine's weights are views of this slot now, and of no other
+                self._unlock_leases(but=fd)  # (one descriptor holds one lock: the same slot read again keeps it)
+                self._leases.add(fd)
+            elif lease:  # a load that failed part way may have left views of this slot in the engine too
+                self._leases.add(fd)
+            elif fd not in self._leases:
                 shm.unlock(fd)
 
     def release(self) -> None:
         """Give back the lease on the segment whose views the engine held: it now holds others (or
         its own copies), and the learner may rewrite that slot."""
-        if self._lease is not None:
-            shm.unlock(self._lease)
-            self._lease = None
+        self._unlock_leases()
+
+    def _unlock_leases(self, but: int | None = None) -> None:
+        for fd in self._leases - {but}:
+            shm.unlock(fd)
+        self._leases &= {but}
 
     def _segment(self, seg: ShmSegment) -> tuple[int, mmap.mmap]:
         """The segment's descriptor and read-only map, opened once and kept (a fresh map of a large
@@ -192,7 +197,7 @@ class WeightClient:
             raise shm.ShmUnavailable(f"cannot map {seg.name}: {e.strerror}") from None
         self._mapped[seg.name] = (fd, mm)
         while len(self._mapped) > MAX_MAPPED:
-            oldest = next(name for name, (fd, _) in self._mapped.items() if fd != self._lease)
+            oldest = next(name for name, (fd, _) in self._mapped.items() if fd not in self._leases)
             old_fd, _ = self._mapped.pop(oldest)
             os.close(old_fd)  # the map itself goes with the last view of it
         return fd, mm
@@ -260,7 +265,7 @@ class WeightClient:
             self.checksum_seconds += time.perf_counter() - verify
             self.checksum_cpu_seconds += time.thread_time() - verify_cpu
         except BaseException:
-            if fd != self._lease:  # the engine's weights still rest on that lock
+            if fd not in self._leases:  # the engine's weights still rest on that lock
                 shm.unlock(fd)
             raise
         return fd, named

@@ -53,8 +53,9 @@ def compare(a, b, gemm):
     while (ready := client.newest(2)) is None:
         time.sleep(0.01)
     with client.tensors(ready, lease=engine.shares_weights) as shared:
-        engine.load_weights(shared, ready.version, keep=client.leased)
+        viewing = engine.load_weights(shared, ready.version, keep=client.leased)
     views = len(engine._inplace.viewing)
+    assert viewing == (views > 0)  # what the actor reads to keep or give back its lease
     model_a = AutoModelForCausalLM.from_pretrained(a)
     for version in (4, 5, 6):  # the learner publishes on: the leased slot must not be rewritten
         server.publish(model_a, version=version)

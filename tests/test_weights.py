@@ -136,9 +136,10 @@ class RecordingEngine:
         self.version = 0
         self.loaded: list[tuple[int, list[tuple[str, torch.Tensor]]]] = []
 
-    def load_weights(self, tensors, version: int, keep: bool = False) -> None:
+    def load_weights(self, tensors, version: int, keep: bool = False) -> bool:
         self.loaded.append((version, list(tensors)))
         self.version = version
+        return False
 
 
 def worker(client: WeightClient, engine: RecordingEngine) -> RolloutWorker:

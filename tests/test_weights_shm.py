@@ -212,6 +212,25 @@ def test_a_leased_slot_read_again_stays_leased(server, client):
     assert server._slots.replaced_busy == 1
 
 
+def test_a_leased_load_that_failed_keeps_both_slots_its_engine_may_rest_on(server, client):
+    """A load that fails part way may have installed some views of the new slot while the others are
+    still views of the leased one: both stay locked until a later leased load succeeds."""
+    models = {v: Net(40 + v) for v in (1, 2)}
+    server.publish(models[1], version=1)
+    with client.tensors(newest(client, 1), lease=True):
+        pass
+    server.publish(models[2], version=2)
+    with pytest.raises(RuntimeError, match="load failed"), client.tensors(newest(client, 2), lease=True):
+        raise RuntimeError("load failed")
+    server.publish(Net(43), version=3)  # version 1's slot is due: leased
+    server.publish(Net(44), version=4)  # version 2's slot is due: the failed load may rest on it
+    assert server._slots.replaced_busy == 2
+    with client.tensors(newest(client, 4), lease=True):
+        pass
+    server.publish(Net(45), version=5)  # both released: the slot of version 3 is rewritten
+    assert server._slots.replaced_busy == 2
+
+
 def test_stale_segments_are_removed_and_live_ones_kept(server):
     server.publish(Net(4), version=1)
     live = set(server.segment_names)
