@@ -37,6 +37,18 @@ def limit_frames(sock: zmq.Socket, limits: Limits) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, max(limits.max_bytes, limits.max_header_bytes))
 
 
+def guard(sock: zmq.Socket, limits: Limits, peer_timeout_s: float, queue_per_peer: int) -> None:
+    """A service's ROUTER facing peers it does not trust: frames within `limits`, a handshake that
+    must end and heartbeats both ways within `peer_timeout_s` (a stalled or vanished peer is
+    dropped), and at most `queue_per_peer` messages held from each connection."""
+    limit_frames(sock, limits)
+    timeout_ms = int(peer_timeout_s * 1000)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, timeout_ms)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, timeout_ms // 3))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+    sock.setsockopt(zmq.RCVHWM, queue_per_peer)
+
+
 def _drain(sock: zmq.Socket, frame: zmq.Frame) -> None:
     """Read the rest of a message and drop it, frame by frame."""
     while frame.more:

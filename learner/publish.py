@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -37,6 +37,8 @@ from dph_async.protocol import (
     WeightsReady,
     WeightsRequest,
 )
+from dph_async.receive import Received, guard, receive
+from dph_async.refusals import RefusalLog
 from dph_async.weights import make_buckets, tensor_to_array
 from learner.shm_slots import SlotWriter
 from learner.zero3 import full_state_dict
@@ -47,6 +49,14 @@ KEEP_VERSIONS = 2
 # Peers the server pushes new manifests to (the most recent askers): a bound on what a flood of
 # identities could make it hold.
 MAX_SUBSCRIBERS = 1024
+# What a peer may send: a query or a bucket request, a header of a few dozen bytes and no array. A
+# larger frame gets its connection dropped before libzmq buffers it; anything else is refused before
+# a field is built (dph_async/receive.py).
+REQUEST_LIMITS = protocol.Limits(max_bytes=4096, max_header_bytes=4096, max_frames=0,
+                                 accept=frozenset({WeightsQuery, WeightsRequest}))
+PEER_TIMEOUT_S = 30.0
+QUEUE_PER_PEER = 64  # requests held per connection; an honest actor has one out at a time
+REFUSALS_LOGGED_PER_MIN = 10
 TRANSPORTS = ("auto", "tcp", "shm")
 
 
@@ -80,7 +90,14 @@ class WeightServer:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        guard(self._sock, REQUEST_LIMITS, PEER_TIMEOUT_S, QUEUE_PER_PEER)
+        # Replies a peer does not read are dropped past this (they are views of held versions, but a
+        # peer that never reads should not pin them).
+        self._sock.setsockopt(zmq.SNDHWM, QUEUE_PER_PEER)
         self.address = net.bind(self._sock, addr, security)
+        self._keys = net.curve_keys(security.curve_keys) if security.curve_keys else None
+        self.refused: Counter[str] = Counter()  # refused requests, by ProtocolError kind
+        self._refusals = RefusalLog(log, REFUSALS_LOGGED_PER_MIN, service="weight server")
         # publish() runs in the learner's thread, the ROUTER belongs to the server thread: a publish
         # wakes the server thread through this in-process pair, and the server does the pushing.
         # A fresh name: id(self) can repeat once an earlier server is freed, while its socket (never
@@ -187,21 +204,30 @@ class WeightServer:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()
                 self._push_newest()
+            self._refusals.tick()
             if self._sock not in events:
                 continue
-            ident, *frames = self._sock.recv_multipart(copy=False)
-            try:
-                msg = protocol.decode(frames)
-                reply = self._answer(msg)
-            except protocol.ProtocolError as e:
-                msg, reply = None, ErrorReply(str(e), kind=e.kind)
-            if isinstance(msg, WeightsQuery):
-                key = bytes(ident.buffer)
-                self._subscribers[key] = None
-                self._subscribers.move_to_end(key)
-                while len(self._subscribers) > MAX_SUBSCRIBERS:
-                    self._subscribers.popitem(last=False)
-            self._sock.send_multipart([ident, *protocol.encode(reply)], copy=False)
+            while (received := receive(self._sock, REQUEST_LIMITS, curve=self._keys is not None)) is not None:
+                self._reply(received)
+
+    def _reply(self, received: Received) -> None:
+        msg = received.message
+        if self._keys is not None and not self._keys.allows(received.user_id):
+            # A key removed from authorized/ while its connection stayed open.
+            msg = protocol.ProtocolError("unauthorized", "the sender's CURVE key is no longer authorized")
+        if isinstance(msg, protocol.ProtocolError):
+            self.refused[msg.kind] += 1
+            self._refusals.refused(str(msg))
+            reply: protocol.Message = ErrorReply(str(msg), kind=msg.kind)
+        else:
+            reply = self._answer(msg)
+        if isinstance(msg, WeightsQuery):
+            self._subscribers[received.peer] = None
+            self._subscribers.move_to_end(received.peer)
+            while len(self._subscribers) > MAX_SUBSCRIBERS:
+                self._subscribers.popitem(last=False)
+        # A ROUTER drops what a peer past its SNDHWM (or gone) would get: the peer asks again.
+        self._sock.send_multipart([received.peer, *protocol.encode(reply)], copy=False)
 
     def close(self) -> None:
         self._stop.set()

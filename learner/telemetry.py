@@ -66,6 +66,11 @@ class LearnerCollector(Collector):
         for reason, n in stats.drops.items():
             drops.add_metric([reason], n)
         yield drops
+        refused = CounterMetricFamily("dph_weights_refused", "Requests the weight server refused, by kind",
+                                      labels=["kind"])
+        for kind, n in dict(self.loop.server.refused).items():
+            refused.add_metric([kind], n)
+        yield refused
         count, size = checkpoint_usage(self.loop.checkpoint_dir)
         yield GaugeMetricFamily("dph_learner_checkpoints", "Checkpoints on disk", value=count)
         yield GaugeMetricFamily("dph_learner_checkpoint_bytes", "Bytes of checkpoints on disk", value=size)

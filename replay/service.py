@@ -50,11 +50,11 @@ from dph_async.protocol import (
     TicketRequest,
     encode,
 )
-from dph_async.receive import Received, limit_frames, receive
+from dph_async.receive import Received, guard, receive
+from dph_async.refusals import RefusalLog
 from dph_async.replay_stats import ReplayStats
 from replay.core import ReplayCore
 from replay.reference_pool import ReferencePool
-from replay.refusals import RefusalLog
 from replay.state import ReplayStateError
 from replay.wal import WriteAheadLog
 
@@ -161,13 +161,7 @@ class ReplayService:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unreachable peer is an error, not a silent drop
         sock.setsockopt(zmq.LINGER, 1000)
-        limit_frames(sock, limits)
-        timeout_ms = int(self.cfg.peer_timeout_s * 1000)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, timeout_ms)
-        # Heartbeats both ways: a peer silent past the timeout (a stalled or vanished one) is dropped.
-        sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, timeout_ms // 3))
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
-        sock.setsockopt(zmq.RCVHWM, self.cfg.queue_per_peer)
+        guard(sock, limits, self.cfg.peer_timeout_s, self.cfg.queue_per_peer)
         return sock
 
     # ----------------------------------------------------------------------------- running

@@ -241,7 +241,7 @@ def test_parked_ticket_requests_are_bounded_per_connection(service):
 # ------------------------------------------------------------------------------- slow peers
 
 
-def _closed_within(conn: socket.socket, seconds: float) -> bool:
+def closed_within(conn: socket.socket, seconds: float) -> bool:
     """Read until the replay closes the connection (True) or `seconds` pass (False)."""
     conn.settimeout(0.2)
     end = time.monotonic() + seconds
@@ -256,14 +256,14 @@ def _closed_within(conn: socket.socket, seconds: float) -> bool:
     return False
 
 
-def _port(endpoint: str) -> int:
+def port_of(endpoint: str) -> int:
     return int(endpoint.rsplit(":", 1)[1])
 
 
 def test_a_peer_that_never_finishes_its_handshake_is_cut_off(service):
-    conn = socket.create_connection(("127.0.0.1", _port(service.ingest_endpoint)))
+    conn = socket.create_connection(("127.0.0.1", port_of(service.ingest_endpoint)))
     conn.sendall(b"\xff\0\0\0\0\0\0\0\x01")  # the start of a ZMTP greeting, then silence
-    assert _closed_within(conn, 5), "a stalled handshake was kept open"
+    assert closed_within(conn, 5), "a stalled handshake was kept open"
     conn.close()
 
 
@@ -276,12 +276,12 @@ def _zmtp_null_handshake(conn: socket.socket) -> None:
 
 
 def test_a_peer_that_stalls_inside_a_message_blocks_no_one_and_is_cut_off(service):
-    conn = socket.create_connection(("127.0.0.1", _port(service.ingest_endpoint)))
+    conn = socket.create_connection(("127.0.0.1", port_of(service.ingest_endpoint)))
     _zmtp_null_handshake(conn)
     # A frame announced as 200 kB (under the cap), of which 100 bytes come; then silence.
     conn.sendall(bytes([0x02]) + struct.pack(">Q", 200_000) + b"\0" * 100)
     t0 = time.monotonic()
     honest_round_trip(service, 0)  # the replay's loop never waits for the stalled message
     assert stats_within(service, 2).accepted == 1 and time.monotonic() - t0 < 5
-    assert _closed_within(conn, 5), "a peer silent inside a message was kept open"
+    assert closed_within(conn, 5), "a peer silent inside a message was kept open"
     conn.close()

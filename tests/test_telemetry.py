@@ -7,6 +7,7 @@ import json
 import socket
 import time
 import tracemalloc
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -76,8 +77,10 @@ def test_staleness_buckets_are_cumulative():
 
 
 def _loop(run_dir: Path) -> LearnerLoop:
-    """A real LearnerLoop without its model, replay or weight server: the parts the tests log through."""
-    loop = LearnerLoop(RunConfig(), trainer=SimpleNamespace(version=0), replay=None, server=None, run_dir=run_dir)
+    """A real LearnerLoop without its model, replay or weight server: the parts the tests log through
+    (and the weight server's refusal counts)."""
+    loop = LearnerLoop(RunConfig(), trainer=SimpleNamespace(version=0), replay=None,
+                       server=SimpleNamespace(refused=Counter()), run_dir=run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     return loop
 
@@ -97,12 +100,14 @@ def test_learner_metrics_move_with_steps(tmp_path):
         for v in (1, 2):
             _log(loop, v, **{"batch/fresh_tokens": 100.0 * v, "batch/scorer_failed": 1.0,
                              "learner/tokens_per_s": 500.0 + v})
+        loop.server.refused.update({"size": 2, "type": 1})
         (loop.checkpoint_dir / "v2").mkdir(parents=True)
         (loop.checkpoint_dir / "v2" / "model.pt").write_bytes(b"x" * 1000)
         r = scrape(ep)
         assert r.value("dph_learner_fresh_tokens_total") == 300 and r.value("dph_learner_scorer_failed_total") == 2
         assert r.value("dph_learner_tokens_per_second") == 502 and r.value("dph_learner_version") == 2
         assert r.value("dph_learner_checkpoints") == 1 and r.value("dph_learner_checkpoint_bytes") == 1000
+        assert r.by_label("dph_weights_refused_total", "kind") == {"size": 2, "type": 1}
         assert r.health["version"] == 2
     finally:
         endpoint.close()

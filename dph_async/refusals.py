@@ -1,6 +1,6 @@
 """Logging refused messages without letting a flood of them flood the log.
 
-Every refusal is counted (by kind, in the replay's counters); at most `per_minute` of them are
+Every refusal is counted (by kind, in the service's counters); at most `per_minute` of them are
 logged in any minute. What the limit holds back is counted too, and said in one line when the
 minute is over, so 50k junk messages cost a handful of log lines, not 50k.
 """
@@ -12,8 +12,9 @@ import time
 
 
 class RefusalLog:
-    def __init__(self, log: logging.Logger, per_minute: int, period_s: float = 60.0):
+    def __init__(self, log: logging.Logger, per_minute: int, period_s: float = 60.0, service: str = "replay"):
         self.log = log
+        self.service = service
         self.per_minute = per_minute
         self.period_s = period_s
         self.logged = 0
@@ -27,7 +28,7 @@ class RefusalLog:
         if self._in_window < self.per_minute:
             self._in_window += 1
             self.logged += 1
-            self.log.warning("replay: refused a message: %s", detail)
+            self.log.warning("%s: refused a message: %s", self.service, detail)
         else:
             self._held_back += 1
             self.unlogged += 1
@@ -39,7 +40,8 @@ class RefusalLog:
             return
         if self._held_back:
             self.log.warning(
-                "replay: %d more refused messages in the last %.0f s were not logged (see stats: refused)",
+                "%s: %d more refused messages in the last %.0f s were not logged (see its refusal counters)",
+                self.service,
                 self._held_back,
                 now - self._window_start,
             )

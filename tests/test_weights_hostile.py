@@ -1,0 +1,95 @@
+"""Hostile peers of the learner's weight server (learner/publish.py): it accepts two small requests,
+and anything else is refused or cut off before it costs memory, counted, and logged within a rate
+limit, while honest actors keep fetching (docs/data_plane.md, "Hostile peers")."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import msgpack
+import pytest
+import zmq
+from test_replay_hostile import ask, closed_within, dealer, port_of
+from test_weights import Net, assert_bitwise
+
+from actors.weights import WeightClient
+from dph_async.net import NetSecurity
+from dph_async.protocol import ErrorReply, TicketRequest, WeightsQuery, WeightsReady, decode, encode
+from learner import publish
+from learner.publish import WeightServer
+
+SECURITY = NetSecurity()
+
+
+@pytest.fixture
+def server():
+    srv = WeightServer("tcp://127.0.0.1:0", SECURITY, bucket_bytes=200, transport="tcp")
+    srv.publish(Net(0), version=1)
+    yield srv
+    srv.close()
+
+
+def honest_fetch(server: WeightServer) -> None:
+    client = WeightClient(server.address, SECURITY, actor_id=0, timeout_s=5.0, transport="tcp")
+    try:
+        ready = client.newest(0)
+        assert ready is not None and ready.version == 1
+        assert_bitwise(client.fetch(ready), Net(0))
+    finally:
+        client.close()
+
+
+def test_only_the_two_requests_it_serves_are_read(server):
+    sock = dealer(server.address)
+    assert isinstance(ask(sock, encode(WeightsQuery(0, -1))), WeightsReady)
+    # Another service's message, an array frame, frames past the count: refused, nothing built.
+    reply = ask(sock, encode(TicketRequest(0, 4, 0)))
+    assert isinstance(reply, ErrorReply) and reply.kind == "type"
+    head = msgpack.unpackb(encode(WeightsQuery(0, -1))[0])
+    head["n"] = 1
+    reply = ask(sock, [msgpack.packb(head), b"\0" * 8])
+    assert reply.kind == "frames" and "header announces 1 array frames (allowed: 0 to 0)" in reply.error
+    reply = ask(sock, [encode(WeightsQuery(0, -1))[0], *([b"\0" * 4000] * 50)])
+    assert reply.kind == "frames" and "more array frames than the 0 its header announces" in reply.error
+    # A header of a thousand empty maps, under the frame cap: refused by its schema, not built.
+    head["n"], head["m"] = 0, [{}] * 1000
+    reply = ask(sock, [msgpack.packb(head)])
+    assert reply.kind == "field"
+    assert server.refused == {"type": 1, "frames": 2, "field": 1}
+    honest_fetch(server)
+
+
+def test_a_frame_larger_than_a_request_cuts_the_peer_off_before_it_is_buffered(server):
+    sock = dealer(server.address, timeout_ms=1000)
+    sock.send_multipart([b"\0" * (64 << 20)])  # 64 MiB: it used to be read whole, then parsed
+    with pytest.raises(zmq.Again):
+        sock.recv_multipart()
+    sock.close()
+    honest_fetch(server)
+
+
+def test_garbage_gets_one_error_each_and_the_log_is_rate_limited(server, caplog):
+    sock = dealer(server.address)
+    junk = [[b"\xc1"], [b"\x92\x01"], [msgpack.packb({"v": 3, "t": "Nope", "n": 0, "m": {}})]]
+    with caplog.at_level(logging.WARNING, logger="learner.publish"):
+        for i in range(100):
+            sock.send_multipart(junk[i % len(junk)])
+        replies = [decode(sock.recv_multipart()) for _ in range(100)]
+    assert all(isinstance(r, ErrorReply) and r.kind for r in replies)
+    assert sum(server.refused.values()) == 100
+    logged = [r for r in caplog.records if "weight server: refused a message" in r.getMessage()]
+    assert len(logged) == publish.REFUSALS_LOGGED_PER_MIN
+    honest_fetch(server)
+
+
+def test_a_peer_that_never_finishes_its_handshake_is_cut_off(monkeypatch):
+    monkeypatch.setattr(publish, "PEER_TIMEOUT_S", 0.5)
+    srv = WeightServer("tcp://127.0.0.1:0", SECURITY, bucket_bytes=200, transport="tcp")
+    try:
+        conn = socket.create_connection(("127.0.0.1", port_of(srv.address)))
+        conn.sendall(b"\xff\0\0\0\0\0\0\0\x01")  # the start of a ZMTP greeting, then silence
+        assert closed_within(conn, 5), "a stalled handshake was kept open"
+        conn.close()
+    finally:
+        srv.close()
