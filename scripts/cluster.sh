@@ -7,6 +7,8 @@
 #   scripts/cluster.sh worker HEAD_IP       on every other node: the vLLM actors run only on these
 #   scripts/cluster.sh run [ARGS...]        on the head: `dph-async run ARGS` on this cluster (options
 #                                           first, then KEY=VALUE overrides)
+#   scripts/cluster.sh pool [--end]         on the head: the actor processes kept for later runs
+#                                           (launcher.keep_actors_s), or end the idle ones
 #   scripts/cluster.sh stop                 on every node: stop the Ray node this script started there
 #
 # Every node needs this checkout with its .venv (the same Python and packages everywhere), the key
@@ -25,7 +27,7 @@ cd "$(dirname "$0")/.."
 KEYS="${DPH_KEYS:-keys}"
 PORT="${RAY_PORT:-6379}"
 STATE="${DPH_STATE:-.cluster}"
-usage() { sed -n '2,22p' "$0"; exit 2; }
+usage() { sed -n '2,24p' "$0"; exit 2; }
 
 ray_auth() {  # Ray's token authentication, with the token every node got with the keys
   [ -f "$KEYS/ray_token" ] || { echo "no $KEYS/ray_token: run '$0 keys' once and copy $KEYS to every node" >&2; exit 1; }
@@ -85,6 +87,11 @@ case "${1:-}" in
     # After the caller's arguments: options come before KEY=VALUE overrides in `dph-async run`.
     exec .venv/bin/dph-async run "$@" "launcher.address=$(cat "$STATE/head_address")" net.host=0.0.0.0 \
       "net.curve_keys=$(cd "$KEYS" && pwd)" ;;
+  pool)
+    shift
+    [ -f "$STATE/head_address" ] || { echo "no head started here ($STATE/head_address): '$0 head' first" >&2; exit 1; }
+    ray_auth
+    exec .venv/bin/dph-async pool "$(cat "$STATE/head_address")" "$@" ;;
   stop)
     [ -f "$STATE/ray.pid" ] || { echo "no Ray node started by this script here"; exit 0; }
     pid="$(cat "$STATE/ray.pid")"

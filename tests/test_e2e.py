@@ -23,8 +23,8 @@ import ray
 import torch
 from conftest import alive, small_config
 
-from dph_async.app.actor_pool import POOL_NAMESPACE
-from dph_async.app.launcher import RLResult, ray_cluster, run_rl
+from dph_async.app.actor_pool import POOL_NAMESPACE, holding
+from dph_async.app.launcher import ActorProcess, RLResult, ray_cluster, run_rl
 from dph_async.app.pipeline import StageTimer, prepare
 from dph_async.app.specs import RunSpec
 from dph_async.paths import RunPaths
@@ -146,13 +146,12 @@ def pooled() -> list[str]:
             if a["namespace"] == POOL_NAMESPACE and a["name"].startswith("dph-actor-")]
 
 
-def test_an_actor_kept_on_the_cluster_serves_the_next_invocation_then_ends_when_idle(prepared):
+def test_an_actor_kept_on_the_cluster_serves_the_next_invocation(prepared):
     """launcher.keep_actors_s: a run on a cluster that outlives its driver leaves its actor process
     there; the next invocation, another driver process, takes it instead of building an engine; and
-    once no driver calls it for keep_actors_s, it ends itself (and leaves the pool)."""
-    keep_s = 10
-    pool = ("learner.steps=2", f"launcher.address={ray.get_runtime_context().gcs_address}",
-            f"launcher.keep_actors_s={keep_s}")
+    `dph-async pool` lists it (held by no run once that run ended) and ends it."""
+    address = ray.get_runtime_context().gcs_address
+    pool = ("learner.steps=2", f"launcher.address={address}", "launcher.keep_actors_s=60")
     first, _ = train(prepared, "pool-1", *pool, mode="grpo")
     assert len(pooled()) == 1
     child = subprocess.run([sys.executable, "-c", INVOCATION, str(Path(__file__).parent), str(prepared[0]),
@@ -160,10 +159,39 @@ def test_an_actor_kept_on_the_cluster_serves_the_next_invocation_then_ends_when_
     assert child.returncode == 0, child.stderr[-3000:]
     second = json.loads(child.stdout.strip().splitlines()[-1])
     assert second["steps"] == 2 and second["pids"] == first.pids  # the same process, its engine reset
-    deadline = time.monotonic() + keep_s + 30
+
+    def pool_command(*args: str) -> list[dict]:
+        out = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "pool", address, "--json", *args],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout)
+
+    (row,) = pool_command()
+    assert (row["pid"], row["held"], row["engine"], row["keep_s"]) == (first.pids["actor0"], False, True, 60)
+    assert pool_command("--end")[0]["ended"]
+    deadline = time.monotonic() + 30
     while (pooled() or alive(first.pids["actor0"])) and time.monotonic() < deadline:
-        time.sleep(1)
-    assert pooled() == [] and not alive(first.pids["actor0"]), "an idle pooled actor did not end itself"
+        time.sleep(0.5)
+    assert pooled() == [] and not alive(first.pids["actor0"])
+
+
+def test_a_kept_process_ends_itself_once_no_driver_calls_it():
+    """What bounds a pooled process's life: one a run holds stays while its driver calls it; once
+    the calls stop (the run ended, or its driver died) it ends itself keep_s later."""
+    options = {"namespace": POOL_NAMESPACE, "lifetime": "detached", "num_cpus": 0}
+    idle = ActorProcess.options(name="dph-actor-test-idle", **options).remote(0, 4.0)
+    held = ActorProcess.options(name="dph-actor-test-held", **options).remote(1, 4.0)
+    pids = ray.get([idle.pid.remote(), held.pid.remote()])
+    ray.get(idle.unbind.remote())  # kept, and no run holds it
+    with holding([held], 4.0):
+        deadline = time.monotonic() + 30
+        while alive(pids[0]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not alive(pids[0]) and alive(pids[1])  # 4 s passed at least, the driver called every 2 s
+    deadline = time.monotonic() + 30
+    while alive(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(pids[1]) and pooled() == []
 
 
 def test_killed_actor_is_restarted_and_run_completes(prepared):

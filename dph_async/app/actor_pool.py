@@ -78,16 +78,40 @@ def take(key: tuple, keep_s: float) -> ray.actor.ActorHandle | None:
     if keep_s <= 0:
         return None
     prefix = _prefix(key)
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] != POOL_NAMESPACE or not entry["name"].startswith(prefix):
-            continue
-        try:
-            actor = ray.get_actor(entry["name"], namespace=POOL_NAMESPACE)
-        except ValueError:  # ended since it was listed
-            continue
-        if _taken(actor, keep_s):
+    for name, actor in _pool():
+        if name.startswith(prefix) and _taken(actor, keep_s):
             return actor
     return None
+
+
+def _pool() -> list[tuple[str, ray.actor.ActorHandle]]:
+    """(name, handle) of every kept actor process on the cluster that still exists."""
+    found = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == POOL_NAMESPACE and entry["name"].startswith("dph-actor-"):
+            with contextlib.suppress(ValueError):  # ended since it was listed
+                found.append((entry["name"], ray.get_actor(entry["name"], namespace=POOL_NAMESPACE)))
+    return found
+
+
+def describe_pool() -> list[dict]:
+    """Every process the pool holds (`ActorProcess.describe`, plus its name), for an operator."""
+    rows = []
+    for name, actor in _pool():
+        with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
+            rows.append({"name": name, **ray.get(actor.describe.remote(), timeout=30)})
+    return rows
+
+
+def end_idle() -> list[str]:
+    """End the pool's processes that no run holds; returns their names. Each is taken first, as a
+    driver would take it, so that one a run takes meanwhile is left alone."""
+    ended = []
+    for name, actor in _pool():
+        if _taken(actor, 0.0):
+            ray.kill(actor, no_restart=True)
+            ended.append(name)
+    return ended
 
 
 def keep(actor: ray.actor.ActorHandle, key: tuple, outlives: bool) -> bool:

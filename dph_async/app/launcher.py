@@ -315,6 +315,12 @@ class ActorProcess:
         """The driver holding this process is alive."""
         self._called = time.monotonic()
 
+    def describe(self) -> dict:
+        """What `dph-async pool` shows of a kept process."""
+        return {"actor_id": self.actor_id, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                "held": self._held, "idle_s": round(time.monotonic() - self._called, 1), "keep_s": self.keep_s,
+                "engine": self.engine is not None}
+
     def _expire(self) -> None:
         while self._binding or time.monotonic() - self._called < self.keep_s:
             time.sleep(1.0)
