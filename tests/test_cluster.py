@@ -47,7 +47,9 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "dphc"  # namespaces and directories of this test: dphc<pid of the test process>...
 SUBNET = "10.213.7"  # only inside the test's namespaces: nothing outside routes to it
-STEPS = 6
+# Enough steps that the actor's replacement, which starts on the learner's newest weights, still has
+# newer ones to load when the cut lands late in the run (at 6, one run's replacement loaded none).
+STEPS = 10
 # Ray notices a silent node within ~5 s instead of its default ~30 s.
 HEALTH_CHECK = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
                 "RAY_health_check_failure_threshold": "3"}
@@ -261,7 +263,8 @@ def cut_off_run(base: Path, hosts: list[Host], hide_head: bool, cut: Callable[[H
             assert (ip_before, ip_after) == (victim.ip, survivor.ip)
         assert result["actor_restarts"] == 1
         if victim.ip != survivor.ip:  # hosts of their own: weights came over the network, not a shared /dev/shm
-            assert all(a["weight_loads"] >= 1 and a["weight_shm_loads"] == 0 for a in result["actors"])
+            assert all(a["weight_loads"] >= 1 and a["weight_shm_loads"] == 0 for a in result["actors"]), \
+                (cut_version, result["actors"])
         assert read_versions(rl_dir / "metrics.jsonl") == list(range(1, STEPS + 1))
         # The cut-off process had been granted positions it never delivered; its replacement started at
         # the replay's watermark (passing positions accepted above it), so every position granted
