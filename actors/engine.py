@@ -130,13 +130,18 @@ class VLLMEngine:
         a new engine built from `model_dir` would be, without vLLM's import and build."""
         from safetensors.torch import load_file
 
-        if self._live:
-            self.abort(list(self._live))
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to reset the engine to")
-        named = [item for f in files for item in load_file(f).items()]
-        self.load_weights(named, 0)
+        self.restart([item for f in files for item in load_file(f).items()], 0)
+
+    def restart(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Back to `tensors` at `version`, with nothing in flight and no prefix-cache entry usable: what
+        a new engine built from those weights would be (an engine built elsewhere from the learner's
+        weights is reset from them again, having no model directory of its own)."""
+        if self._live:
+            self.abort(list(self._live))
+        self.load_weights(tensors, version)
         self._epoch += 1
         self.llm.reset_prefix_cache()
 

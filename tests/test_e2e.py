@@ -23,6 +23,7 @@ import ray
 import torch
 from conftest import alive, small_config
 
+from dph_async.app import launcher
 from dph_async.app.actor_pool import POOL_NAMESPACE, holding
 from dph_async.app.launcher import ActorProcess, RLResult, ray_cluster, run_rl
 from dph_async.app.pipeline import StageTimer, prepare
@@ -192,6 +193,18 @@ def test_a_kept_process_ends_itself_once_no_driver_calls_it():
     while alive(pids[1]) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not alive(pids[1]) and pooled() == []
+
+
+def test_an_actor_off_the_drivers_node_is_kept_and_reset_from_the_learner(prepared, monkeypatch):
+    """An actor on another node builds its engine from the learner's shipment and weights, having no
+    base model on its disk; kept for the next run, it is reset from them again. (The driver is told
+    it runs elsewhere: the actor then takes the path of a worker node's actor.)"""
+    monkeypatch.setattr(launcher, "home_node", lambda: "the driver's node, elsewhere")
+    once = ("learner.steps=2",)
+    first, _ = train(prepared, "away-1", *once, mode="grpo")
+    again, _ = train(prepared, "away-2", *once, mode="grpo")
+    assert again.pids == first.pids and len(again.metrics) == 2
+    assert all(a["weight_loads"] >= 1 for a in again.actors), again.actors
 
 
 def test_killed_actor_is_restarted_and_run_completes(prepared):

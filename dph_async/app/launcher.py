@@ -277,6 +277,13 @@ def _prompts(cfg: RunConfig, prompts_path: str, engine) -> list:
     return load_prompts(prompts_path, engine.tokenizer, cfg.model.max_model_len - cfg.sampling.max_tokens)
 
 
+def _shipment(learner: tuple[str, str], prompts_path: str) -> Shipment:
+    """The model's small files and the prompts, from the learner named (name, namespace): the
+    driver's namespace, since a pooled actor process lives in the pool's."""
+    name, namespace = learner
+    return ray.get(ray.get_actor(name, namespace=namespace).shipment.remote(prompts_path))
+
+
 @ray.remote
 class ActorProcess:
     """One vLLM actor process. Its engine is built by the first `bind` and may serve several RL runs
@@ -329,8 +336,8 @@ class ActorProcess:
 
     def bind(self, cfg: RunConfig, model_dir: str, prompts_path: str, ingest: str, weights: str, log_dir: str,
              home: str, learner: tuple[str, str]) -> bool:
-        """Join a run; returns whether this process may serve a later run (an engine on the driver's
-        node, built from `model_dir`, which a reset brings back to it)."""
+        """Join a run; returns whether this process may serve a later run (one whose engine a reset can
+        bring back to the run's start: not a mixture sampler's, which holds pi_0 as well)."""
         self._binding = True
         try:
             return self._bind(cfg, model_dir, prompts_path, ingest, weights, log_dir, home, learner)
@@ -347,15 +354,32 @@ class ActorProcess:
         actor_id, security = self.actor_id, net.NetSecurity.from_config(cfg.net)
         weight_client = WeightClient(weights, security, actor_id, transport=cfg.learner.weight_transport)
         at_home = home_node() == home
-        if self.engine is not None:  # the launcher hands a kept process only a run its engine fits
+        if self.engine is None:
+            prompts = self._build_engine(cfg, model_dir, prompts_path, weight_client, at_home, learner)
+        elif at_home:  # the launcher hands a kept process only a run its engine fits
             self.engine.reset(model_dir)
             prompts = _prompts(cfg, prompts_path, self.engine)
         else:
-            prompts = self._build_engine(cfg, model_dir, prompts_path, weight_client, at_home, learner)
+            prompts = self._restart_from_learner(cfg, prompts_path, weight_client, learner)
         self.worker = RolloutWorker(actor_id, cfg, self.engine, prompts, RolloutSender(ingest, actor_id, security),
                                     weight_client, make_scorer(cfg.rewards))
         self.endpoint = _actor_endpoint(cfg, self.worker, Path(log_dir).parent)
-        return at_home and cfg.actors.sampler == "online"
+        return cfg.actors.sampler == "online"
+
+    def _restart_from_learner(self, cfg: RunConfig, prompts_path: str, weight_client,
+                              learner: tuple[str, str]) -> list:
+        """Off the driver's node: back to what a new engine here starts from (model_shipping.py), the
+        learner's newest weights, and the prompts it ships; return those prompts."""
+        from dph_async.app.model_shipping import first_weights
+
+        shipment = _shipment(learner, prompts_path)
+        ready = first_weights(weight_client)
+        with weight_client.tensors(ready) as named:
+            self.engine.restart(named, ready.version)
+        with tempfile.TemporaryDirectory(prefix=f"dph-actor{self.actor_id}-") as local:
+            prompts_file = Path(local) / shipment.prompts_name
+            prompts_file.write_bytes(shipment.prompts)
+            return _prompts(cfg, str(prompts_file), self.engine)
 
     def _build_engine(self, cfg: RunConfig, model_dir: str, prompts_path: str, weight_client, at_home: bool,
                       learner: tuple[str, str]) -> list:
@@ -369,8 +393,7 @@ class ActorProcess:
                 if cfg.actors.sampler != "online":  # the shipped model is the newest policy, not pi_0
                     raise RuntimeError(f"actors.sampler={cfg.actors.sampler} mixes in pi_0, which only the "
                                        "driver's node holds: run these actors on that node")
-                name, namespace = learner  # the driver's namespace: this process may be in the pool's
-                shipment = ray.get(ray.get_actor(name, namespace=namespace).shipment.remote(prompts_path))
+                shipment = _shipment(learner, prompts_path)
                 model, prompts_file, version = materialize(shipment, weight_client, Path(local))
                 model_dir, prompts_path = str(model), str(prompts_file)
             if cfg.actors.sampler == "online":
