@@ -1,10 +1,10 @@
 """Reading one message off a service's ROUTER socket within its limits, one frame at a time.
 
 libzmq hands over a multipart message only once all of its frames have arrived, and its only size
-limit, ZMQ_MAXMSGSIZE, is per frame: `limit_frames(sock, limits)` sets it to the endpoint's message
-cap, so a peer sending a bigger frame is disconnected before libzmq buffers that frame. What a
-message of many frames holds inside libzmq before it is delivered is frames x that cap, which no
-libzmq option bounds (docs/data_plane.md, "Hostile peers", says what follows). Once delivered,
+limit, ZMQ_MAXMSGSIZE, is per frame: `guard(sock, ...)` sets it to the endpoint's message cap, so
+a peer sending a bigger frame is disconnected before libzmq buffers that frame. What a message of
+many frames holds inside libzmq before it is delivered is frames x that cap, which no libzmq option
+bounds (docs/data_plane.md, "Hostile peers", says what follows). Once delivered,
 `receive` holds no more of a message than its limits allow: it reads the header frame,
 checks it (`read_header`: size, version, type, frame count), takes the array frames one by one
 against the frame count the header announced and the message's byte cap, and once either is
@@ -32,16 +32,12 @@ class Received:
     message: Message | ProtocolError
 
 
-def limit_frames(sock: zmq.Socket, limits: Limits) -> None:
-    """No frame larger than a whole message may be: libzmq disconnects a peer that sends one."""
-    sock.setsockopt(zmq.MAXMSGSIZE, max(limits.max_bytes, limits.max_header_bytes))
-
-
 def guard(sock: zmq.Socket, limits: Limits, peer_timeout_s: float, queue_per_peer: int) -> None:
     """A service's ROUTER facing peers it does not trust: frames within `limits`, a handshake that
     must end and heartbeats both ways within `peer_timeout_s` (a stalled or vanished peer is
     dropped), and at most `queue_per_peer` messages held from each connection."""
-    limit_frames(sock, limits)
+    # No frame larger than a whole message may be: libzmq disconnects a peer that sends one.
+    sock.setsockopt(zmq.MAXMSGSIZE, max(limits.max_bytes, limits.max_header_bytes))
     timeout_ms = int(peer_timeout_s * 1000)
     sock.setsockopt(zmq.HANDSHAKE_IVL, timeout_ms)
     sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, timeout_ms // 3))
