@@ -46,17 +46,18 @@ class InsecureBindError(ValueError):
 @dataclass(frozen=True)
 class NetSecurity:
     """How sockets are secured. curve_keys: a key directory (see module docstring); insecure: allow a
-    non-loopback bind in the clear."""
+    non-loopback bind in the clear; gate: services read peers through a gate process allowed
+    gate_memory_mb (dph_async/gate.py)."""
 
     curve_keys: str | None = None
     insecure: bool = False
+    gate: bool = True
+    gate_memory_mb: float = 1024.0
 
     @classmethod
     def from_config(cls, net: object) -> NetSecurity:
-        """From the run config's `net` section (fields curve_keys and insecure)."""
-        return cls(
-            curve_keys=getattr(net, "curve_keys", None), insecure=bool(getattr(net, "insecure", False))
-        )
+        """From the run config's `net` section."""
+        return cls(net.curve_keys, net.insecure, net.gate, net.gate_memory_mb)
 
 
 def is_local_endpoint(addr: str) -> bool:
@@ -190,8 +191,9 @@ def stop_authenticator(ctx: zmq.Context) -> None:
         auth.stop()
 
 
-def bind(sock: zmq.Socket, addr: str, security: NetSecurity) -> str:
-    """Bind `sock` under the security rules; returns the bound endpoint (a tcp port 0 or * is resolved)."""
+def check_bind(addr: str, security: NetSecurity) -> None:
+    """Raise InsecureBindError if the security rules forbid binding `addr` (warn if only the insecure
+    flag allows it)."""
     if not is_local_endpoint(addr):
         if security.curve_keys is None and not security.insecure:
             raise InsecureBindError(
@@ -200,6 +202,11 @@ def bind(sock: zmq.Socket, addr: str, security: NetSecurity) -> str:
             )
         if security.curve_keys is None:
             log.warning("binding %s without encryption or authentication (insecure flag set)", addr)
+
+
+def bind(sock: zmq.Socket, addr: str, security: NetSecurity) -> str:
+    """Bind `sock` under the security rules; returns the bound endpoint (a tcp port 0 or * is resolved)."""
+    check_bind(addr, security)
     if security.curve_keys is not None:
         keys = Path(security.curve_keys)
         public, secret = _load_pair(keys, "server")

@@ -78,6 +78,13 @@ def test_actors_kept_on_a_cluster_need_time_to_hear_from_their_driver():
     assert load_config("default", ["launcher.address=auto", "launcher.keep_actors_s=10"]).launcher.keep_actors_s == 10
 
 
+def test_the_gate_must_hold_two_of_the_largest_groups():
+    with pytest.raises(ConfigError, match=r"^net\.gate_memory_mb \(100\) must be at least twice replay\.max_group_mb"):
+        load_config("default", ["net.gate_memory_mb=100", "replay.max_group_mb=64"])
+    assert load_config("default", ["net.gate_memory_mb=128", "replay.max_group_mb=64"]).net.gate_memory_mb == 128
+    assert not load_config("default", ["net.gate=false", "net.gate_memory_mb=1", "replay.max_group_mb=64"]).net.gate
+
+
 def test_compare_names_the_objectives():
     with pytest.raises(ConfigError, match="unknown objective 'gpro'; registered: grpo, "):
         validate(load_config("default"), [RunSpec.parse("grpo"), RunSpec.parse("gpro")])

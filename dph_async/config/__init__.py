@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from dph_async.config.base import Section
 from dph_async.config.loss import CriticConfig, LossConfig
@@ -253,6 +253,14 @@ class NetConfig(Section):
     metrics: bool = True
     metrics_host: str = "127.0.0.1"
     metrics_port: int = Field(0, ge=0, le=65535)
+    # The replay and the weight server read their peers through a gate process (dph_async/gate.py): it
+    # alone holds what libzmq buffers of a message before its last frame arrives, and is started again
+    # if a peer exhausts its memory. Off, the service's own process holds that (each message then
+    # costs about 0.17 ms of CPU less; docs/benchmarks.md).
+    gate: bool = True
+    # What a gate may allocate beyond its size at start; at least twice replay.max_group_mb, so an
+    # honest message of the largest size always fits.
+    gate_memory_mb: float = Field(1024.0, gt=0)
 
 
 class LoggingConfig(Section):
@@ -278,6 +286,15 @@ class RunConfig(Section):
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
     net: NetConfig = Field(default_factory=NetConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _gate_fits_a_group(self) -> RunConfig:
+        if self.net.gate and self.net.gate_memory_mb < 2 * self.replay.max_group_mb:
+            raise ValueError(
+                f"net.gate_memory_mb ({self.net.gate_memory_mb:g}) must be at least twice replay.max_group_mb "
+                f"({self.replay.max_group_mb:g}): the gate must hold an honest group of the largest size"
+            )
+        return self
 
 
 class ConfigError(UserError):
@@ -307,6 +324,8 @@ def _preset_text(preset: str) -> tuple[str, str]:
 
 def _describe(err: dict[str, Any], root: type[Section]) -> str:
     key = ".".join(str(p) for p in err["loc"])
+    if not key:  # a rule across sections: its message names the keys
+        return err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         model: Any = root
         for part in err["loc"][:-1]:
