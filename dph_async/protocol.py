@@ -42,7 +42,8 @@ from dph_async.rewards.result import RewardResult
 #    BatchRequest.token and Control.token; Stats carries ReplayStats.
 # 4: Completion.policy_weight (which distribution sampled it: the DPO samplers).
 # 5: WeightsReady.shm (the version's shared-memory segment on the learner's host).
-SCHEMA_VERSION = 5
+# 6: ReplayStats.gate_restarts.
+SCHEMA_VERSION = 6
 
 MiB = 1 << 20
 

@@ -4,7 +4,8 @@ libzmq hands over a multipart message only once all of its frames have arrived, 
 limit, ZMQ_MAXMSGSIZE, is per frame: `guard(sock, ...)` sets it to the endpoint's message cap, so
 a peer sending a bigger frame is disconnected before libzmq buffers that frame. What a message of
 many frames holds inside libzmq before it is delivered is frames x that cap, which no libzmq option
-bounds (docs/data_plane.md, "Hostile peers", says what follows). Once delivered,
+bounds: that is why the services read their peers through a gate process (dph_async/gate.py), and
+why this module reads the gate's messages too (`gated`). Once delivered,
 `receive` holds no more of a message than its limits allow: it reads the header frame,
 checks it (`read_header`: size, version, type, frame count), takes the array frames one by one
 against the frame count the header announced and the message's byte cap, and once either is
@@ -57,18 +58,25 @@ def _user_id(frame: zmq.Frame) -> str:
     return ""
 
 
-def receive(sock: zmq.Socket, limits: Limits, curve: bool = False) -> Received | None:
+def receive(sock: zmq.Socket, limits: Limits, curve: bool = False, gated: bool = False) -> Received | None:
     """The next message on a ROUTER socket, decoded under `limits`; None if none is waiting.
-    curve: the socket is a CURVE server, so each message carries its sender's public key."""
+    curve: the socket is a CURVE server, so each message carries its sender's public key.
+    gated: the socket is the service's side of its gate (dph_async/gate.py), whose messages carry
+    the sender's routing id and CURVE key as their first two frames."""
     try:
         first = sock.recv(zmq.NOBLOCK, copy=False)
     except zmq.Again:
         return None
     peer = first.bytes
+    user_id = ""
+    if gated and first.more:
+        key = sock.recv(copy=False)
+        user_id, first = key.bytes.decode("ascii", "replace"), key
     if not first.more:
-        return Received(peer, "", ProtocolError("frames", "empty message (no frames)"))
+        return Received(peer, user_id, ProtocolError("frames", "empty message (no frames)"))
     frame = sock.recv(copy=False)
-    user_id = _user_id(frame) if curve else ""
+    if curve and not gated:
+        user_id = _user_id(frame)
     try:
         header = read_header(frame, limits)
     except ProtocolError as e:

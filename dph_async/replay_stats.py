@@ -101,6 +101,8 @@ class ReplayStats:
     reference_pool: int = 0
     wal: WalStats = field(default_factory=WalStats)
     replies_dropped: int = 0
+    # Gate processes started again after one ended (dph_async/gate.py: a peer exhausted its memory).
+    gate_restarts: int = 0
     # The service: where it listens ("" for a core without sockets), and whether a batch request waits.
     ingest_endpoint: str = ""
     batch_endpoint: str = ""

@@ -407,4 +407,5 @@ class ReplayCore:
             if wal is not None
             else WalStats(),
             replies_dropped=c["replies_dropped"],
+            gate_restarts=c["gate_restarts"],
         )

@@ -33,6 +33,7 @@ import pyarrow as pa
 import zmq
 
 from dph_async.config.replay import ReplayConfig
+from dph_async.gate import Gate
 from dph_async.net import CurveKeys, NetSecurity, bind, curve_keys, stop_authenticator
 from dph_async.protocol import (
     Ack,
@@ -141,11 +142,21 @@ class ReplayService:
         self._keys: CurveKeys | None = curve_keys(security.curve_keys) if security.curve_keys else None
         self._refusals = RefusalLog(log, cfg.refusal_log_per_min)
         self._ctx = zmq.Context()
+        self._gate: Gate | None = None
         try:
-            self._ingest = self._router(self._ingest_limits)
-            self.ingest_endpoint = bind(self._ingest, ingest_addr, security)
-            self._batch = self._router(BATCH_LIMITS)
-            self.batch_endpoint = bind(self._batch, batch_addr, security)
+            if security.gate:
+                if security.gate_memory_mb < 2 * cfg.max_group_mb:
+                    raise ValueError(f"the gate's memory ({security.gate_memory_mb:g} MB, net.gate_memory_mb) must be "
+                                     f"at least twice replay.max_group_mb ({cfg.max_group_mb:g})")
+                self._gate, (self._ingest, self._batch) = Gate.open(
+                    self._ctx, [(ingest_addr, self._ingest_limits), (batch_addr, BATCH_LIMITS)], security,
+                    cfg.peer_timeout_s, cfg.queue_per_peer)  # fmt: skip
+                self.ingest_endpoint, self.batch_endpoint = self._gate.endpoints
+            else:
+                self._ingest = self._router(self._ingest_limits)
+                self.ingest_endpoint = bind(self._ingest, ingest_addr, security)
+                self._batch = self._router(BATCH_LIMITS)
+                self.batch_endpoint = bind(self._batch, batch_addr, security)
         except BaseException:
             self._close()
             raise
@@ -164,6 +175,12 @@ class ReplayService:
         guard(sock, limits, self.cfg.peer_timeout_s, self.cfg.queue_per_peer)
         return sock
 
+    def _watch_gate(self) -> None:
+        """Start another gate if this one died (a peer exhausted its memory)."""
+        if self._gate is not None and (code := self._gate.revive()) is not None:
+            self.core.metrics.count("gate_restarts")
+            self._refusals.refused(f"the gate process ended (status {code}); another was started")
+
     # ----------------------------------------------------------------------------- running
 
     def serve_forever(self) -> None:
@@ -179,6 +196,7 @@ class ReplayService:
                 if self._batch in events:
                     self._drain_batch()
                 self._serve_parked()
+                self._watch_gate()
                 self._refusals.tick()
         except OSError:
             log.critical("replay: write-ahead log write failed; stopping so state never runs ahead of the log")
@@ -211,7 +229,9 @@ class ReplayService:
             if sock is not None:
                 sock.close()
         stop_authenticator(self._ctx)
-        self._ctx.term()
+        self._ctx.term()  # waits (LINGER) until the last replies are with the gate
+        if self._gate is not None:
+            self._gate.close()
         if self.core.wal is not None:
             self.core.wal.close()
 
@@ -231,7 +251,7 @@ class ReplayService:
 
     def _recv(self, sock: zmq.Socket, limits: Limits) -> Received | None:
         """The next message on a socket, or the ProtocolError that says why it is not one (counted)."""
-        received = receive(sock, limits, curve=self._keys is not None)
+        received = receive(sock, limits, curve=self._keys is not None, gated=self._gate is not None)
         if received is None:
             return None
         if self._keys is not None and not self._keys.allows(received.user_id):

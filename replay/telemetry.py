@@ -74,6 +74,8 @@ class ReplayCollector(Collector):
         yield GaugeMetricFamily("dph_replay_tickets_parked", "Ticket requests waiting for capacity", value=t.parked)
         yield CounterMetricFamily("dph_replay_tickets_overclaimed",
                                   "Ticket requests claiming more tickets than were granted", value=t.overclaimed)
+        yield CounterMetricFamily("dph_replay_gate_restarts", "Gate processes started again after one ended",
+                                  value=s.gate_restarts)
         yield GaugeMetricFamily("dph_replay_wal_bytes_since_base", "Write-ahead log bytes since its last base",
                                 value=s.wal.bytes_since_base)
         yield CounterMetricFamily("dph_replay_wal_damaged_records",

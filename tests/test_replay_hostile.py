@@ -4,9 +4,15 @@ keeps serving the honest peers and loses nothing it accepted (docs/data_plane.md
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -38,10 +44,12 @@ CFG = ReplayConfig(
 B = 4  # groups per batch: capacity (eta + 1) * B = 8 tickets
 
 
-@pytest.fixture
-def service(tmp_path):
+@pytest.fixture(params=[True, False], ids=["gate", "no-gate"])
+def service(tmp_path, request):
+    """The replay behind its gate process (the default) and without (net.gate=false): every
+    refusal below holds either way (net.gate)."""
     svc = ReplayService(CFG, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", B, wal_dir=str(tmp_path / "wal"),
-                        data_dir=str(tmp_path))  # as `dph-async serve replay`: the log's parent
+                        data_dir=str(tmp_path), security=NetSecurity(gate=request.param))  # as `serve replay`
     svc.start_in_thread()
     yield svc
     svc.stop()
@@ -273,6 +281,20 @@ def _zmtp_null_handshake(conn: socket.socket) -> None:
     conn.sendall(greeting)
     body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
     conn.sendall(bytes([0x04, len(body)]) + body)
+    # Wait for the server's greeting and READY: a frame sent before the server has sent its READY
+    # reaches it mid-handshake, where libzmq reads it as a command and drops the connection.
+    _read_exactly(conn, 64)
+    flags, size = _read_exactly(conn, 2)
+    _read_exactly(conn, size if flags == 0x04 else struct.unpack(">Q", bytes([size]) + _read_exactly(conn, 7))[0])
+
+
+def _read_exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        assert chunk, "the server closed the connection during the handshake"
+        data += chunk
+    return data
 
 
 def test_a_peer_that_stalls_inside_a_message_blocks_no_one_and_is_cut_off(service):
@@ -285,3 +307,77 @@ def test_a_peer_that_stalls_inside_a_message_blocks_no_one_and_is_cut_off(servic
     assert stats_within(service, 2).accepted == 1 and time.monotonic() - t0 < 5
     assert closed_within(conn, 5), "a peer silent inside a message was kept open"
     conn.close()
+
+
+# ------------------------------------------------------------------------------- the gate
+
+
+def peak_rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+
+
+def flood(endpoint: str, frames: int, frame_bytes: int) -> None:
+    """One message of `frames` frames, each under the per-frame cap, streamed over raw ZMTP so the
+    sender holds one frame, not the message."""
+    conn = socket.create_connection(("127.0.0.1", port_of(endpoint)))
+    _zmtp_null_handshake(conn)
+    chunk = b"\0" * frame_bytes
+    try:
+        for i in range(frames):
+            more = 0x01 if i < frames - 1 else 0
+            conn.sendall(bytes([0x02 | more]) + struct.pack(">Q", frame_bytes) + chunk)
+        time.sleep(1.0)  # let the receiving side take it all in
+    except OSError:
+        pass  # the gate dropped us: what the flood is for
+    conn.close()
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_a_message_of_many_frames_grows_the_gate_not_the_replay(tmp_path, gate):
+    """libzmq holds a message until its last frame, bounding only each frame: 120 frames of 1 MiB
+    make whoever reads the socket hold 120 MiB. Without a gate that is the replay (the control
+    case: its peak memory rises by the flood); with one, the gate, whose memory limit makes libzmq
+    drop the peer, and the replay's peak does not move."""
+    cmd = [sys.executable, "-m", "dph_async.app.cli", "serve", "replay", "--no-wal",
+           "--ingest", "tcp://127.0.0.1:0", "--batch", "tcp://127.0.0.1:0", f"output_dir={tmp_path}",
+           "replay.max_group_mb=1", "net.gate_memory_mb=16", f"net.gate={str(gate).lower()}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while not line.startswith("replay: ingest"):
+            line = proc.stderr.readline()
+            assert line or proc.poll() is None, "the replay did not start"
+        ingest = line.split()[2].rstrip(",")
+        svc = SimpleNamespace(ingest_endpoint=ingest, batch_endpoint=line.split()[4].rstrip(";"))
+        honest_round_trip(svc, 0)
+        before = peak_rss_mb(proc.pid)
+        flood(ingest, 120, (1 << 20) - 64)
+        honest_round_trip(svc, 1)  # served either way, and after the flood
+        grown = peak_rss_mb(proc.pid) - before
+        if gate:
+            assert grown < 20, f"the replay's peak memory rose {grown:.0f} MB behind its gate"
+        else:
+            assert grown > 80, f"the flood did not reach the replay without a gate (peak +{grown:.0f} MB)"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_the_replay_starts_a_new_gate_when_one_dies_and_senders_lose_nothing(tmp_path):
+    service = ReplayService(CFG, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", B, wal_dir=str(tmp_path / "wal"))
+    service.start_in_thread()
+    sender = RolloutSender(service.ingest_endpoint, 3, reply_timeout_s=1.0)
+    for seq in range(4):
+        sender.send(synthetic_group(3, seq, n=2, tokens=8))
+    assert sender.flush(10)
+    first = service._gate.pid
+    os.kill(first, signal.SIGKILL)
+    for seq in range(4, 8):
+        sender.send(synthetic_group(3, seq, n=2, tokens=8))
+    assert sender.flush(20), "groups sent while the gate was down were lost"
+    sender.close()
+    stats = stats_within(service, 5)
+    assert stats.accepted == 8 and stats.gate_restarts == 1
+    assert service._gate.pid not in (first, None)
+    service.stop()

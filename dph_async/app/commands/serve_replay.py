@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -23,9 +24,12 @@ preset or YAML file) and key=value overrides; flags override both. The write-ahe
         replay.max_staleness=2 learner.groups_per_step=64
 
 Endpoints bind 127.0.0.1 unless told otherwise; another address needs CURVE keys (--curve-keys, a
-directory made by `dph-async keys`) or --insecure. SIGINT/SIGTERM stop it cleanly. GET /health and
-/metrics are served on net.metrics_host (port net.metrics_port, 0: the OS chooses); the URL is printed
-and written to <output_dir>/endpoints/replay.json for `dph-async status`.
+directory made by `dph-async keys`) or --insecure. A gate process binds them and reads the peers, so
+a message of many frames grows the gate (limited to net.gate_memory_mb, restarted if exhausted), not
+the replay; net.gate=false reads peers in this process (docs/data_plane.md, section 9).
+SIGINT/SIGTERM stop it cleanly. GET /health and /metrics are served on net.metrics_host (port
+net.metrics_port, 0: the OS chooses); the URL is printed and written to
+<output_dir>/endpoints/replay.json for `dph-async status`.
 
 Batch requests and commands (snapshot, restore, shutdown) are obeyed only from the control
 identity: with CURVE keys the control key pair, otherwise the token in <data-dir>/control.token
@@ -73,7 +77,8 @@ def main(args: argparse.Namespace) -> int:
     if args.no_wal:
         wal_dir = None
     data_dir = Path(args.data_dir or (Path(wal_dir).parent if wal_dir else cfg.output_dir))
-    security = NetSecurity(args.curve_keys or cfg.net.curve_keys, args.insecure or cfg.net.insecure)
+    security = dataclasses.replace(NetSecurity.from_config(cfg.net), curve_keys=args.curve_keys or cfg.net.curve_keys,
+                                   insecure=args.insecure or cfg.net.insecure)  # fmt: skip
     try:
         token = control_token(data_dir) if security.curve_keys is None else None
         service = ReplayService(

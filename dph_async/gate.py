@@ -1,0 +1,319 @@
+"""A gate in front of a service's ROUTER sockets: the one process whose memory a peer can grow.
+
+libzmq hands over a multipart message only once its last frame has arrived, and bounds only each
+frame (ZMQ_MAXMSGSIZE): a peer that sends frame after frame and never the last makes the process
+that reads its socket hold them all. The gate takes that exposure out of the service. It is a
+process of its own that binds the service's public endpoints (with the service's CURVE keys and
+peer limits), reads each message, keeps no more of it than the endpoint's limits could accept, and
+passes it to the service over a private ipc socket with the sender's routing id and CURVE key in
+front; the service's replies come back the same way. The service still checks every message it
+is given (dph_async/receive.py): what the gate cut short arrives too long in frames or bytes and is
+refused as it would have been whole.
+
+The gate runs under RLIMIT_DATA (its size at start plus `memory_mb`). A peer that floods it makes
+its allocations fail: libzmq then drops that peer or aborts the process. The service polls its gate
+and starts another on the same endpoints (`Gate.revive`); honest peers reconnect by themselves and
+resend what was not acknowledged. Wire between the two, per endpoint:
+
+    gate -> service   [routing id, CURVE key (z85, b"" without CURVE), header, arrays...]
+    service -> gate   [routing id, reply frames...]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import zmq
+
+from dph_async.net import NetSecurity, bind, check_bind, stop_authenticator
+from dph_async.protocol import Limits
+from dph_async.receive import guard
+
+# Messages the gate holds for the service before it stops reading peers (backpressure).
+INNER_HWM = 4
+# Messages moved each way per wake-up.
+BURST = 64
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 3.0
+# How often the gate looks up from its sockets to see whether its service is still there, and the
+# service whether its gate is.
+PARENT_CHECK_MS = 200
+CHECK_S = 0.2
+# Once told to stop: how long to wait for more of the service's last replies (they were sent before
+# the gate was told), and to send them on.
+REPLY_DRAIN_MS = 50
+REPLY_LINGER_MS = 500
+
+
+class GateError(OSError):
+    """The gate process could not start (an address in use, unreadable keys, ...)."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """One endpoint: the public address peers reach, the service's private ipc address, and the
+    endpoint's limits (bytes of a whole message, header bytes, array frames)."""
+
+    public: str
+    inner: str
+    max_bytes: int
+    max_header_bytes: int
+    max_frames: int
+
+    @classmethod
+    def of(cls, public: str, inner: str, limits: Limits) -> Route:
+        return cls(public, inner, limits.max_bytes, limits.max_header_bytes, limits.max_frames)
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """What a gate process is told on its command line (as JSON)."""
+
+    routes: list[Route]
+    peer_timeout_s: float
+    queue_per_peer: int
+    memory_mb: float
+    reply_queue: int = 1000  # libzmq's default SNDHWM
+    curve_keys: str | None = None
+    insecure: bool = False
+    parent_pid: int = field(default_factory=os.getpid)
+
+
+class Gate:
+    """The service's handle on its gate process: start it, start another if it died, stop it."""
+
+    def __init__(self, spec: GateSpec, directory: Path):
+        self.spec = spec
+        self.directory = directory
+        self.endpoints: list[str] = []
+        self._proc: subprocess.Popen | None = None
+        self._checked = 0.0
+
+    @classmethod
+    def open(cls, ctx: zmq.Context, endpoints: list[tuple[str, Limits]], security: NetSecurity, peer_timeout_s: float,
+             queue_per_peer: int, reply_queue: int = 1000) -> tuple[Gate, list[zmq.Socket]]:  # fmt: skip
+        """The service's side of a gate: for each (public address, limits) a DEALER socket bound in a
+        new directory only this user can enter, and the gate bound to the public addresses in front
+        of them. queue_per_peer and reply_queue: messages held per peer each way. Returns the gate (see
+        `endpoints`) and the sockets, in the order given."""
+        for addr, _ in endpoints:
+            check_bind(addr, security)  # here, so a refusal is the same error as without a gate
+        directory = Path(tempfile.mkdtemp(prefix="dph-gate-"))
+        keys = str(Path(security.curve_keys).resolve()) if security.curve_keys is not None else None
+        gate = cls(GateSpec([], peer_timeout_s, queue_per_peer, security.gate_memory_mb, reply_queue, keys,
+                            security.insecure), directory)  # fmt: skip
+        socks: list[zmq.Socket] = []
+        try:
+            for i, (addr, limits) in enumerate(endpoints):
+                sock = ctx.socket(zmq.DEALER)  # its one peer is the gate; messages carry the routing id
+                socks.append(sock)
+                sock.setsockopt(zmq.LINGER, 1000)
+                guard(sock, limits, peer_timeout_s, queue_per_peer)
+                inner = f"ipc://{directory / str(i)}"
+                sock.bind(inner)
+                gate.spec.routes.append(Route.of(addr, inner, limits))
+            gate.start()
+        except BaseException:
+            for sock in socks:
+                sock.close(0)
+            gate.close()
+            raise
+        return gate, socks
+
+    def start(self) -> list[str]:
+        """Start the gate; returns the public endpoints it bound (a tcp port 0 resolved). A restart
+        binds the same endpoints again, so peers reconnect to where they were."""
+        spec = self.spec
+        if self.endpoints:
+            routes = [replace(r, public=e) for r, e in zip(spec.routes, self.endpoints, strict=True)]
+            spec = replace(spec, routes=routes)
+        # Its errors go to this process's stderr; its one line of stdout says where it listens.
+        proc = subprocess.Popen([sys.executable, "-m", "dph_async.gate", json.dumps(asdict(spec))],
+                                stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)  # fmt: skip
+        ready, _, _ = select.select([proc.stdout], [], [], START_TIMEOUT_S)
+        answer = json.loads(proc.stdout.readline() or "null") if ready else None
+        if not isinstance(answer, list):
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
+            why = answer["error"] if isinstance(answer, dict) else f"no answer (exit status {proc.returncode})"
+            raise GateError(f"the gate process could not start: {why}")
+        self._proc = proc
+        self.endpoints = answer
+        return self.endpoints
+
+    def revive(self) -> int | None:
+        """If the gate has ended (a peer exhausted its memory), start another on the same endpoints and
+        return how the last one ended (exit status; minus the signal number if killed). Looks at most
+        every CHECK_S; None when nothing was done."""
+        now = time.monotonic()
+        if self._proc is None or now - self._checked < CHECK_S:
+            return None
+        self._checked = now
+        code = self._proc.poll()
+        if code is None:
+            return None
+        self.stop()
+        self.start()
+        return code
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def stop(self) -> None:
+        """End the gate once it has passed on the replies it holds (the service's answer to a
+        shutdown command among them); kill it if it takes longer than STOP_TIMEOUT_S."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+    def close(self) -> None:
+        """Stop the gate and remove its directory (call after closing the service's sockets, so their
+        last replies reach it first)."""
+        self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ the gate process
+
+
+def _forward(front: zmq.Socket, back: zmq.Socket, route: Route, curve: bool) -> None:
+    """Pass one message from a peer to the service: the routing id, the CURVE key, and the frames
+    the endpoint's limits could accept plus one (header and arrays up to max_frames + 1 array
+    frames, bytes until the first frame past max_bytes); the rest is read and dropped."""
+    first = front.recv(zmq.NOBLOCK, copy=False)
+    out: list = [first.bytes, b""]
+    total, frame = 0, first
+    while frame.more:
+        frame = front.recv(copy=False)
+        if curve and len(out) == 2:
+            out[1] = frame.get("User-Id").encode("ascii")
+        if len(out) - 2 <= route.max_frames + 1 and total <= route.max_bytes:
+            out.append(frame)
+            total += len(frame)
+    back.send_multipart(out, copy=False)
+
+
+def _reply(back: zmq.Socket, front: zmq.Socket) -> None:
+    frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
+    try:
+        front.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+    except zmq.ZMQError as e:  # the peer stopped reading or is gone: the service's answer is lost
+        if e.errno not in (zmq.EAGAIN, zmq.EHOSTUNREACH):
+            raise
+
+
+def _pump(front: zmq.Socket, back: zmq.Socket, route: Route, curve: bool) -> None:
+    """Up to BURST replies to peers, then up to BURST messages to the service while it takes them."""
+    with contextlib.suppress(zmq.Again):
+        for _ in range(BURST):
+            _reply(back, front)
+    with contextlib.suppress(zmq.Again):
+        for _ in range(BURST):
+            if not back.get(zmq.EVENTS) & zmq.POLLOUT:
+                break
+            _forward(front, back, route, curve)
+
+
+def _limit_memory(memory_mb: float) -> None:
+    """RLIMIT_DATA at the process's data size now plus memory_mb."""
+    status = Path("/proc/self/status").read_text().splitlines()
+    data_kb = next(int(line.split()[1]) for line in status if line.startswith("VmData:"))
+    limit = data_kb * 1024 + int(memory_mb * (1 << 20))
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def _open(ctx: zmq.Context, spec: GateSpec, pairs: list[tuple[zmq.Socket, zmq.Socket, Route]]) -> list[str]:
+    """Bind each route's public ROUTER and connect its DEALER to the service (appended to `pairs`);
+    returns the bound endpoints."""
+    security = NetSecurity(curve_keys=spec.curve_keys, insecure=spec.insecure)
+    endpoints = []
+    for route in spec.routes:
+        front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        pairs.append((front, back, route))
+        front.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        front.setsockopt(zmq.LINGER, 0)
+        front.setsockopt(zmq.SNDHWM, spec.reply_queue)  # replies a peer does not read are dropped past it
+        guard(front, Limits(route.max_bytes, route.max_header_bytes, route.max_frames),
+              spec.peer_timeout_s, spec.queue_per_peer)  # fmt: skip
+        try:
+            endpoints.append(bind(front, route.public, security))
+        except zmq.ZMQError as e:
+            raise GateError(f"{route.public}: {e}") from None
+        back.setsockopt(zmq.LINGER, 0)
+        back.setsockopt(zmq.SNDHWM, INNER_HWM)
+        back.connect(route.inner)
+    return endpoints
+
+
+def serve(spec: GateSpec) -> None:
+    """The gate process: bind, say where (one JSON line on stdout: the endpoints, or {"error": ...}),
+    then move messages until the service that started it is gone."""
+    curve = spec.curve_keys is not None
+    ctx = zmq.Context()
+    pairs: list[tuple[zmq.Socket, zmq.Socket, Route]] = []
+    poller = zmq.Poller()
+    try:
+        try:
+            endpoints = _open(ctx, spec, pairs)
+        except (OSError, ValueError) as e:
+            print(json.dumps({"error": str(e)}), flush=True)
+            return
+        _limit_memory(spec.memory_mb)
+        stopping = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+        print(json.dumps(endpoints), flush=True)
+        while os.getppid() == spec.parent_pid and not stopping.is_set():
+            # Peers are read only while the service takes what they send: a slow service slows them.
+            for front, back, _ in pairs:
+                writable = bool(back.get(zmq.EVENTS) & zmq.POLLOUT)
+                poller.register(front, zmq.POLLIN if writable else 0)
+                poller.register(back, zmq.POLLIN if writable else zmq.POLLIN | zmq.POLLOUT)
+            if poller.poll(PARENT_CHECK_MS):
+                for front, back, route in pairs:
+                    _pump(front, back, route, curve)
+        # Told to stop: the service's last replies are passed on, and given time to leave.
+        for front, back, _ in pairs:
+            while back.poll(REPLY_DRAIN_MS, zmq.POLLIN):
+                _reply(back, front)
+            front.setsockopt(zmq.LINGER, REPLY_LINGER_MS)
+    finally:
+        for front, back, _ in pairs:
+            front.close()
+            back.close()
+        stop_authenticator(ctx)
+        ctx.term()
+    if os.getppid() != spec.parent_pid:  # the service died without closing: its directory goes too
+        for route in spec.routes:
+            shutil.rmtree(Path(route.inner.removeprefix("ipc://")).parent, ignore_errors=True)
+
+
+def main() -> None:
+    raw = json.loads(sys.argv[1])
+    raw["routes"] = [Route(**r) for r in raw["routes"]]
+    serve(GateSpec(**raw))
+
+
+if __name__ == "__main__":
+    main()
