@@ -14,6 +14,7 @@ copy from it directly, and the buckets served over the socket are views of the s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ import zmq
 
 from dph_async import net, protocol
 from dph_async import weights_shm as shm
+from dph_async.gate import Gate
 from dph_async.protocol import (
     BucketInfo,
     ErrorReply,
@@ -88,13 +90,21 @@ class WeightServer:
         self._segments: dict[int, ShmSegment] = {}
         self._lock = threading.Lock()
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._gate: Gate | None = None
+        self.gate_restarts = 0
+        if security.gate:  # peers are read by a gate process (dph_async/gate.py)
+            self._gate, (self._sock,) = Gate.open(self._ctx, [(addr, REQUEST_LIMITS)], security, PEER_TIMEOUT_S,
+                                                  QUEUE_PER_PEER, reply_queue=QUEUE_PER_PEER)  # fmt: skip
+            self.address = self._gate.endpoints[0]
+        else:
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            guard(self._sock, REQUEST_LIMITS, PEER_TIMEOUT_S, QUEUE_PER_PEER)
+            self.address = net.bind(self._sock, addr, security)
         self._sock.setsockopt(zmq.LINGER, 0)
-        guard(self._sock, REQUEST_LIMITS, PEER_TIMEOUT_S, QUEUE_PER_PEER)
-        # Replies a peer does not read are dropped past this (they are views of held versions, but a
-        # peer that never reads should not pin them).
-        self._sock.setsockopt(zmq.SNDHWM, QUEUE_PER_PEER)
-        self.address = net.bind(self._sock, addr, security)
+        # Replies a peer does not read are dropped past QUEUE_PER_PEER (they are views of held versions,
+        # but a peer that never reads should not pin them): by the ROUTER here, or by the gate's, whose
+        # one pipe from here must hold a push to every subscriber at once.
+        self._sock.setsockopt(zmq.SNDHWM, MAX_SUBSCRIBERS + QUEUE_PER_PEER if self._gate else QUEUE_PER_PEER)
         self._keys = net.curve_keys(security.curve_keys) if security.curve_keys else None
         self.refused: Counter[str] = Counter()  # refused requests, by ProtocolError kind
         self._refusals = RefusalLog(log, REFUSALS_LOGGED_PER_MIN, service="weight server")
@@ -192,7 +202,12 @@ class WeightServer:
                 return
             frames = protocol.encode(self._manifest(next(reversed(self._versions))))
         for ident in self._subscribers:
-            self._sock.send_multipart([ident, *frames], copy=False)
+            self._send([ident, *frames])
+
+    def _send(self, frames: list) -> None:
+        # Past SNDHWM (or to a peer that is gone) a reply is dropped, never waited on: the peer asks again.
+        with contextlib.suppress(zmq.Again):
+            self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -205,9 +220,13 @@ class WeightServer:
                     self._wake_rx.recv()
                 self._push_newest()
             self._refusals.tick()
+            if self._gate is not None and (code := self._gate.revive()) is not None:
+                self.gate_restarts += 1
+                log.warning("weight server: the gate process ended (status %s); another was started", code)
             if self._sock not in events:
                 continue
-            while (received := receive(self._sock, REQUEST_LIMITS, curve=self._keys is not None)) is not None:
+            gated, curve = self._gate is not None, self._keys is not None
+            while (received := receive(self._sock, REQUEST_LIMITS, curve, gated)) is not None:
                 self._reply(received)
 
     def _reply(self, received: Received) -> None:
@@ -226,8 +245,7 @@ class WeightServer:
             self._subscribers.move_to_end(received.peer)
             while len(self._subscribers) > MAX_SUBSCRIBERS:
                 self._subscribers.popitem(last=False)
-        # A ROUTER drops what a peer past its SNDHWM (or gone) would get: the peer asks again.
-        self._sock.send_multipart([received.peer, *protocol.encode(reply)], copy=False)
+        self._send([received.peer, *protocol.encode(reply)])
 
     def close(self) -> None:
         self._stop.set()
@@ -235,6 +253,8 @@ class WeightServer:
         self._sock.close(0)
         self._wake_rx.close(0)
         self._wake_tx.close(0)
+        if self._gate is not None:
+            self._gate.close()
         with self._lock:
             self._versions.clear()
             self._segments.clear()

@@ -71,6 +71,8 @@ class LearnerCollector(Collector):
         for kind, n in dict(self.loop.server.refused).items():
             refused.add_metric([kind], n)
         yield refused
+        yield CounterMetricFamily("dph_weights_gate_restarts", "Weight-server gate processes started again after "
+                                  "one ended", value=self.loop.server.gate_restarts)
         count, size = checkpoint_usage(self.loop.checkpoint_dir)
         yield GaugeMetricFamily("dph_learner_checkpoints", "Checkpoints on disk", value=count)
         yield GaugeMetricFamily("dph_learner_checkpoint_bytes", "Bytes of checkpoints on disk", value=size)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 import socket
+import subprocess
+import sys
 
 import msgpack
 import pytest
 import zmq
-from test_replay_hostile import ask, closed_within, dealer, port_of
+from test_replay_hostile import ask, closed_within, dealer, flood, peak_rss_mb, port_of
 from test_weights import Net, assert_bitwise
 
 from actors.weights import WeightClient
@@ -22,9 +24,10 @@ from learner.publish import WeightServer
 SECURITY = NetSecurity()
 
 
-@pytest.fixture
-def server():
-    srv = WeightServer("tcp://127.0.0.1:0", SECURITY, bucket_bytes=200, transport="tcp")
+@pytest.fixture(params=[True, False], ids=["gate", "no-gate"])
+def server(request):
+    """The server behind its gate process (the default) and without (net.gate=false)."""
+    srv = WeightServer("tcp://127.0.0.1:0", NetSecurity(gate=request.param), bucket_bytes=200, transport="tcp")
     srv.publish(Net(0), version=1)
     yield srv
     srv.close()
@@ -95,3 +98,37 @@ def test_a_peer_that_never_finishes_its_handshake_is_cut_off(monkeypatch):
         conn.close()
     finally:
         srv.close()
+
+
+SERVE = """
+import sys, time
+from dph_async.net import NetSecurity
+from learner.publish import WeightServer
+srv = WeightServer("tcp://127.0.0.1:0", NetSecurity(gate=sys.argv[1] == "on", gate_memory_mb=16), 200, "tcp")
+print(srv.address, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("gate", ["on", "off"])
+def test_a_request_of_many_frames_grows_the_gate_not_the_learner(gate):
+    """30,000 frames of 4 kB (each under the 4 KiB cap) in one message: without a gate the learner's
+    process holds them all until the last (the control case), with one the gate does, within its
+    memory limit, and the learner's peak memory does not move."""
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, gate], stdout=subprocess.PIPE, text=True)
+    try:
+        address = proc.stdout.readline().strip()
+        assert address, "the weight server did not start"
+        sock = dealer(address)
+        assert ask(sock, encode(WeightsQuery(0, -1))).kind == "unavailable"  # nothing published: an answer
+        before = peak_rss_mb(proc.pid)
+        flood(address, 30_000, 4000)
+        assert ask(sock, encode(WeightsQuery(0, -1))).kind == "unavailable"  # still answering
+        grown = peak_rss_mb(proc.pid) - before
+        if gate == "on":
+            assert grown < 20, f"the learner's peak memory rose {grown:.0f} MB behind its gate"
+        else:
+            assert grown > 80, f"the flood did not reach the server without a gate (peak +{grown:.0f} MB)"
+    finally:
+        proc.kill()
+        proc.wait()
