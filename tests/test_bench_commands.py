@@ -86,8 +86,10 @@ def test_transport_bench_json(tmp_path):
     for base in ("zmq", "pickle", "pickle_lists"):  # one repeat: the ratio of the two rates
         assert row[f"protocol_vs_{base}"] == pytest.approx(row["protocol"]["groups_per_s"] / row[base]["groups_per_s"])
     assert row["memcpy_gb_per_s"] > 0 and row["protocol_cpu_vs_zmq"] > 0
-    assert [(r["tokens"], r["wal"], r["all_acknowledged"]) for r in res["ingest"]] == [(tokens, False, True),
-                                                                                     (tokens, True, True)]
+    rows = [(r["tokens"], r["wal"], r["gate"], r["all_acknowledged"]) for r in res["ingest"]]
+    assert rows == [(tokens, wal, gate, True) for wal in (False, True) for gate in (True, False)]
+    for gated, direct in zip(res["ingest"][::2], res["ingest"][1::2], strict=True):  # gate / none, in one run
+        assert gated["vs_no_gate"] == pytest.approx(gated["groups_per_s"] / direct["groups_per_s"])
     assert [r["wal"] for r in res["replay"]] == [False, True]
     for r in res["replay"]:
         assert r["held"] >= 300 and r["insert_groups_per_s"] > 0 and r["sample_groups_per_s"] > 0

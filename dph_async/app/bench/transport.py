@@ -348,24 +348,27 @@ def bench_replay(held: int, batch: int, seconds: float, wal_dir: str | None = No
     }
 
 
-def _replay_process(ingest: str, batch: str, wal_dir: str | None, token: bytes) -> None:
+def _replay_process(ingest: str, batch: str, wal_dir: str | None, token: bytes, gate: bool) -> None:
     from dph_async.config.replay import ReplayConfig
+    from dph_async.net import NetSecurity
     from replay.service import ReplayService
 
     cfg = ReplayConfig(max_staleness=10**6, admission=False, max_group_mb=1024)
-    ReplayService(cfg, ingest, batch, 64, wal_dir=wal_dir, control_token=token).serve_forever()
+    security = NetSecurity(gate=gate, gate_memory_mb=4096)
+    ReplayService(cfg, ingest, batch, 64, wal_dir=wal_dir, control_token=token, security=security).serve_forever()
 
 
-def bench_ingest(n: int, tokens: int, count: int, prompt_tokens: int, wal: bool) -> dict:
-    """The whole ingest path: RolloutSender here -> the replay service in another process (decode,
-    validation, write-ahead log when `wal`, acknowledgement), until every group is acknowledged."""
+def bench_ingest(n: int, tokens: int, count: int, prompt_tokens: int, wal: bool, gate: bool = True) -> dict:
+    """The whole ingest path: RolloutSender here -> the replay service in another process (through
+    its gate process when `gate`; decode, validation, write-ahead log when `wal`, acknowledgement),
+    until every group is acknowledged."""
     from dph_async.replay_client import ReplayClient, RolloutSender
 
     tmp = tempfile.mkdtemp(prefix="dph-bench-ingest-")
     ingest, batch = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
     token = secrets.token_bytes(32)  # to shut it down: only the control identity may
     proc = mp.get_context("spawn").Process(
-        target=_replay_process, args=(ingest, batch, f"{tmp}/wal" if wal else None, token), daemon=True
+        target=_replay_process, args=(ingest, batch, f"{tmp}/wal" if wal else None, token, gate), daemon=True
     )
     proc.start()
     group = synthetic_group(0, 0, n=n, tokens=tokens, prompt_tokens=prompt_tokens)
@@ -388,6 +391,7 @@ def bench_ingest(n: int, tokens: int, count: int, prompt_tokens: int, wal: bool)
         "tokens": tokens,
         "group_bytes": group_bytes,
         "wal": wal,
+        "gate": gate,
         "count": count,
         "all_acknowledged": acked,
         "groups_per_s": count / seconds,

@@ -22,9 +22,9 @@ multiprocessing.Queue (the group with numpy arrays, and as Python lists the way 
 holds rollouts), and memcpy of the same bytes. Every repeat runs each mode once in rotating order
 and ratios are taken within a repeat, so other load on the machine shifts both sides alike. Then the
 whole ingest path into a replay process (RolloutSender to acknowledgement, write-ahead log off and
-on) and the replay's insert+sample rate in-process with 100k groups held. Targets for groups of
-1 MiB and more: protocol >= 80% of bare ZeroMQ and >= 10x the pickle queue. Prints tables, writes
-JSON (docs/benchmarks.md, Transport).
+on, each with the replay's gate process and without, alternating) and the replay's insert+sample
+rate in-process with 100k groups held. Targets for groups of 1 MiB and more: protocol >= 80% of
+bare ZeroMQ and >= 10x the pickle queue. Prints tables, writes JSON (docs/benchmarks.md, Transport).
 
     dph-async bench transport --out runs/bench/transport.json
 """
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ingest-tokens",
         type=int,
         nargs="*",
-        default=[512, 16384],
+        default=[16, 512, 16384],
         help="tokens per completion of the ingest-path rows; none skips them (default: %(default)s)",
     )
     parser.add_argument(
@@ -150,17 +150,22 @@ def main(args: argparse.Namespace) -> int:
         for tokens in args.ingest_tokens:
             count = bench.count_for(args.n * tokens * 12, args.mb * 1e6)
             for wal in (False, True):
-                result["ingest"].append(bench.bench_ingest(args.n, tokens, count, args.prompt_tokens, wal))
+                pair = {gate: bench.bench_ingest(args.n, tokens, count, args.prompt_tokens, wal, gate)
+                        for gate in ((True, False) if len(result["ingest"]) % 4 == 0 else (False, True))}  # fmt: skip
+                pair[True]["vs_no_gate"] = pair[True]["groups_per_s"] / pair[False]["groups_per_s"]
+                result["ingest"] += [pair[True], pair[False]]
         table = Table(title="ingest path: RolloutSender -> replay process (decode, validate, log, ack)")
-        for col in ("n x T", "MiB/group", "write-ahead log", "groups/s", "GB/s", "all acked"):
+        for col in ("n x T", "MiB/group", "write-ahead log", "gate", "groups/s", "GB/s", "gate / none", "all acked"):
             table.add_column(col, justify="right")
         for r in result["ingest"]:
             table.add_row(
                 f"{r['n']} x {r['tokens']}",
                 f"{r['group_bytes'] / 2**20:.2f}",
                 "on" if r["wal"] else "off",
+                "on" if r["gate"] else "off",
                 f"{r['groups_per_s']:,.0f}",
                 f"{r['gb_per_s']:.2f}",
+                f"{r['vs_no_gate']:.2f}" if "vs_no_gate" in r else "",
                 str(r["all_acknowledged"]),
             )
         console.print(table)
