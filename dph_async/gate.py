@@ -17,12 +17,16 @@ resend what was not acknowledged. Wire between the two, per endpoint:
 
     gate -> service   [routing id, CURVE key (z85, b"" without CURVE), header, arrays...]
     service -> gate   [routing id, reply frames...]
+
+A reply the gate cannot deliver (its peer gone or not reading) is dropped and counted in a mapped
+file beside the sockets (`Gate.replies_dropped`), which outlives a gate that is started again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import resource
 import select
@@ -90,6 +94,25 @@ class GateSpec:
     curve_keys: str | None = None
     insecure: bool = False
     parent_pid: int = field(default_factory=os.getpid)
+    # A file of one little-endian uint64: replies the gate could not deliver (the peer gone, or not
+    # reading), kept across restarts for the service to read.
+    dropped_path: str = ""
+
+
+class Counter:
+    """A count in a file of one little-endian uint64, mapped: the gate writes it, the service reads it."""
+
+    def __init__(self, path: str):
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), 8)
+
+    @property
+    def value(self) -> int:
+        return int.from_bytes(self._map[:8], "little")
+
+    @value.setter
+    def value(self, n: int) -> None:
+        self._map[:8] = n.to_bytes(8, "little")
 
 
 class Gate:
@@ -101,6 +124,7 @@ class Gate:
         self.endpoints: list[str] = []
         self._proc: subprocess.Popen | None = None
         self._checked = 0.0
+        self._dropped = Counter(spec.dropped_path) if spec.dropped_path else None
 
     @classmethod
     def open(cls, ctx: zmq.Context, endpoints: list[tuple[str, Limits]], security: NetSecurity, peer_timeout_s: float,
@@ -112,9 +136,11 @@ class Gate:
         for addr, _ in endpoints:
             check_bind(addr, security)  # here, so a refusal is the same error as without a gate
         directory = Path(tempfile.mkdtemp(prefix="dph-gate-"))
+        dropped = directory / "dropped"
+        dropped.write_bytes(bytes(8))
         keys = str(Path(security.curve_keys).resolve()) if security.curve_keys is not None else None
         gate = cls(GateSpec([], peer_timeout_s, queue_per_peer, security.gate_memory_mb, reply_queue, keys,
-                            security.insecure), directory)  # fmt: skip
+                            security.insecure, dropped_path=str(dropped)), directory)  # fmt: skip
         socks: list[zmq.Socket] = []
         try:
             for i, (addr, limits) in enumerate(endpoints):
@@ -174,6 +200,11 @@ class Gate:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    @property
+    def replies_dropped(self) -> int:
+        """Replies the gate could not deliver since it was opened (all its processes)."""
+        return self._dropped.value if self._dropped is not None else 0
+
     def stop(self) -> None:
         """End the gate once it has passed on the replies it holds (the service's answer to a
         shutdown command among them); kill it if it takes longer than STOP_TIMEOUT_S."""
@@ -215,20 +246,21 @@ def _forward(front: zmq.Socket, back: zmq.Socket, route: Route, curve: bool) -> 
     back.send_multipart(out, copy=False)
 
 
-def _reply(back: zmq.Socket, front: zmq.Socket) -> None:
+def _reply(back: zmq.Socket, front: zmq.Socket, dropped: Counter) -> None:
     frames = back.recv_multipart(zmq.NOBLOCK, copy=False)
     try:
         front.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
     except zmq.ZMQError as e:  # the peer stopped reading or is gone: the service's answer is lost
         if e.errno not in (zmq.EAGAIN, zmq.EHOSTUNREACH):
             raise
+        dropped.value += 1
 
 
-def _pump(front: zmq.Socket, back: zmq.Socket, route: Route, curve: bool) -> None:
+def _pump(front: zmq.Socket, back: zmq.Socket, route: Route, curve: bool, dropped: Counter) -> None:
     """Up to BURST replies to peers, then up to BURST messages to the service while it takes them."""
     with contextlib.suppress(zmq.Again):
         for _ in range(BURST):
-            _reply(back, front)
+            _reply(back, front, dropped)
     with contextlib.suppress(zmq.Again):
         for _ in range(BURST):
             if not back.get(zmq.EVENTS) & zmq.POLLOUT:
@@ -271,6 +303,7 @@ def serve(spec: GateSpec) -> None:
     """The gate process: bind, say where (one JSON line on stdout: the endpoints, or {"error": ...}),
     then move messages until the service that started it is gone."""
     curve = spec.curve_keys is not None
+    dropped = Counter(spec.dropped_path)
     ctx = zmq.Context()
     pairs: list[tuple[zmq.Socket, zmq.Socket, Route]] = []
     poller = zmq.Poller()
@@ -292,11 +325,11 @@ def serve(spec: GateSpec) -> None:
                 poller.register(back, zmq.POLLIN if writable else zmq.POLLIN | zmq.POLLOUT)
             if poller.poll(PARENT_CHECK_MS):
                 for front, back, route in pairs:
-                    _pump(front, back, route, curve)
+                    _pump(front, back, route, curve, dropped)
         # Told to stop: the service's last replies are passed on, and given time to leave.
         for front, back, _ in pairs:
             while back.poll(REPLY_DRAIN_MS, zmq.POLLIN):
-                _reply(back, front)
+                _reply(back, front, dropped)
             front.setsockopt(zmq.LINGER, REPLY_LINGER_MS)
     finally:
         for front, back, _ in pairs:

@@ -143,6 +143,7 @@ class ReplayService:
         self._refusals = RefusalLog(log, cfg.refusal_log_per_min)
         self._ctx = zmq.Context()
         self._gate: Gate | None = None
+        self._gate_dropped = 0  # the gate's count of undelivered replies, as last added to ours
         try:
             if security.gate:
                 if security.gate_memory_mb < 2 * cfg.max_group_mb:
@@ -176,10 +177,16 @@ class ReplayService:
         return sock
 
     def _watch_gate(self) -> None:
-        """Start another gate if this one died (a peer exhausted its memory)."""
-        if self._gate is not None and (code := self._gate.revive()) is not None:
+        """Start another gate if this one died (a peer exhausted its memory); count the replies it
+        could not deliver with those this process could not send."""
+        if self._gate is None:
+            return
+        if (code := self._gate.revive()) is not None:
             self.core.metrics.count("gate_restarts")
             self._refusals.refused(f"the gate process ended (status {code}); another was started")
+        if (dropped := self._gate.replies_dropped) > self._gate_dropped:
+            self.core.metrics.count("replies_dropped", dropped - self._gate_dropped)
+            self._gate_dropped = dropped
 
     # ----------------------------------------------------------------------------- running
 

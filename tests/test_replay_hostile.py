@@ -246,6 +246,24 @@ def test_parked_ticket_requests_are_bounded_per_connection(service):
     sender.close()
 
 
+def test_an_answer_to_a_peer_that_left_is_counted_as_dropped(service):
+    """A parked ticket request is answered when its wait ends; by then its peer has gone. With a gate
+    the answer is lost there, and the gate's count reaches the replay's stats as the ROUTER's does."""
+    sender = RolloutSender(service.ingest_endpoint, 1)
+    assert sender.tickets(8, wait_s=0.0) == 8  # no capacity left: a request that waits gets parked
+    sock = dealer(service.ingest_endpoint)
+    sock.send_multipart(encode(TicketRequest(7, want=1, wait_s=1.0)))
+    deadline = time.monotonic() + 5
+    while stats_within(service, 2).tickets.parked != 1:
+        assert time.monotonic() < deadline, "the request was not parked"
+    sock.close()  # gone before its answer
+    deadline = time.monotonic() + 10
+    while (dropped := stats_within(service, 2).replies_dropped) != 1:
+        assert dropped == 0 and time.monotonic() < deadline, f"{dropped} replies counted as dropped"
+        time.sleep(0.1)
+    sender.close()
+
+
 # ------------------------------------------------------------------------------- slow peers
 
 
