@@ -66,6 +66,7 @@ def test_replay_metrics_parse_and_move_with_work(replay, tmp_path):
     assert after.value("dph_replay_served_staleness_count") == 4
     assert after.value("dph_replay_ingest_groups_per_second") > 0
     assert after.value("dph_replay_gate_restarts_total") == 0  # served through its gate, never restarted
+    assert "gate" not in row(after)[-1] and "ingest" in row(after)[-1]
     assert after.value("process_resident_memory_bytes") > 10e6 and after.value("process_open_fds") > 3
     assert after.value("process_threads") >= 3 and after.health["groups"] == 6
     client.close()
@@ -111,6 +112,7 @@ def test_learner_metrics_move_with_steps(tmp_path):
         assert r.value("dph_learner_checkpoints") == 1 and r.value("dph_learner_checkpoint_bytes") == 1000
         assert r.by_label("dph_weights_refused_total", "kind") == {"size": 2, "type": 1}
         assert r.value("dph_weights_gate_restarts_total") == 3
+        assert "[red]gate restarted 3x" in row(r)[-1]  # `dph-async status` flags a flooded port
         assert r.health["version"] == 2
     finally:
         endpoint.close()

@@ -9,7 +9,8 @@ HELP = "health and key metrics of a run's processes (replay, learner, actors, sc
 DESCRIPTION = """\
 Read GET /health and /metrics of every long-running process and print one table: up or down, pid,
 RSS, open files, threads, policy version, throughput (learner tokens/s, actor tokens/s, replay
-ingest), replay occupancy and drops, admission tickets, checkpoints kept.
+ingest), replay occupancy and drops, admission tickets, checkpoints kept, and the restarts of a
+service's gate process (a peer flooding its port) when there were any.
 
 Processes announce their endpoints in <run>/rl/<mode>/endpoints/*.json (serve replay: in
 <output_dir>/endpoints/); give a run directory to read them all, or URLs. Examples:
@@ -52,6 +53,10 @@ def row(r) -> list[str]:
         notes.append(f"ingest {ingest:.1f} groups/s, holds {r.value('dph_replay_occupancy', 0, what='groups'):.0f}, "
                      f"tickets {r.value('dph_replay_tickets_granted_total', 0):.0f} granted "
                      f"{r.value('dph_replay_tickets_parked', 0):.0f} parked, drops {drops or 0}")
+    # A gate started again means a peer flooded the port (docs/operating.md, "Gate processes").
+    restarts = r.value("dph_replay_gate_restarts_total", 0) + r.value("dph_weights_gate_restarts_total", 0)
+    if restarts:
+        notes.append(f"[red]gate restarted {restarts:.0f}x")
     if (items := r.value("dph_scorer_items_total")) is not None:
         notes.append(f"{items:.0f} scored, {r.value('dph_scorer_in_flight', 0):.0f} in flight")
     return [r.endpoint.name, "[green]up", str(r.health.get("pid", r.endpoint.pid or "")),
