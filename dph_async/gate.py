@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import mmap
 import os
 import resource
@@ -46,8 +47,13 @@ from dph_async.net import NetSecurity, bind, check_bind, stop_authenticator
 from dph_async.protocol import Limits
 from dph_async.receive import guard
 
+log = logging.getLogger(__name__)
+
 # Messages the gate holds for the service before it stops reading peers (backpressure).
 INNER_HWM = 4
+# Messages the gate reads ahead from each peer. 2, not 1: at 1, libzmq 4.3.5 never delivered the
+# first message of a CURVE connection.
+READ_AHEAD = 2
 # Messages moved each way per wake-up.
 BURST = 64
 START_TIMEOUT_S = 60.0
@@ -60,6 +66,10 @@ CHECK_S = 0.2
 # the gate was told), and to send them on.
 REPLY_DRAIN_MS = 50
 REPLY_LINGER_MS = 500
+# The gate's exit status when its link to the service broke: libzmq closes a link whose message it
+# could not allocate (a reply larger than the memory left), and a gate that cannot reach its service
+# must end so that the service starts another.
+LINK_LOST = 3
 
 
 class GateError(OSError):
@@ -88,7 +98,6 @@ class GateSpec:
 
     routes: list[Route]
     peer_timeout_s: float
-    queue_per_peer: int
     memory_mb: float
     reply_queue: int = 1000  # libzmq's default SNDHWM
     curve_keys: str | None = None
@@ -124,14 +133,18 @@ class Gate:
         self.endpoints: list[str] = []
         self._proc: subprocess.Popen | None = None
         self._checked = 0.0
+        self._ended: int | None = None  # how the last gate ended while none runs (a start failed)
+        self._closed = False
+        self._lock = threading.Lock()  # revive (the service's thread) against close (any thread)
         self._dropped = Counter(spec.dropped_path) if spec.dropped_path else None
 
     @classmethod
     def open(cls, ctx: zmq.Context, endpoints: list[tuple[str, Limits]], security: NetSecurity, peer_timeout_s: float,
-             queue_per_peer: int, reply_queue: int = 1000) -> tuple[Gate, list[zmq.Socket]]:  # fmt: skip
+             reply_queue: int = 1000) -> tuple[Gate, list[zmq.Socket]]:  # fmt: skip
         """The service's side of a gate: for each (public address, limits) a DEALER socket bound in a
         new directory only this user can enter, and the gate bound to the public addresses in front
-        of them. queue_per_peer and reply_queue: messages held per peer each way. Returns the gate (see
+        of them. The gate reads READ_AHEAD messages ahead per peer and the service's socket holds INNER_HWM
+        from the gate; reply_queue: replies the gate holds per peer. Returns the gate (see
         `endpoints`) and the sockets, in the order given."""
         for addr, _ in endpoints:
             check_bind(addr, security)  # here, so a refusal is the same error as without a gate
@@ -139,7 +152,7 @@ class Gate:
         dropped = directory / "dropped"
         dropped.write_bytes(bytes(8))
         keys = str(Path(security.curve_keys).resolve()) if security.curve_keys is not None else None
-        gate = cls(GateSpec([], peer_timeout_s, queue_per_peer, security.gate_memory_mb, reply_queue, keys,
+        gate = cls(GateSpec([], peer_timeout_s, security.gate_memory_mb, reply_queue, keys,
                             security.insecure, dropped_path=str(dropped)), directory)  # fmt: skip
         socks: list[zmq.Socket] = []
         try:
@@ -147,7 +160,7 @@ class Gate:
                 sock = ctx.socket(zmq.DEALER)  # its one peer is the gate; messages carry the routing id
                 socks.append(sock)
                 sock.setsockopt(zmq.LINGER, 1000)
-                guard(sock, limits, peer_timeout_s, queue_per_peer)
+                guard(sock, limits, peer_timeout_s, INNER_HWM)
                 inner = f"ipc://{directory / str(i)}"
                 sock.bind(inner)
                 gate.spec.routes.append(Route.of(addr, inner, limits))
@@ -182,19 +195,29 @@ class Gate:
         return self.endpoints
 
     def revive(self) -> int | None:
-        """If the gate has ended (a peer exhausted its memory), start another on the same endpoints and
-        return how the last one ended (exit status; minus the signal number if killed). Looks at most
-        every CHECK_S; None when nothing was done."""
+        """If the gate has ended (a peer exhausted its memory, or its link to the service broke), start
+        another on the same endpoints and return how the last one ended (exit status; minus the signal
+        number if killed). A start that fails (the port taken meanwhile) is logged and tried again at
+        the next look. Looks at most every CHECK_S; None when nothing was started."""
         now = time.monotonic()
-        if self._proc is None or now - self._checked < CHECK_S:
+        if now - self._checked < CHECK_S:
             return None
         self._checked = now
-        code = self._proc.poll()
-        if code is None:
-            return None
-        self.stop()
-        self.start()
-        return code
+        with self._lock:
+            if self._closed:
+                return None
+            if self._proc is not None:
+                if (code := self._proc.poll()) is None:
+                    return None
+                self._stop()
+                self._ended = code
+            try:
+                self.start()
+            except GateError as e:
+                log.error("%s; trying again", e)
+                return None
+            code, self._ended = self._ended, None
+            return code
 
     @property
     def pid(self) -> int | None:
@@ -208,6 +231,10 @@ class Gate:
     def stop(self) -> None:
         """End the gate once it has passed on the replies it holds (the service's answer to a
         shutdown command among them); kill it if it takes longer than STOP_TIMEOUT_S."""
+        with self._lock:
+            self._stop()
+
+    def _stop(self) -> None:
         proc, self._proc = self._proc, None
         if proc is None:
             return
@@ -221,8 +248,10 @@ class Gate:
 
     def close(self) -> None:
         """Stop the gate and remove its directory (call after closing the service's sockets, so their
-        last replies reach it first)."""
-        self.stop()
+        last replies reach it first). No gate is started after this."""
+        with self._lock:
+            self._closed = True
+            self._stop()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -287,8 +316,10 @@ def _open(ctx: zmq.Context, spec: GateSpec, pairs: list[tuple[zmq.Socket, zmq.So
         front.setsockopt(zmq.ROUTER_MANDATORY, 1)
         front.setsockopt(zmq.LINGER, 0)
         front.setsockopt(zmq.SNDHWM, spec.reply_queue)  # replies a peer does not read are dropped past it
-        guard(front, Limits(route.max_bytes, route.max_header_bytes, route.max_frames),
-              spec.peer_timeout_s, spec.queue_per_peer)  # fmt: skip
+        # READ_AHEAD messages per peer, not the service's queue_per_peer: while the service is slow
+        # the rest waits in the peer's TCP stream, not in the gate's memory.
+        guard(front, Limits(route.max_bytes, route.max_header_bytes, route.max_frames), spec.peer_timeout_s,
+              READ_AHEAD)  # fmt: skip
         try:
             endpoints.append(bind(front, route.public, security))
         except zmq.ZMQError as e:
@@ -299,10 +330,15 @@ def _open(ctx: zmq.Context, spec: GateSpec, pairs: list[tuple[zmq.Socket, zmq.So
     return endpoints
 
 
-def serve(spec: GateSpec) -> None:
+def serve(spec: GateSpec) -> int:
     """The gate process: bind, say where (one JSON line on stdout: the endpoints, or {"error": ...}),
-    then move messages until the service that started it is gone."""
+    then move messages until the service that started it is gone or its link to it breaks (returns
+    LINK_LOST, else 0)."""
+    # Ctrl-C reaches the service's whole process group; the service decides when its gate stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     curve = spec.curve_keys is not None
+    lost = False
+    monitors: list[zmq.Socket] = []
     dropped = Counter(spec.dropped_path)
     ctx = zmq.Context()
     pairs: list[tuple[zmq.Socket, zmq.Socket, Route]] = []
@@ -312,18 +348,22 @@ def serve(spec: GateSpec) -> None:
             endpoints = _open(ctx, spec, pairs)
         except (OSError, ValueError) as e:
             print(json.dumps({"error": str(e)}), flush=True)
-            return
+            return 0
+        monitors += [back.get_monitor_socket(zmq.EVENT_DISCONNECTED) for _, back, _ in pairs]
+        for monitor in monitors:
+            poller.register(monitor, zmq.POLLIN)
         _limit_memory(spec.memory_mb)
         stopping = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stopping.set())
         print(json.dumps(endpoints), flush=True)
-        while os.getppid() == spec.parent_pid and not stopping.is_set():
+        while os.getppid() == spec.parent_pid and not stopping.is_set() and not lost:
             # Peers are read only while the service takes what they send: a slow service slows them.
             for front, back, _ in pairs:
                 writable = bool(back.get(zmq.EVENTS) & zmq.POLLOUT)
                 poller.register(front, zmq.POLLIN if writable else 0)
                 poller.register(back, zmq.POLLIN if writable else zmq.POLLIN | zmq.POLLOUT)
-            if poller.poll(PARENT_CHECK_MS):
+            if events := dict(poller.poll(PARENT_CHECK_MS)):
+                lost = any(monitor in events for monitor in monitors)
                 for front, back, route in pairs:
                     _pump(front, back, route, curve, dropped)
         # Told to stop: the service's last replies are passed on, and given time to leave.
@@ -332,6 +372,8 @@ def serve(spec: GateSpec) -> None:
                 _reply(back, front, dropped)
             front.setsockopt(zmq.LINGER, REPLY_LINGER_MS)
     finally:
+        for monitor in monitors:
+            monitor.close(0)
         for front, back, _ in pairs:
             front.close()
             back.close()
@@ -340,12 +382,13 @@ def serve(spec: GateSpec) -> None:
     if os.getppid() != spec.parent_pid:  # the service died without closing: its directory goes too
         for route in spec.routes:
             shutil.rmtree(Path(route.inner.removeprefix("ipc://")).parent, ignore_errors=True)
+    return LINK_LOST if lost else 0
 
 
 def main() -> None:
     raw = json.loads(sys.argv[1])
     raw["routes"] = [Route(**r) for r in raw["routes"]]
-    serve(GateSpec(**raw))
+    sys.exit(serve(GateSpec(**raw)))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ REQUEST_LIMITS = protocol.Limits(max_bytes=4096, max_header_bytes=4096, max_fram
                                  accept=frozenset({WeightsQuery, WeightsRequest}))
 PEER_TIMEOUT_S = 30.0
 QUEUE_PER_PEER = 64  # requests held per connection; an honest actor has one out at a time
+# Replies (buckets of up to learner.weight_bucket_mb) the gate holds for a peer that does not read:
+# they are copies in the gate's memory, where without a gate they were views of a held version.
+REPLIES_PER_PEER = 2
 REFUSALS_LOGGED_PER_MIN = 10
 TRANSPORTS = ("auto", "tcp", "shm")
 
@@ -92,9 +95,12 @@ class WeightServer:
         self._ctx = zmq.Context.instance()
         self._gate: Gate | None = None
         self.gate_restarts = 0
+        if security.gate and security.gate_memory_mb < 2 * bucket_bytes / 2**20:
+            raise ValueError(f"net.gate_memory_mb ({security.gate_memory_mb:g}) must be at least twice "
+                             f"learner.weight_bucket_mb ({bucket_bytes / 2**20:g}): buckets pass through the gate")
         if security.gate:  # peers are read by a gate process (dph_async/gate.py)
             self._gate, (self._sock,) = Gate.open(self._ctx, [(addr, REQUEST_LIMITS)], security, PEER_TIMEOUT_S,
-                                                  QUEUE_PER_PEER, reply_queue=QUEUE_PER_PEER)  # fmt: skip
+                                                  reply_queue=REPLIES_PER_PEER)  # fmt: skip
             self.address = self._gate.endpoints[0]
         else:
             self._sock = self._ctx.socket(zmq.ROUTER)

@@ -77,10 +77,13 @@ def test_garbage_gets_one_error_each_and_the_log_is_rate_limited(server, caplog)
     junk = [[b"\xc1"], [b"\x92\x01"], [msgpack.packb({"v": 3, "t": "Nope", "n": 0, "m": {}})]]
     replies = []
     with caplog.at_level(logging.WARNING, logger="learner.publish"):
-        for burst in range(5):  # 20 at a time: past 64 unread replies the server drops the rest, by design
-            for i in range(20):
-                sock.send_multipart(junk[(20 * burst + i) % len(junk)])
-            replies += [decode(sock.recv_multipart()) for _ in range(20)]
+        # A few at a time: past REPLIES_PER_PEER unread replies the server's gate drops the rest, by
+        # design (an honest actor has one request out).
+        k = publish.REPLIES_PER_PEER
+        for burst in range(100 // k):
+            for i in range(k):
+                sock.send_multipart(junk[(k * burst + i) % len(junk)])
+            replies += [decode(sock.recv_multipart()) for _ in range(k)]
     assert all(isinstance(r, ErrorReply) and r.kind for r in replies)
     assert sum(server.refused.values()) == 100
     logged = [r for r in caplog.records if "weight server: refused a message" in r.getMessage()]
@@ -132,3 +135,8 @@ def test_a_request_of_many_frames_grows_the_gate_not_the_learner(gate):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_gate_too_small_for_a_bucket_is_refused_at_start():
+    with pytest.raises(ValueError, match=r"net\.gate_memory_mb \(16\) must be at least twice learner\.weight_bucket"):
+        WeightServer("tcp://127.0.0.1:0", NetSecurity(gate_memory_mb=16), bucket_bytes=32 << 20, transport="tcp")

@@ -258,8 +258,11 @@ class NetConfig(Section):
     # if a peer exhausts its memory. Off, the service's own process holds that (each message then
     # costs about 0.17 ms of CPU less; docs/benchmarks.md).
     gate: bool = True
-    # What a gate may allocate beyond its size at start; at least twice replay.max_group_mb, so an
-    # honest message of the largest size always fits.
+    # What a gate may allocate beyond its size at start; at least twice replay.max_group_mb (checked
+    # here) and learner.weight_bucket_mb (by the weight server), so an honest message or reply of the
+    # largest size always fits. It
+    # holds up to two messages from each connection while the service is busy: size it for
+    # 2 x actors x the largest group (1 GiB: 340 actors sending groups of 1.5 MB at once).
     gate_memory_mb: float = Field(1024.0, gt=0)
 
 

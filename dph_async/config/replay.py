@@ -46,7 +46,8 @@ class ReplayConfig(Section):
     # even a heartbeat) for this long, is closed: slow and stalled peers hold nothing for ever.
     peer_timeout_s: float = Field(30.0, gt=0)
     # Messages libzmq queues per connection before it stops reading from that peer (backpressure,
-    # not drops): what one peer can make the replay hold is at most this many messages.
+    # not drops): what one peer can make the replay hold is at most this many messages. Behind the
+    # gate (net.gate) the gate reads two messages ahead per connection instead, and this is unused.
     queue_per_peer: int = Field(64, ge=1)
     # Messages taken off the ingest socket per log commit (group commit: one flush, then the acks).
     ingest_batch: int = Field(256, ge=1)

@@ -1,0 +1,123 @@
+"""The gate process on its own (dph_async/gate.py): what happens when its memory, its link to the
+service or its port give out, and when Ctrl-C reaches the service's process group. The services
+behind it are tested in test_replay_hostile.py and test_weights_hostile.py."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+
+import pytest
+import zmq
+
+from dph_async import gate as gate_module
+from dph_async.gate import LINK_LOST, Gate
+from dph_async.net import NetSecurity
+from dph_async.protocol import Limits
+
+LIMITS = Limits(max_bytes=4096, max_header_bytes=4096, max_frames=0)
+MiB = 1 << 20
+
+
+@pytest.fixture
+def ctx():
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def open_gate(ctx: zmq.Context, memory_mb: float = 1024.0, reply_queue: int = 2) -> tuple[Gate, zmq.Socket]:
+    gate, (service,) = Gate.open(ctx, [("tcp://127.0.0.1:0", LIMITS)], NetSecurity(gate_memory_mb=memory_mb), 30.0,
+                                 reply_queue=reply_queue)  # fmt: skip
+    service.setsockopt(zmq.LINGER, 0)
+    return gate, service
+
+
+def peer(ctx: zmq.Context, gate: Gate) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(gate.endpoints[0])
+    return sock
+
+
+def round_trip(gate: Gate, service: zmq.Socket, client: zmq.Socket, body: bytes) -> bytes:
+    client.send_multipart([body])
+    assert service.poll(5000), "the request did not reach the service"
+    routing_id, key, got = service.recv_multipart()
+    assert key == b"" and got == body
+    service.send_multipart([routing_id, b"re:" + body])
+    return client.recv_multipart()[0]
+
+
+def revived_within(gate: Gate, seconds: float) -> int | None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if (code := gate.revive()) is not None:
+            return code
+        time.sleep(0.05)
+    return None
+
+
+def test_replies_a_peer_never_reads_end_the_gate_and_another_serves(ctx):
+    """Replies larger than the gate's memory left, to a peer that does not read: libzmq cannot
+    allocate one and closes the gate's link to the service. The gate must end (it can no longer
+    serve anyone), and the service starts another on the same port."""
+    gate, service = open_gate(ctx, memory_mb=32)
+    try:
+        first = gate.pid
+        hostile = peer(ctx, gate)
+        hostile.setsockopt(zmq.RCVHWM, 1)
+        hostile.setsockopt(zmq.RCVBUF, 4096)
+        for i in range(12):
+            hostile.send_multipart([b"req%d" % i])
+        for _ in range(12):
+            assert service.poll(5000)
+            routing_id = service.recv_multipart()[0]
+            with contextlib.suppress(zmq.Again):  # the link is gone already
+                service.send_multipart([routing_id, b"x" * (8 * MiB)], flags=zmq.NOBLOCK)
+        assert revived_within(gate, 10) == LINK_LOST, "the gate stayed up without its link to the service"
+        assert gate.pid != first
+        client = peer(ctx, gate)
+        assert round_trip(gate, service, client, b"honest") == b"re:honest"
+    finally:
+        gate.close()
+
+
+def test_ctrl_c_to_the_process_group_leaves_the_gate_to_its_service(ctx):
+    gate, service = open_gate(ctx)
+    try:
+        client = peer(ctx, gate)
+        assert round_trip(gate, service, client, b"one") == b"re:one"
+        os.kill(gate.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends every process of the group
+        time.sleep(0.5)
+        assert gate.revive() is None and gate._proc.poll() is None, "SIGINT ended the gate"
+        assert round_trip(gate, service, client, b"two") == b"re:two"
+    finally:
+        gate.close()
+
+
+def test_a_gate_that_cannot_bind_again_is_retried_until_it_can(ctx, monkeypatch, caplog):
+    monkeypatch.setattr(gate_module, "CHECK_S", 0.0)
+    gate, service = open_gate(ctx)
+    port = int(gate.endpoints[0].rsplit(":", 1)[1])
+    try:
+        os.kill(gate.pid, signal.SIGKILL)
+        gate._proc.wait()
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        with caplog.at_level("ERROR", logger="dph_async.gate"):
+            assert gate.revive() is None  # the port is taken: logged, the service goes on
+        assert "could not start" in caplog.text and "trying again" in caplog.text
+        squatter.close()
+        assert revived_within(gate, 10) == -signal.SIGKILL  # how the lost one ended
+        client = peer(ctx, gate)
+        assert round_trip(gate, service, client, b"back") == b"re:back"
+    finally:
+        gate.close()
+    assert gate.revive() is None and gate.pid is None  # closed: never started again
