@@ -140,12 +140,12 @@ class Gate:
 
     @classmethod
     def open(cls, ctx: zmq.Context, endpoints: list[tuple[str, Limits]], security: NetSecurity, peer_timeout_s: float,
-             reply_queue: int = 1000) -> tuple[Gate, list[zmq.Socket]]:  # fmt: skip
+             queue: int, reply_queue: int = 1000) -> tuple[Gate, list[zmq.Socket]]:  # fmt: skip
         """The service's side of a gate: for each (public address, limits) a DEALER socket bound in a
         new directory only this user can enter, and the gate bound to the public addresses in front
-        of them. The gate reads READ_AHEAD messages ahead per peer and the service's socket holds INNER_HWM
-        from the gate; reply_queue: replies the gate holds per peer. Returns the gate (see
-        `endpoints`) and the sockets, in the order given."""
+        of them. The gate reads READ_AHEAD messages ahead per peer; queue: messages the service's socket
+        holds from the gate (all peers together); reply_queue: replies the gate holds per peer.
+        Returns the gate (see `endpoints`) and the sockets, in the order given."""
         for addr, _ in endpoints:
             check_bind(addr, security)  # here, so a refusal is the same error as without a gate
         directory = Path(tempfile.mkdtemp(prefix="dph-gate-"))
@@ -160,7 +160,7 @@ class Gate:
                 sock = ctx.socket(zmq.DEALER)  # its one peer is the gate; messages carry the routing id
                 socks.append(sock)
                 sock.setsockopt(zmq.LINGER, 1000)
-                guard(sock, limits, peer_timeout_s, INNER_HWM)
+                guard(sock, limits, peer_timeout_s, queue)
                 inner = f"ipc://{directory / str(i)}"
                 sock.bind(inner)
                 gate.spec.routes.append(Route.of(addr, inner, limits))

@@ -100,7 +100,7 @@ class WeightServer:
                              f"learner.weight_bucket_mb ({bucket_bytes / 2**20:g}): buckets pass through the gate")
         if security.gate:  # peers are read by a gate process (dph_async/gate.py)
             self._gate, (self._sock,) = Gate.open(self._ctx, [(addr, REQUEST_LIMITS)], security, PEER_TIMEOUT_S,
-                                                  reply_queue=REPLIES_PER_PEER)  # fmt: skip
+                                                  QUEUE_PER_PEER, reply_queue=REPLIES_PER_PEER)  # fmt: skip
             self.address = self._gate.endpoints[0]
         else:
             self._sock = self._ctx.socket(zmq.ROUTER)

@@ -151,7 +151,7 @@ class ReplayService:
                                      f"at least twice replay.max_group_mb ({cfg.max_group_mb:g})")
                 self._gate, (self._ingest, self._batch) = Gate.open(
                     self._ctx, [(ingest_addr, self._ingest_limits), (batch_addr, BATCH_LIMITS)], security,
-                    cfg.peer_timeout_s)  # fmt: skip
+                    cfg.peer_timeout_s, cfg.queue_per_peer)  # fmt: skip
                 self.ingest_endpoint, self.batch_endpoint = self._gate.endpoints
             else:
                 self._ingest = self._router(self._ingest_limits)

@@ -31,7 +31,7 @@ def ctx():
 
 def open_gate(ctx: zmq.Context, memory_mb: float = 1024.0, reply_queue: int = 2) -> tuple[Gate, zmq.Socket]:
     gate, (service,) = Gate.open(ctx, [("tcp://127.0.0.1:0", LIMITS)], NetSecurity(gate_memory_mb=memory_mb), 30.0,
-                                 reply_queue=reply_queue)  # fmt: skip
+                                 queue=64, reply_queue=reply_queue)  # fmt: skip
     service.setsockopt(zmq.LINGER, 0)
     return gate, service
 

@@ -47,7 +47,8 @@ class ReplayConfig(Section):
     peer_timeout_s: float = Field(30.0, gt=0)
     # Messages libzmq queues per connection before it stops reading from that peer (backpressure,
     # not drops): what one peer can make the replay hold is at most this many messages. Behind the
-    # gate (net.gate) the gate reads two messages ahead per connection instead, and this is unused.
+    # gate (net.gate) the gate reads two messages ahead per connection, and this bounds what the
+    # replay holds from its gate, all connections together (more lets a log commit take more).
     queue_per_peer: int = Field(64, ge=1)
     # Messages taken off the ingest socket per log commit (group commit: one flush, then the acks).
     ingest_batch: int = Field(256, ge=1)
