@@ -62,6 +62,8 @@ STOP_TIMEOUT_S = 3.0
 # service whether its gate is.
 PARENT_CHECK_MS = 200
 CHECK_S = 0.2
+# After a restart that failed (the port taken meanwhile): the next try, not a process a look.
+RETRY_S = 5.0
 # Once told to stop: how long to wait for more of the service's last replies (they were sent before
 # the gate was told), and to send them on.
 REPLY_DRAIN_MS = 50
@@ -197,8 +199,8 @@ class Gate:
     def revive(self) -> int | None:
         """If the gate has ended (a peer exhausted its memory, or its link to the service broke), start
         another on the same endpoints and return how the last one ended (exit status; minus the signal
-        number if killed). A start that fails (the port taken meanwhile) is logged and tried again at
-        the next look. Looks at most every CHECK_S; None when nothing was started."""
+        number if killed). A start that fails (the port taken meanwhile) is logged and tried again
+        RETRY_S later. Looks at most every CHECK_S; None when nothing was started."""
         now = time.monotonic()
         if now - self._checked < CHECK_S:
             return None
@@ -214,7 +216,8 @@ class Gate:
             try:
                 self.start()
             except GateError as e:
-                log.error("%s; trying again", e)
+                log.error("%s; trying again in %g s", e, RETRY_S)
+                self._checked = time.monotonic() + RETRY_S - CHECK_S
                 return None
             code, self._ended = self._ended, None
             return code

@@ -102,6 +102,7 @@ def test_ctrl_c_to_the_process_group_leaves_the_gate_to_its_service(ctx):
 
 def test_a_gate_that_cannot_bind_again_is_retried_until_it_can(ctx, monkeypatch, caplog):
     monkeypatch.setattr(gate_module, "CHECK_S", 0.0)
+    monkeypatch.setattr(gate_module, "RETRY_S", 1.0)
     gate, service = open_gate(ctx)
     port = int(gate.endpoints[0].rsplit(":", 1)[1])
     try:
@@ -113,7 +114,8 @@ def test_a_gate_that_cannot_bind_again_is_retried_until_it_can(ctx, monkeypatch,
         squatter.listen()
         with caplog.at_level("ERROR", logger="dph_async.gate"):
             assert gate.revive() is None  # the port is taken: logged, the service goes on
-        assert "could not start" in caplog.text and "trying again" in caplog.text
+            assert gate.revive() is None and len(caplog.records) == 1  # not tried again at once
+        assert "could not start" in caplog.text and "trying again in 1 s" in caplog.text
         squatter.close()
         assert revived_within(gate, 10) == -signal.SIGKILL  # how the lost one ended
         client = peer(ctx, gate)
