@@ -59,6 +59,11 @@ class NetSecurity:
         """From the run config's `net` section."""
         return cls(net.curve_keys, net.insecure, net.gate, net.gate_memory_mb)
 
+    def require_gate_room(self, mb: float, key: str) -> None:
+        """Raise ValueError if a gate is on and cannot hold two messages of `mb` MB (`key`: the setting)."""
+        if self.gate and self.gate_memory_mb < 2 * mb:
+            raise ValueError(f"net.gate_memory_mb ({self.gate_memory_mb:g}) must be at least twice {key} ({mb:g})")
+
 
 def is_local_endpoint(addr: str) -> bool:
     """True for ipc://, inproc:// and tcp:// on a loopback address; False for anything else."""

@@ -95,9 +95,7 @@ class WeightServer:
         self._ctx = zmq.Context.instance()
         self._gate: Gate | None = None
         self.gate_restarts = 0
-        if security.gate and security.gate_memory_mb < 2 * bucket_bytes / 2**20:
-            raise ValueError(f"net.gate_memory_mb ({security.gate_memory_mb:g}) must be at least twice "
-                             f"learner.weight_bucket_mb ({bucket_bytes / 2**20:g}): buckets pass through the gate")
+        security.require_gate_room(bucket_bytes / 2**20, "learner.weight_bucket_mb")  # buckets pass through it
         if security.gate:  # peers are read by a gate process (dph_async/gate.py)
             self._gate, (self._sock,) = Gate.open(self._ctx, [(addr, REQUEST_LIMITS)], security, PEER_TIMEOUT_S,
                                                   QUEUE_PER_PEER, reply_queue=REPLIES_PER_PEER)  # fmt: skip

@@ -146,9 +146,7 @@ class ReplayService:
         self._gate_dropped = 0  # the gate's count of undelivered replies, as last added to ours
         try:
             if security.gate:
-                if security.gate_memory_mb < 2 * cfg.max_group_mb:
-                    raise ValueError(f"the gate's memory ({security.gate_memory_mb:g} MB, net.gate_memory_mb) must be "
-                                     f"at least twice replay.max_group_mb ({cfg.max_group_mb:g})")
+                security.require_gate_room(cfg.max_group_mb, "replay.max_group_mb")
                 self._gate, (self._ingest, self._batch) = Gate.open(
                     self._ctx, [(ingest_addr, self._ingest_limits), (batch_addr, BATCH_LIMITS)], security,
                     cfg.peer_timeout_s, cfg.queue_per_peer)  # fmt: skip
