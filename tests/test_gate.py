@@ -78,7 +78,7 @@ def test_replies_a_peer_never_reads_end_the_gate_and_another_serves(ctx):
             assert service.poll(5000)
             routing_id = service.recv_multipart()[0]
             with contextlib.suppress(zmq.Again):  # the link is gone already
-                service.send_multipart([routing_id, b"x" * (8 * MiB)], flags=zmq.NOBLOCK)
+                service.send_multipart([routing_id, b"x" * (16 * MiB)], flags=zmq.NOBLOCK)
         assert revived_within(gate, 10) == LINK_LOST, "the gate stayed up without its link to the service"
         assert gate.pid != first
         client = peer(ctx, gate)
