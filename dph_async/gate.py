@@ -20,11 +20,16 @@ resend what was not acknowledged. Wire between the two, per endpoint:
 
 A reply the gate cannot deliver (its peer gone or not reading) is dropped and counted in a mapped
 file beside the sockets (`Gate.replies_dropped`), which outlives a gate that is started again.
+
+The directory holds a file the service keeps locked (flock) while it lives. A service and gate
+killed together remove nothing; the next gate opened by this user removes every such directory
+whose lock nobody holds (`sweep`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import mmap
@@ -33,6 +38,7 @@ import resource
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -72,6 +78,8 @@ REPLY_LINGER_MS = 500
 # could not allocate (a reply larger than the memory left), and a gate that cannot reach its service
 # must end so that the service starts another.
 LINK_LOST = 3
+PREFIX = "dph-gate-"
+LOCK = "lock"  # held by the service while it lives (its kernel lock ends with the process, however it ends)
 
 
 class GateError(OSError):
@@ -139,6 +147,7 @@ class Gate:
         self._closed = False
         self._lock = threading.Lock()  # revive (the service's thread) against close (any thread)
         self._dropped = Counter(spec.dropped_path) if spec.dropped_path else None
+        self._lock_fd: int | None = None
 
     @classmethod
     def open(cls, ctx: zmq.Context, endpoints: list[tuple[str, Limits]], security: NetSecurity, peer_timeout_s: float,
@@ -150,12 +159,14 @@ class Gate:
         Returns the gate (see `endpoints`) and the sockets, in the order given."""
         for addr, _ in endpoints:
             check_bind(addr, security)  # here, so a refusal is the same error as without a gate
-        directory = Path(tempfile.mkdtemp(prefix="dph-gate-"))
+        sweep()
+        directory = Path(tempfile.mkdtemp(prefix=PREFIX))
         dropped = directory / "dropped"
         dropped.write_bytes(bytes(8))
         keys = str(Path(security.curve_keys).resolve()) if security.curve_keys is not None else None
         gate = cls(GateSpec([], peer_timeout_s, security.gate_memory_mb, reply_queue, keys,
                             security.insecure, dropped_path=str(dropped)), directory)  # fmt: skip
+        gate._lock_fd = _hold_lock(directory)
         socks: list[zmq.Socket] = []
         try:
             for i, (addr, limits) in enumerate(endpoints):
@@ -256,6 +267,44 @@ class Gate:
             self._closed = True
             self._stop()
         shutil.rmtree(self.directory, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _hold_lock(directory: Path) -> int:
+    """Lock a new file and only then give it the name `sweep` looks for, so that a sweep running
+    meanwhile never finds this directory's lock free."""
+    fd = os.open(directory / f"{LOCK}.new", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(directory / f"{LOCK}.new", directory / LOCK)
+    return fd
+
+
+def sweep(parent: str | None = None) -> list[Path]:
+    """Remove the gate directories of this user under `parent` (the temporary directory) whose service
+    has died: their lock is free. Directories of other users, without a lock file (being made), or
+    whose lock is held are left alone. Returns those removed."""
+    removed = []
+    uid = os.getuid()
+    for directory in Path(parent or tempfile.gettempdir()).glob(f"{PREFIX}*"):
+        try:
+            st = directory.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+                continue
+            fd = os.open(directory / LOCK, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its service lives
+        else:
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+        finally:
+            os.close(fd)
+    return removed
 
 
 # ------------------------------------------------------------------------------ the gate process

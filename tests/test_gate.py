@@ -8,6 +8,9 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 
 import pytest
@@ -123,3 +126,38 @@ def test_a_gate_that_cannot_bind_again_is_retried_until_it_can(ctx, monkeypatch,
     finally:
         gate.close()
     assert gate.revive() is None and gate.pid is None  # closed: never started again
+
+
+SERVICE = """
+import sys, time, zmq
+from dph_async.gate import Gate
+from dph_async.net import NetSecurity
+from dph_async.protocol import Limits
+gate, _ = Gate.open(zmq.Context(), [("tcp://127.0.0.1:0", Limits(4096, 4096, 0))], NetSecurity(), 30.0, queue=4)
+print(gate.directory, gate.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_directory_of_a_service_killed_with_its_gate_is_swept_by_the_next(ctx, tmp_path, monkeypatch):
+    """A service and its gate killed together (a process group ended) leave the gate's directory;
+    the next gate this user opens removes it, and never the directory of a service still alive."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", SERVICE], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})  # fmt: skip
+    try:
+        dead_dir, gate_pid = proc.stdout.readline().split()
+    finally:
+        proc.kill()
+        proc.wait()
+    os.kill(int(gate_pid), signal.SIGKILL)  # before it sees its service gone and cleans up itself
+    assert os.path.isdir(dead_dir)
+    live, _ = open_gate(ctx)  # sweeps first
+    try:
+        assert not os.path.exists(dead_dir), "the dead service's gate directory was left"
+        assert live.directory.parent == tmp_path
+        assert gate_module.sweep(str(tmp_path)) == [] and live.directory.is_dir()  # its service (here) lives
+    finally:
+        live.close()
+    (tmp_path / f"{gate_module.PREFIX}other").mkdir()  # no lock file: one being made, never swept
+    assert gate_module.sweep(str(tmp_path)) == []
