@@ -14,7 +14,6 @@ copy from it directly, and the buckets served over the socket are views of the s
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -95,6 +94,7 @@ class WeightServer:
         self._ctx = zmq.Context.instance()
         self._gate: Gate | None = None
         self.gate_restarts = 0
+        self._dropped = 0  # replies this process could not send (the gate counts its own)
         security.require_gate_room(bucket_bytes / 2**20, "learner.weight_bucket_mb")  # buckets pass through it
         if security.gate:  # peers are read by a gate process (dph_async/gate.py)
             self._gate, (self._sock,) = Gate.open(self._ctx, [(addr, REQUEST_LIMITS)], security, PEER_TIMEOUT_S,
@@ -102,6 +102,7 @@ class WeightServer:
             self.address = self._gate.endpoints[0]
         else:
             self._sock = self._ctx.socket(zmq.ROUTER)
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a peer that is gone is counted
             guard(self._sock, REQUEST_LIMITS, PEER_TIMEOUT_S, QUEUE_PER_PEER)
             self.address = net.bind(self._sock, addr, security)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -208,10 +209,21 @@ class WeightServer:
         for ident in self._subscribers:
             self._send([ident, *frames])
 
+    @property
+    def replies_dropped(self) -> int:
+        """Replies and pushes not delivered: past SNDHWM, or to a peer that is gone (here or in the gate)."""
+        return self._dropped + (self._gate.replies_dropped if self._gate is not None else 0)
+
     def _send(self, frames: list) -> None:
-        # Past SNDHWM (or to a peer that is gone) a reply is dropped, never waited on: the peer asks again.
-        with contextlib.suppress(zmq.Again):
+        # A reply is dropped, never waited on: the peer asks again.
+        try:
             self._sock.send_multipart(frames, copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._dropped += 1
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self._dropped += 1
 
     def _serve(self) -> None:
         poller = zmq.Poller()

@@ -73,6 +73,8 @@ class LearnerCollector(Collector):
         yield refused
         yield CounterMetricFamily("dph_weights_gate_restarts", "Weight-server gate processes started again after "
                                   "one ended", value=self.loop.server.gate_restarts)
+        yield CounterMetricFamily("dph_weights_replies_dropped", "Weight-server replies and pushes not delivered "
+                                  "(the peer gone or not reading)", value=self.loop.server.replies_dropped)
         count, size = checkpoint_usage(self.loop.checkpoint_dir)
         yield GaugeMetricFamily("dph_learner_checkpoints", "Checkpoints on disk", value=count)
         yield GaugeMetricFamily("dph_learner_checkpoint_bytes", "Bytes of checkpoints on disk", value=size)

@@ -76,6 +76,8 @@ class ReplayCollector(Collector):
                                   "Ticket requests claiming more tickets than were granted", value=t.overclaimed)
         yield CounterMetricFamily("dph_replay_gate_restarts", "Gate processes started again after one ended",
                                   value=s.gate_restarts)
+        yield CounterMetricFamily("dph_replay_replies_dropped", "Replies not delivered (the peer gone or not reading)",
+                                  value=s.replies_dropped)
         yield GaugeMetricFamily("dph_replay_wal_bytes_since_base", "Write-ahead log bytes since its last base",
                                 value=s.wal.bytes_since_base)
         yield CounterMetricFamily("dph_replay_wal_damaged_records",

@@ -66,6 +66,7 @@ def test_replay_metrics_parse_and_move_with_work(replay, tmp_path):
     assert after.value("dph_replay_served_staleness_count") == 4
     assert after.value("dph_replay_ingest_groups_per_second") > 0
     assert after.value("dph_replay_gate_restarts_total") == 0  # served through its gate, never restarted
+    assert after.value("dph_replay_replies_dropped_total") == 0
     assert "gate" not in row(after)[-1] and "ingest" in row(after)[-1]
     assert after.value("process_resident_memory_bytes") > 10e6 and after.value("process_open_fds") > 3
     assert after.value("process_threads") >= 3 and after.health["groups"] == 6
@@ -82,7 +83,8 @@ def _loop(run_dir: Path) -> LearnerLoop:
     """A real LearnerLoop without its model, replay or weight server: the parts the tests log through
     (and the weight server's refusal counts)."""
     loop = LearnerLoop(RunConfig(), trainer=SimpleNamespace(version=0), replay=None,
-                       server=SimpleNamespace(refused=Counter(), gate_restarts=0), run_dir=run_dir)
+                       server=SimpleNamespace(refused=Counter(), gate_restarts=0, replies_dropped=0),
+                       run_dir=run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     return loop
 
@@ -103,7 +105,7 @@ def test_learner_metrics_move_with_steps(tmp_path):
             _log(loop, v, **{"batch/fresh_tokens": 100.0 * v, "batch/scorer_failed": 1.0,
                              "learner/tokens_per_s": 500.0 + v})
         loop.server.refused.update({"size": 2, "type": 1})
-        loop.server.gate_restarts = 3
+        loop.server.gate_restarts, loop.server.replies_dropped = 3, 5
         (loop.checkpoint_dir / "v2").mkdir(parents=True)
         (loop.checkpoint_dir / "v2" / "model.pt").write_bytes(b"x" * 1000)
         r = scrape(ep)
@@ -111,7 +113,7 @@ def test_learner_metrics_move_with_steps(tmp_path):
         assert r.value("dph_learner_tokens_per_second") == 502 and r.value("dph_learner_version") == 2
         assert r.value("dph_learner_checkpoints") == 1 and r.value("dph_learner_checkpoint_bytes") == 1000
         assert r.by_label("dph_weights_refused_total", "kind") == {"size": 2, "type": 1}
-        assert r.value("dph_weights_gate_restarts_total") == 3
+        assert r.value("dph_weights_gate_restarts_total") == 3 and r.value("dph_weights_replies_dropped_total") == 5
         assert "[red]gate restarted 3x" in row(r)[-1]  # `dph-async status` flags a flooded port
         assert r.health["version"] == 2
     finally:

@@ -8,6 +8,7 @@ import logging
 import socket
 import subprocess
 import sys
+import time
 
 import msgpack
 import pytest
@@ -89,6 +90,21 @@ def test_garbage_gets_one_error_each_and_the_log_is_rate_limited(server, caplog)
     logged = [r for r in caplog.records if "weight server: refused a message" in r.getMessage()]
     assert len(logged) == publish.REFUSALS_LOGGED_PER_MIN
     honest_fetch(server)
+
+
+def test_a_push_to_a_subscriber_that_left_is_counted_as_dropped(server):
+    sock = dealer(server.address)
+    assert isinstance(ask(sock, encode(WeightsQuery(0, -1))), WeightsReady)  # it now gets new versions pushed
+    sock.close()
+    time.sleep(0.5)  # its disconnect reaches the server, or the gate
+    assert server.replies_dropped == 0
+    server.publish(Net(1), version=2)
+    deadline = time.monotonic() + 5
+    while server.replies_dropped == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.replies_dropped == 1
+    reply = ask(dealer(server.address), encode(WeightsQuery(0, -1)))
+    assert isinstance(reply, WeightsReady) and reply.version == 2
 
 
 def test_a_peer_that_never_finishes_its_handshake_is_cut_off(monkeypatch):
