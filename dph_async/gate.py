@@ -50,7 +50,7 @@ from pathlib import Path
 import zmq
 
 from dph_async.net import NetSecurity, bind, check_bind, stop_authenticator
-from dph_async.protocol import Limits
+from dph_async.protocol import Limits, MiB
 from dph_async.receive import guard
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,49 @@ class Counter:
     @value.setter
     def value(self, n: int) -> None:
         self._map[:8] = n.to_bytes(8, "little")
+
+
+class HonestLoad:
+    """What peers that behave could make a gate hold at once, from what the service has seen: `per_peer`
+    of the largest message from each peer seen within WINDOW_S, plus INNER_HWM in transit. A gate
+    with less memory drops honest peers when they all send at once (they resend, as under a flood),
+    so the service warns, naming the setting: once, then each time the need doubles."""
+
+    WINDOW_S = 600.0  # a peer that went quiet (or reconnected under another id) stops counting
+    MAX_PEERS = 1 << 16  # a bound on what the record of peers may hold
+
+    def __init__(self, limit_mb: float, per_peer: int, what: str):
+        self.limit_mb = limit_mb
+        self.per_peer = per_peer
+        self.what = what
+        self.largest = 0
+        self._seen: dict[object, float] = {}  # peer -> when last seen, oldest first
+        self._warned = 0
+
+    @property
+    def peers(self) -> int:
+        return len(self._seen)
+
+    @property
+    def needed_bytes(self) -> int:
+        return (self.per_peer * len(self._seen) + INNER_HWM) * self.largest
+
+    def saw(self, peer: object, nbytes: int, now: float | None = None) -> str | None:
+        """Count a message of `nbytes` from (or to) `peer`; returns a warning when the gate is too small."""
+        now = time.monotonic() if now is None else now
+        self._seen.pop(peer, None)
+        self._seen[peer] = now
+        while len(self._seen) > self.MAX_PEERS or next(iter(self._seen.values())) < now - self.WINDOW_S:
+            del self._seen[next(iter(self._seen))]
+        self.largest = max(self.largest, nbytes)
+        need = self.needed_bytes
+        if need <= self.limit_mb * MiB or need < 2 * self._warned:
+            return None
+        self._warned = need
+        return (f"net.gate_memory_mb ({self.limit_mb:g}) is less than the {need / MiB:.0f} MB that {self.peers} "
+                f"{self.what} of up to {self.largest / MiB:.2f} MB could make the gate hold at once ({self.per_peer} "
+                f"per peer, {INNER_HWM} in transit): sent together, they are dropped and sent again; set "
+                f"net.gate_memory_mb to at least {need / MiB:.0f}")
 
 
 class Gate:

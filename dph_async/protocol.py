@@ -43,7 +43,8 @@ from dph_async.rewards.result import RewardResult
 # 4: Completion.policy_weight (which distribution sampled it: the DPO samplers).
 # 5: WeightsReady.shm (the version's shared-memory segment on the learner's host).
 # 6: ReplayStats.gate_restarts.
-SCHEMA_VERSION = 6
+# 7: ReplayStats.gate_memory_mb and gate_memory_needed_mb.
+SCHEMA_VERSION = 7
 
 MiB = 1 << 20
 

@@ -103,6 +103,10 @@ class ReplayStats:
     replies_dropped: int = 0
     # Gate processes started again after one ended (dph_async/gate.py: a peer exhausted its memory).
     gate_restarts: int = 0
+    # The gate's memory (net.gate_memory_mb; 0 without a gate), and what the actors seen in the last 10
+    # minutes could make it hold by sending their largest groups at once (dph_async/gate.py, HonestLoad).
+    gate_memory_mb: float = 0.0
+    gate_memory_needed_mb: float = 0.0
     # The service: where it listens ("" for a core without sockets), and whether a batch request waits.
     ingest_endpoint: str = ""
     batch_endpoint: str = ""

@@ -33,7 +33,7 @@ import pyarrow as pa
 import zmq
 
 from dph_async.config.replay import ReplayConfig
-from dph_async.gate import Gate
+from dph_async.gate import READ_AHEAD, Gate, HonestLoad
 from dph_async.net import CurveKeys, NetSecurity, bind, curve_keys, stop_authenticator
 from dph_async.protocol import (
     Ack,
@@ -144,6 +144,9 @@ class ReplayService:
         self._ctx = zmq.Context()
         self._gate: Gate | None = None
         self._gate_dropped = 0  # the gate's count of undelivered replies, as last added to ours
+        # What honest actors could make the gate hold (READ_AHEAD + 1 groups each: two read ahead and
+        # one in libzmq's decoder); warned about when it passes the gate's memory.
+        self._gate_load = HonestLoad(security.gate_memory_mb, READ_AHEAD + 1, "actors sending groups")
         try:
             if security.gate:
                 security.require_gate_room(cfg.max_group_mb, "replay.max_group_mb")
@@ -293,8 +296,11 @@ class ReplayService:
             return
         verdicts = self.core.ingest([g for _, g in groups])
         acks: dict[tuple[bytes, str, str], list[tuple[int, int]]] = defaultdict(list)
-        for (peer, _), verdict in zip(groups, verdicts, strict=True):
+        for (peer, group), verdict in zip(groups, verdicts, strict=True):
             acks[peer, verdict.status, verdict.error].append(verdict.group_id)
+            if self._gate is not None and verdict.status == "ok" and (
+                    warning := self._gate_load.saw(group.actor_id, group.nbytes)):  # fmt: skip
+                log.warning("replay: %s", warning)
         for (peer, status, error), ids in acks.items():
             self._send(self._ingest, peer, Ack(ids, status, error))
 
@@ -423,4 +429,7 @@ class ReplayService:
         stats.tickets.parked = len(self._parked_tickets)
         stats.ingest_endpoint, stats.batch_endpoint = self.ingest_endpoint, self.batch_endpoint
         stats.batch_parked = self._parked_batch is not None
+        if self._gate is not None:
+            stats.gate_memory_mb = self._gate_load.limit_mb
+            stats.gate_memory_needed_mb = self._gate_load.needed_bytes / MiB
         return stats

@@ -76,6 +76,9 @@ class ReplayCollector(Collector):
                                   "Ticket requests claiming more tickets than were granted", value=t.overclaimed)
         yield CounterMetricFamily("dph_replay_gate_restarts", "Gate processes started again after one ended",
                                   value=s.gate_restarts)
+        yield _labelled("dph_replay_gate_memory_megabytes", "The gate's memory (limit), and what the actors seen "
+                        "in the last 10 minutes could make it hold at once (needed)", "what",
+                        {"limit": s.gate_memory_mb, "needed": s.gate_memory_needed_mb}, GaugeMetricFamily)
         yield CounterMetricFamily("dph_replay_replies_dropped", "Replies not delivered (the peer gone or not reading)",
                                   value=s.replies_dropped)
         yield GaugeMetricFamily("dph_replay_wal_bytes_since_base", "Write-ahead log bytes since its last base",

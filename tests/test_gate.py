@@ -161,3 +161,17 @@ def test_the_directory_of_a_service_killed_with_its_gate_is_swept_by_the_next(ct
         live.close()
     (tmp_path / f"{gate_module.PREFIX}other").mkdir()  # no lock file: one being made, never swept
     assert gate_module.sweep(str(tmp_path)) == []
+
+
+def test_honest_load_counts_each_recent_peer_and_warns_once_per_doubling():
+    load = gate_module.HonestLoad(limit_mb=1.0, per_peer=3, what="actors sending groups")
+    tenth = MiB // 10
+    assert load.saw(0, tenth, now=0.0) is None and load.saw(1, tenth, now=1.0) is None  # (6 + 4) x 0.1 MB: fits
+    assert load.saw(0, tenth, now=2.0) is None and load.peers == 2  # a peer counts once
+    warning = load.saw(2, tenth, now=3.0)  # (9 + 4) x 0.1 MB
+    assert warning is not None and warning.startswith("net.gate_memory_mb (1) is less than the 1 MB that 3 actors")
+    assert "at least 1" in warning and load.needed_bytes == 13 * tenth
+    assert all(load.saw(p, tenth, now=4.0) is None for p in range(3, 7))  # 2.5 MB: not yet twice 1.3
+    assert load.saw(7, tenth, now=5.0) is not None  # 2.8 MB: twice what was last warned about
+    assert load.saw(9, 2 * tenth, now=700.0) is None  # the others last seen over 10 minutes ago: forgotten
+    assert load.peers == 1 and load.needed_bytes == 7 * 2 * tenth

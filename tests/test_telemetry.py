@@ -22,6 +22,7 @@ from dph_async.app.commands.status import row
 from dph_async.app.endpoints import find_endpoints, scrape
 from dph_async.config import NetConfig, RunConfig
 from dph_async.config.replay import ReplayConfig
+from dph_async.net import NetSecurity
 from dph_async.protocol import Batch
 from dph_async.replay_client import ReplayClient, RolloutSender
 from dph_async.spans import MAX_SPANS, add_span
@@ -72,6 +73,35 @@ def test_replay_metrics_parse_and_move_with_work(replay, tmp_path):
     assert after.value("process_threads") >= 3 and after.health["groups"] == 6
     client.close()
     sender.close()
+
+
+def test_a_gate_too_small_for_the_actors_seen_is_warned_about_and_flagged(tmp_path, caplog):
+    """Three actors sending groups of 0.4 MB could make a 4 MB gate hold (3 x 3 + 4) x 0.4 MB at once:
+    the replay warns, naming the setting, and `dph-async status` flags it."""
+    svc = ReplayService(ReplayConfig(max_staleness=4, admission=False, max_group_mb=1), f"ipc://{tmp_path}/in",
+                        f"ipc://{tmp_path}/out", 4, security=NetSecurity(gate_memory_mb=4))  # fmt: skip
+    svc.start_in_thread()
+    endpoint = start_endpoint("replay", [ReplayCollector(svc)], lambda: replay_health(svc), NetConfig(), 0,
+                              tmp_path / "endpoints")
+    try:
+        (ep,) = find_endpoints([str(tmp_path)])
+        with caplog.at_level("WARNING", logger="replay.service"):
+            for actor in range(3):
+                sender = RolloutSender(svc.ingest_endpoint, actor)
+                sender.send(synthetic_group(actor, 0, n=8, tokens=4096))  # 8 x 4096 x 12 bytes
+                assert sender.flush(10)
+                sender.close()
+                r = scrape(ep)
+                needed = r.value("dph_replay_gate_memory_megabytes", what="needed")
+                assert r.value("dph_replay_gate_memory_megabytes", what="limit") == 4
+                assert needed == pytest.approx((3 * (actor + 1) + 4) * 0.375, rel=0.01)
+                assert ("gate memory short" in row(r)[-1]) == (needed > 4)
+        warnings = [m for m in caplog.messages if "net.gate_memory_mb (4) is less than" in m]
+        assert len(warnings) == 1 and "3 actors sending groups of up to 0.38 MB" in warnings[0]
+        assert "at least 5" in warnings[0]
+    finally:
+        endpoint.close()
+        svc.stop()
 
 
 def test_staleness_buckets_are_cumulative():

@@ -260,9 +260,9 @@ class NetConfig(Section):
     gate: bool = True
     # What a gate may allocate beyond its size at start; at least twice replay.max_group_mb (checked
     # here) and learner.weight_bucket_mb (by the weight server), so an honest message or reply of the
-    # largest size always fits. It
-    # holds up to two messages from each connection while the service is busy: size it for
-    # 2 x actors x the largest group (1 GiB: 340 actors sending groups of 1.5 MB at once).
+    # largest size always fits. It holds up to three messages from each connection while the service
+    # is busy: size it for 3 x actors x the largest group (1 GiB: 226 actors sending groups of 1.5 MB at
+    # once); the replay warns, and `dph-async status` flags, when the actors it sees need more.
     gate_memory_mb: float = Field(1024.0, gt=0)
 
 
