@@ -28,7 +28,7 @@ import zmq
 
 from dph_async import net, protocol
 from dph_async import weights_shm as shm
-from dph_async.gate import Gate
+from dph_async.gate import Gate, HonestLoad
 from dph_async.protocol import (
     BucketInfo,
     ErrorReply,
@@ -95,6 +95,8 @@ class WeightServer:
         self._gate: Gate | None = None
         self.gate_restarts = 0
         self._dropped = 0  # replies this process could not send (the gate counts its own)
+        # What honest actors fetching over TCP could make the gate hold (REPLIES_PER_PEER buckets each).
+        self.gate_load = HonestLoad(security.gate_memory_mb, REPLIES_PER_PEER, "actors fetching weight buckets")
         security.require_gate_room(bucket_bytes / 2**20, "learner.weight_bucket_mb")  # buckets pass through it
         if security.gate:  # peers are read by a gate process (dph_async/gate.py)
             self._gate, (self._sock,) = Gate.open(self._ctx, [(addr, REQUEST_LIMITS)], security, PEER_TIMEOUT_S,
@@ -210,6 +212,10 @@ class WeightServer:
             self._send([ident, *frames])
 
     @property
+    def gated(self) -> bool:
+        return self._gate is not None
+
+    @property
     def replies_dropped(self) -> int:
         """Replies and pushes not delivered: past SNDHWM, or to a peer that is gone (here or in the gate)."""
         return self._dropped + (self._gate.replies_dropped if self._gate is not None else 0)
@@ -256,6 +262,9 @@ class WeightServer:
             reply: protocol.Message = ErrorReply(str(msg), kind=msg.kind)
         else:
             reply = self._answer(msg)
+            if self._gate is not None and isinstance(reply, WeightsBucket) and (
+                    warning := self.gate_load.saw(received.peer, sum(a.nbytes for a in reply.arrays))):  # fmt: skip
+                log.warning("weight server: %s", warning)
         if isinstance(msg, WeightsQuery):
             self._subscribers[received.peer] = None
             self._subscribers.move_to_end(received.peer)

@@ -73,6 +73,13 @@ class LearnerCollector(Collector):
         yield refused
         yield CounterMetricFamily("dph_weights_gate_restarts", "Weight-server gate processes started again after "
                                   "one ended", value=self.loop.server.gate_restarts)
+        load = self.loop.server.gate_load
+        gate_memory = GaugeMetricFamily("dph_weights_gate_memory_megabytes", "The gate's memory (limit), and what "
+                                        "the actors that fetched buckets in the last 10 minutes could make it hold at "
+                                        "once (needed)", labels=["what"])  # fmt: skip
+        gate_memory.add_metric(["limit"], load.limit_mb if self.loop.server.gated else 0.0)
+        gate_memory.add_metric(["needed"], load.needed_bytes / 2**20)
+        yield gate_memory
         yield CounterMetricFamily("dph_weights_replies_dropped", "Weight-server replies and pushes not delivered "
                                   "(the peer gone or not reading)", value=self.loop.server.replies_dropped)
         count, size = checkpoint_usage(self.loop.checkpoint_dir)

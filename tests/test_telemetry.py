@@ -22,6 +22,7 @@ from dph_async.app.commands.status import row
 from dph_async.app.endpoints import find_endpoints, scrape
 from dph_async.config import NetConfig, RunConfig
 from dph_async.config.replay import ReplayConfig
+from dph_async.gate import HonestLoad
 from dph_async.net import NetSecurity
 from dph_async.protocol import Batch
 from dph_async.replay_client import ReplayClient, RolloutSender
@@ -95,7 +96,7 @@ def test_a_gate_too_small_for_the_actors_seen_is_warned_about_and_flagged(tmp_pa
                 needed = r.value("dph_replay_gate_memory_megabytes", what="needed")
                 assert r.value("dph_replay_gate_memory_megabytes", what="limit") == 4
                 assert needed == pytest.approx((3 * (actor + 1) + 4) * 0.375, rel=0.01)
-                assert ("gate memory short" in row(r)[-1]) == (needed > 4)
+                assert ("replay gate memory short" in row(r)[-1]) == (needed > 4)
         warnings = [m for m in caplog.messages if "net.gate_memory_mb (4) is less than" in m]
         assert len(warnings) == 1 and "3 actors sending groups of up to 0.38 MB" in warnings[0]
         assert "at least 5" in warnings[0]
@@ -113,8 +114,9 @@ def _loop(run_dir: Path) -> LearnerLoop:
     """A real LearnerLoop without its model, replay or weight server: the parts the tests log through
     (and the weight server's refusal counts)."""
     loop = LearnerLoop(RunConfig(), trainer=SimpleNamespace(version=0), replay=None,
-                       server=SimpleNamespace(refused=Counter(), gate_restarts=0, replies_dropped=0),
-                       run_dir=run_dir)
+                       server=SimpleNamespace(refused=Counter(), gate_restarts=0, replies_dropped=0, gated=True,
+                                              gate_load=HonestLoad(4.0, 2, "actors fetching weight buckets")),
+                       run_dir=run_dir)  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     return loop
 
@@ -145,6 +147,12 @@ def test_learner_metrics_move_with_steps(tmp_path):
         assert r.by_label("dph_weights_refused_total", "kind") == {"size": 2, "type": 1}
         assert r.value("dph_weights_gate_restarts_total") == 3 and r.value("dph_weights_replies_dropped_total") == 5
         assert "[red]gate restarted 3x" in row(r)[-1]  # `dph-async status` flags a flooded port
+        assert r.value("dph_weights_gate_memory_megabytes", what="limit") == 4 and "short" not in row(r)[-1]
+        for actor in range(3):  # (2 x 3 + 4) buckets of 0.5 MB: more than the gate's 4 MB
+            loop.server.gate_load.saw(actor, 2**19)
+        r = scrape(ep)
+        assert r.value("dph_weights_gate_memory_megabytes", what="needed") == 5
+        assert "[red]weights gate memory short: needs 5 MB" in row(r)[-1]
         assert r.health["version"] == 2
     finally:
         endpoint.close()

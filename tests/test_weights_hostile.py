@@ -44,6 +44,18 @@ def honest_fetch(server: WeightServer) -> None:
         client.close()
 
 
+def test_the_gate_load_counts_each_actor_fetching_buckets(server):
+    honest_fetch(server)
+    honest_fetch(server)  # a second connection: another peer to the gate
+    manifest = ask(dealer(server.address), encode(WeightsQuery(0, -1)))
+    largest = max(b.nbytes for b in manifest.buckets)
+    if server.gated:
+        assert server.gate_load.peers == 2 and server.gate_load.largest == largest
+        assert server.gate_load.needed_bytes == (2 * 2 + 4) * largest
+    else:
+        assert server.gate_load.peers == 0  # no gate, nothing it could hold
+
+
 def test_only_the_two_requests_it_serves_are_read(server):
     sock = dealer(server.address)
     assert isinstance(ask(sock, encode(WeightsQuery(0, -1))), WeightsReady)

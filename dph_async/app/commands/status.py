@@ -57,9 +57,10 @@ def row(r) -> list[str]:
     restarts = r.value("dph_replay_gate_restarts_total", 0) + r.value("dph_weights_gate_restarts_total", 0)
     if restarts:
         notes.append(f"[red]gate restarted {restarts:.0f}x")
-    needed = r.value("dph_replay_gate_memory_megabytes", 0, what="needed")
-    if needed > r.value("dph_replay_gate_memory_megabytes", 0, what="limit"):  # honest actors would be dropped
-        notes.append(f"[red]gate memory short: needs {needed:.0f} MB (net.gate_memory_mb)")
+    for service in ("replay", "weights"):  # honest actors sending or fetching at once would be dropped
+        needed = r.value(f"dph_{service}_gate_memory_megabytes", 0, what="needed")
+        if needed > r.value(f"dph_{service}_gate_memory_megabytes", 0, what="limit"):
+            notes.append(f"[red]{service} gate memory short: needs {needed:.0f} MB (net.gate_memory_mb)")
     if (items := r.value("dph_scorer_items_total")) is not None:
         notes.append(f"{items:.0f} scored, {r.value('dph_scorer_in_flight', 0):.0f} in flight")
     return [r.endpoint.name, "[green]up", str(r.health.get("pid", r.endpoint.pid or "")),
