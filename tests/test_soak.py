@@ -3,21 +3,37 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import zmq
 from conftest import copy_base
 
-from dph_async.app.soak import Check, ProcessSample, Sample, cpu_per_step, evaluate, run_soak, write_report
+from dph_async.app.soak import (
+    Check,
+    ProcessSample,
+    Sample,
+    cpu_per_step,
+    evaluate,
+    gate_processes,
+    run_soak,
+    write_report,
+)
 from dph_async.config import load_config
+from dph_async.gate import Gate
+from dph_async.net import NetSecurity
+from dph_async.protocol import Limits
 
 MB = 2**20
 
 
 def series(rss: list[float], fds: list[int] | None = None, steps_per_interval: list[float] | None = None,
-           wal_mb: float = 1.0, checkpoints: int = 2, cpu_per_step: list[float] | None = None) -> list[Sample]:
+           wal_mb: float = 1.0, checkpoints: int = 2, cpu_per_step: list[float] | None = None,
+           gate_restarts: list[int] | None = None) -> list[Sample]:
     """Samples 60 s apart of one process with these RSS values (MB), fds, learner steps and CPU-seconds
-    per step over each interval."""
+    per step over each interval, and gate restarts so far."""
+    gate_restarts = gate_restarts or [0] * len(rss)
     fds = fds or [100] * len(rss)
     steps_per_interval = steps_per_interval or [600.0] * len(rss)
     cpu_per_step = cpu_per_step or [0.1] * len(rss)
@@ -26,7 +42,7 @@ def series(rss: list[float], fds: list[int] | None = None, steps_per_interval: l
         version += d if i else 0.0
         cpu += d * c if i else 0.0
         out.append(Sample(60.0 * i, {"learner": ProcessSample(r * MB, f, 40, cpu)}, 4, int(wal_mb * MB),
-                          checkpoints, checkpoints * MB, version, 0.0, 0.0))
+                          checkpoints, checkpoints * MB, version, 0.0, 0.0, gate_restarts=gate_restarts[i]))
     return out
 
 
@@ -49,6 +65,8 @@ def test_flat_resources_pass():
     ({"rss": [1000] * 5, "steps_per_interval": [600, 600, 600, 530, 600]}, "throughput"),  # -11.7%
     ({"rss": [1000] * 5, "wal_mb": 7}, "wal bytes"),  # over compact 4 + 2 segments of 1
     ({"rss": [1000] * 5, "checkpoints": 4}, "checkpoints"),  # over keep 2 + 1
+    ({"rss": [1000] * 5, "gate_restarts": [0, 0, 0, 1, 1]}, "gate restarts"),
+    ({"rss": [1000] * 5, "gate_restarts": [0, 1, 1, 1, 1]}, "gate restarts"),  # in the warm-up too
 ])
 def test_each_check_fails_on_its_own(kwargs, failing):
     got = verdicts(series(**kwargs))
@@ -73,6 +91,24 @@ def test_too_few_samples_after_warm_up_fail():
     assert verdicts(series([1000] * 3), warmup_s=150.0) == {"samples": False}
 
 
+def test_gate_processes_are_found_under_their_service_and_named_by_it():
+    ctx = zmq.Context()
+    limits = Limits(4096, 4096, 0)
+    # Each with its service's sockets (a gate whose link to its service closes ends).
+    opened = [Gate.open(ctx, [("tcp://127.0.0.1:0", limits)] * n, NetSecurity(), 30.0, queue=4) for n in (1, 2)]
+    try:
+        found = gate_processes(os.getpid())
+        assert set(found) == {"weights gate", "replay gate"}
+        assert all(p.rss_bytes > 5 * MB and p.open_fds > 3 and p.threads >= 1 for p in found.values())
+    finally:
+        for gate, socks in opened:
+            for sock in socks:
+                sock.close(0)
+            gate.close()
+        ctx.destroy(linger=0)
+    assert gate_processes(os.getpid()) == {}
+
+
 @pytest.mark.slow
 def test_two_minute_soak(small_base, tmp_path: Path):
     """A small run trained for 2 minutes: every process sampled, training moving, checkpoints pruned to
@@ -89,14 +125,16 @@ def test_two_minute_soak(small_base, tmp_path: Path):
     samples = result.samples
     assert len(samples) >= 8 and samples[-1].t >= 115
     actors = {f"actor{i}" for i in range(cfg.actors.num_actors)}  # the default: one per core beside the learner
-    assert all(set(s.processes) == {"learner", *actors} for s in samples)
-    assert all(p.rss_bytes > 100 * MB and p.open_fds > 10 and p.threads > 2 and p.cpu_seconds > 0 for s in samples
-               for p in s.processes.values())
+    gates = {"replay gate", "weights gate"}
+    assert all(set(s.processes) == {"learner", *actors, *gates} for s in samples)
+    assert all(p.rss_bytes > (5 if name in gates else 100) * MB and p.open_fds > 3 and p.threads >= 1
+               and p.cpu_seconds > 0 for s in samples for name, p in s.processes.items())
     versions = [s.learner_version for s in samples]
     assert versions == sorted(versions) and versions[-1] > 4 * 25  # more than 4 checkpoints were written
     assert samples[-1].actor_tokens > samples[0].actor_tokens and samples[-1].learner_tokens > 0
     checks = {c.name: c for c in result.checks}
-    for name in ("checkpoints", "wal bytes", "shm files", "fds learner", *(f"fds {a}" for a in sorted(actors))):
+    for name in ("checkpoints", "wal bytes", "shm files", "gate restarts", "fds learner",
+                 *(f"fds {a}" for a in sorted(actors)), *(f"fds {g}" for g in sorted(gates))):
         assert checks[name].ok, checks[name]
     assert max(s.checkpoints for s in samples) <= 3
     ckpts = sorted(p.name for p in (tmp_path / "soak" / "rl" / "checkpoints").glob("v*"))
