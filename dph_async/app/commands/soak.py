@@ -14,10 +14,11 @@ HELP = "train continuously for N minutes, sampling RSS, fds, threads, /dev/shm, 
 DESCRIPTION = """\
 Run the default workload (or a preset with overrides) as one long RL run, the data cycled, until
 --minutes after the first learner step. Every --interval-s it samples each process's RSS, open file
-descriptors, threads and CPU time (from its /metrics), the /dev/shm files the processes hold, the
-write-ahead log's and the checkpoints' size, and the learner's throughput. After the warm-up it checks:
-RSS within ±5%, fds and /dev/shm bounded, the WAL within its compaction bound, checkpoints within
-learner.keep_checkpoints, throughput within ±10% of the median. Exit status 0 when every check passes.
+descriptors, threads and CPU time (from its /metrics; the services' gate processes from /proc), the
+/dev/shm files the processes hold, the write-ahead log's and the checkpoints' size, and the learner's
+throughput. After the warm-up it checks: RSS within ±5%, fds and /dev/shm bounded, the WAL within its
+compaction bound, checkpoints within learner.keep_checkpoints, throughput within ±10% of the median;
+and over the whole soak, no gate process started again. Exit status 0 when every check passes.
 
 Beside the throughput it reports each process's CPU-seconds per learner step. Every step is the same
 work, so if throughput falls while those rise in every process at once, the machine ran slower (a
