@@ -25,6 +25,7 @@ Results: <out>/soak/soak.json (every sample, the checks, the machine's load), so
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -111,13 +112,15 @@ def gate_processes(pid: int) -> dict[str, ProcessSample]:
     """The gate processes a service process started (dph_async/gate.py), named by the service whose
     endpoints they bind ("replay gate": two, "weights gate": one), read from /proc: they have no
     /metrics of their own."""
-    found = {}
+    found, children = {}, set()
     tick = os.sysconf("SC_CLK_TCK")
     try:
-        children = {int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-                    for c in (task / "children").read_text().split()}  # fmt: skip
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return found
+    for task in tasks:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile (the gates are not its children)
+            children.update(int(c) for c in (task / "children").read_text().split())
     for child in sorted(children):
         try:
             argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
