@@ -233,7 +233,8 @@ def evaluate(samples: list[Sample], warmup_s: float, cfg: RunConfig) -> list[Che
     checks.append(Check("checkpoints", ckpt_limit is None or ckpts <= ckpt_limit,
                         f"at most {ckpts} on disk, {max(s.checkpoint_bytes for s in samples) / 2**20:.1f} MB "
                         f"(limit {ckpt_limit if ckpt_limit is not None else 'none: keep_checkpoints=0'})"))
-    restarts = samples[-1].gate_restarts - samples[0].gate_restarts
+    # The most any sample saw: a last sample whose scrape failed reads 0 and must not hide a restart.
+    restarts = max(s.gate_restarts for s in samples) - samples[0].gate_restarts
     checks.append(Check("gate restarts", restarts == 0,
                         f"{restarts:.0f} gate processes started again during the soak (honest peers never end one)"))
     rates = [r for t, r in throughputs(after)]
