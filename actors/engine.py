@@ -111,6 +111,7 @@ class VLLMEngine:
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         self.version = version
+        self._seed = seed
         self._epoch = 0  # runs of this engine (reset): part of the prefix-cache salt
         self._live: dict[str, dict[int, Sample]] = {}  # request key -> completion index -> sample
         self._inplace: InPlaceLoader | None = None
@@ -139,11 +140,16 @@ class VLLMEngine:
         """Back to `tensors` at `version`, with nothing in flight and no prefix-cache entry usable: what
         a new engine built from those weights would be (an engine built elsewhere from the learner's
         weights is reset from them again, having no model directory of its own)."""
+        from vllm.utils.torch_utils import set_random_seed
+
         if self._live:
             self.abort(list(self._live))
         self.load_weights(tensors, version)
         self._epoch += 1
         self.llm.reset_prefix_cache()
+        # A new engine's generator is seeded after its warm-up: unseeded requests (pre-sampling,
+        # evaluation) then draw the same numbers from a reset engine as from a new one.
+        set_random_seed(self._seed)
 
     def _params(self, spec: SamplingSpec, n: int, delta: bool):
         from vllm import SamplingParams

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 
 CHILD = """
 import json, sys, time
+from dataclasses import replace
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
@@ -41,6 +42,8 @@ def compare(a, b, gemm):
     spec = SamplingSpec(temperature=1.0, max_tokens=12, n=4, seed=7)
     prompts = [[1, 5, 6, 7, 8], [1, 9, 3], [1, 4, 4, 4, 4, 4, 4, 2, 3]]
     engine = VLLMEngine(str(a), max_model_len=32, cpu_gemm=gemm)
+    unseeded = replace(spec, seed=None)  # drawn from the engine's own generator
+    before_unseeded = engine.generate(prompts, unseeded)
     before = engine.generate(prompts, spec)
     model_b = AutoModelForCausalLM.from_pretrained(b)
     tensors = [(k, v.clone()) for k, v in model_b.state_dict().items()]
@@ -66,11 +69,13 @@ def compare(a, b, gemm):
     model = engine.llm.apply_model(lambda m: m)[0]
     kept = [name for name, p in model.named_parameters() if name.endswith("proj.weight") and p.numel() > 0]
     engine.reset(str(a))  # what a kept actor does before its next run: back to A, version 0
+    reset_unseeded = engine.generate(prompts, unseeded)
     reset = engine.generate(prompts, spec)
     fresh = VLLMEngine(str(b), max_model_len=32, cpu_gemm=gemm).generate(prompts, spec)
     dump = lambda gs: [[(s.token_ids, s.logprobs) for s in g] for g in gs]
     return {"loads": engine.loads, "before": dump(before), "loaded": dump(loaded), "loaded_shm": dump(loaded_shm),
             "fresh": dump(fresh), "linear_weights_kept": len(kept), "reset": dump(reset),
+            "before_unseeded": dump(before_unseeded), "reset_unseeded": dump(reset_unseeded),
             "reset_version": engine.version, "views": views, "replaced": replaced}
 
 def main():
@@ -138,6 +143,8 @@ def test_inplace_load_matches_a_fresh_engine(tmp_path):
         assert res["loaded"] != res["before"], case  # the load changed what the engine computes
         # Reset to A: the engine computes again what it computed when it was new on A.
         assert res["reset"] == res["before"] and res["reset_version"] == 0, case
+        # and draws what a new engine draws: its generator is seeded again
+        assert res["reset_unseeded"] == res["before_unseeded"], case
         # Under F.linear the engine ran on views of the leased segment (no copy), and the learner's
         # next publishes went around the slot it held instead of rewriting it.
         torch_gemm = case.endswith("/torch")
