@@ -23,7 +23,7 @@ import ray
 import torch
 from conftest import alive, small_config
 
-from dph_async.app import launcher
+from dph_async.app import actor_pool, launcher
 from dph_async.app.actor_pool import POOL_NAMESPACE, holding
 from dph_async.app.launcher import ActorProcess, RLResult, ray_cluster, run_rl
 from dph_async.app.pipeline import StageTimer, prepare
@@ -108,6 +108,41 @@ def test_async_respects_staleness_and_trains(prepared):
     assert all(a["weight_loads"] >= 1 for a in result.actors if a["groups_sent"] > 0)
     assert max(newest for s in steps for *_, newest in s["groups"]) >= 1
     assert (rl_dir / "final_model" / "config.json").is_file()
+
+
+def _without_seconds(results: dict) -> dict:
+    return {split: {k: v for k, v in r.items() if k != "seconds"} for split, r in results.items()}
+
+
+def test_pre_sampling_and_evaluation_run_in_a_runs_actor_process_as_in_a_process_of_their_own(prepared, tmp_path):
+    """launcher.reuse_actors: pre-sampling builds the engine that actor 0 of the next run then takes
+    (reset to pi_0), and the evaluation after the run uses that engine again, so neither the run nor
+    the evaluation imports and builds vLLM; what they sample is what they sample in a process of
+    their own, bit for bit."""
+    import pyarrow.parquet as pq
+
+    from dph_async.app.pipeline import EvalJob, _evaluate_task, _presample_task
+    from dph_async.paths import final_model
+
+    root, prep = prepared
+    cfg = small_config(root)
+    actor_pool.release_actors()  # a new process for pre-sampling: the test's runs before may have kept one
+    assert launcher.presample_on_actor(cfg, prep.base, prep.train, tmp_path / "on-actor")
+    ray.get(_presample_task.remote(cfg, str(prep.base), str(prep.train), str(tmp_path / "alone")))
+    for name in ("samples.parquet", "reference_pool.parquet", "d_exp.parquet"):
+        assert pq.read_table(tmp_path / "on-actor" / name).equals(pq.read_table(tmp_path / "alone" / name)), name
+    built = ray.get(actor_pool._kept[launcher._actor_key(cfg, prep.base.resolve(), 0)][0].pid.remote())
+    result, rl_dir = train(prepared, "after-presample", "learner.steps=2", mode="grpo")
+    assert result.pids["actor0"] == built and len(result.metrics) == 2
+
+    tests = {"in_domain": root / "data" / "test.parquet"}
+    jobs = {where: [EvalJob(prep.base, tmp_path / where / "base.json", 3),
+                    EvalJob(final_model(rl_dir), tmp_path / where / "trained.json", 4)] for where in ("kept", "alone")}
+    assert launcher.evaluate_on_kept_actor(cfg, prep.base, jobs["kept"], tests)
+    assert ray.get(actor_pool._kept[launcher._actor_key(cfg, prep.base.resolve(), 0)][0].pid.remote()) == built
+    ray.get(_evaluate_task.remote(cfg, str(prep.base), jobs["alone"], {k: str(v) for k, v in tests.items()}))
+    for kept, alone in zip(jobs["kept"], jobs["alone"], strict=True):
+        assert _without_seconds(json.loads(kept.out.read_text())) == _without_seconds(json.loads(alone.out.read_text()))
 
 
 def test_a_kept_actor_process_that_died_is_replaced(prepared):

@@ -112,12 +112,14 @@ def build_engine(cfg: RunConfig, model_dir: Path) -> VLLMEngine:
                       seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads)
 
 
-def evaluate_jobs(cfg: RunConfig, engine_dir: Path, jobs: Sequence[EvalJob], test_sets: dict[str, Path]) -> None:
-    """Evaluate several models of one architecture with one engine, built once from `engine_dir`; each
-    job's weights are loaded into it in place (about 11 CPU-seconds of imports and engine build saved
-    per model after the first). Each job's sampling starts from its own seed and its prompts are
-    cached under its own salt, so its results are those of a fresh engine holding its weights."""
-    engine = build_engine(cfg, engine_dir)
+def evaluate_jobs(cfg: RunConfig, engine_dir: Path, jobs: Sequence[EvalJob], test_sets: dict[str, Path],
+                  engine: VLLMEngine | None = None) -> None:
+    """Evaluate several models of one architecture with one engine holding `engine_dir`'s weights:
+    `engine`, or one built here; each job's weights are loaded into it in place (about 11 CPU-seconds
+    of imports and engine build saved per model after the first). Each job's sampling starts from its
+    own seed and its prompts are cached under its own salt, so its results are those of a fresh
+    engine holding its weights."""
+    engine = engine or build_engine(cfg, engine_dir)
     held = engine_dir
     with make_scorer(cfg.rewards) as scorer:
         for job in jobs:

@@ -36,7 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.telemetry import ActorCollector, actor_health
 from dph_async import net
 from dph_async.app.actor_pool import engine_settings, holding, keep, new_actor_options, release_actors, take
-from dph_async.app.placement import actor_placement, home_node, learner_placement
+from dph_async.app.placement import actor_placement, home_node, learner_placement, on_home_node
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
 from dph_async.paths import checkpoint_dir, endpoints_dir, final_model
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from dph_async.app.model_shipping import Shipment
+    from dph_async.app.pipeline import EvalJob
     from learner.data_parallel import Rendezvous
     from learner.trainer import Trainer
 
@@ -384,7 +385,6 @@ class ActorProcess:
     def _build_engine(self, cfg: RunConfig, model_dir: str, prompts_path: str, weight_client, at_home: bool,
                       learner: tuple[str, str]) -> list:
         """Build the engine (self.engine); return the run's prompts, read while a shipped copy exists."""
-        from actors.engine import VLLMEngine
         from dph_async.app.model_shipping import materialize
 
         actor_id, version = self.actor_id, 0
@@ -397,15 +397,48 @@ class ActorProcess:
                 model, prompts_file, version = materialize(shipment, weight_client, Path(local))
                 model_dir, prompts_path = str(model), str(prompts_file)
             if cfg.actors.sampler == "online":
-                self.engine = VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                                         seed=cfg.seed + 1000 * actor_id, kv_cache_gib=cfg.actors.kv_cache_gib,
-                                         threads=cfg.actors.threads, version=version, cpu_gemm=cfg.actors.cpu_gemm)
+                self.engine = _online_engine(cfg, model_dir, actor_id, version)
             else:  # pi_ref is the model the actor starts from: pi_0
                 from actors.mixture import MixtureEngine
 
                 self.engine = MixtureEngine(model_dir, cfg.actors.sampler, dtype=cfg.model.dtype,
                                             seed=cfg.seed + 1000 * actor_id, threads=cfg.actors.threads)
             return _prompts(cfg, prompts_path, self.engine)
+
+    @contextlib.contextmanager
+    def _threads(self, cfg: RunConfig) -> Iterator[None]:
+        """The learner's threads while this process does a stage's work in the driver's stead (the
+        cores its own process would have had), then the actor's again."""
+        import torch
+
+        torch.set_num_threads(cfg.learner.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(cfg.actors.threads)
+
+    def presample(self, cfg: RunConfig, model_dir: str, train: str, out_dir: str) -> None:
+        """Pre-sample pi_0 (dph_async/app/presample.py) with this process's engine, built here if it has
+        none: the RL run that takes the process next starts on an engine already built."""
+        from dph_async.app.presample import presample
+
+        log_to_file(Path(out_dir) / "presample.log")
+        if self.engine is None:
+            self.engine = _online_engine(cfg, model_dir, self.actor_id)
+        else:
+            self.engine.reset(model_dir)
+        with self._threads(cfg):
+            presample(cfg, Path(model_dir), Path(train), Path(out_dir), engine=self.engine)
+
+    def evaluate(self, cfg: RunConfig, model_dir: str, jobs: list[EvalJob], test_sets: dict[str, str]) -> None:
+        """Evaluate `jobs` (dph_async/app/evaluate.py) with this process's engine, reset to `model_dir`'s
+        weights first: no engine is built for the evaluation."""
+        from dph_async.app.evaluate import evaluate_jobs
+
+        log_to_file(jobs[0].out.with_suffix(".log"))
+        self.engine.reset(model_dir)
+        with self._threads(cfg):
+            evaluate_jobs(cfg, Path(model_dir), jobs, {k: Path(v) for k, v in test_sets.items()}, engine=self.engine)
 
     def unbind(self) -> None:
         """Close the run's connections, reward workers and metrics endpoint; the engine stays."""
@@ -433,6 +466,76 @@ class ActorProcess:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _online_engine(cfg: RunConfig, model_dir: str, actor_id: int, version: int = 0):
+    """Actor `actor_id`'s vLLM engine of `model_dir`'s weights (an online sampler's)."""
+    from actors.engine import VLLMEngine
+
+    return VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+                      seed=cfg.seed + 1000 * actor_id, kv_cache_gib=cfg.actors.kv_cache_gib,
+                      threads=cfg.actors.threads, version=version, cpu_gemm=cfg.actors.cpu_gemm)
+
+
+def _actor_key(cfg: RunConfig, model_dir: Path, actor_id: int) -> tuple:
+    """What a kept process must match to serve as actor `actor_id` of a run (actor_pool.py). Pooled
+    processes are named and detached, the others are not: the two never stand in for each other."""
+    return (actor_id, home_node(), cfg.launcher.keep_actors_s > 0, *engine_settings(cfg, model_dir))
+
+
+def _new_actor(cfg: RunConfig, key: tuple, placement: dict) -> ray.actor.ActorHandle:
+    """A new actor process for `key`. Ray restarts it if it dies (its __init__ runs again, then the run
+    binds it again), on another node if its own is gone."""
+    keep_s = cfg.launcher.keep_actors_s
+    options = dict(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts, max_task_retries=0)
+    return ActorProcess.options(**options, **placement, **new_actor_options(key, keep_s)).remote(key[0], keep_s)
+
+
+def _then_keep(actor: ray.actor.ActorHandle, key: tuple, keep_s: float, work: ray.ObjectRef) -> None:
+    """Wait for `work` (a call on `actor`), then keep the process for the next run; a process whose
+    work failed ends, and the error is raised."""
+    try:
+        with holding([actor], keep_s):
+            ray.get(work)
+    except BaseException:
+        ray.kill(actor, no_restart=True)
+        raise
+    if not keep(actor, key, keep_s > 0):
+        ray.kill(actor, no_restart=True)
+
+
+def presample_on_actor(cfg: RunConfig, model_dir: Path, train: Path, out_dir: Path) -> bool:
+    """Pre-sample pi_0 in the process that actor 0 of the next RL run from `model_dir` takes
+    (`launcher.reuse_actors`), so that one engine build serves both; False, with nothing done, where a
+    kept process could not serve that run (reuse off, a mixture sampler's engine, actors confined to
+    labelled nodes, which the driver's node may not be)."""
+    placement = actor_placement()
+    if not cfg.launcher.reuse_actors or cfg.actors.sampler != "online" or "label_selector" in placement:
+        return False
+    model_dir = model_dir.resolve()
+    keep_s, key = cfg.launcher.keep_actors_s, _actor_key(cfg, model_dir, 0)
+    actor = take(key, keep_s) or _new_actor(cfg, key, on_home_node())  # it reads and writes the run directory
+    _then_keep(actor, key, keep_s, actor.presample.remote(cfg, str(model_dir), str(train.resolve()),
+                                                          str(out_dir.resolve())))
+    return True
+
+
+def evaluate_on_kept_actor(cfg: RunConfig, model_dir: Path, jobs: list[EvalJob], test_sets: dict[str, Path]) -> bool:
+    """Evaluate `jobs` in the process an RL run of `model_dir`'s architecture kept as its actor 0,
+    without building another engine; every other kept process ends first (its memory goes to this
+    one). False, with nothing evaluated, when no such process is kept on the driver's node."""
+    keep_s, key = cfg.launcher.keep_actors_s, _actor_key(cfg, model_dir.resolve(), 0)
+    actor = take(key, keep_s) if cfg.actors.sampler == "online" else None
+    release_actors()
+    if actor is not None and ray.get(actor.node.remote())[1] != home_node():  # it reads and writes the run directory
+        if not keep(actor, key, keep_s > 0):
+            ray.kill(actor, no_restart=True)
+        actor = None
+    if actor is None:
+        return False
+    _then_keep(actor, key, keep_s, actor.evaluate.remote(cfg, str(model_dir.resolve()), jobs,
+                                                         {k: str(v) for k, v in test_sets.items()}))
+    return True
 
 
 def _wait_restarted(actor: ray.actor.ActorHandle, timeout_s: float = 600.0) -> int:
@@ -491,16 +594,10 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     port = ray.get(learner.rendezvous_port.remote())
     ranks = [LearnerRank.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r)).remote(
         cfg, str(model_dir), str(rl_dir), r, port) for r in range(1, cfg.learner.ranks)]
-    # Ray restarts a dead actor (its __init__ runs again, then the run binds it again), on another node
-    # if its own is gone.
-    actor_options = dict(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts,
-                         max_task_retries=0, **actor_placement())
     keep_s = cfg.launcher.keep_actors_s
-    settings = engine_settings(cfg, model_dir)
-    # Pooled processes are named and detached, the others are not: the two never stand in for each other.
-    keys = [(i, home_node(), keep_s > 0, *settings) for i in range(cfg.actors.num_actors)]
-    actors = [take(key, keep_s) or ActorProcess.options(**actor_options, **new_actor_options(key, keep_s)).remote(
-        i, keep_s) for i, key in enumerate(keys)]
+    keys = [_actor_key(cfg, model_dir, i) for i in range(cfg.actors.num_actors)]
+    placement = actor_placement()
+    actors = [take(key, keep_s) or _new_actor(cfg, key, placement) for key in keys]
     release_actors()  # kept for runs unlike this one
     with holding(actors, keep_s):  # pooled actors end themselves once their driver stops calling
         run_args = (cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"), home_node(),

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import ray
 
-from dph_async.app.actor_pool import release_actors
 from dph_async.app.inputs import check_datasets, check_model_dir
-from dph_async.app.launcher import log_to_file, ray_cluster, run_rl
+from dph_async.app.launcher import evaluate_on_kept_actor, log_to_file, presample_on_actor, ray_cluster, run_rl
 from dph_async.app.placement import on_home_node
 from dph_async.app.progress import console
 from dph_async.app.report import write_report
@@ -69,7 +68,9 @@ def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
     return cfg
 
 
-# Engines run in fresh Ray worker processes (max_calls=1): their memory goes when the stage ends.
+# Where no kept actor process can do a stage's work (launcher.presample_on_actor,
+# evaluate_on_kept_actor), its engine runs in a fresh Ray worker process (max_calls=1): its memory
+# goes when the stage ends.
 @ray.remote(max_calls=1)
 def _presample_task(cfg: RunConfig, model_dir: str, train: str, out_dir: str) -> dict:
     # torch and vLLM, in the Ray worker that runs the engine: the driver never loads them for it.
@@ -156,7 +157,10 @@ def prepare(cfg: RunConfig, paths: RunPaths, timer: StageTimer, need_presample: 
     if not (paths.presample / "summary.json").is_file():
         t = time.time()
         with console.status(f"pre-sampling: {cfg.presample.k} samples per training prompt from pi_0"):
-            ray.get(_presample_task.options(**on_home_node()).remote(cfg, str(base), str(train), str(paths.presample)))
+            # In the first RL run's actor process where it can (one engine build for both), else alone.
+            if not presample_on_actor(cfg, base, train, paths.presample):
+                ray.get(_presample_task.options(**on_home_node()).remote(cfg, str(base), str(train),
+                                                                         str(paths.presample)))
         timer.add("pre-sampling", t)
     presample = json.loads((paths.presample / "summary.json").read_text())
     console.print(f"pre-sampling: pi_0 solves {presample['sample_accuracy']:.0%} of samples; D_pef "
@@ -194,12 +198,11 @@ def _architecture(model_dir: Path) -> str:
 
 
 def evaluate_models(cfg: RunConfig, jobs: list[EvalJob], tests: dict[str, Path], arch: Path | None = None) -> None:
-    """Evaluate the jobs whose results are not written yet, in fresh Ray worker processes (an engine's
-    memory goes when its worker exits): one worker and one engine for all models of one architecture,
-    each loaded into it in turn. `arch`: the model directory a checkpoint's weights belong to."""
+    """Evaluate the jobs whose results are not written yet: one engine for all models of one
+    architecture, each loaded into it in turn; that of the process an RL run kept as its actor 0 if
+    there is one, else one in a fresh Ray worker process (its memory goes when the worker exits).
+    `arch`: the model directory a checkpoint's weights belong to."""
     todo = [job for job in jobs if not job.out.is_file()] if tests else []
-    if todo:
-        release_actors()  # the RL runs' kept engines give their memory to the evaluation's
     groups: dict[str, tuple[Path, list[EvalJob]]] = {}
     for job in todo:
         model_dir = arch if is_learner_checkpoint(job.weights) else job.weights
@@ -209,8 +212,10 @@ def evaluate_models(cfg: RunConfig, jobs: list[EvalJob], tests: dict[str, Path],
     for model_dir, group in groups.values():
         names = ", ".join(job.out.stem for job in group)
         with console.status(f"evaluating {names}: greedy and {cfg.eval.k_max} samples per test prompt"):
-            ray.get(_evaluate_task.options(**on_home_node()).remote(
-                cfg, str(model_dir), group, {k: str(v) for k, v in tests.items()}))
+            # In the process an RL run kept, where one is (no engine build), else in a fresh one.
+            if not evaluate_on_kept_actor(cfg, model_dir, group, tests):
+                ray.get(_evaluate_task.options(**on_home_node()).remote(
+                    cfg, str(model_dir), group, {k: str(v) for k, v in tests.items()}))
 
 
 def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:

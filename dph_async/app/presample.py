@@ -92,12 +92,14 @@ def _sample(engine: VLLMEngine, scorer: Scorer, records: list[PromptRecord], spe
 
 
 def presample(cfg: RunConfig, model_dir: Path, train_path: Path, out_dir: Path,
-              tokenizer: PreTrainedTokenizerBase | None = None) -> PresampleSummary:
-    """Write out_dir/{samples.parquet, reference_pool.parquet, d_exp.parquet, summary.json}."""
+              tokenizer: PreTrainedTokenizerBase | None = None, engine: VLLMEngine | None = None) -> PresampleSummary:
+    """Write out_dir/{samples.parquet, reference_pool.parquet, d_exp.parquet, summary.json}, sampling
+    with `engine` (one of `model_dir`'s weights) or, without one, an engine built here."""
     start = time.time()
     ps = cfg.presample
-    engine = VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                        seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads)
+    if engine is None:
+        engine = VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+                            seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads)
     tok = tokenizer or engine.tokenizer
     records = load_prompts(train_path, tok, cfg.model.max_model_len - cfg.sampling.max_tokens)
     spec = SamplingSpec(temperature=ps.temperature, top_p=ps.top_p, max_tokens=cfg.sampling.max_tokens, n=ps.k)
