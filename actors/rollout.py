@@ -72,7 +72,7 @@ class ActorStats:
     ticket_seconds: float = 0.0  # asking for admission while the engine has work
     send_seconds: float = 0.0
     weight_bytes: int = 0
-    weight_fetch_failures: int = 0  # versions refused (bad checksum, no longer held); the old weights stay
+    weight_fetch_failures: int = 0  # versions refused (bad checksum, no longer held) or unanswered; old weights stay
     weight_shm_loads: int = 0  # of weight_loads: read from the learner's shared memory (the rest over TCP)
     weight_shm_fallbacks: int = 0  # versions whose segment could not be opened here: read over TCP
     weight_leased_loads: int = 0  # of weight_shm_loads: the engine kept views of the leased segment, no copy
@@ -104,22 +104,22 @@ class RolloutWorker:
     def update_weights(self) -> None:
         """Load the newest published weights if they are newer than the engine's."""
         start = time.time()
-        ready = self.weights.newest(self.engine.version)
-        self._mark(start, "query")
-        if ready is None:
-            return
-        start = time.time()
         try:
+            ready = self.weights.newest(self.engine.version)
+            self._mark(start, "query")
+            if ready is None:
+                return
+            start = time.time()
             with self.weights.tensors(ready, lease=self.engine.shares_weights) as tensors:
                 fetched = time.time()
                 viewing = self.engine.load_weights(tensors, ready.version, keep=self.weights.leased)
         except WeightFetchError as e:
-            # Nothing of that version reached the engine (it was refused before the load began);
-            # generation goes on with the weights it has, and the next pass asks again (for the
-            # newest version, which may be another one).
+            # Nothing of that version reached the engine (it was refused, or the server fell silent,
+            # before the load began); generation goes on with the weights it has, and the next pass
+            # asks again (for the newest version, which may be another one).
             n = self.stats.weight_fetch_failures = self.stats.weight_fetch_failures + 1
             if n & (n - 1) == 0:  # the 1st, 2nd, 4th, ... failure: a persistent fault does not flood the log
-                log.warning("actor %d: weights not loaded, keeping version %d (%d refused so far): %s",
+                log.warning("actor %d: weights not loaded, keeping version %d (%d failed so far): %s",
                             self.actor_id, self.engine.version, n, e)
             return
         if not viewing:  # the engine holds its own copies (or fell back to vLLM's reload): the slot is free

@@ -43,6 +43,12 @@ class WeightFetchError(RuntimeError):
     its manifest was refused; nothing was loaded."""
 
 
+class WeightServerSilent(WeightFetchError):
+    """The weight server did not answer in time: its gate process was started again and the request
+    was lost with the old one, or the learner is busy. Nothing was loaded; the next request goes out
+    on a new connection."""
+
+
 class WeightTransportError(RuntimeError):
     """learner.weight_transport=shm, and the shared-memory segment cannot be used here."""
 
@@ -96,7 +102,7 @@ class WeightClient:
         # A lost reply would otherwise arrive as the answer to the next request: start afresh.
         sock.close(0)
         self._sock = None
-        raise TimeoutError(f"weight server {self.addr} did not answer within {timeout_s:.0f}s")
+        raise WeightServerSilent(f"weight server {self.addr} did not answer within {timeout_s:.0f}s")
 
     def newest(self, have_version: int, timeout_s: float = 5.0) -> WeightsReady | None:
         """The newest published version's manifest if it is newer than `have_version`: from what the

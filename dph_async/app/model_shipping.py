@@ -17,11 +17,12 @@ so a resumed run's actors start from the learner's current version, not from the
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.weights import WeightClient
+from actors.weights import WeightClient, WeightServerSilent
 from dph_async.protocol import WeightsReady
 
 # Files of a model directory that hold weights (or index them): they come from the weight server.
@@ -53,11 +54,13 @@ def pack(model_dir: Path, prompts: Path) -> Shipment:
 def first_weights(client: WeightClient, timeout_s: float = 300.0) -> WeightsReady:
     """The newest published weights' manifest, waiting while the learner has published none yet."""
     deadline = time.monotonic() + timeout_s
-    while (ready := client.newest(-1)) is None:
+    while True:
+        with contextlib.suppress(WeightServerSilent):  # a lost request (the gate restarted): ask again
+            if (ready := client.newest(-1)) is not None:
+                return ready
         if time.monotonic() > deadline:
             raise TimeoutError(f"the learner published no weights within {timeout_s:.0f}s ({client.addr})")
         time.sleep(0.5)
-    return ready
 
 
 def materialize(shipment: Shipment, weights: WeightClient, dest: Path) -> tuple[Path, Path, int]:
