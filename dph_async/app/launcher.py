@@ -81,6 +81,21 @@ def log_to_file(path: Path) -> None:
 
 
 @contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """These environment variables set for the block, then as they were."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
 def ray_cluster(cfg: RunConfig) -> Iterator[None]:
     """A local Ray cluster (or a connection to `launcher.address`), shut down cleanly on exit. Inside
     one this process already holds, that one is used and left running: its owner shuts it down."""
@@ -99,8 +114,12 @@ def ray_cluster(cfg: RunConfig) -> Iterator[None]:
             # (`ray start`) remains after that cluster stopped, which would make ray.init join it
             # and fail. RAY_ADDRESS, where set, still says which cluster to join.
             address = None if os.environ.get("RAY_ADDRESS") else "local"
-            ray.init(address=address, num_cpus=cpus, include_dashboard=False, logging_level=logging.ERROR,
-                     log_to_driver=False, runtime_env={"env_vars": {"DPH_CACHE_DIR": str(cache_dir())}})
+            # The workers inherit the variable from the raylet started here. A runtime_env would say
+            # the same, but Ray then cannot hand out its prestarted workers: every actor process,
+            # the first RL run's actor and each run's learner among them, took 0.7 s longer to start.
+            with _environ(DPH_CACHE_DIR=str(cache_dir())):
+                ray.init(address=address, num_cpus=cpus, include_dashboard=False, logging_level=logging.ERROR,
+                         log_to_driver=False)
     try:
         yield
     finally:
