@@ -107,7 +107,8 @@ def read_weights(source: Path) -> list[tuple[str, torch.Tensor]]:
 
 
 def build_engine(cfg: RunConfig, model_dir: Path) -> VLLMEngine:
-    """The evaluation engine for the model in `model_dir`, on the learner's threads."""
+    """An engine of `model_dir`'s weights for a stage the driver runs in a worker of its own
+    (evaluation, pre-sampling), on the learner's threads."""
     return VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
                       seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads)
 

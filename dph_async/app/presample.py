@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from actors.engine import Sample, SamplingSpec, VLLMEngine
+from dph_async.app.evaluate import build_engine
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
 from dph_async.rewards.result import RewardResult
@@ -97,9 +98,7 @@ def presample(cfg: RunConfig, model_dir: Path, train_path: Path, out_dir: Path,
     with `engine` (one of `model_dir`'s weights) or, without one, an engine built here."""
     start = time.time()
     ps = cfg.presample
-    if engine is None:
-        engine = VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                            seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads)
+    engine = engine or build_engine(cfg, model_dir)
     tok = tokenizer or engine.tokenizer
     records = load_prompts(train_path, tok, cfg.model.max_model_len - cfg.sampling.max_tokens)
     spec = SamplingSpec(temperature=ps.temperature, top_p=ps.top_p, max_tokens=cfg.sampling.max_tokens, n=ps.k)
