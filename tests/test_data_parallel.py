@@ -12,6 +12,7 @@ averaging instead of summing the shares changes the gradient by 1/R and the para
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 from pathlib import Path
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from test_learner import V, group, recording_gradients, tiny
-from test_zero3 import recording
+from test_zero3 import end_rank, recording
 
 from dph_async.config import LearnerConfig, LossConfig
 from dph_async.protocol import Batch, ReferenceSample
@@ -82,11 +83,13 @@ def run_case(model_dir: str, settings: dict, rendezvous: Rendezvous | None = Non
 
 def rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     """One rank of the data-parallel run: every case in turn, rank 0 saving what it saw."""
+    faulthandler.enable()  # a rank that dies of a signal shows where
     torch.set_num_threads(1)
     os.environ["TORCH_EXTENSIONS_DIR"] = str(ROOT / ".cache" / "torch_extensions")
     results = {name: run_case(model_dir, settings, Rendezvous(rank, world, port)) for name, settings in CASES.items()}
     if rank == 0:
         torch.save(results, out)
+    end_rank()
 
 
 @pytest.fixture(scope="module")
