@@ -190,12 +190,12 @@ def test_zero3_publishes_saves_and_resumes_whole_weights(model_dirs, tmp_path):
 
 def end_rank() -> None:
     """End a rank's process, its work done, as a run ends a learner rank's (Ray kills it), without
-    the interpreter's teardown: that destroys each rank's gloo groups while the other rank closes its
-    sockets, and gloo may then abort the process (SIGABRT, once in CI, after every case had passed)."""
+    the interpreter's teardown of its DeepSpeed engines and gloo groups while the other rank exits:
+    that is where a rank once aborted in CI (SIGABRT), after the other had completed every collective
+    with it and saved the results."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
 
 
 def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
