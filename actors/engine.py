@@ -10,6 +10,7 @@ is kept, as PipelineRL does). Log-probs are those of the distribution actually s
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ class SamplingSpec:
 class Engine(Protocol):
     version: int
     shares_weights: bool  # whether load_weights(keep=True) may keep views of the tensors it is given
+    forward_seconds: float  # CPU-seconds in the model's forward passes; the rest of a step is bookkeeping
 
     def add(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec, n: int = 1) -> None: ...
     def step(self) -> list[Sample]: ...
@@ -94,6 +96,30 @@ def _the_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+class ForwardClock:
+    """CPU-seconds of the calling thread inside the hooked modules' forward passes.
+
+    What separates an engine step's arithmetic from its bookkeeping (scheduling, sampling, output
+    objects): the split that says how far a cheaper engine could take a step (docs/benchmarks.md).
+    Thread time, as the engine runs its model on the thread that steps it.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def hook(self, *modules: torch.nn.Module) -> None:
+        for m in modules:
+            m.register_forward_pre_hook(self._enter)
+            m.register_forward_hook(self._exit)
+
+    def _enter(self, *_: object) -> None:
+        self._start = time.thread_time()
+
+    def _exit(self, *_: object) -> None:
+        self.seconds += time.thread_time() - self._start
+
+
 class VLLMEngine:
     """vLLM's LLMEngine driven request by request, with per-token policy versions."""
 
@@ -110,6 +136,11 @@ class VLLMEngine:
                        logprobs_mode="processed_logprobs", enable_prefix_caching=True)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
+        # The in-process engine core runs the model on this thread: the decoder and the LM head's
+        # logits, which vLLM computes outside the model's forward.
+        model = self.llm.apply_model(_the_model)[0]
+        self._clock = ForwardClock()
+        self._clock.hook(model, *[m for m in (getattr(model, "logits_processor", None),) if m is not None])
         self.version = version
         self._seed = seed
         self._epoch = 0  # runs of this engine (reset): part of the prefix-cache salt
@@ -120,6 +151,10 @@ class VLLMEngine:
         # Under F.linear the layers run on their weights as loaded, so a load may make them views of
         # a leased shared-memory segment (no copy); oneDNN packs a copy of every layer anyway.
         self.shares_weights = cpu_gemm == "torch"
+
+    @property
+    def forward_seconds(self) -> float:
+        return self._clock.seconds
 
     @property
     def _salt(self) -> str:

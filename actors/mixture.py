@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from actors.engine import Sample, SamplingSpec
+from actors.engine import ForwardClock, Sample, SamplingSpec
 
 SAMPLER_WEIGHTS: dict[str, tuple[float, ...]] = {
     "online": (1.0,),
@@ -86,6 +86,12 @@ class MixtureEngine:
         self.eos_id = self.tokenizer.eos_token_id if eos_id is None else eos_id
         self.gen = torch.Generator().manual_seed(seed)
         self._live: dict[str, _Request] = {}
+        self._clock = ForwardClock()
+        self._clock.hook(self.policy, self.ref)
+
+    @property
+    def forward_seconds(self) -> float:
+        return self._clock.seconds
 
     def add(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec, n: int = 1) -> None:
         if spec.temperature <= 0 or spec.top_p != 1.0 or spec.top_k != -1:

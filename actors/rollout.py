@@ -64,6 +64,8 @@ class ActorStats:
     groups_sent: int = 0
     tokens_generated: int = 0
     generate_seconds: float = 0.0  # inside engine steps
+    generate_cpu_seconds: float = 0.0  # the thread's CPU-seconds inside engine steps
+    forward_cpu_seconds: float = 0.0  # of those, in the model's forward passes; the rest is the engine's bookkeeping
     wait_seconds: float = 0.0  # waiting for tickets or weights
     score_seconds: float = 0.0
     weight_loads: int = 0
@@ -169,6 +171,7 @@ class RolloutWorker:
         resume = self.sender.resume()
         accepted = set(resume.accepted_above)
         next_seq = self.stats.resumed_at = resume.watermark
+        forward0 = self.engine.forward_seconds  # a kept engine's clock runs on from its earlier runs
         self.update_weights()
         slots = self.cfg.actors.max_inflight_prompts
         while not stop.is_set() and (max_groups is None or self.stats.groups_sent < max_groups):
@@ -199,9 +202,11 @@ class RolloutWorker:
                 self.stats.wait_seconds += time.time() - start
                 self._mark(start, "wait")
                 continue
-            start = time.time()
+            start, cpu = time.time(), time.thread_time()
             done = self.engine.step()
+            self.stats.generate_cpu_seconds += time.thread_time() - cpu
             self.stats.generate_seconds += time.time() - start
+            self.stats.forward_cpu_seconds = self.engine.forward_seconds - forward0
             self._mark(start, "generate")
             for sample in done:
                 seq = int(sample.key.split("/")[0])

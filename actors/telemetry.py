@@ -48,6 +48,9 @@ class ActorCollector(Collector):
         yield counter("dph_actor_tokens_generated", "Tokens generated", s.tokens_generated)
         yield counter("dph_actor_groups_sent", "Rollout groups sent to the replay", s.groups_sent)
         yield counter("dph_actor_weight_loads", "New weights loaded into the engine", s.weight_loads)
+        yield counter("dph_actor_forward_cpu_seconds", "CPU-seconds of engine steps in the model's forward "
+                      "(the rest of dph_actor_seconds{what=\"generate\"} is the engine's bookkeeping)",
+                      s.forward_cpu_seconds)
         seconds = CounterMetricFamily("dph_actor_seconds", "Time spent, by activity", labels=["actor", "what"])
         for what in ("generate", "wait", "score", "ticket", "send", "weight_load"):
             seconds.add_metric([*actor, what], getattr(s, f"{what}_seconds"))

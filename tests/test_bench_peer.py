@@ -4,6 +4,8 @@ the summaries against their closed forms, and a short run of the loop on a tiny 
 from __future__ import annotations
 
 import json
+import random
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from dph_async.app.bench.peer import PeerRun, ensure_trl, summarise
+from dph_async.app.bench.peer_limit import limit_of, parts_of
 from dph_async.app.bench.peer_loop import completion_mask, response_logprobs
 from dph_async.app.bench.peer_spec import PeerSpec
 from dph_async.app.bench.weights import Round, _summary
@@ -53,9 +56,9 @@ def test_loop_logprobs_match_each_sequence_alone():
             torch.testing.assert_close(got[b, :len(c)], alone, rtol=0, atol=1e-12)
 
 
-def _run(system: str, repeat: int, step_s: float, completions_per_s: float) -> PeerRun:
+def _run(system: str, repeat: int, step_s: float, completions_per_s: float, detail: dict | None = None) -> PeerRun:
     return PeerRun(system, repeat, 10, step_s, completions_per_s, 4 * completions_per_s, {"generate": step_s / 2},
-                   1.0, (1.0, 1.0), 0.0, 0.5)
+                   1.0, (1.0, 1.0), 0.0, 0.5, 2 * step_s, detail or {})
 
 
 def test_summary_takes_medians_and_the_ratio_of_medians():
@@ -66,6 +69,43 @@ def test_summary_takes_medians_and_the_ratio_of_medians():
     assert medians["dph-async"]["phase generate"] == 0.25
     assert medians["loop"]["step_s"] == pytest.approx(0.25)
     assert ratios == {"loop": pytest.approx(256 / 533.5), "trl": pytest.approx(0.5)}
+
+
+def _dph_detail(rng: random.Random) -> dict:
+    return {"cpu_cores": {"learner": rng.uniform(0.6, 1), "actors": rng.uniform(0.95, 1), "ray": rng.uniform(0, 0.1)},
+            "learner_phase_s": {"forward": rng.uniform(0.01, 0.03), "loss": rng.uniform(0, 0.01),
+                                "backward": rng.uniform(0.02, 0.05), "optimizer": rng.uniform(0, 0.01),
+                                "batching": rng.uniform(0, 0.02)},
+            "tokens_per_step": rng.uniform(300, 900), "engine_cpu_per_token": rng.uniform(1e-4, 2e-4),
+            "forward_cpu_per_token": rng.uniform(2e-5, 8e-5)}
+
+
+def test_limit_splits_the_cpu_of_a_step_and_bounds_the_ratio_by_the_cores():
+    rng = random.Random()
+    step_s = [rng.uniform(0.2, 0.3) for _ in range(3)]
+    details = [_dph_detail(rng) for _ in step_s]
+    runs = [_run("dph-async", i, s, 128 / s, d) for i, (s, d) in enumerate(zip(step_s, details, strict=True))]
+    runs += [_run("loop", 1, 0.15, 853), _run("loop", 2, 0.19, 673), _run("trl", 1, 0.1, 1280)]
+    lim = limit_of(runs, cores=2)
+    assert lim.loop_step_s == pytest.approx(0.17) and lim.loop_cpu_s == pytest.approx(0.34)
+    assert lim.allowed_cpu_s == pytest.approx(2 * 0.17 / 1.5)
+    # Each part is the median over the runs of its definition (these inputs need no clamping).
+    for part, value in [
+        ("learner: training", lambda s, d: sum(d["learner_phase_s"][k] for k in ("forward", "loss", "backward",
+                                                                                 "optimizer"))),
+        ("actors: the model's forward", lambda s, d: d["forward_cpu_per_token"] * d["tokens_per_step"]),
+        ("Ray", lambda s, d: d["cpu_cores"]["ray"] * s),
+    ]:
+        assert lim.parts[part] == pytest.approx(statistics.median(value(s, d) for s, d in zip(step_s, details,
+                                                                                             strict=True)))
+    for s, d in zip(step_s, details, strict=True):  # the parts of one run add up to its processes' CPU
+        parts = parts_of(_run("dph-async", 0, s, 1.0, d))
+        assert sum(parts.values()) == pytest.approx(sum(d["cpu_cores"][k] for k in ("learner", "actors", "ray")) * s)
+    total = sum(lim.parts.values())
+    assert lim.ceilings["every part, as measured"] == pytest.approx(2 * 0.17 / total)
+    assert lim.ceilings["training and the model's forward alone"] == pytest.approx(
+        2 * 0.17 / (lim.parts["learner: training"] + lim.parts["actors: the model's forward"]))
+    assert limit_of([r for r in runs if r.system != "loop"], cores=2) is None
 
 
 def test_weights_summary_is_bytes_over_median_seconds():
@@ -109,6 +149,7 @@ def test_loop_runs_the_work_and_times_its_phases(tmp_path):
         assert s["completions"] == 12 and 12 <= s["tokens"] <= 60
         phases = sum(s[p] for p in ("generate", "reward", "forward", "backward", "optimizer"))
         assert 0 < phases <= s["step_s"] + 1e-9
+        assert 0 < s["cpu_s"] <= out["threads"] * s["step_s"] + 0.05  # torch's threads, busy at most
 
 
 @pytest.mark.slow

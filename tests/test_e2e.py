@@ -120,6 +120,9 @@ def test_async_respects_staleness_and_trains(prepared):
     assert all(a["weight_loads"] >= 1 for a in result.actors if a["groups_sent"] > 0)
     assert max(newest for s in steps for *_, newest in s["groups"]) >= 1
     assert (rl_dir / "final_model" / "config.json").is_file()
+    # An engine step's CPU splits into the model's forward and vLLM's bookkeeping (bench peer's limit).
+    assert all(0 < a["forward_cpu_seconds"] < a["generate_cpu_seconds"] for a in result.actors
+               if a["groups_sent"] > 0), result.actors
 
 
 def _without_seconds(results: dict) -> dict:

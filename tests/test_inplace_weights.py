@@ -48,7 +48,9 @@ def compare(a, b, gemm):
     model_b = AutoModelForCausalLM.from_pretrained(b)
     tensors = [(k, v.clone()) for k, v in model_b.state_dict().items()]
     engine.load_weights(tensors, version=1)
+    forward, cpu = engine.forward_seconds, time.thread_time()
     loaded = engine.generate(prompts, spec)
+    forward_share = [(engine.forward_seconds - forward) / (time.thread_time() - cpu)]
     engine.load_weights([(k, v.clone()) for k, v in AutoModelForCausalLM.from_pretrained(a).state_dict().items()], 2)
     server = WeightServer("tcp://127.0.0.1:0", NetSecurity(), 1 << 20, transport="shm")
     client = WeightClient(server.address, NetSecurity(), actor_id=0, transport="shm")
@@ -70,13 +72,15 @@ def compare(a, b, gemm):
     kept = [name for name, p in model.named_parameters() if name.endswith("proj.weight") and p.numel() > 0]
     engine.reset(str(a))  # what a kept actor does before its next run: back to A, version 0
     reset_unseeded = engine.generate(prompts, unseeded)
+    forward, cpu = engine.forward_seconds, time.thread_time()
     reset = engine.generate(prompts, spec)
+    forward_share.append((engine.forward_seconds - forward) / (time.thread_time() - cpu))
     fresh = VLLMEngine(str(b), max_model_len=32, cpu_gemm=gemm).generate(prompts, spec)
     dump = lambda gs: [[(s.token_ids, s.logprobs) for s in g] for g in gs]
     return {"loads": engine.loads, "before": dump(before), "loaded": dump(loaded), "loaded_shm": dump(loaded_shm),
             "fresh": dump(fresh), "linear_weights_kept": len(kept), "reset": dump(reset),
             "before_unseeded": dump(before_unseeded), "reset_unseeded": dump(reset_unseeded),
-            "reset_version": engine.version, "views": views, "replaced": replaced}
+            "reset_version": engine.version, "views": views, "replaced": replaced, "forward_share": forward_share}
 
 def main():
     out, *cases = sys.argv[1:]
@@ -141,6 +145,9 @@ def test_inplace_load_matches_a_fresh_engine(tmp_path):
         assert res["loaded"] == res["fresh"], case  # same tokens, bit-identical log-probs
         assert res["loaded_shm"] == res["fresh"], case
         assert res["loaded"] != res["before"], case  # the load changed what the engine computes
+        # The engine's forward clock runs inside generation and not beyond it, after in-place loads
+        # and a reset alike (the split `bench peer` reports between the model and vLLM's bookkeeping).
+        assert all(0 < share < 1 for share in res["forward_share"]), (case, res["forward_share"])
         # Reset to A: the engine computes again what it computed when it was new on A.
         assert res["reset"] == res["before"] and res["reset_version"] == 0, case
         # and draws what a new engine draws: its generator is seeded again

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dph_async.app.bench.cpu import ProcessTreeCPU, cpu_between
+from dph_async.app.bench.peer_limit import Limit, limit_lines, limit_of
 from dph_async.app.bench.peer_spec import PeerSpec
 from dph_async.config import RunConfig
 
@@ -51,6 +52,7 @@ class PeerRun:
     load_avg: tuple[float, float]  # 1-minute load average at the start and at the end
     outside_cores: float | None  # cores others' jobs used during the window
     reward_mean: float
+    cpu_s_per_step: float | None  # every process of the system; None for a peer's result from before it was kept
     detail: dict = field(default_factory=dict)
 
 
@@ -63,6 +65,7 @@ class PeerBench:
     runs: list[PeerRun]
     medians: dict[str, dict[str, float]]  # system -> figure -> median over repeats
     ratios: dict[str, float]  # peer -> dph-async completions/s / the peer's (medians)
+    limit: Limit | None  # what dph-async's CPU-seconds per step allow against the loop (needs both)
     notes: list[str]
 
     def to_json(self) -> str:
@@ -140,6 +143,7 @@ def run_peer(system: str, python: Path, spec_file: Path, prompts_file: Path, out
         phases={p: sum(s[p] for s in win) / len(win) for p in PHASES},
         startup_s=data["startup_s"], load_avg=tuple(data["load_avg"]), outside_cores=data["outside_cores"],
         reward_mean=sum(s["reward_mean"] for s in win) / len(win),
+        cpu_s_per_step=sum(s["cpu_s"] for s in win) / len(win) if "cpu_s" in win[0] else None,
         detail={k: v for k, v in data.items() if k in ("threads", "loss_type", "prompt_ids_match")},
     )
 
@@ -165,9 +169,21 @@ def run_dph(cfg: RunConfig, out: Path, repeat: int, skip: int) -> PeerRun:
         tokens_per_s=f.tokens_per_s, phases={"learner wait (g)": f.generate_s, "learner train (t)": f.train_s},
         startup_s=result["wall_seconds"] - f.window_s, load_avg=(load0, os.getloadavg()[0]),
         outside_cores=f.cpu_cores.get("outside") if f.cpu_cores else None, reward_mean=f.reward_last,
-        detail={"eta": f.eta, "actors": f.actors, "cpu_cores": f.cpu_cores, "cpu_s_per_step": f.cpu_s_per_step,
+        cpu_s_per_step=f.cpu_s_per_step,
+        detail={"eta": f.eta, "actors": f.actors, "cpu_cores": f.cpu_cores, "learner_phase_s": f.learner_phase_s,
+                "tokens_per_step": f.tokens_per_s * f.step_s, **engine_cpu_per_token(result["actors"]),
                 "weights": asdict(f.weights), "learner_busy": f.learner_busy, "actors_busy": f.actors_busy},
     )
+
+
+def engine_cpu_per_token(actors: list[dict]) -> dict[str, float]:
+    """The engines' thread CPU per generated token over a run: in engine steps, and of that in the
+    model's forward (none from a run recorded before actors kept them)."""
+    if not actors or any("forward_cpu_seconds" not in a for a in actors):
+        return {}
+    tokens = sum(a["tokens_generated"] for a in actors) or 1
+    return {"engine_cpu_per_token": sum(a["generate_cpu_seconds"] for a in actors) / tokens,
+            "forward_cpu_per_token": sum(a["forward_cpu_seconds"] for a in actors) / tokens}
 
 
 def write_inputs(cfg: RunConfig, model: Path, data: Path, out: Path) -> tuple[Path, Path]:
@@ -244,7 +260,8 @@ def run(cfg: RunConfig, out: Path, repeats: int, skip: int, machine: dict, syste
     res = PeerBench(date=time.strftime("%Y-%m-%d %H:%M %Z"), machine={**machine, "load_avg_end": os.getloadavg()},
                     workload={**asdict(spec_of(cfg, prepared.base, prepared.train)), "eta": cfg.replay.max_staleness,
                               "objective": cfg.learner.loss.objective, "actors": cfg.actors.num_actors},
-                    skip=skip, runs=runs, medians=medians, ratios=ratios, notes=notes)
+                    skip=skip, runs=runs, medians=medians, ratios=ratios,
+                    limit=limit_of(runs, os.cpu_count() or 1), notes=notes)
     (out / "bench.json").write_text(res.to_json())
     return res
 
@@ -274,6 +291,8 @@ def markdown(res: PeerBench) -> str:
              f"{r.load_avg[0]:.1f} -> {r.load_avg[1]:.1f}",
              f"{r.outside_cores:.2f}" if r.outside_cores is not None else "-"] for r in res.runs]), "",
     ]
+    if res.limit is not None:
+        lines += limit_lines(res.limit)
     if res.notes:
         lines += ["Notes:", "", *(f"- {n}" for n in res.notes), ""]
     return "\n".join(lines)

@@ -44,6 +44,7 @@ class StepTimes:
     completions: int
     tokens: int
     reward_mean: float
+    cpu_s: float  # the process's CPU-seconds in the step (every thread)
 
 
 def completion_mask(ids: torch.Tensor, eos: int) -> torch.Tensor:
@@ -84,7 +85,7 @@ def train(spec: PeerSpec, out: Path) -> None:
     first_step = time.time()
     with make_scorer(RewardConfig()) as scorer:
         for step in range(spec.steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             batch = [prompts[(step * spec.prompts_per_step + i) % len(prompts)] for i in range(spec.prompts_per_step)]
             width = max(len(p.prompt_ids) for p in batch)
             prompt_ids = torch.tensor([[pad] * (width - len(p.prompt_ids)) + list(p.prompt_ids) for p in batch])
@@ -118,7 +119,7 @@ def train(spec: PeerSpec, out: Path) -> None:
             optimizer.zero_grad(set_to_none=True)
             t5 = time.perf_counter()
             steps.append(StepTimes(t5 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, len(texts),
-                                   int(mask.sum()), sum(rewards) / len(rewards)))
+                                   int(mask.sum()), sum(rewards) / len(rewards), time.process_time() - c0))
     out.write_text(json.dumps({"system": "loop", "threads": torch.get_num_threads(),
                                "startup_s": first_step - T_START, "steps": [asdict(s) for s in steps]}))
 

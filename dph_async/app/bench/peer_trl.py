@@ -93,7 +93,7 @@ class StepTimer(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.first_step = self.first_step or time.time()
-        self.start = time.perf_counter()
+        self.start, self.cpu = time.perf_counter(), time.process_time()
         self.trainer.phase = dict.fromkeys(PHASES, 0.0)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -105,7 +105,7 @@ class StepTimer(TrainerCallback):
                            "completions": t.args.per_device_train_batch_size,
                            "tokens": round(metrics["completions/mean_length"][-1] *
                                            t.args.per_device_train_batch_size),
-                           "reward_mean": float(metrics["reward"][-1])})
+                           "reward_mean": float(metrics["reward"][-1]), "cpu_s": time.process_time() - self.cpu})
 
 
 def main() -> None:
