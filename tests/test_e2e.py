@@ -331,7 +331,8 @@ def test_zero3_over_two_learner_ranks_publishes_measures_and_saves_whole_weights
 def test_under_f_linear_the_actor_runs_on_the_learners_shared_weights(prepared):
     """actors.cpu_gemm=torch: every version reaches the engine as views of the learner's shared-memory
     slot, leased while the engine runs on it (no copy), and the behaviour log-probs are still the
-    learner's at the version that made them (sync mode: one version per group)."""
+    learner's at the version that made them (sync mode: one version per group). With two threads per
+    actor: the engine runs on threads other than the one that built it, with the same thread count."""
     from test_run_command import LOGPROB_TOL, worst_gap
     from transformers import AutoModelForCausalLM
 
@@ -340,8 +341,8 @@ def test_under_f_linear_the_actor_runs_on_the_learners_shared_weights(prepared):
     from replay.wal import IngestRecord, WriteAheadLog
 
     result, rl_dir = train(prepared, "views", "mode=sync", "learner.steps=4", "actors.num_actors=1",
-                           "actors.cpu_gemm=torch", "learner.checkpoint_every=2", "learner.keep_checkpoints=0",
-                           mode="grpo")
+                           "actors.cpu_gemm=torch", "actors.threads=2", "learner.checkpoint_every=2",
+                           "learner.keep_checkpoints=0", mode="grpo")
     (actor,) = result.actors
     assert actor["weight_loads"] >= 3, actor
     assert actor["weight_leased_loads"] == actor["weight_shm_loads"] == actor["weight_loads"], actor

@@ -507,6 +507,12 @@ def _new_actor(cfg: RunConfig, key: tuple, placement: dict) -> ray.actor.ActorHa
     binds it again), on another node if its own is gone."""
     keep_s = cfg.launcher.keep_actors_s
     options = dict(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts, max_task_retries=0)
+    if cfg.actors.threads > 1:
+        # OpenMP's thread count is per OS thread, and vLLM fixes torch's after its build; the calls run
+        # on Ray's threads, not the one that built the engine, so the count must be every thread's
+        # default from the process's start (vLLM's CPU attention checks that its plan and its kernel
+        # agree). Ray would set 1, from num_cpus.
+        options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(cfg.actors.threads)}}
     return ActorProcess.options(**options, **placement, **new_actor_options(key, keep_s)).remote(key[0], keep_s)
 
 
