@@ -115,7 +115,8 @@ class ActorsConfig(Section):
     # vLLM reads this as whole GiB.
     kv_cache_gib: int = Field(1, ge=1)
     # Threads torch may use inside each actor process. More than 1 pays where actors have cores of
-    # their own: beside the learner on 2 cores, 2 threads ran the embedded default 19% slower.
+    # their own: beside the learner on 2 cores the embedded default ran at 0.32 s/step with 2 threads
+    # against 0.27 with 1 (one run each, `bench peer`, 2026-11-26).
     threads: int = Field(1, ge=1)
     # The CPU engine's linear layers. onednn: vLLM packs each weight for oneDNN, which generates
     # faster (1.4x at 134 M parameters, one thread) but must pack again on every weight load (85% of
