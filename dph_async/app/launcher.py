@@ -424,18 +424,6 @@ class ActorProcess:
                                             seed=cfg.seed + 1000 * actor_id, threads=cfg.actors.threads)
             return _prompts(cfg, prompts_path, self.engine)
 
-    @contextlib.contextmanager
-    def _threads(self, cfg: RunConfig) -> Iterator[None]:
-        """The learner's threads while this process does a stage's work in the driver's stead (the
-        cores its own process would have had), then the actor's again."""
-        import torch
-
-        torch.set_num_threads(cfg.learner.threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(cfg.actors.threads)
-
     def presample(self, cfg: RunConfig, model_dir: str, train: str, out_dir: str) -> None:
         """Pre-sample pi_0 (dph_async/app/presample.py) with this process's engine, built here if it has
         none: the RL run that takes the process next starts on an engine already built."""
@@ -446,8 +434,7 @@ class ActorProcess:
             self.engine = _online_engine(cfg, model_dir, self.actor_id)
         else:
             self.engine.reset(model_dir)
-        with self._threads(cfg):
-            presample(cfg, Path(model_dir), Path(train), Path(out_dir), engine=self.engine)
+        presample(cfg, Path(model_dir), Path(train), Path(out_dir), engine=self.engine)
 
     def evaluate(self, cfg: RunConfig, model_dir: str, jobs: list[EvalJob], test_sets: dict[str, str]) -> None:
         """Evaluate `jobs` (dph_async/app/evaluate.py) with this process's engine, reset to `model_dir`'s
@@ -456,8 +443,7 @@ class ActorProcess:
 
         log_to_file(jobs[0].out.with_suffix(".log"))
         self.engine.reset(model_dir)
-        with self._threads(cfg):
-            evaluate_jobs(cfg, Path(model_dir), jobs, {k: Path(v) for k, v in test_sets.items()}, engine=self.engine)
+        evaluate_jobs(cfg, Path(model_dir), jobs, {k: Path(v) for k, v in test_sets.items()}, engine=self.engine)
 
     def unbind(self) -> None:
         """Close the run's connections, reward workers and metrics endpoint; the engine stays."""
