@@ -87,8 +87,11 @@ def test_limit_splits_the_cpu_of_a_step_and_bounds_the_ratio_by_the_cores():
     runs = [_run("dph-async", i, s, 128 / s, d) for i, (s, d) in enumerate(zip(step_s, details, strict=True))]
     runs += [_run("loop", 1, 0.15, 853), _run("loop", 2, 0.19, 673), _run("trl", 1, 0.1, 1280)]
     lim = limit_of(runs, cores=2)
-    assert lim.loop_step_s == pytest.approx(0.17) and lim.loop_cpu_s == pytest.approx(0.34)
-    assert lim.allowed_cpu_s == pytest.approx(2 * 0.17 / 1.5)
+    assert set(lim.peers) == {"loop", "trl"}
+    loop = lim.peers["loop"]
+    assert loop.step_s == pytest.approx(0.17) and loop.cpu_s == pytest.approx(0.34)
+    assert loop.allowed_cpu_s == pytest.approx(2 * 0.17 / 1.5)
+    assert lim.peers["trl"].allowed_cpu_s == pytest.approx(2 * 0.1 / 1.5)
     # Each part is the median over the runs of its definition (these inputs need no clamping).
     for part, value in [
         ("learner: training", lambda s, d: sum(d["learner_phase_s"][k] for k in ("forward", "loss", "backward",
@@ -102,10 +105,14 @@ def test_limit_splits_the_cpu_of_a_step_and_bounds_the_ratio_by_the_cores():
         parts = parts_of(_run("dph-async", 0, s, 1.0, d))
         assert sum(parts.values()) == pytest.approx(sum(d["cpu_cores"][k] for k in ("learner", "actors", "ray")) * s)
     total = sum(lim.parts.values())
-    assert lim.ceilings["every part, as measured"] == pytest.approx(2 * 0.17 / total)
-    assert lim.ceilings["training and the model's forward alone"] == pytest.approx(
-        2 * 0.17 / (lim.parts["learner: training"] + lim.parts["actors: the model's forward"]))
-    assert limit_of([r for r in runs if r.system != "loop"], cores=2) is None
+    arithmetic = lim.parts["learner: training"] + lim.parts["actors: the model's forward"]
+    for name, peer_step in (("loop", 0.17), ("trl", 0.1)):
+        ceilings = lim.peers[name].ceilings
+        assert ceilings["every part, as measured"] == pytest.approx(2 * peer_step / total)
+        assert ceilings["training and vLLM's engine steps"] == pytest.approx(
+            2 * peer_step / (arithmetic + lim.parts["actors: vLLM's bookkeeping"]))
+        assert ceilings["training and the model's forward alone"] == pytest.approx(2 * peer_step / arithmetic)
+    assert limit_of([r for r in runs if r.system == "dph-async"], cores=2) is None
 
 
 def test_weights_summary_is_bytes_over_median_seconds():

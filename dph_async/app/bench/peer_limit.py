@@ -1,11 +1,11 @@
-"""The arithmetic of the limit: how fast dph-async's measured costs let it run against the loop.
+"""The arithmetic of the limit: how fast dph-async's measured costs let it run against a peer.
 
 On `cores` cores no schedule runs a step in less than its CPU-seconds / cores, so at a cost of C
 CPU-seconds per step dph-async runs at most
 
-    ceiling = loop s/step / (C / cores)
+    ceiling = peer s/step / (C / cores)
 
-times the loop's speed, however well its processes overlap. Splitting C into parts and keeping only
+times the peer's speed, however well its processes overlap. Splitting C into parts and keeping only
 some says how far cutting the others could go:
 
     training      the learner's forward, loss, backward and optimizer: what any trainer of this
@@ -16,8 +16,8 @@ some says how far cutting the others could go:
     the rest      the learner's batching, publishing and receiving; the actors' weight loads,
                   scoring and sending; Ray
 
-The target is TARGET x the loop; it is out of reach at the measured costs when even the parts kept
-exceed `allowed_cpu_s` = cores x loop s/step / TARGET.
+The target is TARGET x each peer; it is out of reach at the measured costs when even the parts kept
+exceed `allowed_cpu_s` = cores x the peer's s/step / TARGET.
 """
 
 from __future__ import annotations
@@ -30,13 +30,18 @@ TRAINING = ("forward", "loss", "backward", "optimizer")  # the learner's phases 
 
 
 @dataclass
+class PeerCost:
+    step_s: float  # median over its runs
+    cpu_s: float | None  # its CPU-seconds per step (every thread), median; None if not recorded
+    allowed_cpu_s: float  # dph-async's CPU-seconds per step at TARGET x this peer on every core
+    ceilings: dict[str, float]  # the parts of dph-async kept -> the most dph-async / this peer they allow
+
+
+@dataclass
 class Limit:
     cores: int
-    loop_step_s: float
-    loop_cpu_s: float | None  # the loop's CPU-seconds per step (every thread)
-    allowed_cpu_s: float  # dph-async's CPU-seconds per step at TARGET x the loop on every core
     parts: dict[str, float]  # dph-async's CPU-seconds per step, by part (medians over its runs)
-    ceilings: dict[str, float]  # the parts kept -> the most dph-async / loop they allow
+    peers: dict[str, PeerCost]
 
 
 def parts_of(run) -> dict[str, float] | None:
@@ -60,27 +65,30 @@ def parts_of(run) -> dict[str, float] | None:
     }
 
 
+KEPT = {  # what each ceiling keeps of dph-async's parts
+    "every part, as measured": None,
+    "training and vLLM's engine steps": ("learner: training", "actors: the model's forward",
+                                         "actors: vLLM's bookkeeping"),
+    "training and the model's forward alone": ("learner: training", "actors: the model's forward"),
+}
+
+
 def limit_of(runs: list, cores: int) -> Limit | None:
-    """The limit from the dph-async runs and the loop's runs among `runs` (None without both)."""
+    """The limit from the dph-async runs against each peer among `runs` (None without both)."""
     parts = [p for r in runs if r.system == "dph-async" and (p := parts_of(r)) is not None]
-    loops = [r for r in runs if r.system == "loop"]
-    if not parts or not loops:
+    peers = sorted({r.system for r in runs} - {"dph-async"})
+    if not parts or not peers:
         return None
     med = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
-    loop_step = statistics.median(r.step_s for r in loops)
-    loop_cpu = [r.cpu_s_per_step for r in loops if r.cpu_s_per_step is not None]
-
-    def ceiling(*keys: str) -> float:
-        return cores * loop_step / sum(med[k] for k in keys)
-
-    arithmetic = ("learner: training", "actors: the model's forward")
-    engine = (*arithmetic, "actors: vLLM's bookkeeping")
-    return Limit(
-        cores=cores, loop_step_s=loop_step, loop_cpu_s=statistics.median(loop_cpu) if loop_cpu else None,
-        allowed_cpu_s=cores * loop_step / TARGET, parts=med,
-        ceilings={"every part, as measured": ceiling(*med), "training and vLLM's engine steps": ceiling(*engine),
-                  "training and the model's forward alone": ceiling(*arithmetic)},
-    )
+    costs = {}
+    for peer in peers:
+        mine = [r for r in runs if r.system == peer]
+        step = statistics.median(r.step_s for r in mine)
+        cpu = [r.cpu_s_per_step for r in mine if r.cpu_s_per_step is not None]
+        costs[peer] = PeerCost(
+            step_s=step, cpu_s=statistics.median(cpu) if cpu else None, allowed_cpu_s=cores * step / TARGET,
+            ceilings={name: cores * step / sum(med[k] for k in (keys or med)) for name, keys in KEPT.items()})
+    return Limit(cores=cores, parts=med, peers=costs)
 
 
 def limit_lines(lim: Limit) -> list[str]:
@@ -88,15 +96,20 @@ def limit_lines(lim: Limit) -> list[str]:
     from dph_async.app.report import markdown_table
 
     total = sum(lim.parts.values())
-    loop_cpu = f" (its own CPU: {lim.loop_cpu_s:.3f} CPU-s per step)" if lim.loop_cpu_s is not None else ""
+    peers = list(lim.peers.items())
     return [
         f"## The limit on {lim.cores} cores", "",
-        f"No schedule runs a step in less than its CPU-seconds / {lim.cores}. The loop takes "
-        f"{lim.loop_step_s:.3f} s per step{loop_cpu}; {TARGET:g}x its speed allows dph-async "
-        f"{lim.allowed_cpu_s:.3f} CPU-s per step. dph-async's, by part (medians over its runs):", "",
+        f"No schedule runs a step in less than its CPU-seconds / {lim.cores}: at C CPU-seconds per step "
+        f"dph-async runs at most {lim.cores} x (a peer's s/step) / C times the peer's speed. dph-async's "
+        "CPU-seconds per step, by part (medians over its runs), and the peers':", "",
         markdown_table(["part", "CPU-s per step", "share"],
                        [[k, f"{v:.3f}", f"{v / total:.0%}"] for k, v in lim.parts.items()]
-                       + [["all", f"{total:.3f}", "100%"]]), "",
-        markdown_table(["parts kept (the others cut to nothing)", "at most dph-async / loop"],
-                       [[k, f"{v:.2f}x"] for k, v in lim.ceilings.items()]), "",
+                       + [["dph-async, all", f"{total:.3f}", "100%"]]
+                       + [[f"{name}, all (its s/step: {c.step_s:.3f})",
+                           f"{c.cpu_s:.3f}" if c.cpu_s is not None else "-", "-"] for name, c in peers]
+                       + [[f"what {TARGET:g}x {name} allows dph-async", f"{c.allowed_cpu_s:.3f}", "-"]
+                          for name, c in peers]), "",
+        markdown_table(["parts kept (the others cut to nothing)",
+                        *(f"at most dph-async / {name}" for name, _ in peers)],
+                       [[k, *(f"{c.ceilings[k]:.2f}x" for _, c in peers)] for k in KEPT]), "",
     ]
