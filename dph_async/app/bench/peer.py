@@ -65,7 +65,7 @@ class PeerBench:
     runs: list[PeerRun]
     medians: dict[str, dict[str, float]]  # system -> figure -> median over repeats
     ratios: dict[str, float]  # peer -> dph-async completions/s / the peer's (medians)
-    limit: Limit | None  # what dph-async's CPU-seconds per step allow against the loop (needs both)
+    limit: Limit | None  # what dph-async's CPU-seconds per step allow against each peer (None without one)
     notes: list[str]
 
     def to_json(self) -> str:

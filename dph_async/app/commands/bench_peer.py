@@ -21,11 +21,11 @@ backward, optimizer for the loops; the learner's wait and training for dph-async
 in rl/), the machine's load and the cores others used; then medians over the repeats and the ratio
 dph-async completions/s / the peer's. The default preset is plain GRPO (what the peers do).
 
-The limit (with the loop among the systems): dph-async's CPU-seconds per step by part (the learner's
-training and the rest of the learner; the engines' model forward, vLLM's bookkeeping and the rest of
-the actors; Ray), against what the cores allow: no schedule runs a step in less than its
-CPU-seconds / cores, so the report gives the most dph-async / loop its costs allow, and the same if
-only some parts were left (docs/benchmarks.md).
+The limit: dph-async's CPU-seconds per step by part (the learner's training and the rest of the
+learner; the engines' model forward, vLLM's bookkeeping and the rest of the actors; Ray) and each
+peer's, against what the cores allow: no schedule runs a step in less than its CPU-seconds / cores,
+so the report gives the most dph-async / peer its costs allow, and the same were only some parts
+left (docs/benchmarks.md).
 
 --user-case builds a user's case and benchmarks it: a tiny HF Llama (4 layers, hidden 128, fp32,
 a 16-id character tokenizer, briefly trained), verl-format parquet prompts, 16 prompts x 8 samples,
