@@ -136,11 +136,12 @@ class VLLMEngine:
                        logprobs_mode="processed_logprobs", enable_prefix_caching=True)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
-        # The in-process engine core runs the model on this thread: the decoder and the LM head's
-        # logits, which vLLM computes outside the model's forward.
-        model = self.llm.apply_model(_the_model)[0]
+        # The in-process engine core runs the model in this process, on this thread: apply_model hands
+        # it over (vLLM's reload rebuilds its parameters, never the module). The clock times the
+        # decoder and the LM head's logits, which vLLM computes outside the model's forward.
+        self._model = self.llm.apply_model(_the_model)[0]
         self._clock = ForwardClock()
-        self._clock.hook(model, *[m for m in (getattr(model, "logits_processor", None),) if m is not None])
+        self._clock.hook(self._model, *[m for m in (getattr(self._model, "logits_processor", None),) if m is not None])
         self.version = version
         self._seed = seed
         self._epoch = 0  # runs of this engine (reset): part of the prefix-cache salt
@@ -250,8 +251,7 @@ class VLLMEngine:
         reload, which leaves it only its own memory)."""
         named = list(tensors)
         if self._inplace is None:
-            # The in-process engine core runs the model in this process: apply_model hands it over.
-            self._inplace = InPlaceLoader(self.llm.apply_model(_the_model)[0])
+            self._inplace = InPlaceLoader(self._model)
         if self.inplace_loading and self._inplace.load(named, keep=keep and self.shares_weights):
             self.loads["inplace"] += 1
         else:
