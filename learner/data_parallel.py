@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import re
-import socket
+import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -57,18 +57,19 @@ _ACCEPT_BATCH = protocol.Limits(accept=frozenset({Batch}))
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Where rank `rank` of `world` meets the others: rank 0's TCP store at addr:port."""
+    """Where rank `rank` of `world` meets the others, all on one node: a file store at `store`, in a
+    directory only this user can open (`private_dir`). Nothing listens on the network for it: torch's
+    default, a TCP store, listens on every interface and answers anyone; gloo's own sockets stay on
+    loopback."""
 
     rank: int
     world: int
-    port: int
-    addr: str = "127.0.0.1"
+    store: str
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def private_dir() -> Path:
+    """A new directory that only this user can open (mode 0700), for a rendezvous's store."""
+    return Path(tempfile.mkdtemp(prefix="dph-async-ranks-"))
 
 
 Op = Literal["train", "save", "load", "gather", "stop"]
@@ -228,30 +229,32 @@ def _from_rows(rows: torch.Tensor) -> tuple[PolicyLoss, torch.Tensor, torch.Tens
 
 
 def init_distributed(rendezvous: Rendezvous | None = None) -> Ranks:
-    """Join the learner's process group (one rank on a fresh loopback port without a rendezvous) and,
-    with several ranks, the control group."""
+    """Join the learner's process group (a single rank's, on an in-memory store, without a
+    rendezvous) and, with several ranks, the control group."""
     import deepspeed
 
-    rdv = rendezvous or Rendezvous(0, 1, free_port())
+    rank, world = (rendezvous.rank, rendezvous.world) if rendezvous else (0, 1)
     gpu = torch.cuda.is_available()
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if gpu else "cpu")
-    # Always the rendezvous's port, never one inherited: a process that built a trainer in-process (a
-    # test, a notebook) leaves MASTER_PORT set, and every learner it starts would then meet its still
-    # listening store (EADDRINUSE). A GPU rank started by Ray sees only its own device.
-    local = 0 if torch.cuda.device_count() == 1 else rdv.rank
-    os.environ.update(RANK=str(rdv.rank), LOCAL_RANK=str(local), WORLD_SIZE=str(rdv.world),
-                      MASTER_ADDR=rdv.addr, MASTER_PORT=str(rdv.port))
-    if rdv.addr.startswith("127."):
-        # gloo listens on the address the host name resolves to unless told otherwise: ranks that meet
-        # on loopback keep all their sockets there, as every other socket of a run is by default.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo")
-    if dist.get_world_size() != rdv.world:
+    # A GPU rank started by Ray sees only its own device.
+    local = 0 if torch.cuda.device_count() == 1 else rank
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
+    # gloo listens on the address the host name resolves to unless told otherwise: the ranks share a
+    # node, so all their sockets stay on loopback, as every other socket of a run is by default.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "nccl" if gpu else "gloo"
+    if not dist.is_initialized():
+        # Our store, not DeepSpeed's env:// (a TCP store on every interface, for as long as the process
+        # lives); DeepSpeed then takes the group as it finds it.
+        store = dist.FileStore(rendezvous.store, world) if rendezvous else dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    deepspeed.init_distributed(dist_backend=backend)
+    if dist.get_world_size() != world:
         raise RuntimeError(f"this process already belongs to a group of {dist.get_world_size()} rank(s), "
-                           f"not the {rdv.world} asked for")
-    if rdv.world == 1:
+                           f"not the {world} asked for")
+    if world == 1:
         return Ranks()
-    return Ranks(rdv.rank, rdv.world, dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
+    return Ranks(rank, world, dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
 
 
 def follow(trainer: Trainer, checkpoints: Path) -> int:

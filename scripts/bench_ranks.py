@@ -52,7 +52,7 @@ def synthetic_batch(cfg, vocab: int, seed: int = 0):
     return Batch(0, groups, refs, {})
 
 
-def rank_main(rank: int, world: int, port: int, model_dir: str, overrides: list[str], steps: int, warmup: int,
+def rank_main(rank: int, world: int, store: str, model_dir: str, overrides: list[str], steps: int, warmup: int,
               out: str) -> None:
     import torch
 
@@ -62,7 +62,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, overrides: list[
 
     cfg = load_config("default", [*overrides, f"learner.ranks={world}"])
     torch.set_num_threads(cfg.learner.threads)
-    rdv = Rendezvous(rank, world, port) if world > 1 else None
+    rdv = Rendezvous(rank, world, store) if world > 1 else None
     trainer = Trainer(model_dir, cfg.learner, temperature=cfg.sampling.temperature, dtype=cfg.model.dtype, pad_id=0,
                       max_response_tokens=cfg.sampling.max_tokens, seed=cfg.seed, rendezvous=rdv)
     cpu0 = 0.0
@@ -89,13 +89,11 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, overrides: list[
 
 
 def measure(world: int, model_dir: str, overrides: list[str], steps: int, warmup: int) -> dict:
-    from learner.data_parallel import free_port
-
     ctx = mp.get_context("spawn")
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # mode 0700: the ranks' store as well
         out = os.path.join(tmp, "rank")
-        procs = [ctx.Process(target=rank_main, args=(r, world, port, model_dir, overrides, steps, warmup, out))
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=rank_main, args=(r, world, store, model_dir, overrides, steps, warmup, out))
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -13,6 +13,8 @@ averaging instead of summing the shares changes the gradient by 1/R and the para
 from __future__ import annotations
 
 import faulthandler
+import ipaddress
+import json
 import multiprocessing as mp
 import os
 from pathlib import Path
@@ -27,7 +29,7 @@ from dph_async.config import LearnerConfig, LossConfig
 from dph_async.protocol import Batch, ReferenceSample
 from dph_async.tasks.tiny_model import build_tokenizer
 from learner.batching import Sequence
-from learner.data_parallel import Ranks, Rendezvous, follow, free_port
+from learner.data_parallel import Ranks, Rendezvous, follow
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,12 +83,12 @@ def run_case(model_dir: str, settings: dict, rendezvous: Rendezvous | None = Non
     return {"metrics": metrics, "grads": grads, "params": params}
 
 
-def rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
+def rank_main(rank: int, world: int, store: str, model_dir: str, out: str) -> None:
     """One rank of the data-parallel run: every case in turn, rank 0 saving what it saw."""
     faulthandler.enable()  # a rank that dies of a signal shows where
     torch.set_num_threads(1)
     os.environ["TORCH_EXTENSIONS_DIR"] = str(ROOT / ".cache" / "torch_extensions")
-    results = {name: run_case(model_dir, settings, Rendezvous(rank, world, port)) for name, settings in CASES.items()}
+    results = {name: run_case(model_dir, settings, Rendezvous(rank, world, store)) for name, settings in CASES.items()}
     if rank == 0:
         torch.save(results, out)
     end_rank()
@@ -105,8 +107,8 @@ def model_dir(tmp_path_factory) -> str:
 def two_ranks(model_dir, tmp_path_factory) -> dict:
     out = str(tmp_path_factory.mktemp("dp") / "rank0.pt")
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, 2, port, model_dir, out)) for r in range(2)]
+    store = str(tmp_path_factory.mktemp("rendezvous") / "store")
+    procs = [ctx.Process(target=rank_main, args=(r, 2, store, model_dir, out)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -140,6 +142,44 @@ def test_two_ranks_take_the_step_of_one(model_dir, two_ranks, case):
     assert results.keys() == {k for k in two["metrics"] if not k.startswith(TIMING)}
     for k, v in results.items():
         assert two["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+
+
+def listening(rank: int, world: int, store: str, out: str) -> None:
+    """Join a learner group (one rank: without a rendezvous) and write where this process listens."""
+    import psutil
+    import torch.distributed as dist
+
+    from learner.data_parallel import init_distributed
+
+    init_distributed(Rendezvous(rank, world, store) if world > 1 else None)
+    if world > 1:
+        dist.barrier()  # both ranks have met: every socket of the group is open
+    conns = psutil.Process().net_connections("inet")
+    Path(f"{out}.{world}.{rank}").write_text(json.dumps([c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN]))
+    if world > 1:
+        dist.barrier()  # neither leaves before the other has looked
+    end_rank()
+
+
+@pytest.mark.slow
+def test_learner_ranks_listen_on_loopback_only(tmp_path):
+    """A learner, alone or with another rank, opens no port beyond loopback: DeepSpeed's default
+    rendezvous, a TCP store, would listen on every interface for the life of the process."""
+    ctx = mp.get_context("spawn")
+    jobs = [(0, 1), (0, 2), (1, 2)]
+    out = str(tmp_path / "listening")
+    procs = [ctx.Process(target=listening, args=(r, w, str(tmp_path / "store"), out)) for r, w in jobs]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for rank, world in jobs:
+        addresses = json.loads(Path(f"{out}.{world}.{rank}").read_text())
+        # gloo's own listener at least: the process's sockets were seen
+        assert addresses and all(ipaddress.ip_address(a).is_loopback for a in addresses), (rank, world, addresses)
 
 
 def test_units_are_shared_out_once_and_balanced():

@@ -19,12 +19,13 @@ import contextlib
 import glob
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -176,7 +177,7 @@ class LearnerProcess:
         engines built) while `setup` builds the trainer: the two slowest parts of start-up overlap."""
         log_to_file(Path(rl_dir) / "logs" / "learner.log")
         # torch (the weight server's tensors), in this Ray worker only: the driver never loads it.
-        from learner.data_parallel import free_port
+        from learner.data_parallel import Rendezvous, private_dir
         from learner.publish import WeightServer
 
         self.cfg, self.model_dir, self.resume_tag = cfg, model_dir, resume_tag
@@ -194,20 +195,19 @@ class LearnerProcess:
         self.endpoints: list = []
         self.loop = None
         # Where the other learner ranks meet this one (all ranks share the driver's node).
-        self.port = free_port() if cfg.learner.ranks > 1 else 0
+        ranks = cfg.learner.ranks
+        self.rendezvous = Rendezvous(0, ranks, str(private_dir() / "store")) if ranks > 1 else None
 
-    def rendezvous_port(self) -> int:
-        return self.port
+    def rendezvous_of(self, rank: int) -> Rendezvous | None:
+        return replace(self.rendezvous, rank=rank) if self.rendezvous else None
 
     def setup(self) -> None:
         """Build the trainer (model, DeepSpeed engine) and the learner loop; resume if asked. With
         several ranks, returns once the others have joined (they are set up at the same time)."""
-        from learner.data_parallel import Rendezvous
         from learner.loop import LearnerLoop
 
         cfg = self.cfg
-        rdv = Rendezvous(0, cfg.learner.ranks, self.port) if cfg.learner.ranks > 1 else None
-        trainer, self.tokenizer = _build_trainer(cfg, self.model_dir, rdv)
+        trainer, self.tokenizer = _build_trainer(cfg, self.model_dir, self.rendezvous)
         # The learner alone holds the control token (or, with CURVE, the control key): actors cannot
         # take batches or send commands. Snapshots go under rl_dir, the replay's data directory.
         client = ReplayClient(self.replay.batch_endpoint, self.security, token=self.replay.control_token,
@@ -263,6 +263,8 @@ class LearnerProcess:
             endpoint.close()
         self.replay.stop()
         self.server.close()
+        if self.rendezvous is not None:
+            shutil.rmtree(Path(self.rendezvous.store).parent, ignore_errors=True)
 
 
 @ray.remote
@@ -270,15 +272,12 @@ class LearnerRank:
     """A learner rank other than 0: the same trainer, training its share of each batch rank 0 sends,
     and writing its part of each checkpoint, until rank 0 releases it."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, rl_dir: str, rank: int, port: int) -> None:
-        log_to_file(Path(rl_dir) / "logs" / f"learner{rank}.log")
-        self.cfg, self.model_dir, self.rl_dir, self.rank, self.port = cfg, model_dir, Path(rl_dir), rank, port
+    def __init__(self, cfg: RunConfig, model_dir: str, rl_dir: str, rendezvous: Rendezvous) -> None:
+        log_to_file(Path(rl_dir) / "logs" / f"learner{rendezvous.rank}.log")
+        self.cfg, self.model_dir, self.rl_dir, self.rendezvous = cfg, model_dir, Path(rl_dir), rendezvous
 
     def setup(self) -> None:
-        from learner.data_parallel import Rendezvous
-
-        rdv = Rendezvous(self.rank, self.cfg.learner.ranks, self.port)
-        self.trainer, _ = _build_trainer(self.cfg, self.model_dir, rdv)
+        self.trainer, _ = _build_trainer(self.cfg, self.model_dir, self.rendezvous)
 
     def follow(self) -> int:
         """Batches trained, once rank 0 says stop."""
@@ -602,9 +601,9 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                                      scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(
         cfg, str(model_dir), str(rl_dir), str(reference_path.resolve()) if reference_path else None, resume_tag)
     ingest, weights = ray.get(learner.addresses.remote())
-    port = ray.get(learner.rendezvous_port.remote())
-    ranks = [LearnerRank.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r)).remote(
-        cfg, str(model_dir), str(rl_dir), r, port) for r in range(1, cfg.learner.ranks)]
+    rendezvous = ray.get([learner.rendezvous_of.remote(r) for r in range(1, cfg.learner.ranks)])
+    ranks = [LearnerRank.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r.rank)).remote(
+        cfg, str(model_dir), str(rl_dir), r) for r in rendezvous]
     keep_s = cfg.launcher.keep_actors_s
     keys = [_actor_key(cfg, model_dir, i) for i in range(cfg.actors.num_actors)]
     placement = actor_placement()
