@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -198,8 +198,9 @@ class LearnerProcess:
         ranks = cfg.learner.ranks
         self.rendezvous = Rendezvous(0, ranks, str(private_dir() / "store")) if ranks > 1 else None
 
-    def rendezvous_of(self, rank: int) -> Rendezvous | None:
-        return replace(self.rendezvous, rank=rank) if self.rendezvous else None
+    def rendezvous_store(self) -> str | None:
+        """Where the other ranks meet this one: a path, which the driver (it never imports torch) passes on."""
+        return self.rendezvous.store if self.rendezvous else None
 
     def setup(self) -> None:
         """Build the trainer (model, DeepSpeed engine) and the learner loop; resume if asked. With
@@ -272,12 +273,15 @@ class LearnerRank:
     """A learner rank other than 0: the same trainer, training its share of each batch rank 0 sends,
     and writing its part of each checkpoint, until rank 0 releases it."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, rl_dir: str, rendezvous: Rendezvous) -> None:
-        log_to_file(Path(rl_dir) / "logs" / f"learner{rendezvous.rank}.log")
-        self.cfg, self.model_dir, self.rl_dir, self.rendezvous = cfg, model_dir, Path(rl_dir), rendezvous
+    def __init__(self, cfg: RunConfig, model_dir: str, rl_dir: str, rank: int, store: str) -> None:
+        log_to_file(Path(rl_dir) / "logs" / f"learner{rank}.log")
+        self.cfg, self.model_dir, self.rl_dir, self.rank, self.store = cfg, model_dir, Path(rl_dir), rank, store
 
     def setup(self) -> None:
-        self.trainer, _ = _build_trainer(self.cfg, self.model_dir, self.rendezvous)
+        from learner.data_parallel import Rendezvous
+
+        rdv = Rendezvous(self.rank, self.cfg.learner.ranks, self.store)
+        self.trainer, _ = _build_trainer(self.cfg, self.model_dir, rdv)
 
     def follow(self) -> int:
         """Batches trained, once rank 0 says stop."""
@@ -601,9 +605,9 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                                      scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(
         cfg, str(model_dir), str(rl_dir), str(reference_path.resolve()) if reference_path else None, resume_tag)
     ingest, weights = ray.get(learner.addresses.remote())
-    rendezvous = ray.get([learner.rendezvous_of.remote(r) for r in range(1, cfg.learner.ranks)])
-    ranks = [LearnerRank.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r.rank)).remote(
-        cfg, str(model_dir), str(rl_dir), r) for r in rendezvous]
+    store = ray.get(learner.rendezvous_store.remote())
+    ranks = [LearnerRank.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r)).remote(
+        cfg, str(model_dir), str(rl_dir), r, store) for r in range(1, cfg.learner.ranks)]
     keep_s = cfg.launcher.keep_actors_s
     keys = [_actor_key(cfg, model_dir, i) for i in range(cfg.actors.num_actors)]
     placement = actor_placement()
