@@ -130,10 +130,11 @@ def _without_seconds(results: dict) -> dict:
 
 
 def test_pre_sampling_and_evaluation_run_in_a_runs_actor_process_as_in_a_process_of_their_own(prepared, tmp_path):
-    """launcher.reuse_actors: pre-sampling builds the engine that actor 0 of the next run then takes
-    (reset to pi_0), and the evaluation after the run uses that engine again, so neither the run nor
-    the evaluation imports and builds vLLM; what they sample is what they sample in a process of
-    their own, bit for bit."""
+    """launcher.reuse_actors: an evaluation with no process kept (pi_0's, before a sweep's first run)
+    builds the engine in a new actor process, which pre-sampling then takes (reset to pi_0), then
+    actor 0 of the next run, and the evaluation after the run uses that engine again, so neither
+    the run nor the later stages import and build vLLM; what they sample is what they sample in a
+    process of their own, bit for bit."""
     import pyarrow.parquet as pq
 
     from dph_async.app.pipeline import EvalJob, _evaluate_task, _presample_task
@@ -141,23 +142,36 @@ def test_pre_sampling_and_evaluation_run_in_a_runs_actor_process_as_in_a_process
 
     root, prep = prepared
     cfg = small_config(root)
-    actor_pool.release_actors()  # a new process for pre-sampling: the test's runs before may have kept one
+    tests = {"in_domain": root / "data" / "test.parquet"}
+    key = launcher._actor_key(cfg, prep.base.resolve(), 0)
+
+    def kept_pid() -> int:
+        return ray.get(actor_pool._kept[key][0].pid.remote())
+
+    def results(job: EvalJob) -> dict:
+        return _without_seconds(json.loads(job.out.read_text()))
+
+    actor_pool.release_actors()  # no process kept: the test's runs before may have kept one
+    first = EvalJob(prep.base, tmp_path / "new" / "base.json", 3)
+    assert launcher.evaluate_on_actor(cfg, prep.base, [first], tests)
+    built = kept_pid()
+
     assert launcher.presample_on_actor(cfg, prep.base, prep.train, tmp_path / "on-actor")
+    assert kept_pid() == built
     ray.get(_presample_task.remote(cfg, str(prep.base), str(prep.train), str(tmp_path / "alone")))
     for name in ("samples.parquet", "reference_pool.parquet", "d_exp.parquet"):
         assert pq.read_table(tmp_path / "on-actor" / name).equals(pq.read_table(tmp_path / "alone" / name)), name
-    built = ray.get(actor_pool._kept[launcher._actor_key(cfg, prep.base.resolve(), 0)][0].pid.remote())
     result, rl_dir = train(prepared, "after-presample", "learner.steps=2", mode="grpo")
     assert result.pids["actor0"] == built and len(result.metrics) == 2
 
-    tests = {"in_domain": root / "data" / "test.parquet"}
     jobs = {where: [EvalJob(prep.base, tmp_path / where / "base.json", 3),
                     EvalJob(final_model(rl_dir), tmp_path / where / "trained.json", 4)] for where in ("kept", "alone")}
-    assert launcher.evaluate_on_kept_actor(cfg, prep.base, jobs["kept"], tests)
-    assert ray.get(actor_pool._kept[launcher._actor_key(cfg, prep.base.resolve(), 0)][0].pid.remote()) == built
+    assert launcher.evaluate_on_actor(cfg, prep.base, jobs["kept"], tests)
+    assert kept_pid() == built
     ray.get(_evaluate_task.remote(cfg, str(prep.base), jobs["alone"], {k: str(v) for k, v in tests.items()}))
     for kept, alone in zip(jobs["kept"], jobs["alone"], strict=True):
-        assert _without_seconds(json.loads(kept.out.read_text())) == _without_seconds(json.loads(alone.out.read_text()))
+        assert results(kept) == results(alone)
+    assert results(first) == results(jobs["alone"][0])  # pi_0 on the new engine, as in a process of its own
 
 
 def test_a_kept_actor_process_that_died_is_replaced(prepared):

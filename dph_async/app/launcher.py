@@ -433,20 +433,24 @@ class ActorProcess:
         from dph_async.app.presample import presample
 
         log_to_file(Path(out_dir) / "presample.log")
-        if self.engine is None:
-            self.engine = _online_engine(cfg, model_dir, self.actor_id)
-        else:
-            self.engine.reset(model_dir)
+        self._engine_of(cfg, model_dir)
         presample(cfg, Path(model_dir), Path(train), Path(out_dir), engine=self.engine)
 
     def evaluate(self, cfg: RunConfig, model_dir: str, jobs: list[EvalJob], test_sets: dict[str, str]) -> None:
         """Evaluate `jobs` (dph_async/app/evaluate.py) with this process's engine, reset to `model_dir`'s
-        weights first: no engine is built for the evaluation."""
+        weights first, or built here if it has none (as for `presample`)."""
         from dph_async.app.evaluate import evaluate_jobs
 
         log_to_file(jobs[0].out.with_suffix(".log"))
-        self.engine.reset(model_dir)
+        self._engine_of(cfg, model_dir)
         evaluate_jobs(cfg, Path(model_dir), jobs, {k: Path(v) for k, v in test_sets.items()}, engine=self.engine)
+
+    def _engine_of(self, cfg: RunConfig, model_dir: str) -> None:
+        """This process's engine on `model_dir`'s weights: built if there is none, else reset to them."""
+        if self.engine is None:
+            self.engine = _online_engine(cfg, model_dir, self.actor_id)
+        else:
+            self.engine.reset(model_dir)
 
     def unbind(self) -> None:
         """Close the run's connections, reward workers and metrics endpoint; the engine stays."""
@@ -518,13 +522,18 @@ def _then_keep(actor: ray.actor.ActorHandle, key: tuple, keep_s: float, work: ra
         ray.kill(actor, no_restart=True)
 
 
+def _keepable(cfg: RunConfig) -> bool:
+    """Whether a process made for actor 0 of the next RL run could serve it when kept: not with reuse
+    off, under a mixture sampler's engine (it holds pi_0 as well), or with actors confined to labelled
+    nodes, which the driver's node may not be."""
+    return cfg.launcher.reuse_actors and cfg.actors.sampler == "online" and "label_selector" not in actor_placement()
+
+
 def presample_on_actor(cfg: RunConfig, model_dir: Path, train: Path, out_dir: Path) -> bool:
     """Pre-sample pi_0 in the process that actor 0 of the next RL run from `model_dir` takes
     (`launcher.reuse_actors`), so that one engine build serves both; False, with nothing done, where a
-    kept process could not serve that run (reuse off, a mixture sampler's engine, actors confined to
-    labelled nodes, which the driver's node may not be)."""
-    placement = actor_placement()
-    if not cfg.launcher.reuse_actors or cfg.actors.sampler != "online" or "label_selector" in placement:
+    kept process could not serve that run (`_keepable`)."""
+    if not _keepable(cfg):
         return False
     model_dir = model_dir.resolve()
     keep_s, key = cfg.launcher.keep_actors_s, _actor_key(cfg, model_dir, 0)
@@ -534,10 +543,12 @@ def presample_on_actor(cfg: RunConfig, model_dir: Path, train: Path, out_dir: Pa
     return True
 
 
-def evaluate_on_kept_actor(cfg: RunConfig, model_dir: Path, jobs: list[EvalJob], test_sets: dict[str, Path]) -> bool:
-    """Evaluate `jobs` in the process an RL run of `model_dir`'s architecture kept as its actor 0,
-    without building another engine; every other kept process ends first (its memory goes to this
-    one). False, with nothing evaluated, when no such process is kept on the driver's node."""
+def evaluate_on_actor(cfg: RunConfig, model_dir: Path, jobs: list[EvalJob], test_sets: dict[str, Path]) -> bool:
+    """Evaluate `jobs` in the process that actor 0 of an RL run of `model_dir`'s architecture takes:
+    the one a run kept, without building another engine, or else a new one, kept afterwards, so that
+    an evaluation before RL (pi_0's, in a sweep) builds the engine the first run then starts on. Every
+    other kept process ends first (its memory goes to this one). False, with nothing evaluated, where
+    no process is kept on the driver's node and a new one could not be kept (`_keepable`)."""
     keep_s, key = cfg.launcher.keep_actors_s, _actor_key(cfg, model_dir.resolve(), 0)
     actor = take(key, keep_s) if cfg.actors.sampler == "online" else None
     release_actors()
@@ -546,7 +557,9 @@ def evaluate_on_kept_actor(cfg: RunConfig, model_dir: Path, jobs: list[EvalJob],
             ray.kill(actor, no_restart=True)
         actor = None
     if actor is None:
-        return False
+        if not _keepable(cfg):
+            return False
+        actor = _new_actor(cfg, key, on_home_node())
     _then_keep(actor, key, keep_s, actor.evaluate.remote(cfg, str(model_dir.resolve()), jobs,
                                                          {k: str(v) for k, v in test_sets.items()}))
     return True

@@ -18,7 +18,7 @@ from pathlib import Path
 import ray
 
 from dph_async.app.inputs import check_datasets, check_model_dir
-from dph_async.app.launcher import evaluate_on_kept_actor, log_to_file, presample_on_actor, ray_cluster, run_rl
+from dph_async.app.launcher import evaluate_on_actor, log_to_file, presample_on_actor, ray_cluster, run_rl
 from dph_async.app.placement import on_home_node
 from dph_async.app.progress import console
 from dph_async.app.report import write_report
@@ -68,9 +68,9 @@ def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
     return cfg
 
 
-# Where no kept actor process can do a stage's work (launcher.presample_on_actor,
-# evaluate_on_kept_actor), its engine runs in a fresh Ray worker process (max_calls=1): its memory
-# goes when the stage ends.
+# Where no actor process that an RL run could take can do a stage's work (launcher.presample_on_actor,
+# evaluate_on_actor), its engine runs in a fresh Ray worker process (max_calls=1): its memory goes
+# when the stage ends.
 @ray.remote(max_calls=1)
 def _presample_task(cfg: RunConfig, model_dir: str, train: str, out_dir: str) -> dict:
     # torch and vLLM, in the Ray worker that runs the engine: the driver never loads them for it.
@@ -199,8 +199,9 @@ def _architecture(model_dir: Path) -> str:
 
 def evaluate_models(cfg: RunConfig, jobs: list[EvalJob], tests: dict[str, Path], arch: Path | None = None) -> None:
     """Evaluate the jobs whose results are not written yet: one engine for all models of one
-    architecture, each loaded into it in turn; that of the process an RL run kept as its actor 0 if
-    there is one, else one in a fresh Ray worker process (its memory goes when the worker exits).
+    architecture, each loaded into it in turn; that of the process an RL run kept as its actor 0, or
+    of a new one that the next run takes (launcher.evaluate_on_actor), else one in a fresh Ray worker
+    process (its memory goes when the worker exits).
     `arch`: the model directory a checkpoint's weights belong to."""
     todo = [job for job in jobs if not job.out.is_file()] if tests else []
     groups: dict[str, tuple[Path, list[EvalJob]]] = {}
@@ -212,8 +213,8 @@ def evaluate_models(cfg: RunConfig, jobs: list[EvalJob], tests: dict[str, Path],
     for model_dir, group in groups.values():
         names = ", ".join(job.out.stem for job in group)
         with console.status(f"evaluating {names}: greedy and {cfg.eval.k_max} samples per test prompt"):
-            # In the process an RL run kept, where one is (no engine build), else in a fresh one.
-            if not evaluate_on_kept_actor(cfg, model_dir, group, tests):
+            # In the process actor 0 of an RL run keeps or will take (one engine build serves both).
+            if not evaluate_on_actor(cfg, model_dir, group, tests):
                 ray.get(_evaluate_task.options(**on_home_node()).remote(
                     cfg, str(model_dir), group, {k: str(v) for k, v in tests.items()}))
 
