@@ -7,6 +7,7 @@ only sometimes. That leaves RL something to gain and something (diversity, the O
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -29,14 +30,7 @@ def _wrong_answer(p: Problem, rng: random.Random) -> str:
 def _encoder(tok: PreTrainedTokenizerFast) -> Callable[[str], list[int]]:
     """`tok.encode` without special tokens, remembered: the warm start encodes the same prompts and
     answers thousands of times, which took about a tenth of its step."""
-    seen: dict[str, list[int]] = {}
-
-    def encode(text: str) -> list[int]:
-        if text not in seen:
-            seen[text] = tok.encode(text, add_special_tokens=False)
-        return seen[text]
-
-    return encode
+    return functools.cache(functools.partial(tok.encode, add_special_tokens=False))
 
 
 def _batch(problems: list[Problem], tok: PreTrainedTokenizerFast, encode: Callable[[str], list[int]],
