@@ -408,6 +408,9 @@ class Trainer:
         return client_state
 
     def close(self) -> None:
-        """Release the other ranks (they return from `learner.data_parallel.follow`)."""
+        """Release the other ranks (they return from `learner.data_parallel.follow`), then the engine:
+        its optimizer's gradient hooks hold it, so without `destroy` a process that builds the next
+        run's trainer (a kept learner) would keep every earlier run's model and optimizer state."""
         if self.ranks.main:
             self.ranks.send("stop")
+        self.engine.destroy()

@@ -7,7 +7,9 @@ policy before the first update, so that the ratio moves from the second update o
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -154,7 +156,7 @@ def trainer(model_dir: str, lr: float = 3e-2, **learner):
 
     loss = learner.pop("loss", {})
     critic = learner.pop("critic", {})
-    cfg = LearnerConfig(lr=lr, zero_stage=0, **{"micro_token_budget": 64, **learner},
+    cfg = LearnerConfig(lr=lr, **{"zero_stage": 0, "micro_token_budget": 64, **learner},
                         loss=LossConfig(**{"objective": "grpo", **loss}), critic=CriticConfig(**critic))
     return Trainer(model_dir, cfg, temperature=1.0, dtype="float32", pad_id=0, max_response_tokens=8, seed=0)
 
@@ -189,6 +191,20 @@ def test_skipping_zero_advantage_sequences_leaves_the_update_unchanged(model_dir
     assert len(ga) == len(gb) == 1 and any(bool(g.abs().max() > 1e-3) for g in ga[0])
     for x, y in zip(ga[0], gb[0], strict=True):
         torch.testing.assert_close(x, y, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_closed_trainer_is_garbage(model_dir, stage):
+    """A kept learner process (launcher.reuse_learner) builds a trainer per run: once closed, the last
+    one (engine, model, optimizer state) must be collectable, or every run adds its own to the process.
+    (Under ZeRO the optimizer's gradient hooks hold the engine until it is destroyed.)"""
+    t = trainer(model_dir, zero_stage=stage)
+    t.train_step(batch(3))
+    held = [weakref.ref(x) for x in (t, t.engine, t.module, t.engine.optimizer)]
+    t.close()
+    del t
+    gc.collect()
+    assert [r() for r in held] == [None] * len(held)
 
 
 def test_mini_batches_count_optimizer_steps_and_move_the_ratio(model_dir):

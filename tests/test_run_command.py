@@ -265,10 +265,11 @@ def test_resumed_run_equals_the_uninterrupted_run(runs):
                            (runs["full"], runs["killed"]))
 
 
-def test_the_second_mode_ran_on_the_first_modes_kept_engine(runs):
-    """launcher.reuse_actors: in the full run js_low_var's actor was grpo's process, its engine reset
-    to pi_0; the killed run's js_low_var began on a new engine. That both gave the same run bit for
-    bit (the test above) shows the reset engine is a new one."""
+def test_the_second_mode_ran_on_the_first_modes_kept_processes(runs):
+    """launcher.reuse_actors and reuse_learner: in the full run js_low_var's actor was grpo's process,
+    its engine reset to pi_0, and its learner was grpo's process, with a trainer of its own; the killed
+    run's js_low_var began in new processes. That both gave the same run bit for bit (the test above:
+    metrics, weights, optimizer state) shows a kept process computes what a new one does."""
     pids = {mode: json.loads((runs["full"] / "rl" / mode / "result.json").read_text())["pids"] for mode in MODES}
     assert pids[MODES[0]] == pids[MODES[1]]
 

@@ -16,6 +16,7 @@ from the learner (dph_async/app/model_shipping.py), and one whose node is lost r
 from __future__ import annotations
 
 import contextlib
+import gc
 import glob
 import logging
 import os
@@ -30,8 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-from ray.util.placement_group import remove_placement_group
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.telemetry import ActorCollector, actor_health
@@ -125,6 +126,7 @@ def ray_cluster(cfg: RunConfig) -> Iterator[None]:
         yield
     finally:
         release_actors()
+        release_learner()
         if owned:
             ray.shutdown()
         if owned and not lc.address:
@@ -169,12 +171,22 @@ def _build_trainer(cfg: RunConfig, model_dir: str, rendezvous: Rendezvous | None
 
 @ray.remote
 class LearnerProcess:
-    """The learner, with the replay service and the weight server in threads of the same process."""
+    """The learner, with the replay service and the weight server in threads of the same process. It
+    serves one run at a time, from `bind` to `close`; kept (`launcher.reuse_learner`), the next run of
+    the invocation binds it again and skips the import of torch, transformers and DeepSpeed."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, rl_dir: str, reference_path: str | None,
-                 resume_tag: str | None) -> None:
+    def __init__(self) -> None:
+        self.loop = self.rendezvous = None
+        self.endpoints: list = []
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def bind(self, cfg: RunConfig, model_dir: str, rl_dir: str, reference_path: str | None,
+             resume_tag: str | None) -> tuple[str, str]:
         """Binds the replay and the weight server only, so that the actors can be started (their
-        engines built) while `setup` builds the trainer: the two slowest parts of start-up overlap."""
+        engines built) while `setup` builds the trainer: the two slowest parts of start-up overlap.
+        Returns where actors connect (`addresses`)."""
         log_to_file(Path(rl_dir) / "logs" / "learner.log")
         # torch (the weight server's tensors), in this Ray worker only: the driver never loads it.
         from learner.data_parallel import Rendezvous, private_dir
@@ -192,11 +204,11 @@ class LearnerProcess:
         self.server = WeightServer(_bind(cfg), self.security, int(cfg.learner.weight_bucket_mb * 2**20),
                                    cfg.learner.weight_transport)
         self._stop = threading.Event()
-        self.endpoints: list = []
-        self.loop = None
+        self.endpoints, self.loop = [], None
         # Where the other learner ranks meet this one (all ranks share the driver's node).
         ranks = cfg.learner.ranks
         self.rendezvous = Rendezvous(0, ranks, str(private_dir() / "store")) if ranks > 1 else None
+        return self.addresses()
 
     def rendezvous_store(self) -> str | None:
         """Where the other ranks meet this one: a path, which the driver (it never imports torch) passes on."""
@@ -258,14 +270,20 @@ class LearnerProcess:
         return out_dir
 
     def close(self) -> None:
+        """End the run: every socket, thread and segment it opened, and the trainer's memory, which the
+        next run's trainer would otherwise find still held."""
         if self.loop is not None:
             self.loop.trainer.close()  # releases the other learner ranks
+            self.loop.replay.close()
         for endpoint in self.endpoints:
             endpoint.close()
         self.replay.stop()
         self.server.close()
         if self.rendezvous is not None:
             shutil.rmtree(Path(self.rendezvous.store).parent, ignore_errors=True)
+        self.loop = self.tokenizer = self.rendezvous = None
+        self.endpoints = []
+        gc.collect()
 
 
 @ray.remote
@@ -565,6 +583,59 @@ def evaluate_on_actor(cfg: RunConfig, model_dir: Path, jobs: list[EvalJob], test
     return True
 
 
+# The learner process the last RL run of this invocation kept for the next (`launcher.reuse_learner`):
+# its handle, its placement group and its name, by which actors find it.
+_kept_learner: tuple[ray.actor.ActorHandle, PlacementGroup, str] | None = None
+
+
+def _learner_process(cfg: RunConfig) -> tuple[ray.actor.ActorHandle, PlacementGroup, str]:
+    """The learner process for a run: the one the last run kept, if it still answers and may serve
+    this run, or a new one, in a new placement group."""
+    global _kept_learner
+    kept, _kept_learner = _kept_learner, None
+    if kept is not None:
+        with contextlib.suppress(RayActorError, GetTimeoutError):
+            if _reusable_learner(cfg) and ray.get(kept[0].pid.remote(), timeout=30):
+                return kept
+        _end_learner(kept[0], kept[1])
+    pg = learner_placement(cfg.learner.ranks)
+    # Actors find the learner by its name: a handle among a restartable actor's arguments is kept in
+    # the object store, which Ray warns about on every start.
+    name = f"dph-learner-{uuid.uuid4().hex[:12]}"
+    learner = LearnerProcess.options(num_cpus=1, max_concurrency=4, name=name,
+                                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote()
+    return learner, pg, name
+
+
+def _reusable_learner(cfg: RunConfig) -> bool:
+    """Only a single rank's process is kept: the ranks of a data-parallel learner form a process group
+    with the run's other ranks, which end with the run."""
+    return cfg.launcher.reuse_learner and cfg.learner.ranks == 1
+
+
+def _keep_learner(cfg: RunConfig, learner: ray.actor.ActorHandle, pg: PlacementGroup, name: str) -> None:
+    """At the end of a run (the learner closed): keep the process for the next run, or end it."""
+    global _kept_learner
+    if _reusable_learner(cfg):
+        _kept_learner = (learner, pg, name)
+    else:
+        _end_learner(learner, pg)
+
+
+def _end_learner(learner: ray.actor.ActorHandle, pg: PlacementGroup) -> None:
+    with contextlib.suppress(Exception):  # already gone with its cluster
+        ray.kill(learner, no_restart=True)
+        remove_placement_group(pg)
+
+
+def release_learner() -> None:
+    """End the kept learner process, if any (the cluster is being left)."""
+    global _kept_learner
+    if _kept_learner is not None:
+        _end_learner(_kept_learner[0], _kept_learner[1])
+        _kept_learner = None
+
+
 def _wait_restarted(actor: ray.actor.ActorHandle, timeout_s: float = 600.0) -> int:
     """Block until Ray has brought a dead actor back (its __init__ ran again); return its new pid.
     Calls to an actor that is restarting fail fast as unavailable, so keep asking."""
@@ -610,22 +681,19 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     start = time.time()
     # Absolute paths: actors on other nodes are handed them (and ask the learner for what they name).
     model_dir, rl_dir, prompts_path = model_dir.resolve(), rl_dir.resolve(), prompts_path.resolve()
-    pg = learner_placement(cfg.learner.ranks)
-    # Actors find the learner by its name: a handle among a restartable actor's arguments is kept in
-    # the object store, which Ray warns about on every start.
-    learner_name = f"dph-learner-{uuid.uuid4().hex[:12]}"
-    learner = LearnerProcess.options(num_cpus=1, max_concurrency=4, name=learner_name,
-                                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote(
-        cfg, str(model_dir), str(rl_dir), str(reference_path.resolve()) if reference_path else None, resume_tag)
-    ingest, weights = ray.get(learner.addresses.remote())
-    store = ray.get(learner.rendezvous_store.remote())
-    ranks = [LearnerRank.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r)).remote(
-        cfg, str(model_dir), str(rl_dir), r, store) for r in range(1, cfg.learner.ranks)]
+    learner, pg, learner_name = _learner_process(cfg)
+    bound = learner.bind.remote(cfg, str(model_dir), str(rl_dir),
+                                str(reference_path.resolve()) if reference_path else None, resume_tag)
     keep_s = cfg.launcher.keep_actors_s
     keys = [_actor_key(cfg, model_dir, i) for i in range(cfg.actors.num_actors)]
     placement = actor_placement()
+    # New actor processes start (Ray's worker, torch's import) while a new learner's imports torch.
     actors = [take(key, keep_s) or _new_actor(cfg, key, placement) for key in keys]
     release_actors()  # kept for runs unlike this one
+    ingest, weights = ray.get(bound)
+    store = ray.get(learner.rendezvous_store.remote())
+    ranks = [LearnerRank.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r)).remote(
+        cfg, str(model_dir), str(rl_dir), r, store) for r in range(1, cfg.learner.ranks)]
     with holding(actors, keep_s):  # pooled actors end themselves once their driver stops calling
         run_args = (cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"), home_node(),
                     (learner_name, ray.get_runtime_context().namespace))
@@ -635,7 +703,8 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
         setups = [setup, *(r.setup.remote() for r in ranks)]
         follows = {r.follow.remote(): i + 1 for i, r in enumerate(ranks)}
         reusable = ray.get(binds)
-        pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)}
+        pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)} | {
+            "learner": ray.get(learner.pid.remote())}
         nodes = {f"actor{i}": [ray.get(a.node.remote())] for i, a in enumerate(actors)}
         phases = {"actors_ready": time.time() - start}
         while setups:  # a rank that fails to start fails the run, rather than leave rank 0 waiting for it
@@ -701,19 +770,19 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
             learner.stop.remote()
         actor_stats, ended = [], set()
         for i, ref in runs.items():
-            with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
+            with contextlib.suppress(RayActorError, GetTimeoutError):
                 actor_stats.append(ray.get(ref, timeout=60))
                 ended.add(i)
         replay = ray.get(learner.replay_stats.remote())
         ray.get(learner.close.remote())
-        with contextlib.suppress(RayActorError, ray.exceptions.GetTimeoutError):
+        with contextlib.suppress(RayActorError, GetTimeoutError):
             ray.get(list(follows), timeout=60)
         for i, a in enumerate(actors):
             if not (cfg.launcher.reuse_actors and reusable[i] and i in ended and keep(a, keys[i], keep_s > 0)):
                 ray.kill(a, no_restart=True)
-        for handle in [*ranks, learner]:
+        for handle in ranks:
             ray.kill(handle, no_restart=True)
-        remove_placement_group(pg)
+        _keep_learner(cfg, learner, pg, learner_name)
         phases["end"] = time.time() - start
         return RLResult(name, metrics, learner_stats, actor_stats, replay, restarts, phases["end"], str(out), pids,
                         phases, nodes)
