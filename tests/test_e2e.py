@@ -174,6 +174,21 @@ def test_pre_sampling_and_evaluation_run_in_a_runs_actor_process_as_in_a_process
     assert results(first) == results(jobs["alone"][0])  # pi_0 on the new engine, as in a process of its own
 
 
+def test_a_learner_started_ahead_is_the_next_runs_learner(prepared):
+    """launcher.start_learner (before pre-sampling, before a sweep's pi_0 evaluation): the process it
+    starts is the next run's learner, and it starts none while one is kept."""
+    launcher.release_learner()
+    cfg = small_config(prepared[0])
+    launcher.start_learner(cfg)
+    ahead = launcher._kept_learner
+    assert ahead is not None
+    launcher.start_learner(cfg)
+    assert launcher._kept_learner is ahead
+    pid = ray.get(ahead[0].pid.remote())
+    result, _ = train(prepared, "ahead", "learner.steps=2", mode="grpo")
+    assert result.pids["learner"] == pid and len(result.metrics) == 2
+
+
 def test_a_kept_actor_process_that_died_is_replaced(prepared):
     """launcher.reuse_actors: the run after one whose kept actor process died (and that Ray may not
     restart) gets a new process and trains, instead of failing on the dead one."""

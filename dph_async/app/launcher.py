@@ -148,13 +148,23 @@ def _learner_endpoints(cfg: RunConfig, loop, replay, rl_dir: Path) -> list:
     return [e for e in endpoints if e is not None]
 
 
+def _import_trainer() -> None:
+    """Import what building a trainer needs: torch, transformers and DeepSpeed, which reads
+    TORCH_EXTENSIONS_DIR (where its compiled ops are) when imported."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("DPH_CACHE_DIR", ".cache"))
+                                                        / "torch_extensions"))
+    import deepspeed  # noqa: F401
+    from transformers import AutoTokenizer  # noqa: F401
+
+    import learner.loop
+    import learner.trainer  # noqa: F401
+
+
 def _build_trainer(cfg: RunConfig, model_dir: str, rendezvous: Rendezvous | None
                    ) -> tuple[Trainer, PreTrainedTokenizerBase]:
     """The learner's trainer (model, DeepSpeed engine) as rank `rendezvous.rank` (None: the only
     rank), and the model's tokenizer."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("DPH_CACHE_DIR", ".cache"))
-                                                        / "torch_extensions"))
-    # torch, transformers and DeepSpeed, which reads TORCH_EXTENSIONS_DIR when imported.
+    _import_trainer()
     import torch
     from transformers import AutoTokenizer
 
@@ -178,9 +188,17 @@ class LearnerProcess:
     def __init__(self) -> None:
         self.loop = self.rendezvous = None
         self.endpoints: list = []
+        # transformers' lazy module fails an import that another thread has begun (`preload`'s):
+        # one thread imports at a time.
+        self._importing = threading.Lock()
 
     def pid(self) -> int:
         return os.getpid()
+
+    def preload(self) -> None:
+        """Import what a run's trainer needs now, before any run binds this process (`start_learner`)."""
+        with self._importing:
+            _import_trainer()
 
     def bind(self, cfg: RunConfig, model_dir: str, rl_dir: str, reference_path: str | None,
              resume_tag: str | None) -> tuple[str, str]:
@@ -189,8 +207,9 @@ class LearnerProcess:
         Returns where actors connect (`addresses`)."""
         log_to_file(Path(rl_dir) / "logs" / "learner.log")
         # torch (the weight server's tensors), in this Ray worker only: the driver never loads it.
-        from learner.data_parallel import Rendezvous, private_dir
-        from learner.publish import WeightServer
+        with self._importing:
+            from learner.data_parallel import Rendezvous, private_dir
+            from learner.publish import WeightServer
 
         self.cfg, self.model_dir, self.resume_tag = cfg, model_dir, resume_tag
         self.security = net.NetSecurity.from_config(cfg.net)
@@ -217,6 +236,8 @@ class LearnerProcess:
     def setup(self) -> None:
         """Build the trainer (model, DeepSpeed engine) and the learner loop; resume if asked. With
         several ranks, returns once the others have joined (they are set up at the same time)."""
+        with self._importing:
+            _import_trainer()
         from learner.loop import LearnerLoop
 
         cfg = self.cfg
@@ -598,13 +619,32 @@ def _learner_process(cfg: RunConfig) -> tuple[ray.actor.ActorHandle, PlacementGr
             if _reusable_learner(cfg) and ray.get(kept[0].pid.remote(), timeout=30):
                 return kept
         _end_learner(kept[0], kept[1])
-    pg = learner_placement(cfg.learner.ranks)
+    return _new_learner(learner_placement(cfg.learner.ranks))
+
+
+def _new_learner(pg: PlacementGroup) -> tuple[ray.actor.ActorHandle, PlacementGroup, str]:
     # Actors find the learner by its name: a handle among a restartable actor's arguments is kept in
     # the object store, which Ray warns about on every start.
     name = f"dph-learner-{uuid.uuid4().hex[:12]}"
     learner = LearnerProcess.options(num_cpus=1, max_concurrency=4, name=name,
                                      scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 0)).remote()
     return learner, pg, name
+
+
+def start_learner(cfg: RunConfig) -> None:
+    """Start the next RL run's learner process now, kept for that run (`launcher.reuse_learner`), so
+    that its imports run beside the stage before it (pre-sampling, pi_0's evaluation: one core of
+    an actor) instead of on the run's critical path. Nothing is started where one is kept already,
+    where the run could not take it, or where no CPU is free for it within a few seconds."""
+    global _kept_learner
+    if _kept_learner is not None or not _reusable_learner(cfg):
+        return
+    try:
+        pg = learner_placement(1, timeout_s=5.0)
+    except RuntimeError:
+        return  # the run makes its own, and waits for its CPU as before
+    _kept_learner = _new_learner(pg)
+    _kept_learner[0].preload.remote()
 
 
 def _reusable_learner(cfg: RunConfig) -> bool:

@@ -18,7 +18,14 @@ from pathlib import Path
 import ray
 
 from dph_async.app.inputs import check_datasets, check_model_dir
-from dph_async.app.launcher import evaluate_on_actor, log_to_file, presample_on_actor, ray_cluster, run_rl
+from dph_async.app.launcher import (
+    evaluate_on_actor,
+    log_to_file,
+    presample_on_actor,
+    ray_cluster,
+    run_rl,
+    start_learner,
+)
 from dph_async.app.placement import on_home_node
 from dph_async.app.progress import console
 from dph_async.app.report import write_report
@@ -157,6 +164,7 @@ def prepare(cfg: RunConfig, paths: RunPaths, timer: StageTimer, need_presample: 
     if not (paths.presample / "summary.json").is_file():
         t = time.time()
         with console.status(f"pre-sampling: {cfg.presample.k} samples per training prompt from pi_0"):
+            start_learner(cfg)  # its imports beside pre-sampling, for the RL run after
             # In the first RL run's actor process where it can (one engine build for both), else alone.
             if not presample_on_actor(cfg, base, train, paths.presample):
                 ray.get(_presample_task.options(**on_home_node()).remote(cfg, str(base), str(train),

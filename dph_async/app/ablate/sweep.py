@@ -24,7 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dph_async.app.ablate.cells import Cell, Sweep
-from dph_async.app.launcher import ray_cluster
+from dph_async.app.launcher import ray_cluster, start_learner
 from dph_async.app.pipeline import EvalJob, Prepared, StageTimer, evaluate_models, prepare, train_mode, validate
 from dph_async.app.progress import console
 from dph_async.app.specs import RunSpec
@@ -93,6 +93,8 @@ def run_sweep(preset: str, overrides: list[str], sweep: Sweep, out: Path, eval_p
         jobs = [EvalJob(prepared.base, paths.eval / "base.json", base.seed)]
         if sweep.kind == "divergence":  # pi_0 again on fresh samples: the per-band table's unbiased row
             jobs.append(EvalJob(prepared.base, paths.eval / "base_redraw.json", base.seed + 1))
+        if todo:
+            start_learner(base)  # the first cell's learner imports beside pi_0's evaluation
         evaluate_models(base, jobs, prepared.tests)
         start = time.time()
         for i, cell in enumerate(todo):
