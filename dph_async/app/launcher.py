@@ -8,6 +8,7 @@ dies is restarted by Ray (up to `launcher.max_actor_restarts` times) and resumes
 from the replay's record of what it already delivered; the run goes on. Ctrl-C stops everything.
 The actors' processes outlive a run for the next one of the same invocation when its engine settings
 match (`launcher.reuse_actors`): the engine is reset to pi_0 instead of being imported and built again.
+So does a one-rank learner's process (`launcher.reuse_learner`): the next run builds only its trainer.
 On a cluster the learner stays on the driver's node and the actors go to the worker nodes
 (dph_async/app/placement.py); an actor on another node gets the model, the prompts and the weights
 from the learner (dph_async/app/model_shipping.py), and one whose node is lost restarts elsewhere.
