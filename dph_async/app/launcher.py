@@ -200,6 +200,9 @@ class LearnerProcess:
         """Import what a run's trainer needs now, before any run binds this process (`start_learner`)."""
         with self._importing:
             _import_trainer()
+            # The first ZeRO engine's build imports DeepSpeed's Muon optimizer, to check whether ours is
+            # one ZeRO supports, and with it torch's compiler: about 2 s, spent here instead.
+            import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 
     def bind(self, cfg: RunConfig, model_dir: str, rl_dir: str, reference_path: str | None,
              resume_tag: str | None) -> tuple[str, str]:
