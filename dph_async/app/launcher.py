@@ -309,6 +309,10 @@ class LearnerProcess:
         self.loop = self.tokenizer = self.rendezvous = None
         self.endpoints = []
         gc.collect()
+        import torch
+
+        if torch.cuda.is_available():  # an idle kept process must not hold GPU memory an engine could use
+            torch.cuda.empty_cache()
 
 
 @ray.remote
@@ -731,7 +735,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     keep_s = cfg.launcher.keep_actors_s
     keys = [_actor_key(cfg, model_dir, i) for i in range(cfg.actors.num_actors)]
     placement = actor_placement()
-    # New actor processes start (Ray's worker, torch's import) while a new learner's imports torch.
+    # New actor processes start (Ray's worker, torch's import) while a new learner imports torch.
     actors = [take(key, keep_s) or _new_actor(cfg, key, placement) for key in keys]
     release_actors()  # kept for runs unlike this one
     ingest, weights = ray.get(bound)
