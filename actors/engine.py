@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Sequence
+from copy import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -145,7 +146,9 @@ class VLLMEngine:
         self.version = version
         self._seed = seed
         self._epoch = 0  # runs of this engine (reset): part of the prefix-cache salt
-        self._live: dict[str, dict[int, Sample]] = {}  # request key -> completion index -> sample
+        self._live: dict[str, dict[int, Sample]] = {}  # request key -> completion index -> unfinished sample
+        self._samples: dict[str, Sample] = {}  # the engine core's request id (`key/j`) -> unfinished sample
+        self._tasks = self.engine.get_supported_tasks()
         self._inplace: InPlaceLoader | None = None
         self.inplace_loading = True  # False: every load through vLLM's reload path (to compare the two)
         self.loads = {"inplace": 0, "reload": 0}  # weight loads by path
@@ -203,33 +206,59 @@ class VLLMEngine:
 
     def add(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec, n: int = 1) -> None:
         """Queue `n` completions of `prompt_ids` as one request (a GRPO group: one prompt to process,
-        shared by its n sequences); `step` returns them as samples keyed `key/0` .. `key/{n-1}`."""
+        shared by its n sequences); `step` returns them as samples keyed `key/0` .. `key/{n-1}`.
+
+        The completions go to vLLM's engine core as n requests of one sequence each, as its
+        `LLMEngine.add_request` fans them out (completion j sampled with seed + j), but without its
+        output processor: `step` reads the core's outputs itself (why: there)."""
         from vllm.inputs import TokensPrompt
 
+        if key in self._live:
+            raise ValueError(f"request {key!r} is already in flight")
         # The salt keeps each weights version's prompt KV apart in the prefix cache: a new request
         # never reuses prompt KV computed by older weights (nor by a past run's version of that number).
         prompt = TokensPrompt(prompt_token_ids=list(prompt_ids), cache_salt=self._salt)
-        self.engine.add_request(key, prompt, self._params(spec, n, True))
-        self._live[key] = {j: Sample(key=f"{key}/{j}") for j in range(n)}
+        request = self.engine.input_processor.process_inputs(key, prompt, self._params(spec, n, True),
+                                                             supported_tasks=self._tasks)
+        params = request.sampling_params
+        request.external_req_id = key
+        group = self._live[key] = {}
+        for j in range(n):
+            child = request if j == n - 1 else copy(request)
+            child.request_id = f"{key}/{j}"
+            child.sampling_params = copy(params)
+            child.sampling_params.n = 1
+            if params.seed is not None:
+                child.sampling_params.seed = params.seed + j
+            group[j] = self._samples[child.request_id] = Sample(key=child.request_id)
+            self.engine.engine_core.add_request(child)
 
     def step(self) -> list[Sample]:
-        """Run one engine step; return the completions that finished in it."""
+        """Run one engine step; return the completions that finished in it.
+
+        Reads the engine core's outputs directly: vLLM's output processor would build a request
+        output, a completion output and a dict of log-prob objects per sequence and token, about a
+        tenth of the actor's CPU on a small model (docs/benchmarks.md); the sampled token's
+        log-prob is the first column of the core's log-prob rows."""
         done = []
-        for out in self.engine.step():
-            group = self._live.get(out.request_id)
-            if group is None:
+        for out in self.engine.engine_core.get_output().outputs:
+            sample = self._samples.get(out.request_id)
+            if sample is None:
                 continue
-            for comp in out.outputs:
-                sample = group[comp.index]
-                sample.token_ids.extend(comp.token_ids)
-                sample.logprobs.extend(next(iter(lp.values())).logprob for lp in comp.logprobs)
-                sample.versions.extend([self.version] * len(comp.token_ids))
-                if comp.finish_reason is not None:
-                    sample.finish_reason = comp.finish_reason
-                    sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-                    done.append(sample)
-            if out.finished:
-                del self._live[out.request_id]
+            sample.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs is not None:
+                sample.logprobs.extend(out.new_logprobs.logprobs[:, 0].tolist())
+            sample.versions.extend([self.version] * len(out.new_token_ids))
+            if out.finish_reason is not None:
+                sample.finish_reason = str(out.finish_reason)
+                sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+                done.append(sample)
+                del self._samples[out.request_id]
+                key, j = out.request_id.rsplit("/", 1)
+                group = self._live[key]
+                del group[int(j)]
+                if not group:
+                    del self._live[key]
         return done
 
     def has_unfinished(self) -> bool:
@@ -237,9 +266,10 @@ class VLLMEngine:
 
     def abort(self, keys: Sequence[str]) -> None:
         """Abort the requests `keys` (as given to `add`) and all their completions."""
-        self.engine.abort_request(list(keys))
-        for k in keys:
-            self._live.pop(k, None)
+        ids = [s.key for k in keys for s in self._live.pop(k, {}).values()]
+        for i in ids:
+            del self._samples[i]
+        self.engine.engine_core.abort_requests(ids)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, keep: bool = False) -> bool:
         """Load new weights in place; running requests continue on them (their KV cache is kept).
@@ -266,6 +296,8 @@ class VLLMEngine:
         """Batch generation (evaluation, pre-sampling): `spec.n` completions per prompt."""
         from vllm.inputs import TokensPrompt
 
+        if self._live:  # LLM.generate steps the engine core to the end and drops the outputs it did not add
+            raise RuntimeError(f"generate() with {len(self._live)} streamed requests in flight would lose them")
         batch = [TokensPrompt(prompt_token_ids=list(p), cache_salt=self._salt) for p in prompts]
         outs = self.llm.generate(batch, self._params(spec, spec.n, False), use_tqdm=False)
         result = []

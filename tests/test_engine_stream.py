@@ -1,0 +1,99 @@
+"""The actor's streamed generation reads vLLM's engine core directly (actors/engine.py), without vLLM's
+output processor: the samples it returns are vLLM's own, and abort leaves nothing behind.
+
+In one child process (vLLM engines live in processes of their own, as in an actor), a tiny Llama
+generates seeded groups twice: through `LLM.generate` (vLLM's output path) and through `add`/`step`,
+with a further group added beside them and aborted after one step. Every streamed sample equals
+vLLM's (tokens, bit-identical log-probs, finish reason, text); the aborted group never comes back and
+leaves no request in the engine core; its key can be used again; and a batch `generate` is refused
+while streamed requests are in flight, as it would drop their outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+CHILD = """
+import json, sys
+from actors.engine import SamplingSpec, VLLMEngine
+
+def finished(engine):
+    done = {}
+    while engine.has_unfinished():
+        done.update({s.key: s for s in engine.step()})
+    return done
+
+def main():
+    model, out = sys.argv[1:]
+    spec = SamplingSpec(temperature=1.0, max_tokens=12, n=4, seed=7)
+    prompts = [[1, 5, 6, 7, 8], [1, 9, 3], [1, 4, 4, 4, 4, 4, 4, 2, 3]]
+    engine = VLLMEngine(model, max_model_len=32)
+    vllm_path = engine.generate(prompts, spec)
+    for i, p in enumerate(prompts):
+        engine.add(f"g{i}", p, spec, n=spec.n)
+    engine.add("x", prompts[0], spec, n=spec.n)
+    try:
+        engine.generate(prompts, spec)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    first = {s.key: s for s in engine.step()}
+    engine.abort(["x"])
+    core = engine.engine.engine_core.engine_core.scheduler
+    in_core = [core.get_num_unfinished_requests(), sum(len(g) for g in engine._live.values())]
+    streamed = {**first, **finished(engine)}
+    left = core.get_num_unfinished_requests()
+    engine.add("x", prompts[0], spec, n=spec.n)
+    again = finished(engine)
+    row = lambda s: [s.token_ids, s.logprobs, s.finish_reason, s.text, sorted(set(s.versions))]
+    json.dump({"vllm": [[row(s) for s in g] for g in vllm_path],
+               "streamed": {k: row(s) for k, s in streamed.items()},
+               "again": {k: row(s) for k, s in again.items()},
+               "left": left, "in_core": in_core, "refused": refused}, open(out, "w"))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_streamed_samples_are_vllms_and_abort_leaves_nothing(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dph_async.tasks.embedded import ALPHABET
+    from dph_async.tasks.tiny_model import build_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=16, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    model = tmp_path / "model"
+    LlamaForCausalLM(config).save_pretrained(model)
+    build_tokenizer(ALPHABET).save_pretrained(model)
+    script, out = tmp_path / "child.py", tmp_path / "out.json"
+    script.write_text(CHILD)
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(script), str(model), str(out)], cwd=root, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+
+    expected = {f"g{i}/{j}": s for i, group in enumerate(res["vllm"]) for j, s in enumerate(group)}
+    assert res["streamed"] == expected  # same tokens, bit-identical log-probs, finish reasons, texts
+    reasons = {s[2] for s in expected.values()}
+    assert reasons <= {"stop", "length"} and len(reasons) == 2, reasons  # both ways of finishing were seen
+    assert all(len(s[0]) == len(s[1]) > 0 and s[4] == [0] for s in expected.values())
+    # The aborted group left the engine core at once: it holds only the unfinished streamed samples,
+    # and nothing once they are done.
+    assert res["in_core"][0] == res["in_core"][1] > 0 and res["left"] == 0, res["in_core"]
+    # Its key serves again, and the same seed draws what vLLM drew for that prompt.
+    assert res["again"] == {f"x/{j}": s for j, s in enumerate(res["vllm"][0])}
+    assert "4 streamed requests in flight" in res["refused"]
