@@ -221,7 +221,6 @@ class VLLMEngine:
         request = self.engine.input_processor.process_inputs(key, prompt, self._params(spec, n, True),
                                                              supported_tasks=self._tasks)
         params = request.sampling_params
-        request.external_req_id = key
         group = self._live[key] = {}
         for j in range(n):
             child = request if j == n - 1 else copy(request)
