@@ -209,8 +209,8 @@ class VLLMEngine:
         shared by its n sequences); `step` returns them as samples keyed `key/0` .. `key/{n-1}`.
 
         The completions go to vLLM's engine core as n requests of one sequence each, as its
-        `LLMEngine.add_request` fans them out (completion j sampled with seed + j), but without its
-        output processor: `step` reads the core's outputs itself (why: there)."""
+        `LLMEngine.add_request` fans them out (completion j sampled with seed + j), but without
+        registering them with its output processor: `step` reads the core's outputs itself."""
         from vllm.inputs import TokensPrompt
 
         if key in self._live:
