@@ -39,6 +39,23 @@ SMALL = [
 BASE_PARTS = ("base_model", "data", "presample")
 
 
+# A model vLLM's CPU attention serves (head size 32) at the embedded default's vocabulary: what the
+# tests that run a vLLM engine in a child process build their models from.
+TINY_VLLM_CONFIG = dict(vocab_size=16, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+                        eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+
+
+def save_tiny_model(model, out: Path) -> Path:
+    """Save `model` with the embedded default's tokenizer: a directory vLLM loads."""
+    from dph_async.tasks.embedded import ALPHABET
+    from dph_async.tasks.tiny_model import build_tokenizer
+
+    model.save_pretrained(out)
+    build_tokenizer(ALPHABET).save_pretrained(out)
+    return out
+
+
 def small_config(root: Path, *overrides: str):
     from dph_async.app.pipeline import validate
     from dph_async.config import load_config

@@ -15,10 +15,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, TINY_VLLM_CONFIG, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -68,21 +68,12 @@ if __name__ == "__main__":
 def test_streamed_samples_are_vllms_and_abort_leaves_nothing(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dph_async.tasks.embedded import ALPHABET
-    from dph_async.tasks.tiny_model import build_tokenizer
-
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=16, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    model = tmp_path / "model"
-    LlamaForCausalLM(config).save_pretrained(model)
-    build_tokenizer(ALPHABET).save_pretrained(model)
+    model = save_tiny_model(LlamaForCausalLM(LlamaConfig(**TINY_VLLM_CONFIG)), tmp_path / "model")
     script, out = tmp_path / "child.py", tmp_path / "out.json"
     script.write_text(CHILD)
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(script), str(model), str(out)], cwd=root, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+    proc = subprocess.run([sys.executable, str(script), str(model), str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
 

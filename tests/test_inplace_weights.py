@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, TINY_VLLM_CONFIG, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -93,24 +94,12 @@ if __name__ == "__main__":
 """
 
 
-def _save(model: torch.nn.Module, out: Path) -> Path:
-    from dph_async.tasks.embedded import ALPHABET
-    from dph_async.tasks.tiny_model import build_tokenizer
-
-    model.save_pretrained(out)
-    build_tokenizer(ALPHABET).save_pretrained(out)
-    return out
-
-
 def _pair(arch: str, tmp: Path) -> tuple[Path, Path]:
     """Two random models of one architecture: B differs from A in every tensor."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(vocab_size=16, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
-                  pad_token_id=0, tie_word_embeddings=False)
-    config, cls = (LlamaConfig(**common), LlamaForCausalLM) if arch == "llama" else \
-        (Qwen2Config(**common), Qwen2ForCausalLM)
+    config, cls = (LlamaConfig(**TINY_VLLM_CONFIG), LlamaForCausalLM) if arch == "llama" else \
+        (Qwen2Config(**TINY_VLLM_CONFIG), Qwen2ForCausalLM)
     paths = []
     for seed in (0, 1):
         torch.manual_seed(seed)
@@ -119,7 +108,7 @@ def _pair(arch: str, tmp: Path) -> tuple[Path, Path]:
             for name, p in model.named_parameters():
                 if "norm" in name or name.endswith("bias"):
                     p.add_(0.3 * torch.randn_like(p))
-        paths.append(_save(model, tmp / f"{arch}-{seed}"))
+        paths.append(save_tiny_model(model, tmp / f"{arch}-{seed}"))
     return paths[0], paths[1]
 
 
@@ -134,9 +123,8 @@ def test_inplace_load_matches_a_fresh_engine(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     out = tmp_path / "out.json"
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(script), str(out), *cases], cwd=root, capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(root)})
+    proc = subprocess.run([sys.executable, str(script), str(out), *cases], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert set(results) == {f"{arch}/{gemm}" for arch, gemm in CASES}
