@@ -10,6 +10,7 @@ is kept, as PipelineRL does). Log-probs are those of the distribution actually s
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Iterable, Sequence
 from copy import copy
@@ -74,6 +75,18 @@ def configure_vllm_env(kv_cache_gib: int, threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # vLLM 0.32's AOT-compiled models fail to load from its cache under torch 2.13 ("'function' object
+    # has no attribute 'finalize_loading'") and compile again every time; its older cache loads.
+    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+
+def require_cpp_compiler() -> None:
+    """Refuse a compiled engine early where torch's inductor has no C++ compiler ($CXX, else g++) to
+    build its kernels with: vLLM would fail deep in the engine's build instead."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"actors.compile=true: torch's inductor needs a C++ compiler and {cxx!r} is not on "
+                           "PATH; install g++ (or set CXX), or run the model op by op with actors.compile=false")
 
 
 # The CPU kernels of the linear layers (actors.cpu_gemm).
@@ -126,15 +139,17 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 64, seed: int = 0,
                  kv_cache_gib: int = 1, threads: int = 1, version: int = 0,
-                 cpu_gemm: CpuGemm = "onednn") -> None:
+                 cpu_gemm: CpuGemm = "onednn", compile_model: bool = False) -> None:
+        if compile_model:
+            require_cpp_compiler()
         configure_vllm_env(kv_cache_gib, threads)
         torch.set_num_threads(threads)
         from vllm import LLM
 
         select_cpu_gemm(cpu_gemm)
 
-        self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
-                       logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+        self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=not compile_model, max_model_len=max_model_len,
+                       seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=True)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         # The in-process engine core runs the model in this process, on this thread: apply_model hands
