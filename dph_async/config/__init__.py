@@ -127,7 +127,7 @@ class ActorsConfig(Section):
     # Compile the actors' model with torch's inductor (vLLM's compile) instead of running it op by op.
     # On the CPU it needs a C++ compiler (g++). On the embedded default it cut the actor's CPU per step
     # by 10% and raised completions/s by 10% (median of 5 alternating pairs), for about 5 s more per
-    # actor start with the compile cache warm and 20 s on its first build (docs/benchmarks.md). Off by
+    # actor start with the compile cache warm and 25 s on its first build (docs/benchmarks.md). Off by
     # default: short runs and the tests start more than they generate.
     compile: bool = False
 
