@@ -11,6 +11,7 @@ however long TMPDIR is, and nothing left behind.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -54,6 +55,17 @@ def save_tiny_model(model, out: Path) -> Path:
     model.save_pretrained(out)
     build_tokenizer(ALPHABET).save_pretrained(out)
     return out
+
+
+def run_child(source: str, tmp_path: Path, *args: str, timeout: float = 900) -> dict:
+    """Run `source` as a script in a child process of its own (as an actor's vLLM engine lives), as
+    `python script OUT *args` from the repository; return the JSON it wrote to OUT."""
+    script, out = tmp_path / "child.py", tmp_path / "out.json"
+    script.write_text(source)
+    proc = subprocess.run([sys.executable, str(script), str(out), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 def small_config(root: Path, *overrides: str):

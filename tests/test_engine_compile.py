@@ -10,15 +10,10 @@ against a fresh op-by-op engine built from B. A compiler-less machine is refused
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY_VLLM_CONFIG, save_tiny_model
+from conftest import TINY_VLLM_CONFIG, run_child, save_tiny_model
 
 CHILD = """
 import json, sys
@@ -26,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from actors.engine import SamplingSpec, VLLMEngine
 
 def main():
-    a, b, out = sys.argv[1:]
+    out, a, b = sys.argv[1:]
     spec = SamplingSpec(temperature=1.0, max_tokens=12, n=4, seed=7)
     prompts = [[1, 5, 6, 7, 8], [1, 9, 3], [1, 4, 4, 4, 4, 4, 4, 2, 3]]
     row = lambda s: [s.token_ids, s.logprobs]
@@ -65,12 +60,7 @@ def test_compiled_engine_samples_as_eager_and_loads_weights_in_place(tmp_path):
     for name, seed in (("a", 0), ("b", 1)):
         torch.manual_seed(seed)
         models.append(save_tiny_model(LlamaForCausalLM(LlamaConfig(**TINY_VLLM_CONFIG)), tmp_path / name))
-    script, out = tmp_path / "child.py", tmp_path / "out.json"
-    script.write_text(CHILD)
-    proc = subprocess.run([sys.executable, str(script), *map(str, models), str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = run_child(CHILD, tmp_path, *map(str, models))
 
     assert_same_samples(res["compiled"], res["eager"])
     assert res["loads"] == {"inplace": 1, "reload": 0}

@@ -11,14 +11,9 @@ while streamed requests are in flight, as it would drop their outputs.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import ROOT, TINY_VLLM_CONFIG, save_tiny_model
+from conftest import TINY_VLLM_CONFIG, run_child, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +28,7 @@ def finished(engine):
     return done
 
 def main():
-    model, out = sys.argv[1:]
+    out, model = sys.argv[1:]
     spec = SamplingSpec(temperature=1.0, max_tokens=12, n=4, seed=7)
     prompts = [[1, 5, 6, 7, 8], [1, 9, 3], [1, 4, 4, 4, 4, 4, 4, 2, 3]]
     engine = VLLMEngine(model, max_model_len=32)
@@ -70,12 +65,7 @@ def test_streamed_samples_are_vllms_and_abort_leaves_nothing(tmp_path):
 
     torch.manual_seed(0)
     model = save_tiny_model(LlamaForCausalLM(LlamaConfig(**TINY_VLLM_CONFIG)), tmp_path / "model")
-    script, out = tmp_path / "child.py", tmp_path / "out.json"
-    script.write_text(CHILD)
-    proc = subprocess.run([sys.executable, str(script), str(model), str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res = run_child(CHILD, tmp_path, str(model), timeout=600)
 
     expected = {f"g{i}/{j}": s for i, group in enumerate(res["vllm"]) for j, s in enumerate(group)}
     assert res["streamed"] == expected  # same tokens, bit-identical log-probs, finish reasons, texts

@@ -16,15 +16,11 @@ its next run) and samples, then samples from a fresh engine on B.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_VLLM_CONFIG, save_tiny_model
+from conftest import TINY_VLLM_CONFIG, run_child, save_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -120,13 +116,7 @@ CASES = (("llama", "onednn"), ("qwen2", "onednn"), ("llama", "torch"))
 def test_inplace_load_matches_a_fresh_engine(tmp_path):
     models = {arch: _pair(arch, tmp_path) for arch in ("llama", "qwen2")}
     cases = [str(x) for arch, gemm in CASES for x in (arch, gemm, *models[arch])]
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    out = tmp_path / "out.json"
-    proc = subprocess.run([sys.executable, str(script), str(out), *cases], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+    results = run_child(CHILD, tmp_path, *cases)
     assert set(results) == {f"{arch}/{gemm}" for arch, gemm in CASES}
     for case, res in results.items():
         assert res["loads"] == {"inplace": 4, "reload": 0}, case
