@@ -58,6 +58,9 @@ def sample_seed(seed: int, actor_id: int, seq: int) -> int:
     return random.Random(f"{seed}/{actor_id}/{seq}").getrandbits(62)
 
 
+CPU_MARK_S = 0.25  # how often the rollout thread marks its CPU-seconds (as bench's /proc sampler samples)
+
+
 @dataclass
 class ActorStats:
     actor_id: int
@@ -66,6 +69,10 @@ class ActorStats:
     generate_seconds: float = 0.0  # inside engine steps
     generate_cpu_seconds: float = 0.0  # the thread's CPU-seconds inside engine steps
     forward_cpu_seconds: float = 0.0  # of those, in the model's forward passes; the rest is the engine's bookkeeping
+    thread_cpu_seconds: float = 0.0  # the thread's CPU-seconds over the run: engine steps, loads, scoring, sending
+    # Every CPU_MARK_S, (wall clock, thread_cpu_seconds, generate_cpu_seconds, forward_cpu_seconds) so
+    # far: the three over any window of the run (bench's steady state)
+    cpu_marks: list[tuple[float, float, float, float]] = field(default_factory=list)
     wait_seconds: float = 0.0  # waiting for tickets or weights
     score_seconds: float = 0.0
     weight_loads: int = 0
@@ -102,6 +109,12 @@ class RolloutWorker:
     def _mark(self, start: float, what: str) -> None:
         """Add the span from `start` to now to the busy/wait timeline."""
         add_span(self.stats.timeline, start, time.time(), what)
+
+    def _mark_cpu(self, thread0: float) -> None:
+        """Mark the thread's CPU-seconds since `thread0` (its start of the run) and those of its engine steps."""
+        st = self.stats
+        st.thread_cpu_seconds = time.thread_time() - thread0
+        st.cpu_marks.append((time.time(), st.thread_cpu_seconds, st.generate_cpu_seconds, st.forward_cpu_seconds))
 
     def update_weights(self) -> None:
         """Load the newest published weights if they are newer than the engine's."""
@@ -172,9 +185,13 @@ class RolloutWorker:
         accepted = set(resume.accepted_above)
         next_seq = self.stats.resumed_at = resume.watermark
         forward0 = self.engine.forward_seconds  # a kept engine's clock runs on from its earlier runs
+        thread0 = time.thread_time()
+        self._mark_cpu(thread0)
         self.update_weights()
         slots = self.cfg.actors.max_inflight_prompts
         while not stop.is_set() and (max_groups is None or self.stats.groups_sent < max_groups):
+            if time.time() - self.stats.cpu_marks[-1][0] >= CPU_MARK_S:
+                self._mark_cpu(thread0)
             self.update_weights()
             free = slots - len(self._inflight)
             if max_groups is not None:
@@ -217,5 +234,6 @@ class RolloutWorker:
             self.engine.abort([str(seq) for seq in self._inflight])
             self._inflight.clear()
         self.sender.flush(timeout_s=30.0)
+        self._mark_cpu(thread0)
         self.stats.wall_seconds = time.time() - self._t0
         return self.stats

@@ -55,6 +55,12 @@ def test_pipeline_bench_json(pipeline_bench):
         assert max(int(s) for s in run["staleness_hist"]) <= run["eta"]
         assert 0 <= run["all_waiting"] <= 1 and all(0 <= v <= 1 for v in run["learner_busy"].values())
         assert run["cpu_cores"] is None or run["cpu_cores"]["learner"] >= 0
+        # Each actor's clocks over the window, interpolated between its marks: a thread spends no more
+        # CPU than wall time, its engine steps no more than it, their forward no more than those.
+        assert len(run["actor_cpu_s"]) == len(result["actors"])
+        for a in run["actor_cpu_s"]:
+            assert 0 <= a["forward"] <= a["engine"] <= a["thread"] <= run["step_s"] + 0.01, a
+        assert max(a["engine"] for a in run["actor_cpu_s"]) > 0
     assert res["runs"]["sync"]["eta"] == 0 and res["runs"]["async"]["eta"] == 1
     c = res["comparison"]
     assert set(c) == set(Comparison.__dataclass_fields__) and len(res["pairs"]) == 1

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dph_async.app.bench.peer import PeerRun, ensure_trl, summarise
-from dph_async.app.bench.peer_limit import limit_of, parts_of
+from dph_async.app.bench.peer_limit import limit_lines, limit_of, parts_of
 from dph_async.app.bench.peer_loop import completion_mask, response_logprobs
 from dph_async.app.bench.peer_spec import PeerSpec
 from dph_async.app.bench.weights import Round, _summary
@@ -77,7 +77,15 @@ def _dph_detail(rng: random.Random) -> dict:
                                 "backward": rng.uniform(0.02, 0.05), "optimizer": rng.uniform(0, 0.01),
                                 "batching": rng.uniform(0, 0.02)},
             "tokens_per_step": rng.uniform(300, 900), "engine_cpu_per_token": rng.uniform(1e-4, 2e-4),
-            "forward_cpu_per_token": rng.uniform(2e-5, 8e-5)}
+            "forward_cpu_per_token": rng.uniform(2e-5, 8e-5), "actors": (a := rng.choice([1, 2])),
+            "actor_cpu_s": [_actor_cpu(rng) for _ in range(a)]}
+
+
+def _actor_cpu(rng: random.Random) -> dict[str, float]:
+    """One actor's thread, engine steps within it, forward within those: CPU-seconds per step."""
+    thread = rng.uniform(0.05, 0.09)
+    engine = thread * rng.uniform(0.6, 0.9)
+    return {"thread": thread, "engine": engine, "forward": engine * rng.uniform(0.3, 0.6)}
 
 
 def test_limit_splits_the_cpu_of_a_step_and_bounds_the_ratio_by_the_cores():
@@ -96,7 +104,8 @@ def test_limit_splits_the_cpu_of_a_step_and_bounds_the_ratio_by_the_cores():
     for part, value in [
         ("learner: training", lambda s, d: sum(d["learner_phase_s"][k] for k in ("forward", "loss", "backward",
                                                                                  "optimizer"))),
-        ("actors: the model's forward", lambda s, d: d["forward_cpu_per_token"] * d["tokens_per_step"]),
+        ("actors: the model's forward", lambda s, d: sum(a["forward"] for a in d["actor_cpu_s"])),
+        ("actors: vLLM's bookkeeping", lambda s, d: sum(a["engine"] - a["forward"] for a in d["actor_cpu_s"])),
         ("Ray", lambda s, d: d["cpu_cores"]["ray"] * s),
     ]:
         assert lim.parts[part] == pytest.approx(statistics.median(value(s, d) for s, d in zip(step_s, details,
@@ -112,6 +121,25 @@ def test_limit_splits_the_cpu_of_a_step_and_bounds_the_ratio_by_the_cores():
         assert ceilings["training and vLLM's engine steps"] == pytest.approx(
             2 * peer_step / (arithmetic + lim.parts["actors: vLLM's bookkeeping"]))
         assert ceilings["training and the model's forward alone"] == pytest.approx(2 * peer_step / arithmetic)
+    # The busiest actor's thread, all of it and its engine steps alone: medians over the runs, and the
+    # peer's s/step over them (one thread spends no more CPU than wall time, whatever the cores).
+    assert len(lim.threads) == 2
+    for name, key in (("the busiest actor's thread, as measured", "thread"),
+                      ("the busiest actor's thread, its engine steps alone", "engine")):
+        t = statistics.median(max(a[key] for a in d["actor_cpu_s"]) for d in details)
+        assert lim.threads[name] == pytest.approx(t)
+        for peer, peer_step in (("loop", 0.17), ("trl", 0.1)):
+            assert lim.peers[peer].ceilings[name] == pytest.approx(peer_step / t)
+    report = "\n".join(limit_lines(lim))
+    assert all(f"| {name} | {t:.3f} |" in report for name, t in lim.threads.items())
+    # Runs from before the actors marked their clocks: the engine's per-token figures over the whole
+    # run, and no thread bound.
+    for r in runs[:3]:
+        del r.detail["actor_cpu_s"]
+    old = limit_of(runs, cores=2)
+    assert old.parts["actors: the model's forward"] == pytest.approx(
+        statistics.median(d["forward_cpu_per_token"] * d["tokens_per_step"] for d in details))
+    assert old.threads == {} and "busiest" not in "\n".join(limit_lines(old))
     assert limit_of([r for r in runs if r.system == "dph-async"], cores=2) is None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -16,6 +17,7 @@ from dph_async.app.bench.timeline import (
     fractions,
     ideal_speedup,
     learner_phases,
+    marked_between,
     steady_window,
     weight_delays,
 )
@@ -115,6 +117,23 @@ def test_cpu_between_interpolates_and_finds_outside_load():
     assert used["outside"] == pytest.approx(1.0)
     # Outside the sampled range the ends are held.
     assert cpu_between(samples, -5.0, 10.0)["learner"] == pytest.approx(2.0)
+
+
+def test_marked_between_interpolates_a_cumulative_count():
+    rng = random.Random()
+    times = sorted(rng.uniform(0, 10) for _ in range(20))
+    rates = [rng.uniform(0, 1) for _ in times]  # the count's rate from each mark to the next
+    marks, count = [], 0.0
+    for i, t in enumerate(times):
+        count += rates[i - 1] * (t - times[i - 1]) if i else 0.0
+        marks.append((t, count, 2 * count))  # a second count alongside, twice the first
+    lo, hi = sorted(rng.uniform(times[0], times[-1]) for _ in range(2))
+    # Piecewise linear: the integral of the rate over [lo, hi], summed interval by interval.
+    expected = sum(r * max(0.0, min(hi, b) - max(lo, a)) for a, b, r in zip(times, times[1:], rates, strict=False))
+    assert marked_between(marks, lo, hi) == pytest.approx([expected, 2 * expected], rel=1e-9, abs=1e-12)
+    # Flat outside the marks; nothing marked, nothing counted.
+    assert marked_between(marks, -5.0, 20.0) == pytest.approx([count, 2 * count])
+    assert marked_between([], 0.0, 1.0) == []
 
 
 BURN = "import time\nwhile time.process_time() < {s}: pass\n"

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -121,8 +122,17 @@ def test_async_respects_staleness_and_trains(prepared):
     assert max(newest for s in steps for *_, newest in s["groups"]) >= 1
     assert (rl_dir / "final_model" / "config.json").is_file()
     # An engine step's CPU splits into the model's forward and vLLM's bookkeeping (bench peer's limit).
-    assert all(0 < a["forward_cpu_seconds"] < a["generate_cpu_seconds"] for a in result.actors
-               if a["groups_sent"] > 0), result.actors
+    # The actor's thread does the engine steps and more (bench peer's bound on one actor's thread),
+    # and marks its clocks as it goes: between two marks the thread's CPU is no more than the wall
+    # time, its engine steps' no more than that, their forward no more than those.
+    for a in (a for a in result.actors if a["groups_sent"] > 0):
+        assert 0 < a["forward_cpu_seconds"] < a["generate_cpu_seconds"] < a["thread_cpu_seconds"], a
+        marks = a["cpu_marks"]
+        assert len(marks) >= 2 and list(marks[-1][1:]) == [a[k] for k in ("thread_cpu_seconds", "generate_cpu_seconds",
+                                                                     "forward_cpu_seconds")]
+        for m0, m1 in pairwise(marks):
+            wall, thread, engine, forward = (y - x for x, y in zip(m0, m1, strict=True))
+            assert 0 <= forward <= engine + 1e-6 and engine <= thread + 1e-6 and thread <= wall + 0.02, (m0, m1)
 
 
 def _without_seconds(results: dict) -> dict:

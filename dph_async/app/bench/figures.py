@@ -3,7 +3,7 @@ the comparison of runs share (kept apart from the bench itself so the scaling mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -50,4 +50,7 @@ class RunFigures:
     # wait, assemble, forward, backward, step, publish, ...) and the actors' spans summed over actors.
     learner_phase_s: dict[str, float]
     actor_span_s: dict[str, float]
+    # Each actor's rollout thread, CPU-seconds per step in the window: "thread" (all of it), "engine" (in
+    # engine steps), "forward" (of those, in the model's forward). Empty for runs that did not mark them.
+    actor_cpu_s: list[dict[str, float]] = field(default_factory=list)
     ranks: int = 1  # learner.ranks

@@ -31,6 +31,7 @@ from dph_async.app.bench.timeline import (
     fractions,
     ideal_speedup,
     learner_phases,
+    marked_between,
     steady_window,
     weight_delays,
 )
@@ -112,6 +113,9 @@ def measure(name: str, cfg: RunConfig, rl_dir: Path, skip: int, cpu: list[CpuSam
         cpu_s_per_step=per_step,
         learner_phase_s={k.removeprefix("time/"): _mean([r.get(k, 0.0) for r in in_win]) for k in phase_keys},
         actor_span_s=actor_spans,
+        actor_cpu_s=[dict(zip(("thread", "engine", "forward"),
+                              (v / win.steps for v in marked_between(a["cpu_marks"], win.start, win.end)),
+                              strict=True)) for a in actors if a.get("cpu_marks")],
     )
 
 

@@ -16,6 +16,7 @@ end of its last one, so it holds whole learner cycles (publish, wait, train) and
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,24 @@ def steady_window(learner: list[Span], skip: int) -> Window:
         raise ValueError(f"the run has {len(ends)} training steps; at least {skip + 1} are needed to skip {skip}")
     start = ends[skip - 1] if skip > 0 else learner[0].start
     return Window(start, ends[-1], len(ends) - skip)
+
+
+def marked_between(marks: list[tuple[float, ...]], start: float, end: float) -> list[float]:
+    """The growth over [start, end] of the cumulative counts marked as (time, count, count, ...),
+    linear between marks and flat outside them."""
+    if not marks:
+        return []
+    times = [m[0] for m in marks]
+
+    def at(t: float) -> list[float]:
+        i = bisect.bisect_left(times, t)
+        if i == 0 or i == len(marks):
+            return list(marks[min(i, len(marks) - 1)][1:])
+        a, b = marks[i - 1], marks[i]
+        f = (t - a[0]) / (b[0] - a[0]) if b[0] > a[0] else 1.0
+        return [va + f * (vb - va) for va, vb in zip(a[1:], b[1:], strict=True)]
+
+    return [hi - lo for lo, hi in zip(at(start), at(end), strict=True)]
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
