@@ -25,7 +25,9 @@ The limit: dph-async's CPU-seconds per step by part (the learner's training and 
 learner; the engines' model forward, vLLM's bookkeeping and the rest of the actors; Ray) and each
 peer's, against what the cores allow: no schedule runs a step in less than its CPU-seconds / cores,
 so the report gives the most dph-async / peer its costs allow, and the same were only some parts
-left (docs/benchmarks.md).
+left. An actor's rollout loop is one thread, so a step also takes at least the busiest actor's
+thread CPU-seconds (measured over the steady state), whatever the cores; the report gives that
+bound too, and the same for its engine steps alone (docs/benchmarks.md).
 
 --user-case builds a user's case and benchmarks it: a tiny HF Llama (4 layers, hidden 128, fp32,
 a 16-id character tokenizer, briefly trained), verl-format parquet prompts, 16 prompts x 8 samples,
