@@ -106,6 +106,27 @@ def select_cpu_gemm(cpu_gemm: CpuGemm) -> None:
     ops._supports_onednn = cpu_gemm == "onednn" and hasattr(torch.ops._C, "create_onednn_mm_handler")
 
 
+def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row of x, the entries >= that row's value: vLLM's rank of a sampled token, op by op."""
+    return (x >= values).sum(-1)
+
+
+def rank_tokens_op_by_op() -> None:
+    """Make vLLM's CPU sampler rank its sampled tokens op by op.
+
+    vLLM ranks every sampled token with a helper it compiles with torch.compile
+    (`batched_count_greater_than`), to spare a GPU a boolean copy of the logits. On the CPU the
+    compile costs each new engine process 2.4 s at its first sampled log-prob, on the first RL step,
+    and the compiled call's guards cost 3% of an engine round after that: more than the comparison
+    and sum it runs (docs/benchmarks.md). The samples are the same either way.
+    """
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import sampler
+
+    if current_platform.is_cpu():
+        sampler.batched_count_greater_than = count_at_least
+
+
 def _the_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
@@ -147,6 +168,7 @@ class VLLMEngine:
         from vllm import LLM
 
         select_cpu_gemm(cpu_gemm)
+        rank_tokens_op_by_op()
 
         self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=not compile_model, max_model_len=max_model_len,
                        seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=True)

@@ -5,8 +5,9 @@ In one child process (vLLM engines live in processes of their own, as in an acto
 generates seeded groups twice: through `LLM.generate` (vLLM's output path) and through `add`/`step`,
 with a further group added beside them and aborted after one step. Every streamed sample equals
 vLLM's (tokens, bit-identical log-probs, finish reason, text); the aborted group never comes back and
-leaves no request in the engine core; its key can be used again; and a batch `generate` is refused
-while streamed requests are in flight, as it would drop their outputs.
+leaves no request in the engine core; its key can be used again; a batch `generate` is refused
+while streamed requests are in flight, as it would drop their outputs; and the sampler's token ranks,
+counted op by op in place of vLLM's compiled helper, leave the samples as they were.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 CHILD = """
 import json, sys
-from actors.engine import SamplingSpec, VLLMEngine
+from actors.engine import SamplingSpec, VLLMEngine, count_at_least
 
 def finished(engine):
     done = {}
@@ -49,10 +50,17 @@ def main():
     left = core.get_num_unfinished_requests()
     engine.add("x", prompts[0], spec, n=spec.n)
     again = finished(engine)
+    # The engine ranks sampled tokens op by op; with vLLM's compiled helper back, it samples the same.
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+    op_by_op = sampler.batched_count_greater_than is count_at_least
+    sampler.batched_count_greater_than = logprobs.batched_count_greater_than
+    compiled = engine.generate(prompts, spec)
     row = lambda s: [s.token_ids, s.logprobs, s.finish_reason, s.text, sorted(set(s.versions))]
     json.dump({"vllm": [[row(s) for s in g] for g in vllm_path],
                "streamed": {k: row(s) for k, s in streamed.items()},
                "again": {k: row(s) for k, s in again.items()},
+               "compiled_ranks": [[row(s) for s in g] for g in compiled], "op_by_op": op_by_op,
                "left": left, "in_core": in_core, "refused": refused}, open(out, "w"))
 
 if __name__ == "__main__":
@@ -78,3 +86,5 @@ def test_streamed_samples_are_vllms_and_abort_leaves_nothing(tmp_path):
     # Its key serves again, and the same seed draws what vLLM drew for that prompt.
     assert res["again"] == {f"x/{j}": s for j, s in enumerate(res["vllm"][0])}
     assert "4 streamed requests in flight" in res["refused"]
+    # vLLM's CPU sampler ranked tokens op by op, and its own compiled helper draws the same samples.
+    assert res["op_by_op"] and res["compiled_ranks"] == res["vllm"]
