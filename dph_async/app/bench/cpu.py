@@ -13,12 +13,13 @@ A process that exits between two samples loses at most one interval of CPU time.
 
 from __future__ import annotations
 
-import bisect
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dph_async.app.bench.timeline import marked_between
 
 TICK = os.sysconf("SC_CLK_TCK")
 # Every learner rank counts as the learner: t is the CPU of a step, whichever rank spends it.
@@ -125,20 +126,10 @@ class ProcessTreeCPU:
 
 def cpu_between(samples: list[CpuSample], start: float, end: float) -> dict[str, float]:
     """CPU-seconds of each component (and "machine", "outside") in [start, end], interpolated."""
-    times = [s.t for s in samples]
-
-    def at(t: float) -> dict[str, float]:
-        i = bisect.bisect_left(times, t)
-        if i == 0 or i == len(samples):
-            s = samples[min(i, len(samples) - 1)]
-            return {**s.by_component, "machine": s.machine}
-        a, b = samples[i - 1], samples[i]
-        f = (t - a.t) / (b.t - a.t) if b.t > a.t else 1.0
-        va, vb = {**a.by_component, "machine": a.machine}, {**b.by_component, "machine": b.machine}
-        return {k: va.get(k, 0.0) + f * (vb.get(k, 0.0) - va.get(k, 0.0)) for k in vb.keys() | va.keys()}
-
-    lo, hi = at(start), at(end)
-    out = {k: max(0.0, hi.get(k, 0.0) - lo.get(k, 0.0)) for k in hi.keys() | lo.keys()}
+    components = sorted({k for s in samples for k in s.by_component})
+    keys = [*components, "machine"]
+    marks = [(s.t, *(s.by_component.get(k, 0.0) for k in components), s.machine) for s in samples]
+    out = {k: max(0.0, v) for k, v in zip(keys, marked_between(marks, start, end), strict=True)}
     ours = sum(v for k, v in out.items() if k != "machine")
     out["outside"] = max(0.0, out.get("machine", 0.0) - ours)
     return out
