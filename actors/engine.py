@@ -89,8 +89,26 @@ def require_cpp_compiler() -> None:
                            "PATH; install g++ (or set CXX), or run the model op by op with actors.compile=false")
 
 
-# The CPU kernels of the linear layers (actors.cpu_gemm).
+# The CPU kernels of the linear layers (actors.cpu_gemm); auto picks one by the model's size.
 CpuGemm = Literal["onednn", "torch"]
+# Weights (bytes on disk) below which F.linear costs an actor less CPU than oneDNN. An engine round
+# (eager, one thread) took 8% less CPU at 1.5 MiB, as much at 3-7 MiB, 5% more at 12 MiB and 15-21%
+# more at 13-64 MiB; oneDNN's load packs every linear layer again, 0.8 ms each (docs/benchmarks.md).
+TORCH_GEMM_BELOW = 8 << 20
+
+
+def resolve_cpu_gemm(cpu_gemm: CpuGemm | Literal["auto"], model_dir: str) -> CpuGemm:
+    """`auto`: F.linear for models whose weights are under TORCH_GEMM_BELOW bytes, where it generates
+    on less CPU than oneDNN and a load is no copy at all; oneDNN for anything larger, or whose weight
+    files are not found (docs/decisions.md). GPUs ignore the key: there auto is oneDNN, which leaves
+    an engine's weights its own."""
+    if cpu_gemm != "auto":
+        return cpu_gemm
+    if torch.cuda.is_available():
+        return "onednn"
+    files = [f for f in Path(model_dir).glob("*") if f.suffix in (".safetensors", ".bin")]
+    size = sum(f.stat().st_size for f in files)
+    return "torch" if 0 < size < TORCH_GEMM_BELOW else "onednn"
 
 
 def select_cpu_gemm(cpu_gemm: CpuGemm) -> None:
@@ -160,14 +178,15 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 64, seed: int = 0,
                  kv_cache_gib: int = 1, threads: int = 1, version: int = 0,
-                 cpu_gemm: CpuGemm = "onednn", compile_model: bool = False) -> None:
+                 cpu_gemm: CpuGemm | Literal["auto"] = "auto", compile_model: bool = False) -> None:
         if compile_model:
             require_cpp_compiler()
         configure_vllm_env(kv_cache_gib, threads)
         torch.set_num_threads(threads)
         from vllm import LLM
 
-        select_cpu_gemm(cpu_gemm)
+        self.cpu_gemm = resolve_cpu_gemm(cpu_gemm, model_dir)
+        select_cpu_gemm(self.cpu_gemm)
         rank_tokens_op_by_op()
 
         self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=not compile_model, max_model_len=max_model_len,
@@ -191,7 +210,7 @@ class VLLMEngine:
         self.loads = {"inplace": 0, "reload": 0}  # weight loads by path
         # Under F.linear the layers run on their weights as loaded, so a load may make them views of
         # a leased shared-memory segment (no copy); oneDNN packs a copy of every layer anyway.
-        self.shares_weights = cpu_gemm == "torch"
+        self.shares_weights = self.cpu_gemm == "torch"
 
     @property
     def forward_seconds(self) -> float:

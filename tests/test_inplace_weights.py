@@ -22,6 +22,8 @@ import pytest
 import torch
 from conftest import TINY_VLLM_CONFIG, run_child, save_tiny_model
 
+from actors.engine import TORCH_GEMM_BELOW, resolve_cpu_gemm
+
 pytestmark = pytest.mark.slow
 
 CHILD = """
@@ -143,3 +145,15 @@ def test_inplace_load_matches_a_fresh_engine(tmp_path):
 
     for (a, lp_a), (b, lp_b) in zip(first(results["llama/torch"]), first(results["llama/onednn"]), strict=True):
         assert a == b and abs(lp_a - lp_b) < 1e-4
+
+
+@pytest.mark.parametrize("size, expected", [(1, "torch"), (TORCH_GEMM_BELOW - 1, "torch"),
+                                            (TORCH_GEMM_BELOW, "onednn"), (0, "onednn")])
+def test_auto_kernels_follow_the_size_of_the_weights(tmp_path, size, expected):
+    (tmp_path / "model-00001.safetensors").write_bytes(b"\0" * (size // 2))
+    (tmp_path / "model-00002.bin").write_bytes(b"\0" * (size - size // 2))
+    (tmp_path / "tokenizer.json").write_bytes(b"\0" * TORCH_GEMM_BELOW)  # not a weight
+    assert resolve_cpu_gemm("auto", str(tmp_path)) == expected
+    for explicit in ("onednn", "torch"):
+        assert resolve_cpu_gemm(explicit, str(tmp_path)) == explicit
+    assert resolve_cpu_gemm("auto", str(tmp_path / "missing")) == "onednn"

@@ -119,11 +119,12 @@ class ActorsConfig(Section):
     # against 0.27 with 1 (one run each, `bench peer`, 2026-11-26).
     threads: int = Field(1, ge=1)
     # The CPU engine's linear layers. onednn: vLLM packs each weight for oneDNN, which generates
-    # faster (1.4x at 134 M parameters, one thread) but must pack again on every weight load (85% of
-    # a load). torch: plain F.linear on the weights as loaded, so a load is one copy (6x faster).
-    # torch pays where loads are frequent against generation: big models, short rollouts per version
-    # (docs/benchmarks.md, weight sync). GPUs ignore it.
-    cpu_gemm: Literal["onednn", "torch"] = "onednn"
+    # faster from about 8 MiB of weights up (1.4x at 134 M parameters, one thread) but must pack again
+    # on every weight load (85% of a load). torch: plain F.linear on the weights as loaded, so a load
+    # is no copy (the layers view the learner's shared memory); it generates on less CPU below about
+    # 8 MiB. auto: torch for weights under 8 MiB (the embedded default's 1.5 MiB), onednn above
+    # (actors/engine.py, docs/decisions.md). GPUs ignore it.
+    cpu_gemm: Literal["auto", "onednn", "torch"] = "auto"
     # Compile the actors' model with torch's inductor (vLLM's compile) instead of running it op by op.
     # On the CPU it needs a C++ compiler (g++). On the embedded default it cut the actor's CPU per step
     # by 10% and raised completions/s by 10% (median of 5 alternating pairs), for about 5 s more per
