@@ -224,7 +224,8 @@ def test_a_checksummed_record_this_build_cannot_read_is_named_not_truncated(tmp_
     core = make_core(tmp_path)
     core.ingest([synthetic_group(0, 0)])
     segment = _segment(core)
-    for payload in (b"X" + b"\0" * 8, b"G" + b"\xff" * 7):  # unknown kind; groups announced but absent
+    # an unknown kind; none at all; groups announced but absent; a serve record that is not Arrow
+    for payload in (b"X" + b"\0" * 8, b"", b"G" + b"\xff" * 7, b"S" + b"\0" * 16):
         data = segment.read_bytes() + struct.pack("<QI", len(payload), zlib.crc32(payload)) + payload
         segment.write_bytes(data)
         with pytest.raises(WalFormatError, match=r"seg-\d{8}\.wal: the record at byte \d+ is not one this build"):
