@@ -102,9 +102,10 @@ def _ids(actors: list[int], seqs: list[int]) -> list[tuple[int, int]]:
 
 def _groups_payload(groups: list[RolloutGroup]) -> bytes:
     messages = [encode(g) for g in groups]
-    sizes = [memoryview(f).nbytes for m in messages for f in m]
+    frames = [f for m in messages for f in m]
+    sizes = [memoryview(f).nbytes for f in frames]
     head = struct.pack(f"<I{len(messages)}I{len(sizes)}Q", len(messages), *(len(m) for m in messages), *sizes)
-    return b"".join([_GROUPS, head, *(f for m in messages for f in m)])
+    return b"".join([_GROUPS, head, *frames])
 
 
 def _groups_from(payload: memoryview) -> list[RolloutGroup]:
