@@ -255,6 +255,7 @@ class LearnerProcess:
             self.loop.resume(self.resume_tag)
         self.loop.publish()  # actors on other nodes build their engines from these weights
         self.endpoints = _learner_endpoints(cfg, self.loop, self.replay, self.rl_dir)
+        _freeze_heap()
 
     def addresses(self) -> tuple[str, str]:
         """Where actors connect; a wildcard bind is advertised as this node's address."""
@@ -308,11 +309,28 @@ class LearnerProcess:
             shutil.rmtree(Path(self.rendezvous.store).parent, ignore_errors=True)
         self.loop = self.tokenizer = self.rendezvous = None
         self.endpoints = []
-        gc.collect()
+        _thaw_heap()
         import torch
 
         if torch.cuda.is_available():  # an idle kept process must not hold GPU memory an engine could use
             torch.cuda.empty_cache()
+
+
+def _freeze_heap() -> None:
+    """Keep the collector off what the imports and the trainer made: half a million objects that
+    live as long as the run. A full collection walks them all (0.2-0.4 s on 2 cores) holding the GIL,
+    stalling the training, the replay's thread and the weight server at once: one step in 40 took
+    six times its length, and the actor waited for tickets meanwhile (docs/benchmarks.md). vLLM does
+    the same in the actors."""
+    gc.collect()
+    gc.freeze()
+
+
+def _thaw_heap() -> None:
+    """Hand the collector back what `_freeze_heap` kept from it, and collect: a closed run's trainer
+    is garbage now, and a kept learner process must not hold every earlier run's."""
+    gc.unfreeze()
+    gc.collect()
 
 
 @ray.remote
@@ -329,6 +347,7 @@ class LearnerRank:
 
         rdv = Rendezvous(self.rank, self.cfg.learner.ranks, self.store)
         self.trainer, _ = _build_trainer(self.cfg, self.model_dir, rdv)
+        _freeze_heap()
 
     def follow(self) -> int:
         """Batches trained, once rank 0 says stop."""
