@@ -292,7 +292,7 @@ def test_an_actor_off_the_drivers_node_is_kept_and_reset_from_the_learner(prepar
     monkeypatch.setattr(launcher, "home_node", lambda: "the driver's node, elsewhere")
     # Three steps: at eta = 1 the third batch takes no group of version 0, so the kept actor must load
     # the learner's weights during the run. With two, it may finish both batches on the weights of its
-    # reset, and did when the learner was slow to start.
+    # reset: it did once in a full suite, and once in three runs of this test alone.
     once = ("learner.steps=3",)
     first, _ = train(prepared, "away-1", *once, mode="grpo")
     again, _ = train(prepared, "away-2", *once, mode="grpo")

@@ -322,7 +322,8 @@ def _freeze_heap() -> None:
     GIL, stalling the training, the replay's thread and the weight server at once, and the actor
     waits for tickets meanwhile: five stalls of 0.16-0.30 s in 300 steps of the embedded default,
     none once frozen (docs/benchmarks.md). vLLM does the same in the actors. Garbage frozen with them
-    waits for `_thaw_heap` (a collection first would add 0.3 s to every run's start)."""
+    waits for `_thaw_heap` or the process's end (a collection first would add 0.3 s to every run's
+    start)."""
     gc.freeze()
 
 
