@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from copy import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -173,12 +173,17 @@ class ForwardClock:
         self.seconds += time.thread_time() - self._start
 
 
+def _kv_caches(worker: Any) -> list[torch.Tensor]:
+    return worker.model_runner.kv_caches
+
+
 class VLLMEngine:
     """vLLM's LLMEngine driven request by request, with per-token policy versions."""
 
     def __init__(self, model_dir: str, *, dtype: str = "float32", max_model_len: int = 64, seed: int = 0,
                  kv_cache_gib: int = 1, threads: int = 1, version: int = 0,
-                 cpu_gemm: CpuGemm | Literal["auto"] = "auto", compile_model: bool = False) -> None:
+                 cpu_gemm: CpuGemm | Literal["auto"] = "auto", compile_model: bool = False,
+                 share_prefill: bool = True) -> None:
         if compile_model:
             require_cpp_compiler()
         configure_vllm_env(kv_cache_gib, threads)
@@ -189,14 +194,30 @@ class VLLMEngine:
         select_cpu_gemm(self.cpu_gemm)
         rank_tokens_op_by_op()
 
+        from vllm.config import KVTransferConfig
+        from vllm.platforms import current_platform
+
+        # `share_prefill`: a group's completions copy their prompt's KV from the first (shared_prefill.py).
+        # Its connector is installed in every engine, sharing or not: vLLM's worker-side connector is
+        # one per process, and an engine without one would meet another engine's.
+        connector = KVTransferConfig(kv_connector="SharedPrefill", kv_connector_module_path="actors.shared_prefill",
+                                     kv_role="kv_both", kv_connector_extra_config={"share": share_prefill})
+        # The CPU's smallest KV block (vLLM's default there is 128 tokens): a copy moves a quarter of
+        # the bytes, and rounds ran on 2-3% less CPU with or without copies (docs/benchmarks.md).
+        blocks = {"block_size": 32} if current_platform.is_cpu() else {}
         self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=not compile_model, max_model_len=max_model_len,
-                       seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+                       seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                       kv_transfer_config=connector, disable_hybrid_kv_cache_manager=True, **blocks)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
         # The in-process engine core runs the model in this process, on this thread: apply_model hands
         # it over (vLLM's reload rebuilds its parameters, never the module). The clock times the
         # decoder and the LM head's logits, which vLLM computes outside the model's forward.
         self._model = self.llm.apply_model(_the_model)[0]
+        # The in-process engine core's scheduler holds the connector that makes the copies, into the
+        # worker's caches (both in this process).
+        self.sharing = self.engine.engine_core.engine_core.scheduler.connector
+        self.sharing.attach(self.llm.collective_rpc(_kv_caches)[0])
         self._clock = ForwardClock()
         self._clock.hook(self._model, *[m for m in (getattr(self._model, "logits_processor", None),) if m is not None])
         self.version = version

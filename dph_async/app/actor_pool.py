@@ -44,7 +44,7 @@ def engine_settings(cfg: RunConfig, model_dir: Path) -> tuple:
         if f.is_file() and f.suffix not in (".safetensors", ".bin"):  # the weights: a reset reloads them
             files.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     return (files.hexdigest(), m.dtype, m.max_model_len, cfg.seed, a.sampler, a.kv_cache_gib,
-            a.threads, a.cpu_gemm, a.compile, cfg.launcher.max_actor_restarts)
+            a.threads, a.cpu_gemm, a.compile, a.share_prefill, cfg.launcher.max_actor_restarts)
 
 
 def _prefix(key: tuple) -> str:

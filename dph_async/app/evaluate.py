@@ -110,7 +110,8 @@ def build_engine(cfg: RunConfig, model_dir: Path) -> VLLMEngine:
     """An engine of `model_dir`'s weights for a stage the driver runs in a worker of its own
     (evaluation, pre-sampling), on the learner's threads."""
     return VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                      seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads)
+                      seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads,
+                      share_prefill=cfg.actors.share_prefill)
 
 
 def evaluate_jobs(cfg: RunConfig, engine_dir: Path, jobs: Sequence[EvalJob], test_sets: dict[str, Path],

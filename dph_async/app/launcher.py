@@ -554,7 +554,7 @@ def _online_engine(cfg: RunConfig, model_dir: str, actor_id: int, version: int =
     return VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
                       seed=cfg.seed + 1000 * actor_id, kv_cache_gib=cfg.actors.kv_cache_gib,
                       threads=cfg.actors.threads, version=version, cpu_gemm=cfg.actors.cpu_gemm,
-                      compile_model=cfg.actors.compile)
+                      compile_model=cfg.actors.compile, share_prefill=cfg.actors.share_prefill)
 
 
 def _actor_key(cfg: RunConfig, model_dir: Path, actor_id: int) -> tuple:

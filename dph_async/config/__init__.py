@@ -131,6 +131,11 @@ class ActorsConfig(Section):
     # actor start with the compile cache warm and 25 s on its first build (docs/benchmarks.md). Off by
     # default: short runs and the tests start more than they generate.
     compile: bool = False
+    # The n completions of a prompt compute its KV once and copy it (actors/shared_prefill.py): vLLM's
+    # prefix cache shares only whole 32-token blocks on the CPU, so each completion of a shorter prompt
+    # computed all of it again. On the embedded default's prompts it cut an engine round's CPU by 15%
+    # (docs/benchmarks.md). Off: every completion computes its prompt, as vLLM does.
+    share_prefill: bool = True
 
 
 class LearnerConfig(Section):
