@@ -132,9 +132,10 @@ class ActorsConfig(Section):
     # default: short runs and the tests start more than they generate.
     compile: bool = False
     # The n completions of a prompt compute its KV once and copy it (actors/shared_prefill.py): vLLM's
-    # prefix cache shares only whole 32-token blocks on the CPU, so each completion of a shorter prompt
-    # computed all of it again. On the embedded default's prompts it cut an engine round's CPU by 15%
-    # (docs/benchmarks.md). Off: every completion computes its prompt, as vLLM does.
+    # prefix cache shares only whole blocks (32 tokens at the least on the CPU), so each completion of
+    # a shorter prompt computed all of it again. On the embedded default the actor's thread then took
+    # 11% less CPU per step, its model's forward 35% less (`bench peer`, docs/benchmarks.md). Off:
+    # every completion computes its prompt, as vLLM does.
     share_prefill: bool = True
 
 
