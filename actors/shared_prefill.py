@@ -1,12 +1,13 @@
 """One prefill per prompt: a group's completions copy their prompt's KV from the first one computed.
 
-vLLM shares prompt KV between requests only through its prefix cache, which holds full blocks (128
-tokens on the CPU, never under 32). A GRPO group's n completions of a shorter prompt each compute
-the whole prompt again: n prefills where one would do, and on short completions most of the tokens
-an engine step runs (docs/benchmarks.md). This connector uses vLLM's KV-connector API (its hook for
-KV that comes from elsewhere) to let a waiting request whose prompt and cache salt equal those of a
-running request that has computed them copy that request's prompt blocks, and compute only its last
-prompt token (whose logits give its first token). The copy is exact: the same cache rows.
+vLLM shares prompt KV between requests only through its prefix cache, which holds full blocks
+(never under 32 tokens on the CPU; 128 by default). A GRPO group's n completions of a shorter
+prompt each compute the whole prompt again: n prefills where one would do, and on short
+completions most of the tokens an engine step runs (docs/benchmarks.md). This connector uses
+vLLM's KV-connector API (its hook for KV that comes from elsewhere) to let a waiting request whose
+prompt and cache salt equal those of a running request that has computed them copy that request's
+prompt blocks, and compute only its last prompt token (whose logits give its first token). The
+copy is exact: the same cache rows.
 
 The first request of a prompt leads; the others wait for it (the scheduler asks again next step)
 until its first token is out, so its prompt KV is in the cache. A leader that finished or was
@@ -48,7 +49,10 @@ class SharedPrefill(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.enabled = bool(self._kv_transfer_config.get_from_extra_config("share", True))
+        # One cache group of plain attention, whose new blocks vLLM does not zero (it does for Mamba
+        # states and mixed-precision caches, and would undo a copy): where the copies are sound.
+        self.enabled = (bool(self._kv_transfer_config.get_from_extra_config("share", True))
+                        and len(kv_cache_config.kv_cache_groups) == 1 and not kv_cache_config.needs_kv_cache_zeroing)
         self._block_size = vllm_config.cache_config.block_size
         self._num_blocks = kv_cache_config.num_blocks
         self._caches: list[tuple[torch.Tensor, int]] = []  # each cache and its blocks' dimension
@@ -102,10 +106,6 @@ class SharedPrefill(KVConnectorBase_V1):
                 # Whole blocks, whatever the kernel's layout within one: rows past the copied
                 # prompt are the leader's, and the request overwrites them before it reads them.
                 cache.index_copy_(dim, dst, cache.index_select(dim, src))
-            if scheduler_output.new_block_ids_to_zero:  # written in full: zeroing would undo the copy
-                copied = set(self._dst)
-                scheduler_output.new_block_ids_to_zero[:] = [
-                    b for b in scheduler_output.new_block_ids_to_zero if b not in copied]
             self._src, self._dst = [], []
         return KVConnectorMetadata()
 
