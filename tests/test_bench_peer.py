@@ -198,9 +198,11 @@ def test_peer_bench_runs_dph_async_beside_the_loop_and_bounds_its_step(small_bas
     over the steady state, and no bound falls below the ratio the runs measured."""
     out = tmp_path / "peer"
     copy_base(small_base, out)
-    cfg = validate(load_config("grpo", [*SMALL, f"output_dir={out}", "learner.steps=8"]), [])  # the bench's preset
+    given = ["actors.share_prefill=false"]  # a setting given with --set is recorded with the workload
+    # "grpo": the bench's preset.
+    cfg = validate(load_config("grpo", [*SMALL, f"output_dir={out}", "learner.steps=8", *given]), [])
     res = run_peer_bench(cfg, out, repeats=1, skip=2, machine={"cores": 2}, systems=["dph-async", "loop"],
-                         cache=tmp_path / "cache", log=lambda *_: None)
+                         cache=tmp_path / "cache", log=lambda *_: None, settings=given)
     dph = next(r for r in res.runs if r.system == "dph-async")
     (actor,) = dph.detail["actor_cpu_s"]
     assert 0 < actor["forward"] <= actor["engine"] <= actor["thread"] <= dph.step_s + 0.01, actor
@@ -212,6 +214,7 @@ def test_peer_bench_runs_dph_async_beside_the_loop_and_bounds_its_step(small_bas
     for bound in ("the busiest actor's thread, as measured", "every part, as measured"):
         assert lim.peers["loop"].ceilings[bound] >= 0.95 * measured, bound
     assert "| the busiest actor's thread, as measured |" in markdown(res)
+    assert res.workload["settings"] == given and "settings given: actors.share_prefill=false." in markdown(res)
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -216,9 +217,10 @@ def summarise(runs: list[PeerRun]) -> tuple[dict[str, dict[str, float]], dict[st
 
 
 def run(cfg: RunConfig, out: Path, repeats: int, skip: int, machine: dict, systems: list[str], cache: Path,
-        log=print) -> PeerBench:
+        log=print, settings: Sequence[str] = ()) -> PeerBench:
     """Prepare the workload (the embedded default's warm start, or --model/--data), then run the
-    systems `repeats` times in rotating order; write bench.json."""
+    systems `repeats` times in rotating order; write bench.json. `settings`: the KEY=VALUE overrides
+    `cfg` was made with, recorded so that runs of one workload under other settings tell apart."""
     from dph_async.app.launcher import ray_cluster
     from dph_async.app.pipeline import StageTimer, prepare
     from dph_async.paths import RunPaths
@@ -260,7 +262,8 @@ def run(cfg: RunConfig, out: Path, repeats: int, skip: int, machine: dict, syste
     medians, ratios = summarise(runs)
     res = PeerBench(date=time.strftime("%Y-%m-%d %H:%M %Z"), machine={**machine, "load_avg_end": os.getloadavg()},
                     workload={**asdict(spec_of(cfg, prepared.base, prepared.train)), "eta": cfg.replay.max_staleness,
-                              "objective": cfg.learner.loss.objective, "actors": cfg.actors.num_actors},
+                              "objective": cfg.learner.loss.objective, "actors": cfg.actors.num_actors,
+                              "settings": list(settings)},
                     skip=skip, runs=runs, medians=medians, ratios=ratios,
                     limit=limit_of(runs, os.cpu_count() or 1), notes=notes)
     (out / "bench.json").write_text(res.to_json())
@@ -278,7 +281,8 @@ def markdown(res: PeerBench) -> str:
         f"Work: {w['prompts_per_step']} prompts x {w['n']} completions per step, at most {w['max_tokens']} tokens, "
         f"lr {w['lr']:g}, temperature {w['temperature']:g}, {w['steps']} steps (steady state: steps after "
         f"{res.skip}); model {w['model']}; data {w['data']}; dph-async: objective {w['objective']}, "
-        f"{w['actors']} actors, eta {w['eta']}.", "",
+        f"{w['actors']} actors, eta {w['eta']}"
+        + (f"; settings given: {', '.join(w['settings'])}." if w.get("settings") else "."), "",
         "## Medians over the repeats", "",
         markdown_table(["system", "s/step", "completions/s", "tokens/s", "dph-async / system"], [
             [s, f"{m['step_s']:.3f}", f"{m['completions_per_s']:.0f}", f"{m['tokens_per_s']:.0f}",

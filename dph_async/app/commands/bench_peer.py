@@ -99,7 +99,7 @@ def main(args: argparse.Namespace) -> int:
                                         *(f"{k}={v}" for k, v in flags.items() if v is not None)])
         cfg = validate(cfg, [])
         res = peer.run(cfg, args.out, args.repeats, args.skip, machine(), args.systems, args.cache,
-                       log=lambda m: console.print(m, highlight=False))
+                       log=lambda m: console.print(m, highlight=False), settings=args.overrides)
         (args.out / "bench.md").write_text(peer.markdown(res))
         for system, m in res.medians.items():
             ratio = f"; dph-async / {system}: {res.ratios[system]:.2f}x" if system in res.ratios else ""
