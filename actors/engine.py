@@ -203,7 +203,7 @@ class VLLMEngine:
         connector = KVTransferConfig(kv_connector="SharedPrefill", kv_connector_module_path="actors.shared_prefill",
                                      kv_role="kv_both", kv_connector_extra_config={"share": share_prefill})
         # The CPU's smallest KV block (vLLM's default there is 128 tokens): a copy moves a quarter of
-        # the bytes, and rounds ran on 2-3% less CPU with or without copies (docs/benchmarks.md).
+        # the bytes; rounds ran on 5-10% less CPU sharing, 2-3% not (docs/benchmarks.md).
         blocks = {"block_size": 32} if current_platform.is_cpu() else {}
         self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=not compile_model, max_model_len=max_model_len,
                        seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
