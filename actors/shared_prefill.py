@@ -100,9 +100,9 @@ class SharedPrefill(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._src:
+            device = self._caches[0][0].device  # one engine's caches share a device
+            src, dst = torch.tensor(self._src, device=device), torch.tensor(self._dst, device=device)
             for cache, dim in self._caches:
-                src = torch.tensor(self._src, device=cache.device)
-                dst = torch.tensor(self._dst, device=cache.device)
                 # Whole blocks, whatever the kernel's layout within one: rows past the copied
                 # prompt are the leader's, and the request overwrites them before it reads them.
                 cache.index_copy_(dim, dst, cache.index_select(dim, src))

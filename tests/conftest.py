@@ -57,6 +57,15 @@ def save_tiny_model(model, out: Path) -> Path:
     return out
 
 
+def save_tiny_llama(out: Path, seed: int = 0) -> Path:
+    """A random-init Llama of TINY_VLLM_CONFIG drawn from `seed`, saved as save_tiny_model saves it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return save_tiny_model(LlamaForCausalLM(LlamaConfig(**TINY_VLLM_CONFIG)), out)
+
+
 def run_child(source: str, tmp_path: Path, *args: str, timeout: float = 900) -> dict:
     """Run `source` as a script in a child process of its own (as an actor's vLLM engine lives), as
     `python script OUT *args` from the repository; return the JSON it wrote to OUT."""

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from conftest import TINY_VLLM_CONFIG, run_child, save_tiny_model
+from conftest import run_child, save_tiny_llama
 
 CHILD = """
 import json, sys
@@ -54,12 +53,7 @@ def assert_same_samples(got: list, want: list) -> None:
 
 @pytest.mark.slow
 def test_compiled_engine_samples_as_eager_and_loads_weights_in_place(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    models = []
-    for name, seed in (("a", 0), ("b", 1)):
-        torch.manual_seed(seed)
-        models.append(save_tiny_model(LlamaForCausalLM(LlamaConfig(**TINY_VLLM_CONFIG)), tmp_path / name))
+    models = [save_tiny_llama(tmp_path / name, seed) for name, seed in (("a", 0), ("b", 1))]
     res = run_child(CHILD, tmp_path, *map(str, models))
 
     assert_same_samples(res["compiled"], res["eager"])

@@ -13,8 +13,7 @@ counted op by op in place of vLLM's compiled helper, leave the samples as they w
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import TINY_VLLM_CONFIG, run_child, save_tiny_model
+from conftest import run_child, save_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -71,10 +70,7 @@ if __name__ == "__main__":
 
 
 def test_streamed_samples_are_vllms_and_abort_leaves_nothing(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = save_tiny_model(LlamaForCausalLM(LlamaConfig(**TINY_VLLM_CONFIG)), tmp_path / "model")
+    model = save_tiny_llama(tmp_path / "model")
     res = run_child(CHILD, tmp_path, str(model), timeout=600)
 
     expected = {f"g{i}/{j}": s for i, group in enumerate(res["vllm"]) for j, s in enumerate(group)}

@@ -15,8 +15,7 @@ completions computing their prompts themselves.
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import TINY_VLLM_CONFIG, run_child, save_tiny_model
+from conftest import run_child, save_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -58,10 +57,7 @@ if __name__ == "__main__":
 
 
 def test_completions_sharing_a_prompts_kv_draw_what_they_would_have_drawn(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = save_tiny_model(LlamaForCausalLM(LlamaConfig(**TINY_VLLM_CONFIG)), tmp_path / "model")
+    model = save_tiny_llama(tmp_path / "model")
     res = run_child(CHILD, tmp_path, str(model), timeout=600)
 
     plain, shared = res["plain"], res["shared"]
