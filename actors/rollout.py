@@ -12,6 +12,7 @@ asks the replay which positions it already accepted and skips them, so nothing i
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -89,6 +90,7 @@ class ActorStats:
     skipped_accepted: int = 0  # positions already accepted before a restart
     resumed_at: int = 0  # the replay's watermark when this process started: every position below was accepted
     wall_seconds: float = 0.0
+    cores: list[int] = field(default_factory=list)  # the rollout thread's cores at its end (launcher.pin_cores)
     timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, what), wall clock
 
 
@@ -236,4 +238,6 @@ class RolloutWorker:
         self.sender.flush(timeout_s=30.0)
         self._mark_cpu(thread0)
         self.stats.wall_seconds = time.time() - self._t0
+        if hasattr(os, "sched_getaffinity"):
+            self.stats.cores = sorted(os.sched_getaffinity(0))
         return self.stats

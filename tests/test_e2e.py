@@ -26,6 +26,7 @@ from conftest import alive, small_config
 
 from dph_async.app import actor_pool, launcher
 from dph_async.app.actor_pool import POOL_NAMESPACE, holding
+from dph_async.app.cores import host_cores, plan_cores
 from dph_async.app.launcher import ActorProcess, RLResult, cache_dir, ray_cluster, run_rl
 from dph_async.app.pipeline import StageTimer, prepare
 from dph_async.app.specs import RunSpec
@@ -107,6 +108,9 @@ def test_async_respects_staleness_and_trains(prepared):
     assert all(a["weight_shm_loads"] == a["weight_loads"] and a["weight_shm_fallbacks"] == 0
                for a in result.actors), result.actors
     assert all(m["batch/reference_samples"] > 0 for m in result.metrics)  # the DPH term had samples
+    plan = plan_cores(host_cores(), 2, 1)  # none on 2 cores: the learner would be left without one
+    assert result.cores == ({} if plan is None else {"actor0": plan.actors[0], "actor1": plan.actors[1],
+                                                     "learner": plan.learner})
     steps = consumed(rl_dir)
     assert [s["version"] for s in steps] == list(range(5))
     for step in steps:
@@ -303,6 +307,7 @@ def test_an_actor_off_the_drivers_node_is_kept_and_reset_from_the_learner(prepar
 def test_killed_actor_is_restarted_and_run_completes(prepared):
     pids: dict[str, int] = {}
     steps_at_kill: list[int] = []
+    affinity: dict[str, set[int]] = {}
     finished = threading.Event()
     metrics = prepared[0] / "chaos" / "metrics.jsonl"
 
@@ -311,6 +316,7 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
         # the steps take 0.25 s, and a late kill would find the remaining batches already made.
         while not finished.is_set():
             if "actor0" in pids and metrics.is_file() and (n := len(metrics.read_text().splitlines())):
+                affinity.update({k: os.sched_getaffinity(pids[k]) for k in ("actor0", "learner")})
                 os.kill(pids["actor0"], signal.SIGKILL)
                 steps_at_kill.append(n)
                 return
@@ -331,6 +337,15 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
     assert result.metrics[-1]["learner/version"] == 8
     ids = group_ids(rl_dir)
     assert len(ids) == len(set(ids)) == 8 * 4
+    # One actor on the learner's host: a core of its own (before the kill, and again once restarted)
+    # and the learner the rest, where the host has a core to spare (launcher.pin_cores).
+    plan = plan_cores(host_cores(), 1, 1)
+    if plan is None:
+        assert result.cores == {} and affinity["actor0"] == affinity["learner"] == host_cores()
+    else:
+        assert result.cores == {"actor0": plan.actors[0], "learner": plan.learner}
+        assert affinity == {"actor0": set(plan.actors[0]), "learner": set(plan.learner)}
+        assert result.actors[0]["cores"] == plan.actors[0]
 
 
 def test_two_learner_ranks_train_checkpoint_and_resume(prepared):

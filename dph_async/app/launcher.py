@@ -39,6 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.telemetry import ActorCollector, actor_health
 from dph_async import net
 from dph_async.app.actor_pool import engine_settings, holding, keep, new_actor_options, release_actors, take
+from dph_async.app.cores import CorePlan, host_cores, pin_process, plan_cores
 from dph_async.app.placement import actor_placement, home_node, learner_placement, on_home_node
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
@@ -266,6 +267,9 @@ class LearnerProcess:
     def version(self) -> int:
         return self.loop.trainer.version
 
+    def pin_cores(self, cores: list[int] | None) -> None:
+        pin_process(cores)
+
     def shipment(self, prompts_path: str) -> Shipment:
         """The model's files other than weights, and the prompts, for an actor on another node."""
         from dph_async.app.model_shipping import pack
@@ -309,6 +313,7 @@ class LearnerProcess:
             shutil.rmtree(Path(self.rendezvous.store).parent, ignore_errors=True)
         self.loop = self.tokenizer = self.rendezvous = None
         self.endpoints = []
+        pin_process(None)  # a kept process may serve a run planned otherwise
         _thaw_heap()
         import torch
 
@@ -349,6 +354,9 @@ class LearnerRank:
         rdv = Rendezvous(self.rank, self.cfg.learner.ranks, self.store)
         self.trainer, _ = _build_trainer(self.cfg, self.model_dir, rdv)
         _freeze_heap()
+
+    def pin_cores(self, cores: list[int] | None) -> None:
+        pin_process(cores)
 
     def follow(self) -> int:
         """Batches trained, once rank 0 says stop."""
@@ -531,6 +539,10 @@ class ActorProcess:
             self.worker.scorer.close()
         self.worker = self.endpoint = None
         self._held, self._called = False, time.monotonic()
+        pin_process(None)  # pre-sampling, evaluation or the next run may find other processes beside it
+
+    def pin_cores(self, cores: list[int] | None) -> None:
+        pin_process(cores)
 
     def pid(self) -> int:
         return os.getpid()
@@ -736,6 +748,27 @@ class RLResult:
     phases: dict[str, float] = field(default_factory=dict)
     # Where each actor ran: (address, Ray node id), in order; a restart on another node adds one.
     nodes: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    # The cores each process of the driver's host was pinned to ("learner": every rank), if any
+    # (launcher.pin_cores).
+    cores: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _pin_cores(cfg: RunConfig, learner: ray.actor.ActorHandle, ranks: list[ray.actor.ActorHandle],
+               actors: list[ray.actor.ActorHandle], nodes: dict[str, list[tuple[str, str]]]) -> dict[str, list[int]]:
+    """Pin the run's processes on the driver's host to cores of their own (dph_async/app/cores.py);
+    returns each pinned process's cores by name (none where the plan leaves the OS to place them)."""
+    if not cfg.launcher.pin_cores:
+        return {}
+    home = home_node()
+    here = [i for i in range(len(actors)) if nodes[f"actor{i}"][-1][1] == home]
+    plan: CorePlan | None = plan_cores(host_cores(), len(here), cfg.actors.threads)
+    if plan is None:
+        return {}
+    ray.get([actors[i].pin_cores.remote(c) for i, c in zip(here, plan.actors, strict=True)]
+            + [p.pin_cores.remote(plan.learner) for p in (learner, *ranks)])
+    cores = {f"actor{i}": c for i, c in zip(here, plan.actors, strict=True)} | {"learner": plan.learner}
+    log.info("cores: %s", cores)
+    return cores
 
 
 def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_path: Path,
@@ -780,6 +813,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
             done, setups = ray.wait(setups, num_returns=1)
             ray.get(done)
         phases["learner_ready"] = time.time() - start
+        cores = _pin_cores(cfg, learner, ranks, actors, nodes)
         if on_started:
             on_started(pids)
         # Steps whose metrics were read from the learner; without keep_metrics a resumed run skips the
@@ -829,6 +863,8 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                                 # Not kept: Ray's restart budget is per process, and this one spent some.
                                 reusable[i] = False
                                 nodes[f"actor{i}"].append(ray.get(actors[i].node.remote()))
+                                if f"actor{i}" in cores and nodes[f"actor{i}"][-1][1] == home_node():
+                                    ray.get(actors[i].pin_cores.remote(cores[f"actor{i}"]))
                             runs[i] = actors[i].run.remote()
             out = final_model(rl_dir)
             ray.get(learner.save_model.remote(str(out)))
@@ -854,4 +890,4 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
         _keep_learner(cfg, learner, pg, learner_name)
         phases["end"] = time.time() - start
         return RLResult(name, metrics, learner_stats, actor_stats, replay, restarts, phases["end"], str(out), pids,
-                        phases, nodes)
+                        phases, nodes, cores)

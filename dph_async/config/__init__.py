@@ -247,6 +247,12 @@ class LauncherConfig(Section):
     # has called it for this many seconds (a driver calls a running actor every few seconds). 0: the
     # actors end with the invocation.
     keep_actors_s: float = Field(0.0, ge=0)
+    # Pin each RL run's processes on the driver's host: every actor there gets actors.threads cores of
+    # its own, the learner (its ranks, the replay, the weight server) the rest; where that leaves the
+    # learner no core, the OS places them all (dph_async/app/cores.py). An actor's rollout loop, which
+    # sets a small run's pace, then never gives its core to the learner's other threads. Two
+    # invocations on one host would pin to the same cores: set false for such runs.
+    pin_cores: bool = True
 
     @field_validator("keep_actors_s")
     @classmethod

@@ -174,7 +174,7 @@ def run_dph(cfg: RunConfig, out: Path, repeat: int, skip: int) -> PeerRun:
         detail={"eta": f.eta, "actors": f.actors, "cpu_cores": f.cpu_cores, "learner_phase_s": f.learner_phase_s,
                 "tokens_per_step": f.tokens_per_s * f.step_s, **engine_cpu_per_token(result["actors"]),
                 "weights": asdict(f.weights), "learner_busy": f.learner_busy, "actors_busy": f.actors_busy,
-                "actor_cpu_s": f.actor_cpu_s},
+                "actor_cpu_s": f.actor_cpu_s, "cores": result.get("cores", {})},
     )
 
 

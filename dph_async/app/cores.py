@@ -1,0 +1,59 @@
+"""Cores on the driver's host: each actor there gets cores of its own, the learner's processes the rest.
+
+An actor's rollout loop is one thread, and on a small host it sets the pace (docs/benchmarks.md,
+"Against a single-process trainer"). Left to the OS, it shares a core now and then with what the
+learner's process runs beside its training (the replay's thread, the weight server, the sockets'
+I/O threads), and moves between cores, losing what it had in their caches. Pinned (`launcher.pin_cores`),
+the actor keeps a core and the learner's threads take turns on theirs, where the learner waits for
+batches anyway.
+
+Only the driver's host is planned: the learner runs there, and an actor elsewhere has no learner to
+keep apart from. Two invocations on one host would pin their processes to the same cores; set
+`launcher.pin_cores=false` for such runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Collection
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CorePlan:
+    actors: list[list[int]]  # cores of the host's i-th actor
+    learner: list[int]  # the learner's ranks, the replay and the weight server
+
+
+def host_cores() -> set[int]:
+    """The cores this process may run on (all of the host's, unless something narrowed them)."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+
+
+def plan_cores(cores: Collection[int], actors: int, threads: int) -> CorePlan | None:
+    """`threads` cores apiece for `actors` actors, the rest for the learner; None where no actor runs
+    on the host or no core would be left for the learner (then the OS places every thread)."""
+    ordered = sorted(cores)
+    need = actors * threads
+    if actors < 1 or len(ordered) <= need:
+        return None
+    return CorePlan([ordered[i * threads:(i + 1) * threads] for i in range(actors)], ordered[need:])
+
+
+_unpinned: set[int] | None = None  # this process's cores before its first pin
+
+
+def pin_process(cores: Collection[int] | None) -> None:
+    """Every thread of this process onto `cores` (a thread started later inherits its starter's);
+    None: back to the cores the process had before its first pin. Does nothing where the OS offers
+    no affinity."""
+    global _unpinned
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    if _unpinned is None:
+        _unpinned = os.sched_getaffinity(0)
+    target = set(cores) if cores is not None else _unpinned
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), target)
