@@ -177,6 +177,9 @@ def test_pre_sampling_and_evaluation_run_in_a_runs_actor_process_as_in_a_process
         assert pq.read_table(tmp_path / "on-actor" / name).equals(pq.read_table(tmp_path / "alone" / name)), name
     result, rl_dir = train(prepared, "after-presample", "learner.steps=2", mode="grpo")
     assert result.pids["actor0"] == built and len(result.metrics) == 2
+    # Pinned for the run where the host has a core to spare, unpinned once kept (launcher.pin_cores).
+    assert ("actor0" in result.cores) == (plan_cores(host_cores(), cfg.actors.num_actors, 1) is not None)
+    assert os.sched_getaffinity(built) == host_cores()
 
     jobs = {where: [EvalJob(prep.base, tmp_path / where / "base.json", 3),
                     EvalJob(final_model(rl_dir), tmp_path / where / "trained.json", 4)] for where in ("kept", "alone")}
