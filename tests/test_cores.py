@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from dph_async.app.cores import CorePlan, host_cores, pin_process, plan_cores
+from dph_async.app.cores import CorePlan, host_cores, pin, plan_cores
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
 
@@ -29,7 +29,7 @@ def _affinities() -> dict[int, set[int]]:
     return {int(t): os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")}
 
 
-def test_every_thread_is_pinned_later_ones_inherit_and_unpinning_restores():
+def test_every_thread_of_a_process_is_pinned_and_later_ones_inherit():
     before = host_cores()
     core = max(before)
     started, release = threading.Event(), threading.Event()
@@ -43,14 +43,16 @@ def test_every_thread_is_pinned_later_ones_inherit_and_unpinning_restores():
     earlier.start()
     started.wait(30)
     try:
-        pin_process([core])
+        pin(os.getpid(), [core])
         assert all(cores == {core} for cores in _affinities().values()), _affinities()
         later = threading.Thread(target=lambda: seen.update(later=os.sched_getaffinity(0)))
         later.start()
         later.join()
         assert seen["later"] == {core}
+        pin(os.getpid(), before)
+        assert all(cores == before for cores in _affinities().values()), _affinities()
     finally:
-        pin_process(None)
+        pin(os.getpid(), before)
         release.set()
         earlier.join()
-    assert all(cores == before for cores in _affinities().values()), _affinities()
+

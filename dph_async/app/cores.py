@@ -3,13 +3,13 @@
 An actor's rollout loop is one thread, and on a small host it sets the pace (docs/benchmarks.md,
 "Against a single-process trainer"). Left to the OS, it shares a core now and then with what the
 learner's process runs beside its training (the replay's thread, the weight server, the sockets'
-I/O threads), and moves between cores, losing what it had in their caches. Pinned (`launcher.pin_cores`),
-the actor keeps a core and the learner's threads take turns on theirs, where the learner waits for
-batches anyway.
+I/O threads), and moves between cores, losing what it had in their caches. Pinned
+(`launcher.pin_cores`), the actor keeps a core and the learner's threads take turns on theirs, where
+the learner waits for batches anyway.
 
-Only the driver's host is planned: the learner runs there, and an actor elsewhere has no learner to
-keep apart from. Two invocations on one host would pin their processes to the same cores; set
-`launcher.pin_cores=false` for such runs.
+Only the driver's host is planned, and the driver pins the processes there itself: the learner runs
+there, and an actor elsewhere has no learner to keep apart from. Two invocations on one host would
+pin their processes to the same cores; set `launcher.pin_cores=false` for such runs.
 """
 
 from __future__ import annotations
@@ -41,19 +41,16 @@ def plan_cores(cores: Collection[int], actors: int, threads: int) -> CorePlan | 
     return CorePlan([ordered[i * threads:(i + 1) * threads] for i in range(actors)], ordered[need:])
 
 
-_unpinned: set[int] | None = None  # this process's cores before its first pin
-
-
-def pin_process(cores: Collection[int] | None) -> None:
-    """Every thread of this process onto `cores` (a thread started later inherits its starter's);
-    None: back to the cores the process had before its first pin. Does nothing where the OS offers
-    no affinity."""
-    global _unpinned
+def pin(pid: int, cores: Collection[int]) -> None:
+    """Every thread of process `pid`, on this host, onto `cores` (a thread it starts later inherits its
+    starter's). From outside the process: a Ray actor busy in a long call (a learner rank following
+    rank 0) answers no call of its own until that ends. Does nothing where the OS offers no affinity."""
     if not hasattr(os, "sched_setaffinity"):
         return
-    if _unpinned is None:
-        _unpinned = os.sched_getaffinity(0)
-    target = set(cores) if cores is not None else _unpinned
-    for tid in os.listdir("/proc/self/task"):
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:  # the process has ended
+        return
+    for tid in tids:
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), target)
+            os.sched_setaffinity(int(tid), set(cores))

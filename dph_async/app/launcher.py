@@ -39,7 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.telemetry import ActorCollector, actor_health
 from dph_async import net
 from dph_async.app.actor_pool import engine_settings, holding, keep, new_actor_options, release_actors, take
-from dph_async.app.cores import CorePlan, host_cores, pin_process, plan_cores
+from dph_async.app.cores import host_cores, pin, plan_cores
 from dph_async.app.placement import actor_placement, home_node, learner_placement, on_home_node
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
@@ -267,9 +267,6 @@ class LearnerProcess:
     def version(self) -> int:
         return self.loop.trainer.version
 
-    def pin_cores(self, cores: list[int] | None) -> None:
-        pin_process(cores)
-
     def shipment(self, prompts_path: str) -> Shipment:
         """The model's files other than weights, and the prompts, for an actor on another node."""
         from dph_async.app.model_shipping import pack
@@ -313,7 +310,6 @@ class LearnerProcess:
             shutil.rmtree(Path(self.rendezvous.store).parent, ignore_errors=True)
         self.loop = self.tokenizer = self.rendezvous = None
         self.endpoints = []
-        pin_process(None)  # a kept process may serve a run planned otherwise
         _thaw_heap()
         import torch
 
@@ -355,8 +351,8 @@ class LearnerRank:
         self.trainer, _ = _build_trainer(self.cfg, self.model_dir, rdv)
         _freeze_heap()
 
-    def pin_cores(self, cores: list[int] | None) -> None:
-        pin_process(cores)
+    def pid(self) -> int:
+        return os.getpid()
 
     def follow(self) -> int:
         """Batches trained, once rank 0 says stop."""
@@ -539,10 +535,6 @@ class ActorProcess:
             self.worker.scorer.close()
         self.worker = self.endpoint = None
         self._held, self._called = False, time.monotonic()
-        pin_process(None)  # pre-sampling, evaluation or the next run may find other processes beside it
-
-    def pin_cores(self, cores: list[int] | None) -> None:
-        pin_process(cores)
 
     def pid(self) -> int:
         return os.getpid()
@@ -753,22 +745,35 @@ class RLResult:
     cores: dict[str, list[int]] = field(default_factory=dict)
 
 
-def _pin_cores(cfg: RunConfig, learner: ray.actor.ActorHandle, ranks: list[ray.actor.ActorHandle],
-               actors: list[ray.actor.ActorHandle], nodes: dict[str, list[tuple[str, str]]]) -> dict[str, list[int]]:
-    """Pin the run's processes on the driver's host to cores of their own (dph_async/app/cores.py);
-    returns each pinned process's cores by name (none where the plan leaves the OS to place them)."""
+def _pin_cores(cfg: RunConfig, pids: dict[str, int], nodes: dict[str, list[tuple[str, str]]]
+               ) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Pin the run's processes on the driver's host (`pids`: actor{i}, learner, learner{r}) to cores of
+    their own (dph_async/app/cores.py). Returns each pinned process's cores by name ("learner": every
+    rank) and the pids of the host's processes; where the plan leaves the OS to place them, those get
+    every core (a kept process may come pinned from an earlier run)."""
     if not cfg.launcher.pin_cores:
-        return {}
+        return {}, {}
     home = home_node()
-    here = [i for i in range(len(actors)) if nodes[f"actor{i}"][-1][1] == home]
-    plan: CorePlan | None = plan_cores(host_cores(), len(here), cfg.actors.threads)
-    if plan is None:
-        return {}
-    ray.get([actors[i].pin_cores.remote(c) for i, c in zip(here, plan.actors, strict=True)]
-            + [p.pin_cores.remote(plan.learner) for p in (learner, *ranks)])
-    cores = {f"actor{i}": c for i, c in zip(here, plan.actors, strict=True)} | {"learner": plan.learner}
-    log.info("cores: %s", cores)
-    return cores
+    local = {name: pid for name, pid in pids.items() if not name.startswith("actor") or nodes[name][-1][1] == home}
+    actors = [name for name in local if name.startswith("actor")]
+    plan = plan_cores(host_cores(), len(actors), cfg.actors.threads)
+    cores = {} if plan is None else dict(zip(actors, plan.actors, strict=True)) | {"learner": plan.learner}
+    for name, pid in local.items():
+        pin(pid, cores.get(name) or cores.get("learner") or host_cores())
+    if cores:
+        log.info("cores: %s", cores)
+    return cores, local
+
+
+def _repin(name: str, pids: dict[str, int], nodes: dict[str, list[tuple[str, str]]], cores: dict[str, list[int]],
+           local: dict[str, int]) -> None:
+    """A restarted actor of the driver's host back on its cores, or out of `local` if Ray restarted it
+    on another node."""
+    if nodes[name][-1][1] == home_node():
+        local[name] = pids[name]
+        pin(pids[name], cores.get(name) or host_cores())
+    else:
+        del local[name]
 
 
 def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_path: Path,
@@ -803,6 +808,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
         setup = learner.setup.remote()  # builds the trainer while the actors build (or reset) their engines
         # The other ranks join rank 0's group during its setup, then follow it (a resume's load included).
         setups = [setup, *(r.setup.remote() for r in ranks)]
+        rank_pids = [r.pid.remote() for r in ranks]  # asked before `follow`, which holds a rank until the end
         follows = {r.follow.remote(): i + 1 for i, r in enumerate(ranks)}
         reusable = ray.get(binds)
         pids = {f"actor{i}": ray.get(a.pid.remote()) for i, a in enumerate(actors)} | {
@@ -813,7 +819,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
             done, setups = ray.wait(setups, num_returns=1)
             ray.get(done)
         phases["learner_ready"] = time.time() - start
-        cores = _pin_cores(cfg, learner, ranks, actors, nodes)
+        cores, local = _pin_cores(cfg, pids | {f"learner{r + 1}": p for r, p in enumerate(ray.get(rank_pids))}, nodes)
         if on_started:
             on_started(pids)
         # Steps whose metrics were read from the learner; without keep_metrics a resumed run skips the
@@ -863,8 +869,8 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                                 # Not kept: Ray's restart budget is per process, and this one spent some.
                                 reusable[i] = False
                                 nodes[f"actor{i}"].append(ray.get(actors[i].node.remote()))
-                                if f"actor{i}" in cores and nodes[f"actor{i}"][-1][1] == home_node():
-                                    ray.get(actors[i].pin_cores.remote(cores[f"actor{i}"]))
+                                if f"actor{i}" in local:  # on the driver's host: pinned again, if it still is
+                                    _repin(f"actor{i}", pids, nodes, cores, local)
                             runs[i] = actors[i].run.remote()
             out = final_model(rl_dir)
             ray.get(learner.save_model.remote(str(out)))
@@ -880,6 +886,8 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                 ended.add(i)
         replay = ray.get(learner.replay_stats.remote())
         ray.get(learner.close.remote())
+        for pid in local.values():  # every core back to the processes kept for a later stage or run
+            pin(pid, host_cores())
         with contextlib.suppress(RayActorError, GetTimeoutError):
             ray.get(list(follows), timeout=60)
         for i, a in enumerate(actors):
