@@ -91,6 +91,7 @@ class ActorStats:
     resumed_at: int = 0  # the replay's watermark when this process started: every position below was accepted
     wall_seconds: float = 0.0
     cores: list[int] = field(default_factory=list)  # the rollout thread's cores at its end (launcher.pin_cores)
+    threads_offloaded: int = 0  # the process's other threads moved to the learner's cores at the start (pin_cores)
     timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, what), wall clock
 
 

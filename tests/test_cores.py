@@ -1,13 +1,16 @@
-"""Pinning a run's processes to cores (dph_async/app/cores.py): the plan, and every thread pinned."""
+"""Pinning a run's processes to cores (dph_async/app/cores.py): the plan, every thread pinned, and an
+actor's other threads moved off its rollout loop's cores."""
 
 from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
+import zmq
 
-from dph_async.app.cores import CorePlan, host_cores, pin, plan_cores
+from dph_async.app.cores import CorePlan, host_cores, offload_threads, pin, plan_cores
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
 
@@ -56,3 +59,36 @@ def test_every_thread_of_a_process_is_pinned_and_later_ones_inherit():
         release.set()
         earlier.join()
 
+
+
+def _names() -> dict[int, str]:
+    return {int(t): Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")}
+
+
+@pytest.mark.skipif(len(host_cores()) < 2, reason="needs two cores to tell the threads apart")
+def test_offload_moves_every_other_thread_but_zmqs_and_the_callers():
+    before = host_cores()
+    home, spare = {min(before)}, {max(before)}
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)  # starts libzmq's I/O threads
+    started, release = threading.Event(), threading.Event()
+    other = threading.Thread(target=lambda: (started.set(), release.wait(30)))
+    other.start()
+    started.wait(30)
+    try:
+        pin(os.getpid(), home)
+        zmq_threads = {t for t, name in _names().items() if name.startswith("ZMQbg")}
+        assert zmq_threads, _names()
+        moved = offload_threads(spare)
+        now = _affinities()
+        me = threading.get_native_id()
+        assert now[me] == home and all(now[t] == home for t in zmq_threads), (now, _names())
+        others = set(now) - zmq_threads - {me}
+        assert other.native_id in others and all(now[t] == spare for t in others), (now, _names())
+        assert moved == len(others)
+    finally:
+        pin(os.getpid(), before)
+        release.set()
+        other.join()
+        sock.close(0)
+        ctx.term()

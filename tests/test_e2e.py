@@ -311,6 +311,7 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
     pids: dict[str, int] = {}
     steps_at_kill: list[int] = []
     affinity: dict[str, set[int]] = {}
+    actor_threads: list[tuple[str, set[int]]] = []  # (name, cores) of each of actor0's threads
     finished = threading.Event()
     metrics = prepared[0] / "chaos" / "metrics.jsonl"
 
@@ -320,6 +321,9 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
         while not finished.is_set():
             if "actor0" in pids and metrics.is_file() and (n := len(metrics.read_text().splitlines())):
                 affinity.update({k: os.sched_getaffinity(pids[k]) for k in ("actor0", "learner")})
+                task = Path(f"/proc/{pids['actor0']}/task")
+                actor_threads.extend(((task / t / "comm").read_text().strip(), os.sched_getaffinity(int(t)))
+                                     for t in os.listdir(task))
                 os.kill(pids["actor0"], signal.SIGKILL)
                 steps_at_kill.append(n)
                 return
@@ -347,8 +351,13 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
         assert result.cores == {} and affinity["actor0"] == affinity["learner"] == host_cores()
     else:
         assert result.cores == {"actor0": plan.actors[0], "learner": plan.learner}
-        assert affinity == {"actor0": set(plan.actors[0]), "learner": set(plan.learner)}
-        assert result.actors[0]["cores"] == plan.actors[0]
+        # The actor's rollout thread and ZMQ's I/O threads kept its core; every other thread of it (Ray's
+        # main thread among them) went to the learner's, before the kill and again once restarted.
+        assert affinity == {"actor0": set(plan.learner), "learner": set(plan.learner)}
+        zmq_cores = [cores for name, cores in actor_threads if name.startswith("ZMQbg")]
+        assert zmq_cores and all(cores == set(plan.actors[0]) for cores in zmq_cores), actor_threads
+        assert {frozenset(cores) for _, cores in actor_threads} == {frozenset(plan.actors[0]), frozenset(plan.learner)}
+        assert result.actors[0]["cores"] == plan.actors[0] and result.actors[0]["threads_offloaded"] > 0
 
 
 def test_two_learner_ranks_train_checkpoint_and_resume(prepared):

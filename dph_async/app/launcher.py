@@ -39,7 +39,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.telemetry import ActorCollector, actor_health
 from dph_async import net
 from dph_async.app.actor_pool import engine_settings, holding, keep, new_actor_options, release_actors, take
-from dph_async.app.cores import host_cores, pin, plan_cores
+from dph_async.app.cores import host_cores, offload_threads, pin, plan_cores
 from dph_async.app.placement import actor_placement, home_node, learner_placement, on_home_node
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
@@ -543,8 +543,12 @@ class ActorProcess:
         """(address, Ray node id) of the node this actor runs on."""
         return ray.util.get_node_ip_address(), home_node()
 
-    def run(self, max_groups: int | None = None) -> dict:
+    def run(self, max_groups: int | None = None, spare_cores: list[int] | None = None) -> dict:
+        """Generate until stopped; first, with `spare_cores`, every other thread of the process but ZMQ's
+        goes there, and the calling thread (Ray's choice) keeps the actor's cores (cores.py)."""
         self._stop.clear()
+        if spare_cores:
+            self.worker.stats.threads_offloaded = offload_threads(spare_cores)
         return asdict(self.worker.run(self._stop, max_groups))
 
     def stop(self) -> None:
@@ -776,6 +780,13 @@ def _repin(name: str, pids: dict[str, int], nodes: dict[str, list[tuple[str, str
         del local[name]
 
 
+def _spare_cores(cfg: RunConfig, cores: dict[str, list[int]], local: dict[str, int], name: str) -> list[int] | None:
+    """Where pinned actor `name`'s other threads go at the start of its run (cores.offload_threads), so
+    that its rollout loop keeps its cores to itself: the learner's. None for an actor not pinned here,
+    and for engines of several threads (their OpenMP workers would be among the others)."""
+    return cores["learner"] if name in cores and name in local and cfg.actors.threads == 1 else None
+
+
 def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_path: Path,
            reference_path: Path | None, *, resume_tag: str | None = None,
            on_metrics: Callable[[dict[str, float]], None] | None = None,
@@ -826,7 +837,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
         # steps before its checkpoint (the learner then drops them at the first read). Asked before the
         # learner runs, so that no new step is skipped.
         read = 0 if keep_metrics else ray.get(learner.steps_logged.remote())
-        runs = {i: a.run.remote() for i, a in enumerate(actors)}
+        runs = {i: a.run.remote(spare_cores=_spare_cores(cfg, cores, local, f"actor{i}")) for i, a in enumerate(actors)}
         learner_run = learner.run.remote()
         metrics: list[dict[str, float]] = []
         restarts = 0
@@ -871,7 +882,7 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
                                 nodes[f"actor{i}"].append(ray.get(actors[i].node.remote()))
                                 if f"actor{i}" in local:  # on the driver's host: pinned again, if it still is
                                     _repin(f"actor{i}", pids, nodes, cores, local)
-                            runs[i] = actors[i].run.remote()
+                            runs[i] = actors[i].run.remote(spare_cores=_spare_cores(cfg, cores, local, f"actor{i}"))
             out = final_model(rl_dir)
             ray.get(learner.save_model.remote(str(out)))
         finally:
