@@ -30,11 +30,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The small size of every end-to-end run: seconds per stage on two cores. So short a warm start
 # leaves pi_0 right a few percent of the time: a prompt joins D_pef with one correct sample of its
-# eight, so that the reference pool (and the DPH term) is not empty.
+# eight, so that the reference pool (and the DPH term) is not empty. The actors' model op by op: these
+# runs build more engines than they generate with, and a compiled build costs 2-3 s more (20 s cold);
+# `dph-async run`'s test (test_run_command.py) and test_engine_compile.py run the compiled default.
 SMALL = [
     "warmstart.steps=100", "presample.min_correct=1", "task.num_train=64", "task.num_test=16",
     "learner.groups_per_step=4", "sampling.n=4", "sampling.max_tokens=10", "eval.k_max=4", "eval.max_prompts=8",
     "actors.max_inflight_prompts=4", "logging.wandb_mode=disabled", "learner.checkpoint_every=0",
+    "actors.compile=false",
 ]
 # What a run directory takes from the shared base: the stages before RL.
 BASE_PARTS = ("base_model", "data", "presample")

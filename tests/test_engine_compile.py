@@ -5,10 +5,14 @@ parameters at every call, it does not bake them in.
 In one child process (vLLM engines live in processes of their own, as in an actor) a tiny Llama is
 built twice from weights A, op by op and compiled; both draw the same seeded groups. Then weights B
 are loaded into the compiled engine in place, and it streams groups as an actor does (`add`/`step`),
-against a fresh op-by-op engine built from B. A compiler-less machine is refused before vLLM starts.
+against a fresh op-by-op engine built from B. A compiler-less machine is refused before vLLM starts
+(`actors.compile=true`) or runs the model op by op (`auto`, the default).
 """
 
 from __future__ import annotations
+
+import logging
+import sys
 
 import numpy as np
 import pytest
@@ -69,3 +73,16 @@ def test_a_compiled_engine_without_a_cpp_compiler_is_refused_by_its_setting(monk
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
     with pytest.raises(RuntimeError, match=r"actors\.compile=true.*'no-such-c\+\+-compiler' is not on PATH"):
         VLLMEngine("any-model-dir", compile_model=True)
+
+
+def test_auto_compiles_where_the_node_has_a_cpp_compiler_and_runs_op_by_op_where_not(monkeypatch, caplog):
+    from actors.engine import resolve_compile
+
+    monkeypatch.setenv("CXX", sys.executable)  # any program on PATH stands for the compiler here
+    assert resolve_compile("auto") is True and resolve_compile(True) is True
+    assert resolve_compile(False) is False
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")
+    with caplog.at_level(logging.WARNING, logger="actors.engine"):
+        assert resolve_compile("auto") is False
+    assert "actors.compile=auto: no C++ compiler ('no-such-c++-compiler')" in caplog.text
+    assert resolve_compile(False) is False

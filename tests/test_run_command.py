@@ -43,8 +43,10 @@ pytestmark = pytest.mark.slow
 STEPS = 10
 MODES = ("grpo", "js_low_var")
 # keep_checkpoints=0 keeps every checkpoint: the log-prob test reads the learner's weights at v2, v4, ...
+# The actors' model compiled, as by default where a C++ compiler is found: the behaviour log-probs and
+# the bit-for-bit resume below hold for the compiled engine.
 RUN = ["mode=sync", "actors.num_actors=1", f"learner.steps={STEPS}", "learner.checkpoint_every=2",
-       "learner.keep_checkpoints=0"]
+       "learner.keep_checkpoints=0", "actors.compile=true"]
 # Per-token |behaviour - learner| log-prob: vLLM's CPU kernels and the learner's agree to ~3e-5 in fp32.
 LOGPROB_TOL = 2e-4
 # Wall-clock figures (and time/*): the only metrics two runs of the same seed may disagree on, besides

@@ -126,11 +126,12 @@ class ActorsConfig(Section):
     # (actors/engine.py, docs/decisions.md). GPUs ignore it.
     cpu_gemm: Literal["auto", "onednn", "torch"] = "auto"
     # Compile the actors' model with torch's inductor (vLLM's compile) instead of running it op by op.
-    # On the CPU it needs a C++ compiler (g++). On the embedded default it cut the actor's CPU per step
-    # by 10% and raised completions/s by 10% (median of 5 alternating pairs), for about 5 s more per
-    # actor start with the compile cache warm and 25 s on its first build (docs/benchmarks.md). Off by
-    # default: short runs and the tests start more than they generate.
-    compile: bool = False
+    # It needs a C++ compiler (g++, or $CXX) on the actor's node. On the issue's user case it raised
+    # completions/s by 8% (median of 3 alternating pairs; 10% on the embedded default earlier), for
+    # about 2.5 s more per engine build with the compile cache warm and 20-25 s the first time a
+    # model's shapes are compiled (docs/benchmarks.md); a kept actor pays it once. auto: compiled where
+    # the node has a C++ compiler, op by op (with a warning) where not; true refuses such a node.
+    compile: Literal["auto"] | bool = "auto"
     # The n completions of a prompt compute its KV once and copy it (actors/shared_prefill.py): vLLM's
     # prefix cache shares only whole blocks (32 tokens at the least on the CPU), so each completion of
     # a shorter prompt computed all of it again. On the embedded default the actor's thread then took
