@@ -126,7 +126,7 @@ class ActorsConfig(Section):
     # (actors/engine.py, docs/decisions.md). GPUs ignore it.
     cpu_gemm: Literal["auto", "onednn", "torch"] = "auto"
     # Compile the actors' model with torch's inductor (vLLM's compile) instead of running it op by op.
-    # It needs a C++ compiler (g++, or $CXX) on the actor's node. On the issue's user case it raised
+    # It needs a C++ compiler (g++, or $CXX) on the actor's node. On `bench peer --user-case` it raised
     # completions/s by 8% (median of 3 alternating pairs; 10% on the embedded default earlier), for
     # about 2.5 s more per engine build with the compile cache warm and 20-25 s the first time a
     # model's shapes are compiled (docs/benchmarks.md); a kept actor pays it once. auto: compiled where
