@@ -1,13 +1,17 @@
-"""The replay service: ReplayCore behind two ZeroMQ ROUTER sockets, driven by one thread.
+"""The replay service: ReplayCore behind three ZeroMQ ROUTER sockets, driven by one thread.
 
     ingest endpoint (actors, DEALER):   RolloutGroup -> Ack, TicketRequest -> TicketGrant,
                                         ResumeRequest -> ResumeInfo, StatsRequest -> Stats
     batch endpoint (learner, DEALER):   BatchRequest -> Batch, Control -> ControlReply (both from
                                         the control identity only), StatsRequest -> Stats
+    local batch endpoint (inproc):      the same, for a learner in this process (`local_client`)
 
 Runs as its own process (`dph-async serve replay`) or in a thread of the learner's process
-(`start_in_thread()`), same code. Ingest is group-committed: every group that arrived together is
-logged with one write, then all are acknowledged. Every peer is assumed hostile
+(`start_in_thread()`), same code. There, the learner takes its batches through an inproc socket of
+the service's own context: no network and no gate between them (through the gate, a batch's
+hundreds of frames crossed the gate's process twice, on the learner's critical path). Ingest is
+group-committed: every group that arrived together is logged with one write, then all are
+acknowledged. Every peer is assumed hostile
 (docs/data_plane.md, "Hostile peers"): messages are read within each endpoint's limits
 (dph_async/receive.py); one that is refused is answered with an error Ack (ingest) or ErrorReply
 (batch), counted under refused, logged within a rate limit, and nothing else changes. Batch requests
@@ -53,6 +57,7 @@ from dph_async.protocol import (
 )
 from dph_async.receive import Received, guard, receive
 from dph_async.refusals import RefusalLog
+from dph_async.replay_client import ReplayClient
 from dph_async.replay_stats import ReplayStats
 from replay.core import ReplayCore
 from replay.reference_pool import ReferencePool
@@ -106,6 +111,7 @@ class _Parked:
     peer: bytes
     request: BatchRequest | TicketRequest
     deadline: float
+    sock: zmq.Socket | None = None  # where a batch request came from (the batch or the local socket)
 
 
 class ReplayService:
@@ -159,6 +165,11 @@ class ReplayService:
                 self.ingest_endpoint = bind(self._ingest, ingest_addr, security)
                 self._batch = self._router(BATCH_LIMITS)
                 self.batch_endpoint = bind(self._batch, batch_addr, security)
+            # Reachable only from this process (inproc, this context): no hostile peer, so no gate;
+            # requests still carry the control token.
+            self._local = self._router(BATCH_LIMITS)
+            self.local_batch_endpoint = f"inproc://replay-batch-{secrets.token_hex(8)}"
+            self._local.bind(self.local_batch_endpoint)
         except BaseException:
             self._close()
             raise
@@ -195,6 +206,7 @@ class ReplayService:
         poller = zmq.Poller()
         poller.register(self._ingest, zmq.POLLIN)
         poller.register(self._batch, zmq.POLLIN)
+        poller.register(self._local, zmq.POLLIN)
         log.info("replay serving: ingest %s, batch %s", self.ingest_endpoint, self.batch_endpoint)
         try:
             while not self._stop.is_set():
@@ -202,7 +214,9 @@ class ReplayService:
                 if self._ingest in events:
                     self._drain_ingest()
                 if self._batch in events:
-                    self._drain_batch()
+                    self._drain_batch(self._batch)
+                if self._local in events:
+                    self._drain_batch(self._local)
                 self._serve_parked()
                 self._watch_gate()
                 self._refusals.tick()
@@ -211,6 +225,13 @@ class ReplayService:
             raise
         finally:
             self._close()
+
+    def local_client(self) -> ReplayClient:
+        """The learner's client in this process, on the local socket (no network, no gate), with the
+        control token and this service's data directory. Close it before the service stops: the
+        service's context waits for its sockets."""
+        return ReplayClient(self.local_batch_endpoint, token=self.control_token, context=self._ctx,
+                            data_dir=self.data_dir)
 
     def start_in_thread(self) -> threading.Thread:
         self._thread = threading.Thread(target=self.serve_forever, name="replay-service", daemon=True)
@@ -232,7 +253,7 @@ class ReplayService:
         return max(0, int(wait * 1000))
 
     def _close(self) -> None:
-        for name in ("_ingest", "_batch"):
+        for name in ("_ingest", "_batch", "_local"):
             sock = getattr(self, name, None)
             if sock is not None:
                 sock.close()
@@ -259,10 +280,12 @@ class ReplayService:
 
     def _recv(self, sock: zmq.Socket, limits: Limits) -> Received | None:
         """The next message on a socket, or the ProtocolError that says why it is not one (counted)."""
-        received = receive(sock, limits, curve=self._keys is not None, gated=self._gate is not None)
+        outside = sock is not self._local
+        received = receive(sock, limits, curve=outside and self._keys is not None,
+                           gated=outside and self._gate is not None)
         if received is None:
             return None
-        if self._keys is not None and not self._keys.allows(received.user_id):
+        if outside and self._keys is not None and not self._keys.allows(received.user_id):
             # A key removed from authorized/ while its connection stayed open.
             received.message = ProtocolError("unauthorized", "the sender's CURVE key is no longer authorized")
         if isinstance(received.message, ProtocolError):
@@ -341,24 +364,25 @@ class ReplayService:
 
     # ----------------------------------------------------------------------------- learner
 
-    def _authorized(self, received: Received, msg: BatchRequest | Control) -> bool:
+    def _authorized(self, received: Received, msg: BatchRequest | Control, local: bool) -> bool:
         """Whether a batch request or command comes from the control identity: the CURVE control
-        key, or without CURVE the control token."""
-        if self._keys is not None:
+        key, or without CURVE (and always on the local socket, which has no CURVE) the control token."""
+        if self._keys is not None and not local:
             return self._keys.is_control(received.user_id)
         return hmac.compare_digest(msg.token, self.control_token)
 
-    def _drain_batch(self) -> None:
-        while (received := self._recv(self._batch, BATCH_LIMITS)) is not None:
+    def _drain_batch(self, sock: zmq.Socket) -> None:
+        """Requests on the batch socket or the local one; each is answered on the socket it came on."""
+        while (received := self._recv(sock, BATCH_LIMITS)) is not None:
             peer, msg = received.peer, received.message
             if isinstance(msg, ProtocolError):
-                self._send(self._batch, peer, ErrorReply(f"message refused: {msg}", msg.kind))
+                self._send(sock, peer, ErrorReply(f"message refused: {msg}", msg.kind))
             elif isinstance(msg, StatsRequest):
-                self._send(self._batch, peer, Stats(self.stats()))
-            elif not self._authorized(received, msg):
+                self._send(sock, peer, Stats(self.stats()))
+            elif not self._authorized(received, msg, local=sock is self._local):
                 what = f"Control {msg.command!r}" if isinstance(msg, Control) else "BatchRequest"
                 self._refuse("unauthorized", f"{what} from a peer without the control identity")
-                self._send(self._batch, peer, ErrorReply(f"{what} needs the control identity", "unauthorized"))
+                self._send(sock, peer, ErrorReply(f"{what} needs the control identity", "unauthorized"))
             elif isinstance(msg, BatchRequest):
                 self._parked_batch = None  # a new request (or a retry) replaces a parked one
                 before = self.core.version
@@ -366,11 +390,11 @@ class ReplayService:
                 if self.core.version > before:
                     self._release_outdated_tickets()
                 if batch is None:
-                    self._parked_batch = _Parked(peer, msg, time.monotonic() + msg.wait_s)
+                    self._parked_batch = _Parked(peer, msg, time.monotonic() + msg.wait_s, sock)
                 else:
-                    self._send(self._batch, peer, batch)
+                    self._send(sock, peer, batch)
             else:
-                self._send(self._batch, peer, self._control(msg))
+                self._send(sock, peer, self._control(msg))
 
     def _control(self, msg: Control) -> ControlReply:
         if msg.command == "shutdown":
@@ -408,7 +432,7 @@ class ReplayService:
             batch = self.core.serve(parked.request, final=now >= parked.deadline)
             if batch is not None:
                 self._parked_batch = None
-                self._send(self._batch, parked.peer, batch)
+                self._send(parked.sock, parked.peer, batch)
         # Each check is O(1) and the parked requests are bounded (replay.max_parked), so a crowd of
         # them costs little; with no capacity left, only the expired ones are looked at.
         open_capacity = self.core.admission.capacity(self.core.version, self.core.admitted) > 0

@@ -122,6 +122,36 @@ def test_the_same_request_id_gets_the_same_batch(service):
     sender.close()
 
 
+def test_a_learner_in_the_service_process_takes_batches_on_the_local_socket(tmp_path):
+    """The learner's own process reaches the replay through an inproc socket of the service's context:
+    no gate and no CURVE there, so the control token is what authorizes, with CURVE on outside too."""
+    keys = str(generate_keys(tmp_path / "keys"))
+    svc = ReplayService(CFG, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 4, data_dir=str(tmp_path),
+                        security=NetSecurity(curve_keys=keys))
+    svc.start_in_thread()
+    try:
+        assert svc.local_batch_endpoint.startswith("inproc://")
+        sender = RolloutSender(svc.ingest_endpoint, 0, security=NetSecurity(curve_keys=keys))
+        for i in range(6):
+            sender.send(synthetic_group(0, i))
+        assert sender.flush(10)
+        local = svc.local_client()
+        assert [g.group_id for g in local.get_batch(0, 4, wait_s=5).groups] == [(0, i) for i in range(4)]
+        assert local.snapshot("snap") and local.stats().served.batches == 1
+        # The token, not the socket, authorizes: a request without it is refused there too.
+        stranger = svc._ctx.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.RCVTIMEO, 5000)
+        stranger.connect(svc.local_batch_endpoint)
+        reply = ask(stranger, encode(BatchRequest(1, 2, 0.0, request_id=9, token=b"guess")))
+        assert isinstance(reply, ErrorReply) and "needs the control identity" in reply.error
+        stranger.close(linger=0)
+        assert [g.group_id for g in local.get_batch(1, 2, wait_s=5).groups] == [(0, 4), (0, 5)]
+        local.close()
+        sender.close()
+    finally:
+        svc.stop()
+
+
 def test_the_sender_resends_across_a_service_restart(tmp_path, ipc):
     addr_in, addr_out = ipc("in"), ipc("out")
     token = b"t" * 32  # a restarted replay keeps its token (`dph-async serve replay` keeps it in a file)

@@ -44,7 +44,7 @@ from dph_async.app.placement import actor_placement, home_node, learner_placemen
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
 from dph_async.paths import checkpoint_dir, endpoints_dir, final_model
-from dph_async.replay_client import ReplayClient, RolloutSender
+from dph_async.replay_client import RolloutSender
 from dph_async.replay_stats import ReplayStats
 from dph_async.rewards.scorer import make_scorer
 from dph_async.tasks.dataset import load_prompts
@@ -248,10 +248,14 @@ class LearnerProcess:
         cfg = self.cfg
         trainer, self.tokenizer = _build_trainer(cfg, self.model_dir, self.rendezvous)
         # The learner alone holds the control token (or, with CURVE, the control key): actors cannot
-        # take batches or send commands. Snapshots go under rl_dir, the replay's data directory.
-        client = ReplayClient(self.replay.batch_endpoint, self.security, token=self.replay.control_token,
-                              data_dir=self.rl_dir)
-        self.loop = LearnerLoop(cfg, trainer, client, self.server, self.rl_dir)
+        # take batches or send commands. It takes them on the replay's local socket, in this process.
+        # Snapshots go under rl_dir, the replay's data directory.
+        client = self.replay.local_client()
+        try:
+            self.loop = LearnerLoop(cfg, trainer, client, self.server, self.rl_dir)
+        except BaseException:
+            client.close()  # the replay's context would wait for it at close
+            raise
         if self.resume_tag:
             self.loop.resume(self.resume_tag)
         self.loop.publish()  # actors on other nodes build their engines from these weights
