@@ -22,7 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -73,6 +73,19 @@ class ReplayError(RuntimeError):
     """The replay answered, refusing the request; the message is its reason."""
 
 
+# A reply on the replay's local socket to a client of the same process: the message itself waits in
+# the client's inbox, and this empty frame says so (an encoded message never starts with one).
+LOCAL_REPLY = b""
+
+
+class LocalInbox(NamedTuple):
+    """What a client in the replay's own process is handed replies through: its routing id on the
+    local socket, and the queue the replay appends the reply objects to."""
+
+    routing_id: bytes
+    replies: deque[Message]
+
+
 class _Channel:
     """One DEALER connection to a replay endpoint, with its connection events."""
 
@@ -83,10 +96,14 @@ class _Channel:
         context: zmq.Context | None,
         on_connect: Callable[[], None] | None = None,
         identity: str = "client",
+        inbox: LocalInbox | None = None,
     ):
         self.addr = addr
         self.sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.inbox = inbox
+        if inbox is not None:
+            self.sock.setsockopt(zmq.ROUTING_ID, inbox.routing_id)
         # Not ZMQ_IMMEDIATE: with it libzmq drops the connection's pipe when the peer goes away,
         # and with the pipe any reply not yet read (the answer to "shutdown" was lost that way).
         # Without it, what is sent while the replay is down waits in the pipe (up to the
@@ -125,6 +142,8 @@ class _Channel:
         if not self.sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN):
             return None
         frames = self.sock.recv_multipart(copy=False)
+        if self.inbox is not None and len(frames) == 1 and frames[0].bytes == LOCAL_REPLY:
+            return self.inbox.replies.popleft()
         try:
             return decode(frames)
         except ProtocolError as e:
@@ -323,6 +342,8 @@ class ReplayClient:
         the control key pair instead.
     data_dir: the replay's data directory as seen here, so `snapshot` and `restore` also take paths
         inside it (they travel as names relative to it).
+    inbox: for a client in the replay's own process, on its local socket
+        (`ReplayService.local_client`): replies are handed over as objects, not encoded.
     """
 
     def __init__(
@@ -334,12 +355,13 @@ class ReplayClient:
         context: zmq.Context | None = None,
         token: bytes = b"",
         data_dir: str | os.PathLike | None = None,
+        inbox: LocalInbox | None = None,
     ):
         self.reply_timeout_s = reply_timeout_s
         self.request_timeout_s = request_timeout_s
         self.token = token
         self.data_dir = Path(data_dir).resolve() if data_dir is not None else None
-        self._chan = _Channel(addr, security, context, identity="control")
+        self._chan = _Channel(addr, security, context, identity="control", inbox=inbox)
 
     def _call(self, msg: Message, accept: Callable[[Message], bool], wait_s: float = 0.0) -> Any:
         return self._chan.call(msg, accept, wait_s, self.request_timeout_s, self.reply_timeout_s)

@@ -29,7 +29,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from dph_async.gate import READ_AHEAD, Gate, HonestLoad
 from dph_async.net import CurveKeys, NetSecurity, bind, curve_keys, stop_authenticator
 from dph_async.protocol import (
     Ack,
+    Batch,
     BatchRequest,
     Control,
     ControlReply,
@@ -57,7 +58,7 @@ from dph_async.protocol import (
 )
 from dph_async.receive import Received, guard, receive
 from dph_async.refusals import RefusalLog
-from dph_async.replay_client import ReplayClient
+from dph_async.replay_client import LOCAL_REPLY, LocalInbox, ReplayClient
 from dph_async.replay_stats import ReplayStats
 from replay.core import ReplayCore
 from replay.reference_pool import ReferencePool
@@ -104,6 +105,15 @@ def resolve_name(data_dir: Path, name: str, wal_dir: Path | None = None) -> Path
     if wal_dir is not None and target.is_relative_to(wal_dir.resolve()):
         raise ControlPathError(f"snapshot name {name[:200]!r} points into the write-ahead log")
     return target
+
+
+def _read_only(batch: Batch) -> Batch:
+    """A batch handed over in process, its arrays read-only as decoded ones are: they are the replay's
+    own (a group may be served again, or written to a snapshot), so a write must fail, not reach them."""
+    for item in (*batch.groups, *(c for g in batch.groups for c in g.completions), *batch.reference):
+        for name, _ in item.ARRAYS:
+            getattr(item, name).flags.writeable = False
+    return batch
 
 
 @dataclass
@@ -180,6 +190,7 @@ class ReplayService:
         # repeated request replaces its predecessor, and no connection holds more than its share.
         self._parked_tickets: dict[tuple[bytes, int], _Parked] = {}
         self._parked_per_peer: Counter[bytes] = Counter()
+        self._inboxes: dict[bytes, LocalInbox] = {}  # local_client()'s, by routing id on the local socket
 
     def _router(self, limits: Limits) -> zmq.Socket:
         sock = self._ctx.socket(zmq.ROUTER)
@@ -228,10 +239,13 @@ class ReplayService:
 
     def local_client(self) -> ReplayClient:
         """The learner's client in this process, on the local socket (no network, no gate), with the
-        control token and this service's data directory. Close it before the service stops: the
-        service's context waits for its sockets."""
+        control token and this service's data directory. Its replies are handed over as objects
+        through its inbox, not encoded (a batch's groups are the replay's own, read-only arrays
+        included). Close it before the service stops: the service's context waits for its sockets."""
+        inbox = LocalInbox(secrets.token_bytes(16), deque())
+        self._inboxes[inbox.routing_id] = inbox
         return ReplayClient(self.local_batch_endpoint, token=self.control_token, context=self._ctx,
-                            data_dir=self.data_dir)
+                            data_dir=self.data_dir, inbox=inbox)
 
     def start_in_thread(self) -> threading.Thread:
         self._thread = threading.Thread(target=self.serve_forever, name="replay-service", daemon=True)
@@ -265,14 +279,21 @@ class ReplayService:
             self.core.wal.close()
 
     def _send(self, sock: zmq.Socket, peer: bytes, msg: Message) -> None:
+        # A client of this process on the local socket takes the reply object from its inbox: no
+        # encode and decode, nor hundreds of frames for a batch.
+        inbox = self._inboxes.get(peer) if sock is self._local else None
+        if inbox is not None:
+            inbox.replies.append(_read_only(msg) if isinstance(msg, Batch) else msg)
         try:
-            sock.send_multipart([peer, *encode(msg)], copy=False, flags=zmq.NOBLOCK)
-        except zmq.Again:  # the peer stopped reading; it retries and gets the same answer again
-            self.core.metrics.count("replies_dropped")
+            sock.send_multipart([peer, LOCAL_REPLY] if inbox else [peer, *encode(msg)], copy=False, flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
+            if inbox is not None:
+                inbox.replies.pop()  # no word of it went out: the client will not look for it
+            if not isinstance(e, zmq.Again) and e.errno != zmq.EHOSTUNREACH:
                 raise
-            self.core.metrics.count("replies_dropped")  # the peer is gone (reconnected or exited)
+            # zmq.Again: the peer stopped reading (it retries and gets the same answer again);
+            # EHOSTUNREACH: the peer is gone (reconnected or exited)
+            self.core.metrics.count("replies_dropped")
 
     def _refuse(self, kind: str, detail: str) -> None:
         self.core.metrics.count(f"rejected:{kind}")

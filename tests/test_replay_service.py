@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
+import replay.service as service_module
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.net import InsecureBindError, NetSecurity, generate_keys, is_local_endpoint
@@ -122,7 +123,7 @@ def test_the_same_request_id_gets_the_same_batch(service):
     sender.close()
 
 
-def test_a_learner_in_the_service_process_takes_batches_on_the_local_socket(tmp_path):
+def test_a_learner_in_the_service_process_takes_batches_on_the_local_socket(tmp_path, monkeypatch):
     """The learner's own process reaches the replay through an inproc socket of the service's context:
     no gate and no CURVE there, so the control token is what authorizes, with CURVE on outside too."""
     keys = str(generate_keys(tmp_path / "keys"))
@@ -136,7 +137,14 @@ def test_a_learner_in_the_service_process_takes_batches_on_the_local_socket(tmp_
             sender.send(synthetic_group(0, i))
         assert sender.flush(10)
         local = svc.local_client()
-        assert [g.group_id for g in local.get_batch(0, 4, wait_s=5).groups] == [(0, i) for i in range(4)]
+        encoded = []
+        monkeypatch.setattr(service_module, "encode", lambda m: encoded.append(type(m).__name__) or encode(m))
+        batch = local.get_batch(0, 4, wait_s=5)
+        assert [g.group_id for g in batch.groups] == [(0, i) for i in range(4)]
+        # Handed over as objects, not encoded; the replay's arrays, which nothing may write to.
+        assert "Batch" not in encoded
+        arrays = [a for g in batch.groups for c in g.completions for a in (c.token_ids, c.logprobs, c.versions)]
+        assert arrays and not any(a.flags.writeable for a in arrays)
         assert local.snapshot("snap") and local.stats().served.batches == 1
         # The token, not the socket, authorizes: a request without it is refused there too.
         stranger = svc._ctx.socket(zmq.DEALER)
@@ -144,6 +152,7 @@ def test_a_learner_in_the_service_process_takes_batches_on_the_local_socket(tmp_
         stranger.connect(svc.local_batch_endpoint)
         reply = ask(stranger, encode(BatchRequest(1, 2, 0.0, request_id=9, token=b"guess")))
         assert isinstance(reply, ErrorReply) and "needs the control identity" in reply.error
+        assert encoded == ["ErrorReply"]  # a socket not handed out by local_client() gets frames
         stranger.close(linger=0)
         assert [g.group_id for g in local.get_batch(1, 2, wait_s=5).groups] == [(0, 4), (0, 5)]
         local.close()
