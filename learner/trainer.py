@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from dph_async.config import LearnerConfig
 from dph_async.protocol import Batch
-from learner import zero3
+from learner import cpu_gemm, zero3
 from learner.batching import MicroBatch, MiniBatch, PreparedBatch, Unit, pack, prepare
 from learner.critic import Critic
 from learner.data_parallel import Ranks, Rendezvous, init_distributed
@@ -111,6 +111,9 @@ class Trainer:
         self.norm = cfg.loss.aggregation_norm or max_response_tokens
         torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+        self.cpu_gemm = cpu_gemm.resolve(cfg.cpu_gemm, zero_stage=cfg.zero_stage, dtype=torch_dtype)
+        if self.cpu_gemm == "onednn":
+            cpu_gemm.use_onednn(model)  # before the copies below, which then run through oneDNN too
         # A frozen copy of pi_0 for objectives with a divergence on fresh tokens (reverse_kl, js, dapo).
         # The KL monitor scores against it too.
         self.reference_model, self.kl_monitor = None, None

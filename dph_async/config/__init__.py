@@ -200,6 +200,10 @@ class LearnerConfig(Section):
     # also hosts the replay and the weight server and writes the checkpoints.
     ranks: int = Field(1, ge=1)
     kernel: Literal["auto", "torch", "triton"] = "auto"
+    # The CPU kernels of the model's linear layers: onednn = oneDNN's products, which use AVX-512
+    # where MKL's (torch's float32 default) keep to AVX2 on AMD processors; torch = F.linear as is;
+    # auto = onednn for a float32 model below ZeRO-3 where torch has oneDNN (learner/cpu_gemm.py).
+    cpu_gemm: Literal["auto", "onednn", "torch"] = "auto"
     loss: LossConfig = Field(default_factory=LossConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
 
@@ -210,6 +214,14 @@ class LearnerConfig(Section):
             raise ValueError("use 0 with learner.zero_stage=3: the diagnostic's second backward pass over one "
                              "forward finds ZeRO-3's parameters released")
         return every
+
+    @field_validator("cpu_gemm")
+    @classmethod
+    def _cpu_gemm(cls, gemm: str, info: ValidationInfo) -> str:
+        if gemm == "onednn" and info.data.get("zero_stage") == 3:
+            raise ValueError("use torch or auto with learner.zero_stage=3: ZeRO-3 runs the linear layers through "
+                             "its own function")
+        return gemm
 
     @field_validator("critic")
     @classmethod
