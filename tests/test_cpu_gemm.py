@@ -19,6 +19,7 @@ from dph_async.rewards.result import RewardResult
 from learner import cpu_gemm
 from learner.cpu_gemm import MIN_MACS, OneDNNLinear
 
+
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.detach().double() - want).abs().max() / want.abs().max())
 
