@@ -8,8 +8,8 @@ on the learner's shapes there (docs/benchmarks.md). So a linear layer here compu
     forward   y   = x W^T + b
     backward  dx  = dy W,   dW = dy^T x,   db = sum_rows dy
 
-with each product through oneDNN when it is large enough to gain (oneDNN costs about 10 us a call
-more; below MIN_MACS multiply-adds MKL is faster) and through `F.linear` / `mm` otherwise. The
+with the three products through oneDNN where the layer is large enough to gain (oneDNN costs about
+10 us a call more; below MIN_MACS multiply-adds MKL is faster) and through `F.linear` otherwise. The
 parameters stay those of the `nn.Linear`, so DeepSpeed, checkpoints and `save_pretrained` see the
 model unchanged; only the float rounding of the products differs.
 """
@@ -23,9 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 CpuGemm = Literal["onednn", "torch"]
-# Multiply-adds (rows x in x out) from which oneDNN's product is faster than MKL's on one core:
-# about equal at 48 x 128 x 128, 19% faster at 32 x 128 x 336, 2x at 256 x 128 x 336.
-MIN_MACS = 1 << 20
+# Multiply-adds (rows x in x out) from which a layer's forward and backward through oneDNN beat
+# MKL's on one core (`dph-async bench gemm`): equal at 128 x 128 x 128, 0.80x at 64 x 128 x 128,
+# 1.17x at 64 x 128 x 336, 1.6-1.9x from 256 rows.
+MIN_MACS = 1 << 21
 
 
 def available() -> bool:
@@ -71,6 +72,11 @@ class _LinearFunction(torch.autograd.Function):
         return dx, dw, db
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with its forward and backward products through oneDNN, whatever the size."""
+    return _LinearFunction.apply(x, weight, bias)
+
+
 class OneDNNLinear(nn.Linear):
     """An `nn.Linear` whose products run through oneDNN from MIN_MACS multiply-adds."""
 
@@ -78,7 +84,7 @@ class OneDNNLinear(nn.Linear):
         rows = x.numel() // x.shape[-1]
         if rows * self.in_features * self.out_features < MIN_MACS:
             return F.linear(x, self.weight, self.bias)
-        return _LinearFunction.apply(x, self.weight, self.bias)
+        return onednn_linear(x, self.weight, self.bias)
 
 
 def use_onednn(model: nn.Module) -> int:

@@ -100,7 +100,7 @@ def test_auto_picks_onednn_for_a_float32_model_below_zero3():
 V = 24
 
 
-def rollouts(rng: np.random.Generator, groups: int = 12, n: int = 8) -> Batch:
+def rollouts(rng: np.random.Generator, groups: int = 16, n: int = 8) -> Batch:
     """Groups large enough that every linear layer's products pass MIN_MACS."""
     out = []
     for seq in range(groups):
