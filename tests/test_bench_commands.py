@@ -1,7 +1,7 @@
-"""The benchmarks run, at a tiny size: `dph-async bench` (sync against async with the real processes)
-and `dph-async bench transport`, checking the fields of the JSON they write and that the figures in it
-agree with each other and with the runs' own records (the arithmetic alone is tests/test_bench_*.py).
-"""
+"""The benchmarks run, at a tiny size: `dph-async bench` (sync against async with the real processes),
+`dph-async bench transport` and `dph-async bench gemm`, checking the fields of the JSON they write and
+that the figures in it agree with each other and with the runs' own records (the arithmetic alone is
+tests/test_bench_*.py)."""
 
 from __future__ import annotations
 
@@ -99,3 +99,20 @@ def test_transport_bench_json(tmp_path):
     assert [r["wal"] for r in res["replay"]] == [False, True]
     for r in res["replay"]:
         assert r["held"] >= 300 and r["insert_groups_per_s"] > 0 and r["sample_groups_per_s"] > 0
+
+
+def test_gemm_bench_json(tmp_path, capsys):
+    out = tmp_path / "gemm.json"
+    assert main(["bench", "gemm", "--shapes", "32:48", "--rows", "8", "2048", "--rounds", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert {"date", "command", "machine", "threads", "cells"} <= set(res)
+    assert [(c["n_in"], c["n_out"], c["rows"]) for c in res["cells"]] == [(32, 48, 8), (32, 48, 2048)]
+    for c in res["cells"]:
+        assert c["speedup"] == pytest.approx(c["torch_ms"] / c["onednn_ms"])
+        flops = 6 * c["rows"] * 32 * 48
+        assert c["torch_gflops"] == pytest.approx(flops / c["torch_ms"] / 1e6)
+        assert c["onednn_gflops"] == pytest.approx(flops / c["onednn_ms"] / 1e6)
+    assert "| 32 x 48 | 2048 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:  # argparse names the bad shape
+        main(["bench", "gemm", "--shapes", "32x48"])
+    assert exit_.value.code == 2 and "'32x48': a shape is IN:OUT" in capsys.readouterr().err

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
+
+from dph_async.app.commands.common import write_cells
 
 NAME = "bench scorer"
 HELP = "scorer throughput and latency percentiles: local pool against the HTTP service"
@@ -44,9 +44,4 @@ def main(args: argparse.Namespace) -> int:
             "machine": bench.machine(), "workers": args.workers}
     cells = bench.run(args.workers, args.concurrency, args.batch, args.seconds, args.timeout_s,
                       args.backends, args.workloads)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**meta, "cells": [asdict(c) for c in cells]}, indent=2))
-    print()
-    print(bench.markdown(cells))
-    print(f"\nwritten to {args.out}")
-    return 0
+    return write_cells(args.out, meta, cells, bench.markdown(cells))

@@ -1,10 +1,14 @@
-"""What the command modules share: the config arguments, error lines, Ctrl-C (not a command: no NAME)."""
+"""What the command modules share: the config arguments, error lines, Ctrl-C, a bench's table of cells
+(not a command: no NAME)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
 
 from dph_async.app.progress import console
 
@@ -30,4 +34,14 @@ def guarded(work: Callable[[], object], interrupted: str) -> int:
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted: {interrupted}")
         return 130
+    return 0
+
+
+def write_cells(out: Path, meta: dict, cells: list, table: str) -> int:
+    """Write a bench's `meta` and its dataclass `cells` to `out` as JSON, print its markdown `table`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**meta, "cells": [asdict(c) for c in cells]}, indent=2))
+    print()
+    print(table)
+    print(f"\nwritten to {out}")
     return 0
