@@ -33,12 +33,15 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def resolve(cpu_gemm: CpuGemm | Literal["auto"], *, zero_stage: int, dtype: torch.dtype) -> CpuGemm:
-    """`auto`: oneDNN for a float32 model where torch has it, below ZeRO-3. torch already runs
-    bfloat16 products through oneDNN, and ZeRO-3 replaces the linear layers' function with its own
-    (the config refuses `onednn` with it)."""
+def resolve(cpu_gemm: CpuGemm | Literal["auto"], *, device: str, zero_stage: int, dtype: torch.dtype) -> CpuGemm:
+    """`auto`: oneDNN for a float32 model trained on the CPU (`device`, DeepSpeed's accelerator) where
+    torch has it, below ZeRO-3. torch already runs bfloat16 products through oneDNN, and ZeRO-3
+    replaces the linear layers' function with its own (the config refuses `onednn` with it)."""
     if cpu_gemm == "auto":
-        return "onednn" if available() and zero_stage < 3 and dtype == torch.float32 else "torch"
+        return "onednn" if device == "cpu" and available() and zero_stage < 3 and dtype == torch.float32 else "torch"
+    if cpu_gemm == "onednn" and device != "cpu":
+        raise ValueError(f"learner.cpu_gemm=onednn: the learner trains on {device}, and oneDNN's products are "
+                         "the CPU's; use learner.cpu_gemm=torch or auto")
     if cpu_gemm == "onednn" and not available():
         raise ValueError("learner.cpu_gemm=onednn: this torch build has no oneDNN (torch.backends.mkldnn); "
                          "use learner.cpu_gemm=torch")

@@ -99,6 +99,7 @@ class Trainer:
                  max_response_tokens: int, seed: int = 0, rendezvous: Rendezvous | None = None) -> None:
         """`rendezvous`: this rank's place among `cfg.ranks` ranks; None for a single rank."""
         import deepspeed
+        from deepspeed.accelerator import get_accelerator
 
         self.objective: Objective = make_objective(cfg.loss)
         if cfg.critic.enabled and self.objective.whole_units:
@@ -111,7 +112,8 @@ class Trainer:
         self.norm = cfg.loss.aggregation_norm or max_response_tokens
         torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
-        self.cpu_gemm = cpu_gemm.resolve(cfg.cpu_gemm, zero_stage=cfg.zero_stage, dtype=torch_dtype)
+        self.cpu_gemm = cpu_gemm.resolve(cfg.cpu_gemm, device=get_accelerator().device_name(),
+                                         zero_stage=cfg.zero_stage, dtype=torch_dtype)
         if self.cpu_gemm == "onednn":
             cpu_gemm.use_onednn(model)  # before the copies below, which then run through oneDNN too
         # A frozen copy of pi_0 for objectives with a divergence on fresh tokens (reverse_kl, js, dapo).

@@ -88,11 +88,15 @@ def test_small_products_stay_with_torch(monkeypatch):
     assert len(products) == 5
 
 
-def test_auto_picks_onednn_for_a_float32_model_below_zero3():
-    assert cpu_gemm.resolve("auto", zero_stage=1, dtype=torch.float32) == "onednn"
-    assert cpu_gemm.resolve("auto", zero_stage=3, dtype=torch.float32) == "torch"
-    assert cpu_gemm.resolve("auto", zero_stage=0, dtype=torch.bfloat16) == "torch"
-    assert cpu_gemm.resolve("torch", zero_stage=1, dtype=torch.float32) == "torch"
+def test_auto_picks_onednn_for_a_float32_model_on_the_cpu_below_zero3():
+    cpu = dict(device="cpu", dtype=torch.float32)
+    assert cpu_gemm.resolve("auto", zero_stage=1, **cpu) == "onednn"
+    assert cpu_gemm.resolve("auto", zero_stage=3, **cpu) == "torch"
+    assert cpu_gemm.resolve("auto", zero_stage=0, device="cpu", dtype=torch.bfloat16) == "torch"
+    assert cpu_gemm.resolve("auto", zero_stage=1, device="cuda", dtype=torch.float32) == "torch"
+    assert cpu_gemm.resolve("torch", zero_stage=1, **cpu) == "torch"
+    with pytest.raises(ValueError, match=r"learner\.cpu_gemm=onednn: the learner trains on cuda"):
+        cpu_gemm.resolve("onednn", zero_stage=1, device="cuda", dtype=torch.float32)
     with pytest.raises(ValidationError, match="cpu_gemm"):
         LearnerConfig(zero_stage=3, cpu_gemm="onednn")
 
