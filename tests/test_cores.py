@@ -3,14 +3,19 @@ actor's other threads moved off its rollout loop's cores."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import zmq
 
-from dph_async.app.cores import CorePlan, host_cores, offload_threads, pin, plan_cores
+from dph_async.app.cores import CorePlan, host_cores, offload_threads, pin, plan_cores, process_tree
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
 
@@ -59,6 +64,28 @@ def test_every_thread_of_a_process_is_pinned_and_later_ones_inherit():
         release.set()
         earlier.join()
 
+
+def test_the_processes_a_pinned_process_started_are_pinned_with_it():
+    """A child and a grandchild started before the pin (as the learner's gates are) follow it, and
+    come back with it."""
+    before = host_cores()
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+           "time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while len(tree := process_tree(child.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tree[0] == child.pid and len(tree) == 2, tree
+        pin(child.pid, [max(before)])
+        assert all(os.sched_getaffinity(p) == {max(before)} for p in tree)
+        pin(child.pid, before)
+        assert all(os.sched_getaffinity(p) == before for p in tree)
+    finally:
+        for p in process_tree(child.pid)[::-1]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        child.wait()
 
 
 def _names() -> dict[int, str]:

@@ -26,7 +26,7 @@ from conftest import alive, small_config
 
 from dph_async.app import actor_pool, launcher
 from dph_async.app.actor_pool import POOL_NAMESPACE, holding
-from dph_async.app.cores import host_cores, plan_cores
+from dph_async.app.cores import host_cores, plan_cores, process_tree
 from dph_async.app.launcher import ActorProcess, RLResult, cache_dir, ray_cluster, run_rl
 from dph_async.app.pipeline import StageTimer, prepare
 from dph_async.app.specs import RunSpec
@@ -312,6 +312,7 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
     steps_at_kill: list[int] = []
     affinity: dict[str, set[int]] = {}
     actor_threads: list[tuple[str, set[int]]] = []  # (name, cores) of each of actor0's threads
+    started: dict[int, set[int]] = {}  # cores of the processes the learner started (its gates)
     finished = threading.Event()
     metrics = prepared[0] / "chaos" / "metrics.jsonl"
 
@@ -321,6 +322,7 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
         while not finished.is_set():
             if "actor0" in pids and metrics.is_file() and (n := len(metrics.read_text().splitlines())):
                 affinity.update({k: os.sched_getaffinity(pids[k]) for k in ("actor0", "learner")})
+                started.update({p: os.sched_getaffinity(p) for p in process_tree(pids["learner"])[1:]})
                 task = Path(f"/proc/{pids['actor0']}/task")
                 actor_threads.extend(((task / t / "comm").read_text().strip(), os.sched_getaffinity(int(t)))
                                      for t in os.listdir(task))
@@ -354,6 +356,8 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
         # The actor's rollout thread and ZMQ's I/O threads kept its core; every other thread of it (Ray's
         # main thread among them) went to the learner's, before the kill and again once restarted.
         assert affinity == {"actor0": set(plan.learner), "learner": set(plan.learner)}
+        # The learner's gates started before it was pinned, and were pinned with it.
+        assert len(started) >= 2 and all(cores == set(plan.learner) for cores in started.values()), started
         zmq_cores = [cores for name, cores in actor_threads if name.startswith("ZMQbg")]
         assert zmq_cores and all(cores == set(plan.actors[0]) for cores in zmq_cores), actor_threads
         assert {frozenset(cores) for _, cores in actor_threads} == {frozenset(plan.actors[0]), frozenset(plan.learner)}

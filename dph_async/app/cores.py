@@ -45,19 +45,36 @@ def plan_cores(cores: Collection[int], actors: int, threads: int) -> CorePlan | 
     return CorePlan([ordered[i * threads:(i + 1) * threads] for i in range(actors)], ordered[need:])
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process it started, and they started, that still runs (from /proc; only `pid`
+    where the kernel does not list a thread's children)."""
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(p := todo.pop())
+        with contextlib.suppress(FileNotFoundError):  # the process has ended
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError):
+                    todo.extend(int(c) for c in Path(f"/proc/{p}/task/{tid}/children").read_text().split())
+    return tree
+
+
 def pin(pid: int, cores: Collection[int]) -> None:
-    """Every thread of process `pid`, on this host, onto `cores` (a thread it starts later inherits its
-    starter's). From outside the process: a Ray actor busy in a long call (a learner rank following
-    rank 0) answers no call of its own until that ends. Does nothing where the OS offers no affinity."""
+    """Every thread of process `pid` and of the processes it started, on this host, onto `cores` (a
+    thread or process started later inherits its starter's). The learner's gates (dph_async/gate.py)
+    start with its services, before the driver pins it, and forward the actors' traffic for the whole
+    run: left out, they ran on the actor's core about half the time. From outside the process: a Ray
+    actor busy in a long call (a learner rank following rank 0) answers no call of its own until that
+    ends. Does nothing where the OS offers no affinity."""
     if not hasattr(os, "sched_setaffinity"):
         return
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:  # the process has ended
-        return
-    for tid in tids:
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), set(cores))
+    for p in process_tree(pid):
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except FileNotFoundError:  # the process has ended
+            continue
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(tid), set(cores))
 
 
 # libzmq's I/O threads ("ZMQbg/IO/0", "ZMQbg/Reaper") carry the rollout loop's sends: they stay with it.
