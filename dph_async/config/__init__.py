@@ -202,7 +202,8 @@ class LearnerConfig(Section):
     kernel: Literal["auto", "torch", "triton"] = "auto"
     # The CPU kernels of the model's linear layers: onednn = oneDNN's products, which use AVX-512
     # where MKL's (torch's float32 default) keep to AVX2 on AMD processors; torch = F.linear as is;
-    # auto = onednn for a float32 model below ZeRO-3 where torch has oneDNN (learner/cpu_gemm.py).
+    # auto = onednn for a float32 model trained on the CPU below ZeRO-3 where torch has oneDNN, torch
+    # on a GPU (learner/cpu_gemm.py).
     cpu_gemm: Literal["auto", "onednn", "torch"] = "auto"
     loss: LossConfig = Field(default_factory=LossConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
