@@ -17,6 +17,7 @@ Importing this module imports triton; on a CPU, set TRITON_INTERPRET=1 before th
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -27,9 +28,31 @@ from kernels.torch_logprob import NEG_INIT, backward_setup
 
 # The running max's start (see kernels.torch_logprob), as a constant the jitted code can read.
 _NEG: tl.constexpr = tl.constexpr(NEG_INIT)
-BLOCK_N = 64
-BLOCK_V = 128
-BLOCK_H = 64
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A program's tile: rows x vocabulary columns, K-step over H, and the launch's warps and stages."""
+
+    n: int = 64
+    v: int = 128
+    h: int = 64
+    warps: int = 4
+    stages: int = 3
+
+
+# The interpreter's and pre-Hopper cards' tile. On Hopper (9.x), scripts/gpu_check.py's sweep at
+# N = 8,192, V = 151,936, H = 4,096, bf16 on an H200 chose 128 x 256 with 8 warps: forward 22.6 ms
+# and backward 52.8 ms against 31.2 and 59.8 for the small tile (docs/benchmarks.md, GPU). Its
+# 144 KiB of shared memory for three bf16 stages fits neither fp32 tiles nor a 100 KiB consumer card.
+DEFAULT_TILES = Tiles()
+HOPPER_BF16_TILES = Tiles(n=128, v=256, h=64, warps=8, stages=3)
+
+
+def tiles_for(device: torch.device, dtype: torch.dtype) -> Tiles:
+    if dtype == torch.bfloat16 and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return HOPPER_BF16_TILES
+    return DEFAULT_TILES
 
 
 @triton.jit
@@ -127,30 +150,37 @@ def _dot_options(dtype: torch.dtype) -> dict:
     return {"PRECISION": "ieee" if dtype == torch.float32 or upcast else None, "UPCAST": upcast}
 
 
-def _num_splits(n: int, v: int, device: torch.device) -> int:
+def _launch(t: Tiles, dtype: torch.dtype) -> dict:
+    return {"BLOCK_N": t.n, "BLOCK_V": t.v, "BLOCK_H": t.h, "num_warps": t.warps, "num_stages": t.stages,
+            **_dot_options(dtype)}
+
+
+def _num_splits(n: int, v: int, device: torch.device, t: Tiles) -> int:
     """Vocabulary splits so that the forward grid has about two programs per multiprocessor."""
-    row_blocks = triton.cdiv(n, BLOCK_N)
+    row_blocks = triton.cdiv(n, t.n)
     if device.type != "cuda":
-        return min(4, triton.cdiv(v, BLOCK_V))  # the interpreter: still several, to exercise the merge
+        return min(4, triton.cdiv(v, t.v))  # the interpreter: still several, to exercise the merge
     programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(programs, row_blocks), triton.cdiv(v, BLOCK_V)))
+    return max(1, min(triton.cdiv(programs, row_blocks), triton.cdiv(v, t.v)))
 
 
 def forward(
-    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool, block_v: int
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool, block_v: int,
+    tiles: Tiles | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Same contract as kernels.torch_logprob.forward (block_v is unused: the grid tiles V)."""
+    """Same contract as kernels.torch_logprob.forward (block_v is unused: the grid tiles V); tiles
+    default to the device's (`tiles_for`)."""
+    tiles = tiles or tiles_for(hidden.device, hidden.dtype)
     n, h = hidden.shape
     v = weight.shape[0]
-    splits = _num_splits(n, v, hidden.device)
-    split_v = triton.cdiv(triton.cdiv(v, splits), BLOCK_V) * BLOCK_V
+    splits = _num_splits(n, v, hidden.device, tiles)
+    split_v = triton.cdiv(triton.cdiv(v, splits), tiles.v) * tiles.v
     splits = triton.cdiv(v, split_v)
     m, s, e, z_t = torch.empty(4, splits, n, dtype=torch.float32, device=hidden.device)
     if n:
-        _forward_kernel[(triton.cdiv(n, BLOCK_N), splits)](
+        _forward_kernel[(triton.cdiv(n, tiles.n), splits)](
             hidden, weight, targets, m, s, e, z_t, n, v, h, 1.0 / temperature, split_v,
-            WITH_ENTROPY=with_entropy, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
-            **_dot_options(hidden.dtype),
+            WITH_ENTROPY=with_entropy, **_launch(tiles, hidden.dtype),
         )
     # Merge the splits' online states; the split holding the global max has sum >= 1, so s_tot >= 1.
     m_tot = m.amax(dim=0)
@@ -187,25 +217,26 @@ def backward(
     block_v: int,
     need_hidden: bool,
     need_weight: bool,
+    tiles: Tiles | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Same contract as kernels.torch_logprob.backward; block_v is the vocabulary chunk per buffer."""
+    tiles = tiles or tiles_for(hidden.device, hidden.dtype)
     n, h = hidden.shape
     v = weight.shape[0]
     g_lp, g_h, d_hidden, d_weight = backward_setup(
         hidden, weight, temperature, grad_logp, grad_entropy, need_hidden, need_weight
     )
-    chunk = min(triton.cdiv(block_v, BLOCK_V) * BLOCK_V, triton.cdiv(v, BLOCK_V) * BLOCK_V)
+    chunk = min(triton.cdiv(block_v, tiles.v) * tiles.v, triton.cdiv(v, tiles.v) * tiles.v)
     # d loss / d logits in the inputs' dtype, so the two matmuls run at that dtype's speed.
     grad_buf = torch.empty(n * chunk, dtype=hidden.dtype, device=hidden.device)
     for v0 in range(0, v, chunk):
         v1 = min(v0 + chunk, v)
         grad = grad_buf[: n * (v1 - v0)].view(n, v1 - v0)
         if n:
-            _grad_logits_kernel[(triton.cdiv(n, BLOCK_N), triton.cdiv(v1 - v0, BLOCK_V))](
+            _grad_logits_kernel[(triton.cdiv(n, tiles.n), triton.cdiv(v1 - v0, tiles.v))](
                 hidden, weight, targets, lse, entropy if g_h is not None else lse, g_lp,
                 g_h if g_h is not None else g_lp, grad, n, h, v0, v1, v1 - v0, 1.0 / temperature,
-                WITH_ENTROPY=g_h is not None, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H,
-                **_dot_options(hidden.dtype),
+                WITH_ENTROPY=g_h is not None, **_launch(tiles, hidden.dtype),
             )
         if d_hidden is not None:
             d_hidden += _mm_f32(grad, weight[v0:v1])
