@@ -355,14 +355,15 @@ class ReferenceSample(_Struct, eq=False):
             raise ValueError(_disagree(response_ids=len(self.response_ids), ref_logprobs=len(self.ref_logprobs)))
 
 
-AckStatus = Literal["ok", "duplicate", "error"]
+AckStatus = Literal["ok", "duplicate", "error", "retry"]
 GroupIds = Annotated[list[tuple[int, int]], msgspec.Meta(max_length=MAX_ITEMS)]
 
 
 class Ack(Message):
     """The replay's answer to rollout groups: "ok" (logged, will be served), "duplicate" (already
-    accepted earlier; the sender may forget it) or "error" (rejected; `error` says why). An error ack
-    with no ids answers a message that was refused before it could be read."""
+    accepted earlier; the sender may forget it), "error" (refused for good; `error` says why) or
+    "retry" (a budget is full now: send it again later; `error` names the budget). An error ack with
+    no ids answers a message that was refused before it could be read."""
 
     MAX_BYTES: ClassVar[int] = 16 * MiB
 

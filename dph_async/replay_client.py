@@ -73,6 +73,11 @@ class ReplayError(RuntimeError):
     """The replay answered, refusing the request; the message is its reason."""
 
 
+# A group the replay defers ("retry": a budget is full) goes out again after this long, doubling while
+# it stays full.
+RETRY_FIRST_S = 0.25
+RETRY_MAX_S = 8.0
+
 # A reply on the replay's local socket to a client of the same process: the message itself waits in
 # the client's inbox, and this empty frame says so (an encoded message never starts with one).
 LOCAL_REPLY = b""
@@ -219,6 +224,9 @@ class RolloutSender:
         self.accepted = 0
         self.duplicates = 0
         self.rejected: list[tuple[tuple[int, int] | None, str]] = []  # (group id or None, error)
+        self.deferred = 0  # groups the replay answered "retry" (a budget was full), counted per answer
+        self._retry_at: dict[tuple[int, int], float] = {}  # deferred group id -> when to send it again
+        self._retry_delay_s = RETRY_FIRST_S / 2
         self._chan = _Channel(addr, security, context, on_connect=self._requeue)
 
     @property
@@ -229,10 +237,14 @@ class RolloutSender:
         """After a (re)connect everything unacknowledged goes out again; the replay drops duplicates."""
         queued = set(self._backlog)
         self._backlog.extend(gid for gid in self._unacked if gid not in queued)
+        self._retry_at.clear()
         self._last_progress = time.monotonic()
 
     def _handle(self, msg: Message) -> None:
         if isinstance(msg, Ack):
+            if msg.status == "retry":
+                self._defer(msg.group_ids, msg.error)
+                return
             if msg.status == "error":
                 self.rejected += [(gid, msg.error) for gid in msg.group_ids] or [(None, msg.error)]
                 log.error("replay rejected %s: %s", msg.group_ids or "a message", msg.error)
@@ -240,6 +252,9 @@ class RolloutSender:
                 if self._unacked.pop(gid, None) is not None:
                     self.accepted += msg.status == "ok"
                     self.duplicates += msg.status == "duplicate"
+                    self._retry_at.pop(gid, None)
+            if msg.status == "ok":
+                self._retry_delay_s = RETRY_FIRST_S / 2
             self._last_progress = time.monotonic()
         elif isinstance(msg, TicketGrant):
             self.held += msg.granted
@@ -248,10 +263,31 @@ class RolloutSender:
         elif isinstance(msg, ErrorReply):
             log.error("replay error: %s", msg.error)
 
+    def _defer(self, group_ids: list[tuple[int, int]], budget: str) -> None:
+        """The replay's budget is full: send these again after a while (doubling while it stays full)."""
+        self.deferred += len(group_ids)
+        self._retry_delay_s = min(self._retry_delay_s * 2, RETRY_MAX_S)
+        due = time.monotonic() + self._retry_delay_s
+        for gid in group_ids:
+            if gid in self._unacked:
+                self._retry_at[gid] = due
+        self._last_progress = time.monotonic()  # an answer: the replay is not silent
+        log.info("replay deferred %d groups (%s full): resending in %.1fs", len(group_ids), budget,
+                 self._retry_delay_s)
+
+    def _requeue_due(self) -> None:
+        now = time.monotonic()
+        due = [gid for gid, t in self._retry_at.items() if t <= now]
+        for gid in due:
+            del self._retry_at[gid]
+            self._backlog.append(gid)
+
     def poll(self, timeout_s: float = 0.0) -> None:
         """Send what is queued, take in the acks that arrived (waiting up to timeout_s for one), and
         resend everything unacknowledged if the replay has been silent for reply_timeout_s."""
         self._chan.events()
+        if self._retry_at:
+            self._requeue_due()
         while self._backlog:
             gid = self._backlog[0]
             if gid in self._unacked and not self._chan.send(self._unacked[gid]):

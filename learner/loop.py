@@ -22,6 +22,7 @@ from dph_async.protocol import Batch, ReferenceSample, RolloutGroup
 from dph_async.replay_client import ReplayClient
 from dph_async.spans import Span, add_span
 from learner import retention
+from learner.guard import check_finite
 from learner.publish import WeightServer
 from learner.trainer import Trainer
 
@@ -66,7 +67,9 @@ class LearnerLoop:
 
     def publish(self) -> None:
         start = time.time()
-        info = self.server.publish(self.trainer.whole_state(), self.trainer.version)
+        state = self.trainer.whole_state()
+        check_finite(state, self.trainer.version)
+        info = self.server.publish(state, self.trainer.version)
         self.stats.publish_seconds += self._span(start, "publish")
         self.stats.publish_bytes += info.nbytes
 

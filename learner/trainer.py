@@ -35,6 +35,7 @@ from learner.batching import MicroBatch, MiniBatch, PreparedBatch, Unit, pack, p
 from learner.critic import Critic
 from learner.data_parallel import Ranks, Rendezvous, init_distributed
 from learner.diagnostics import policy_diagnostics
+from learner.guard import StepGuard, all_finite, screen
 from learner.kl_monitor import KLMonitor
 from learner.logprobs import response_logprobs
 from learner.losses import PolicyLoss, policy_loss
@@ -66,6 +67,7 @@ class StepRecord:
     loss: list[torch.Tensor] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
     trained_tokens: int = 0
+    skipped: int = 0  # updates skipped for a non-finite loss or gradient
     # Gradient of each part of the first mini-batch's objective (fresh, reference), when diagnosed.
     grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
@@ -112,6 +114,8 @@ class Trainer:
         self.norm = cfg.loss.aggregation_norm or max_response_tokens
         torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+        self.vocab = model.get_input_embeddings().num_embeddings  # ids at or past it cannot be trained on
+        self.guard = StepGuard(cfg.max_skipped_steps)
         self.cpu_gemm = cpu_gemm.resolve(cfg.cpu_gemm, device=get_accelerator().device_name(),
                                          zero_stage=cfg.zero_stage, dtype=torch_dtype)
         if self.cpu_gemm == "onednn":
@@ -274,8 +278,25 @@ class Trainer:
             total = total + loss.detach()
         record.loss.append(total)
         start = time.perf_counter()
-        self.engine.step()
+        if self._plain_optimizer and not self._finite_update(total):
+            self.engine.zero_grad()  # the gradients are dropped; weights and optimizer state stay as they were
+            record.skipped += 1
+        else:
+            skipped_before = self.engine.skipped_steps
+            self.engine.step()
+            # DeepSpeed's ZeRO and bf16 optimizers skip a non-finite gradient norm themselves.
+            record.skipped += self.engine.skipped_steps - skipped_before
         record.time("optimizer", start)
+
+    @property
+    def _plain_optimizer(self) -> bool:
+        """ZeRO stage 0 in fp32: DeepSpeed steps torch's optimizer on whatever the gradients hold."""
+        return self.engine.zero_optimization_stage() == 0 and not self.engine.bfloat16_enabled()
+
+    def _finite_update(self, loss: torch.Tensor) -> bool:
+        """Loss (this rank's) and gradients (reduced over the ranks, so alike on all) are finite."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        return (self.ranks.world > 1 or bool(torch.isfinite(loss))) and all_finite(grads)
 
     def _idle_micro(self, mini: MiniBatch) -> MicroBatch:
         """One real sequence of `mini`, for the passes a rank runs only to match the others'."""
@@ -293,6 +314,7 @@ class Trainer:
     def train_step(self, batch: Batch) -> dict[str, float]:
         """Train on `batch` (mini_batches x epochs optimizer steps); the version advances by one.
         Returns the batch's metrics (on rank 0; the others return none)."""
+        batch, removed = screen(batch, self.vocab)
         if self.ranks.main:
             self.ranks.send("train", batch)
         lc, cfg = self.loss_cfg, self.cfg
@@ -325,7 +347,10 @@ class Trainer:
         self.ranks.merge(record, [p for p in self.module.parameters() if p.requires_grad])
         if not self.ranks.main:
             return {}
+        self.guard.after_batch(batch, record.skipped, self.version)
         metrics = self._metrics(batch, p, record, staleness)
+        metrics["learner/screened_records"] = float(len(removed))
+        metrics["learner/skipped_updates"] = float(record.skipped)
         metrics.update(critic_metrics)
         if self.kl_monitor is not None and self.kl_monitor.due(self.version):
             kl = self.kl_monitor.measure(self._measured_model(), [g.prompt_ids for g in batch.groups], self.version)

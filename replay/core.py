@@ -13,8 +13,6 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import (
     AckStatus,
@@ -32,10 +30,28 @@ from replay.reference_pool import ReferencePool
 from replay.staleness import Admission, staleness
 from replay.state import PendingBatch, ReplayState, read_state, write_state
 from replay.store import Entry, FreshStore, GroupId
+from replay.validation import problem
 from replay.wal import IngestRecord, Record, ServeRecord, WriteAheadLog
 
 MiB = 1 << 20
-SMALL_GROUP_TOKENS = 1 << 14
+
+
+@dataclass
+class _Room:
+    """What one ingest call may still add: store bytes, and ticketless groups."""
+
+    bytes: float
+    ticketless: int
+
+    def take(self, nbytes: int, ticketless: bool) -> str | None:
+        """Make room for a group, or say which budget is full ("store_full", "no_ticket")."""
+        if nbytes > self.bytes:
+            return "store_full"
+        if ticketless and self.ticketless <= 0:
+            return "no_ticket"
+        self.bytes -= nbytes
+        self.ticketless -= ticketless
+        return None
 
 
 @dataclass
@@ -65,64 +81,56 @@ class ReplayCore:
         self.version = 0
         self.pending: PendingBatch | None = None
         self._unlogged_drops: list[tuple[GroupId, str]] = []  # since the last serve record
+        # Groups held unserved that arrived without a ticket of their actor (max_ticketless bounds them);
+        # they do not count against admission. Not logged: after a restart every group counts as ticketed.
+        self.ticketless: set[GroupId] = set()
         self.recovered = 0  # log records applied at start-up
         if wal is not None:
             self._recover()
 
     # ----------------------------------------------------------------------------- ingest
 
-    def problem(self, group: RolloutGroup) -> str | None:
-        """What makes a well-formed group unusable for training, or None."""
-        if group.prompt_ids.size and group.prompt_ids.min() < 0:
-            return "prompt_ids holds a negative token id"
-        comps = group.completions
-        if len(comps) > 1 and group.num_tokens <= SMALL_GROUP_TOKENS:
-            # Small groups: numpy's per-call cost dominates, so check all completions at once and
-            # look for the culprit only if something is wrong.
-            joined = (np.concatenate([getattr(c, f) for c in comps]) for f in ("logprobs", "versions", "token_ids"))
-            if self._arrays_problem(*joined) is None:
-                return None
-        for i, c in enumerate(comps):
-            if (problem := self._arrays_problem(c.logprobs, c.versions, c.token_ids)) is not None:
-                return f"completions[{i}].{problem}"
-        return None
-
-    def _arrays_problem(self, logprobs: np.ndarray, versions: np.ndarray, token_ids: np.ndarray) -> str | None:
-        lo, hi = logprobs.min(), logprobs.max()
-        if not (lo > -np.inf and hi <= self.cfg.logprob_tolerance):  # NaN fails both comparisons
-            return f"logprobs must be finite and <= 0 (min {lo}, max {hi})"
-        if versions.min() < 0:
-            return "versions holds a negative version"
-        if token_ids.min() < 0:
-            return "token_ids holds a negative token id"
-        return None
-
     def ingest(self, groups: list[RolloutGroup]) -> list[Verdict]:
-        """Accept new groups (logged before this returns), report duplicates and unusable ones."""
+        """Accept new groups (logged before this returns); report duplicates, refuse unusable ones
+        with their reason, and answer "retry" to what the budgets cannot hold now."""
         verdicts, new, seen = [], [], set()
+        tickets = {g.actor_id: self.admission.held(g.actor_id) for g in groups}
+        room = _Room(self.cfg.max_store_mb * MiB - self.store.nbytes, self._ticketless_room())
         for g in groups:
             gid = g.group_id
             if gid in self.accepted or gid in seen:
                 self.metrics.count("duplicates")
                 verdicts.append(Verdict(gid, "duplicate"))
-            elif (problem := self.problem(g)) is not None:
-                self.metrics.count("rejected:invalid")
-                verdicts.append(Verdict(gid, "error", problem))
+            elif (refusal := problem(g, self.cfg, self.version)) is not None:
+                self.metrics.count(f"rejected:invalid_{refusal.reason}")
+                verdicts.append(Verdict(gid, "error", f"{refusal.reason}: {refusal.detail}"))
+            elif (full := room.take(g.nbytes, self.cfg.admission and tickets[g.actor_id] <= 0)) is not None:
+                self.metrics.count(f"deferred:{full}")
+                verdicts.append(Verdict(gid, "retry", full))
             else:
+                tickets[g.actor_id] -= 1
                 seen.add(gid)
                 new.append(g)
                 verdicts.append(Verdict(gid, "ok"))
         if new:
             self._log(IngestRecord(new))
             for g in new:
-                self._accept(g)
+                self._accept(g, live=True)
             self.metrics.arrived(len(new), sum(g.nbytes for g in new))
             self._maybe_compact()
         return verdicts
 
-    def _accept(self, group: RolloutGroup) -> None:
-        self.accepted.add(group.group_id)
+    def _ticketless_room(self) -> int:
+        cap = self.cfg.max_ticketless if self.cfg.max_ticketless is not None else self.admission.groups_per_batch
+        return cap - len(self.ticketless)
+
+    def _accept(self, group: RolloutGroup, live: bool = False) -> None:
+        """Take a group in; `live`: it arrived now (not redone from the log or a snapshot)."""
+        gid = group.group_id
+        self.accepted.add(gid)
         self.store.add(group)
+        if live and self.cfg.admission and not self.admission.held(group.actor_id):
+            self.ticketless.add(gid)
         self.admission.arrived(group.actor_id, group.min_version)
         self.metrics.count("accepted")
         self.metrics.count("admitted")
@@ -138,8 +146,10 @@ class ReplayCore:
 
     @property
     def admitted(self) -> int:
-        """Groups accepted minus those dropped without ever being served (admission's count)."""
-        return self.metrics.counters["admitted"]
+        """Groups accepted minus those dropped without ever being served, less the ticketless ones
+        still waiting (admission's count: a peer sending groups it was never granted takes no
+        capacity from the actors that were)."""
+        return self.metrics.counters["admitted"] - len(self.ticketless)
 
     def resume(self, actor_id: int) -> ResumeInfo:
         self.metrics.count("tickets_voided", self.admission.reset(actor_id))
@@ -210,6 +220,7 @@ class ReplayCore:
         m.count("served_reference", len(record.reference_ids))
         for e in entries:
             m.count(f"staleness:{staleness(record.version, e.min_version)}")
+            self.ticketless.discard(e.group.group_id)
         m.counters["last_batch_fresh_samples"] = sum(len(e.group.completions) for e in entries)
         m.counters["last_batch_reference"] = len(record.reference_ids)
 
@@ -236,6 +247,7 @@ class ReplayCore:
 
     def _dropped(self, entry: Entry, reason: str) -> None:
         self.metrics.count(f"drop:{reason}")
+        self.ticketless.discard(entry.group.group_id)
         if not entry.served:
             self.metrics.count("admitted", -1)
         self._unlogged_drops.append((entry.group.group_id, reason))
@@ -302,6 +314,7 @@ class ReplayCore:
         for g, served in zip(state.groups, state.served, strict=True):
             self.store.add(g, served, pending=g.group_id in pending)
         self.accepted = AcceptedSeqs.from_state(state.accepted)
+        self.ticketless = set()
         self.metrics.load_state(state.counters)
         self.version = state.version
         self.pending = state.pending

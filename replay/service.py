@@ -342,6 +342,8 @@ class ReplayService:
         acks: dict[tuple[bytes, str, str], list[tuple[int, int]]] = defaultdict(list)
         for (peer, group), verdict in zip(groups, verdicts, strict=True):
             acks[peer, verdict.status, verdict.error].append(verdict.group_id)
+            if verdict.status == "error":
+                self._refusals.refused(f"group {verdict.group_id} of actor {group.actor_id}: {verdict.error}")
             if self._gate is not None and verdict.status == "ok" and (
                     warning := self._gate_load.saw(group.actor_id, group.nbytes)):  # fmt: skip
                 log.warning("replay: %s", warning)

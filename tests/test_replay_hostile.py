@@ -386,6 +386,7 @@ def test_the_replay_starts_a_new_gate_when_one_dies_and_senders_lose_nothing(tmp
     service = ReplayService(CFG, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", B, wal_dir=str(tmp_path / "wal"))
     service.start_in_thread()
     sender = RolloutSender(service.ingest_endpoint, 3, reply_timeout_s=1.0)
+    assert sender.tickets(8) == 8  # an honest actor: one ticket per group it sends
     for seq in range(4):
         sender.send(synthetic_group(3, seq, n=2, tokens=8))
     assert sender.flush(10)

@@ -134,7 +134,8 @@ def test_a_step_of_partial_batches_draws_what_one_batch_would():
     starting): 4 + 12 fresh samples must draw the references of 16 at once, or a seeded run would
     depend on the timing (0.125 x 4 rounds up to 1, 0.125 x 12 to 2: 3 instead of 2)."""
     def refs(sizes: list[int]) -> list[str]:
-        core = ReplayCore(ReplayConfig(reference_ratio=0.125, wal_dir=None), 4, reference=ReferencePool(samples(50)))
+        core = ReplayCore(ReplayConfig(reference_ratio=0.125, wal_dir=None, admission=False), 4,
+                          reference=ReferencePool(samples(50)))
         core.ingest([synthetic_group(0, i, n=4, tokens=4) for i in range(8)])
         drawn = []
         for rid, size in enumerate(sizes, 1):
@@ -162,7 +163,7 @@ def test_corrupt_and_missing_files(tmp_path):
 def test_batches_mix_reference_samples_per_fresh_sample():
     """256 reference samples per 2,048 fresh ones, as in the DPH-RL scripts: 0.125 per sample, rounded."""
     core = ReplayCore(
-        ReplayConfig(reference_ratio=256 / 2048, wal_dir=None), 4, reference=ReferencePool(samples(50))
+        ReplayConfig(reference_ratio=256 / 2048, wal_dir=None, admission=False), 4, reference=ReferencePool(samples(50))
     )
     core.ingest([synthetic_group(0, i, n=8, tokens=4) for i in range(12)])
     batch = core.request(BatchRequest(0, 4, 0.0, request_id=1))

@@ -81,7 +81,7 @@ def test_bad_input_is_answered_counted_and_loses_nothing(service):
     client = control_client(service)
     stats = client.stats()
     assert stats.refused.by_kind == {
-        "header": 2, "frames": 1, "version": 1, "size": 1, "field": 1, "invalid": 1, "type": 1,
+        "header": 2, "frames": 1, "version": 1, "size": 1, "field": 1, "invalid_logprob": 1, "type": 1,
     }
     batch = client.get_batch(0, 10, wait_s=0.0)
     assert sorted(g.seq for g in batch.groups) == [0, 1, 2, 3, 4]  # nothing accepted was lost

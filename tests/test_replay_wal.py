@@ -21,7 +21,7 @@ from replay.wal import WalFormatError, WriteAheadLog
 
 def make_core(wal_dir, **cfg) -> ReplayCore:
     """A core on `wal_dir`; dropping it without closing is what a killed process leaves behind."""
-    config = ReplayConfig(**({"max_staleness": 100, "admission": False} | cfg))
+    config = ReplayConfig(**({"max_staleness": 100, "admission": False, "max_version_lead": 100} | cfg))
     return ReplayCore(
         config, groups_per_batch=4, wal=WriteAheadLog(wal_dir, segment_bytes=config.wal_segment_mb * 2**20)
     )

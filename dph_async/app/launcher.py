@@ -48,6 +48,7 @@ from dph_async.replay_client import RolloutSender
 from dph_async.replay_stats import ReplayStats
 from dph_async.rewards.scorer import make_scorer
 from dph_async.tasks.dataset import load_prompts
+from dph_async.tasks.model_limits import replay_config
 from dph_async.telemetry import start_endpoint
 from dph_async.weights_shm import remove_stale as remove_stale_segments
 from learner.telemetry import LearnerCollector, learner_health
@@ -221,7 +222,8 @@ class LearnerProcess:
         self.rl_dir = Path(rl_dir)
         self.rl_dir.mkdir(parents=True, exist_ok=True)
         wal = str(self.rl_dir / cfg.replay.wal_dir) if cfg.replay.wal_dir else None
-        self.replay = ReplayService(cfg.replay, _bind(cfg), "tcp://127.0.0.1:0", cfg.learner.groups_per_step,
+        self.replay = ReplayService(replay_config(cfg, model_dir), _bind(cfg), "tcp://127.0.0.1:0",
+                                    cfg.learner.groups_per_step,
                                     reference_path=reference_path, wal_dir=wal, security=self.security,
                                     seed=cfg.seed, data_dir=rl_dir)
         self.replay.start_in_thread()

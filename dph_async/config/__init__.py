@@ -153,6 +153,10 @@ class LearnerConfig(Section):
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
+    # An update whose loss or gradient is not finite is skipped (weights and optimizer unchanged); this
+    # many batches in a row with a skipped update stop the run with an error naming their sources
+    # (learner/guard.py); 0 = never stop.
+    max_skipped_steps: int = Field(3, ge=0)
     # ZeRO stage 0-3. Stage 3 partitions the weights too: the fused log-prob kernel gathers the LM head
     # for its forward and backward (learner/zero3.py), and published or saved weights are gathered whole.
     zero_stage: int = Field(1, ge=0, le=3)

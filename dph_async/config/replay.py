@@ -52,5 +52,24 @@ class ReplayConfig(Section):
     queue_per_peer: int = Field(64, ge=1)
     # Messages taken off the ingest socket per log commit (group commit: one flush, then the acks).
     ingest_batch: int = Field(256, ge=1)
+    # What an accepted group may hold (replay/validation.py; docs/data_plane.md, "Ingest validation").
     # Upper bound on a behaviour log-prob (a log-prob is <= 0; this allows float rounding).
     logprob_tolerance: float = Field(1e-3, ge=0)
+    # Token ids below this: the model's vocabulary, which `dph-async run` sets from the model (None:
+    # ids need only be non-negative; `serve replay --vocab-size` sets it for a service of its own).
+    vocab_size: int | None = Field(None, ge=1)
+    # Prompt + response tokens at most this: the model's context (model.max_model_len in a run).
+    max_sequence_tokens: int | None = Field(None, ge=1)
+    # |reward| at most this: two rewards of 1e308 in a group overflow its standard deviation.
+    max_abs_reward: float = Field(1e6, gt=0)
+    # Token versions at most the learner's version plus this: the learner publishes version v + 1
+    # before it asks for the batch of version v + 1, so an honest actor is at most one ahead.
+    max_version_lead: int = Field(1, ge=0)
+    # Budgets, so that no peer can take the service from the others. The fresh store's bytes: a group
+    # that would pass this is answered "retry" (the sender keeps it and sends it again later).
+    max_store_mb: float = Field(2048.0, gt=0)
+    # With admission on, groups that arrive without a ticket of their actor (resent after the replay
+    # restarted, or from a peer that never asked) are held at most this many at a time, beyond which
+    # they are answered "retry"; they do not count against the tickets honest actors are granted.
+    # None: one batch (learner.groups_per_step).
+    max_ticketless: int | None = Field(None, ge=0)

@@ -305,7 +305,7 @@ def bench_replay(held: int, batch: int, seconds: float, wal_dir: str | None = No
 
     template = synthetic_group(0, 0, n=8, tokens=16)
     core = ReplayCore(
-        ReplayConfig(max_staleness=10**6, admission=False, wal_dir=None),
+        ReplayConfig(max_staleness=10**6, admission=False, wal_dir=None, max_version_lead=10**6, max_store_mb=1e9),
         batch,
         wal=WriteAheadLog(wal_dir) if wal_dir else None,
     )
@@ -353,7 +353,7 @@ def _replay_process(ingest: str, batch: str, wal_dir: str | None, token: bytes, 
     from dph_async.net import NetSecurity
     from replay.service import ReplayService
 
-    cfg = ReplayConfig(max_staleness=10**6, admission=False, max_group_mb=1024)
+    cfg = ReplayConfig(max_staleness=10**6, admission=False, max_group_mb=1024, max_store_mb=1e9)
     security = NetSecurity(gate=gate, gate_memory_mb=4096)
     ReplayService(cfg, ingest, batch, 64, wal_dir=wal_dir, control_token=token, security=security).serve_forever()
 

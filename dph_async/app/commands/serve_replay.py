@@ -63,6 +63,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.overrides)
     # The replay service pulls ZeroMQ, numpy and pyarrow: here, not at the top, so that --help stays fast.
     from dph_async.net import CONTROL_TOKEN_FILE, InsecureBindError, NetSecurity, control_token
+    from dph_async.tasks.model_limits import replay_config
     from dph_async.telemetry import start_endpoint
     from replay.reference_pool import ReferencePoolError
     from replay.service import ReplayService
@@ -80,9 +81,13 @@ def main(args: argparse.Namespace) -> int:
     security = dataclasses.replace(NetSecurity.from_config(cfg.net), curve_keys=args.curve_keys or cfg.net.curve_keys,
                                    insecure=args.insecure or cfg.net.insecure)  # fmt: skip
     try:
+        replay_cfg = replay_config(cfg, cfg.model.path) if cfg.model.path else cfg.replay
+        if replay_cfg.vocab_size is None:
+            print("replay: token ids are checked only for sign; set replay.vocab_size (or model.path) so that "
+                  "ids the learner's embedding lacks are refused", file=sys.stderr)
         token = control_token(data_dir) if security.curve_keys is None else None
         service = ReplayService(
-            cfg.replay,
+            replay_cfg,
             args.ingest or f"tcp://{cfg.net.host}:{INGEST_PORT}",
             args.batch or f"tcp://{cfg.net.host}:{BATCH_PORT}",
             args.groups_per_batch or cfg.learner.groups_per_step,

@@ -1,0 +1,185 @@
+"""The replay refuses every record the learner must not see, counted by reason, and no peer can take
+the store or the tickets from the others (replay/validation.py, the budgets in replay/core.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import msgspec
+import numpy as np
+import pytest
+
+from dph_async.app.bench.transport import synthetic_group
+from dph_async.config.replay import ReplayConfig
+from dph_async.protocol import BatchRequest, TicketRequest
+from dph_async.replay_client import RolloutSender
+from replay.core import ReplayCore
+from replay.service import ReplayService
+
+VOCAB = 1000
+
+
+def core(**cfg) -> ReplayCore:
+    defaults = {"wal_dir": None, "admission": False, "vocab_size": VOCAB, "max_sequence_tokens": 64}
+    return ReplayCore(ReplayConfig(**(defaults | cfg)), groups_per_batch=4)
+
+
+def good(seq: int, n: int = 4, tokens: int = 6, version: int = 0, actor: int = 0):
+    g = synthetic_group(actor, seq, n=n, tokens=tokens, version=version, prompt_tokens=8)
+    g.prompt_ids = g.prompt_ids % VOCAB
+    for c in g.completions:
+        c.token_ids = c.token_ids % VOCAB
+    return g
+
+
+def _set(array: np.ndarray, i: int, value) -> np.ndarray:
+    out = array.copy()
+    out[i] = value
+    return out
+
+
+def poison(kind: str, g, completion: int):
+    """One bad value in completion `completion` (or in the group's own fields)."""
+    c = g.completions[completion]
+    if kind == "token_id":
+        c.token_ids = _set(c.token_ids, 2, VOCAB)
+    elif kind == "huge_token_id":
+        c.token_ids = _set(c.token_ids, 0, 2**31 - 1)
+    elif kind == "prompt_token_id":
+        g.prompt_ids = _set(g.prompt_ids, 1, VOCAB + 5)
+    elif kind == "nan_logprob":
+        c.logprobs = _set(c.logprobs, 1, np.nan)
+    elif kind == "positive_logprob":
+        c.logprobs = _set(c.logprobs, 1, 0.5)
+    elif kind == "far_future_version":
+        c.versions = _set(c.versions, 3, 10**9)
+    elif kind == "negative_version":
+        c.versions = _set(c.versions, 0, -1)
+    elif kind in ("nan_reward", "inf_reward", "huge_reward"):
+        score = {"nan_reward": math.nan, "inf_reward": -math.inf, "huge_reward": 1e308}[kind]
+        c.reward = dataclasses.replace(c.reward, score=score)
+    elif kind in ("nan_temperature", "zero_top_p", "negative_top_k"):
+        field, value = {"nan_temperature": ("temperature", math.nan), "zero_top_p": ("top_p", 0.0),
+                        "negative_top_k": ("top_k", -5)}[kind]
+        g.sampling = msgspec.structs.replace(g.sampling, **{field: value})
+    elif kind == "nan_timestamp":
+        g.created_at = math.nan
+    elif kind == "finished_before_created":
+        g.created_at, g.finished_at = 10.0, 5.0
+    elif kind == "longer_than_max_tokens":
+        g.sampling = msgspec.structs.replace(g.sampling, max_tokens=len(c.token_ids) - 1)
+    elif kind == "past_the_context":
+        g.prompt_ids = np.zeros(65, np.int32)  # with the response, one token past the context
+    return g
+
+
+CASES = {
+    "token_id": "token_id", "huge_token_id": "token_id", "prompt_token_id": "token_id",
+    "nan_logprob": "logprob", "positive_logprob": "logprob",
+    "far_future_version": "version", "negative_version": "version",
+    "nan_reward": "reward", "inf_reward": "reward", "huge_reward": "reward",
+    "nan_temperature": "sampling", "zero_top_p": "sampling", "negative_top_k": "sampling",
+    "nan_timestamp": "timestamp", "finished_before_created": "timestamp",
+    "longer_than_max_tokens": "length", "past_the_context": "length",
+}
+
+
+@pytest.mark.parametrize("tokens", [6, 5000], ids=["joined", "per_completion"])
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_each_bad_value_is_refused_with_its_reason_and_counted(kind, tokens):
+    """Small groups are checked with their completions joined, large ones one by one: both paths."""
+    c = core(max_sequence_tokens=None if kind != "past_the_context" else 64 + tokens)
+    bad = poison(kind, good(1, tokens=tokens), completion=2)
+    (verdict,) = c.ingest([bad])
+    reason = CASES[kind]
+    assert verdict.status == "error" and verdict.error.startswith(f"{reason}: "), verdict.error
+    if kind not in ("prompt_token_id", "nan_temperature", "zero_top_p", "negative_top_k", "nan_timestamp",
+                    "finished_before_created", "past_the_context", "longer_than_max_tokens"):
+        assert "completions[2]" in verdict.error  # the detail names the completion
+    assert c.stats().refused.by_kind == {f"invalid_{reason}": 1}
+    assert c.stats().accepted == 0 and bad.group_id not in c.accepted  # refused: the actor may send it again
+
+
+def test_good_groups_around_bad_ones_are_accepted_and_served_untouched():
+    c = core()
+    groups = [good(0), poison("nan_reward", good(1), 0), good(2), poison("huge_token_id", good(3), 3), good(4)]
+    verdicts = c.ingest(groups)
+    assert [v.status for v in verdicts] == ["ok", "error", "ok", "error", "ok"]
+    batch = c.request(BatchRequest(0, 10, 0.0, request_id=1))
+    assert sorted(g.seq for g in batch.groups) == [0, 2, 4]
+    assert all(np.isfinite(comp.reward.score) and comp.token_ids.max() < VOCAB
+               for g in batch.groups for comp in g.completions)
+
+
+def test_versions_may_lead_the_learner_by_the_allowed_lead_only():
+    c = core(max_version_lead=1)
+    c.request(BatchRequest(5, 1, 0.0, request_id=1))  # the learner is at version 5
+    ok, ahead, far = good(0, version=6), good(1, version=7), good(2, version=10**9)
+    assert [v.status for v in c.ingest([ok, ahead, far])] == ["ok", "error", "error"]
+    assert c.stats().refused.by_kind == {"invalid_version": 2}
+
+
+def test_the_store_has_a_byte_budget_and_answers_retry_past_it():
+    # 20 KiB; a group of 4 x 600 tokens is ~29 KiB, one of 4 x 6 ~0.3 KiB
+    c = core(max_store_mb=0.02, max_sequence_tokens=None)
+    big = good(0, tokens=600)
+    assert c.ingest([big])[0].status == "retry"
+    small = [good(i + 1) for i in range(10)]
+    assert {v.status for v in c.ingest(small)} == {"ok"}
+    assert c.store.nbytes <= 0.02 * 2**20
+    assert c.stats().refused.by_kind == {} and c.metrics.counters["deferred:store_full"] == 1
+    assert big.group_id not in c.accepted  # deferred, not accepted: the sender keeps it
+
+
+def test_ticketless_groups_cannot_freeze_the_grants_of_honest_actors():
+    """Measured before the budget: eight small ticketless groups took honest actors' grants from 4 to 0."""
+    c = core(admission=True, max_staleness=1)  # capacity (eta + 1) x B = 8
+    flood = [good(i, actor=99) for i in range(12)]
+    verdicts = c.ingest(flood)
+    assert [v.status for v in verdicts] == ["ok"] * 4 + ["retry"] * 8  # one batch of them at a time
+    assert c.metrics.counters["deferred:no_ticket"] == 8
+    grant = c.tickets(TicketRequest(actor_id=1, want=8)).granted
+    assert grant == 8  # the flood takes none of the capacity
+    honest = [good(i, actor=1) for i in range(grant)]
+    assert {v.status for v in c.ingest(honest)} == {"ok"}  # ticketed groups pass whatever the flood
+    # Served, the ticketless groups do count (they used batch slots), and free room for more of them.
+    c.request(BatchRequest(0, 4, 0.0, request_id=1))
+    assert len(c.ticketless) == 0 or c.ticketless.isdisjoint({g.group_id for g in flood[:4]})
+
+
+def test_without_admission_every_group_is_ticketless_and_only_the_byte_budget_applies():
+    c = core(admission=False)
+    assert {v.status for v in c.ingest([good(i, actor=5) for i in range(20)])} == {"ok"}
+    assert c.admitted == 20
+
+
+def test_a_sender_told_to_retry_keeps_its_group_and_it_is_accepted_once_there_is_room(tmp_path):
+    cfg = ReplayConfig(admission=True, max_staleness=1, vocab_size=VOCAB)
+    service = ReplayService(cfg, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 4)
+    service.start_in_thread()
+    try:
+        sender = RolloutSender(service.ingest_endpoint, 7, reply_timeout_s=5.0)
+        for seq in range(6):  # no tickets: four fit the ticketless budget, two are told to retry
+            sender.send(good(seq, actor=7))
+        client = service.local_client()
+        deadline_hit = not _wait(lambda: sender.deferred >= 2 and sender.unacked == 2, sender)
+        assert not deadline_hit, (sender.deferred, sender.unacked)
+        batch = client.get_batch(0, 4, wait_s=5.0)  # serving four frees the budget
+        assert len(batch.groups) == 4
+        assert sender.flush(30) and sender.accepted == 6 and not sender.rejected
+        client.close()
+        sender.close()
+    finally:
+        service.stop()
+
+
+def _wait(condition, sender: RolloutSender, timeout_s: float = 30.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        sender.poll(0.05)
+        if condition():
+            return True
+    return False
