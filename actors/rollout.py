@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from actors.engine import Engine, Sample, SamplingSpec
+from actors.faults import Faults
 from actors.weights import WeightClient, WeightFetchError
 from dph_async.config import RunConfig
 from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
@@ -108,6 +109,7 @@ class RolloutWorker:
         self._inflight: dict[int, list[Sample]] = {}
         self._started: dict[int, float] = {}
         self._t0 = time.time()
+        self.faults = Faults.from_env(actor_id)  # None outside the chaos test
 
     def _mark(self, start: float, what: str) -> None:
         """Add the span from `start` to now to the busy/wait timeline."""
@@ -177,6 +179,8 @@ class RolloutWorker:
                              self._started.pop(seq), time.time())
         start = time.time()
         self.sender.send(group)
+        for poisoned in self.faults.copies(group) if self.faults else ():
+            self.sender.send(poisoned)
         self.stats.send_seconds += time.time() - start
         self._mark(start, "send")
         self.stats.groups_sent += 1
