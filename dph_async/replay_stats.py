@@ -94,6 +94,8 @@ class ReplayStats:
     duplicates: int = 0
     drops: dict[str, int] = field(default_factory=dict)
     refused: Refusals = field(default_factory=Refusals)
+    # Groups answered "retry" because a budget was full, by budget ("store_full", "no_ticket").
+    deferred: dict[str, int] = field(default_factory=dict)
     staleness_hist: dict[int, int] = field(default_factory=dict)
     served: Served = field(default_factory=Served)
     mix: Mix = field(default_factory=Mix)

@@ -38,19 +38,22 @@ MiB = 1 << 20
 
 @dataclass
 class _Room:
-    """What one ingest call may still add: store bytes, and ticketless groups."""
+    """What one ingest call may still add: store bytes; ticketless groups and their bytes."""
 
     bytes: float
     ticketless: int
+    ticketless_bytes: float
 
     def take(self, nbytes: int, ticketless: bool) -> str | None:
         """Make room for a group, or say which budget is full ("store_full", "no_ticket")."""
         if nbytes > self.bytes:
             return "store_full"
-        if ticketless and self.ticketless <= 0:
+        if ticketless and (self.ticketless <= 0 or nbytes > self.ticketless_bytes):
             return "no_ticket"
         self.bytes -= nbytes
-        self.ticketless -= ticketless
+        if ticketless:
+            self.ticketless -= 1
+            self.ticketless_bytes -= nbytes
         return None
 
 
@@ -83,7 +86,7 @@ class ReplayCore:
         self._unlogged_drops: list[tuple[GroupId, str]] = []  # since the last serve record
         # Groups held unserved that arrived without a ticket of their actor (max_ticketless bounds them);
         # they do not count against admission. Not logged: after a restart every group counts as ticketed.
-        self.ticketless: set[GroupId] = set()
+        self.ticketless: dict[GroupId, int] = {}  # -> bytes
         self.recovered = 0  # log records applied at start-up
         if wal is not None:
             self._recover()
@@ -95,7 +98,7 @@ class ReplayCore:
         with their reason, and answer "retry" to what the budgets cannot hold now."""
         verdicts, new, seen = [], [], set()
         tickets = {g.actor_id: self.admission.held(g.actor_id) for g in groups}
-        room = _Room(self.cfg.max_store_mb * MiB - self.store.nbytes, self._ticketless_room())
+        room = self._room()
         for g in groups:
             gid = g.group_id
             if gid in self.accepted or gid in seen:
@@ -120,9 +123,11 @@ class ReplayCore:
             self._maybe_compact()
         return verdicts
 
-    def _ticketless_room(self) -> int:
-        cap = self.cfg.max_ticketless if self.cfg.max_ticketless is not None else self.admission.groups_per_batch
-        return cap - len(self.ticketless)
+    def _room(self) -> _Room:
+        cfg = self.cfg
+        cap = cfg.max_ticketless if cfg.max_ticketless is not None else self.admission.groups_per_batch
+        return _Room(cfg.max_store_mb * MiB - self.store.nbytes, cap - len(self.ticketless),
+                     cfg.max_ticketless_mb * MiB - sum(self.ticketless.values()))
 
     def _accept(self, group: RolloutGroup, live: bool = False) -> None:
         """Take a group in; `live`: it arrived now (not redone from the log or a snapshot)."""
@@ -130,7 +135,7 @@ class ReplayCore:
         self.accepted.add(gid)
         self.store.add(group)
         if live and self.cfg.admission and not self.admission.held(group.actor_id):
-            self.ticketless.add(gid)
+            self.ticketless[gid] = group.nbytes
         self.admission.arrived(group.actor_id, group.min_version)
         self.metrics.count("accepted")
         self.metrics.count("admitted")
@@ -220,7 +225,7 @@ class ReplayCore:
         m.count("served_reference", len(record.reference_ids))
         for e in entries:
             m.count(f"staleness:{staleness(record.version, e.min_version)}")
-            self.ticketless.discard(e.group.group_id)
+            self.ticketless.pop(e.group.group_id, None)
         m.counters["last_batch_fresh_samples"] = sum(len(e.group.completions) for e in entries)
         m.counters["last_batch_reference"] = len(record.reference_ids)
 
@@ -247,7 +252,7 @@ class ReplayCore:
 
     def _dropped(self, entry: Entry, reason: str) -> None:
         self.metrics.count(f"drop:{reason}")
-        self.ticketless.discard(entry.group.group_id)
+        self.ticketless.pop(entry.group.group_id, None)
         if not entry.served:
             self.metrics.count("admitted", -1)
         self._unlogged_drops.append((entry.group.group_id, reason))
@@ -314,7 +319,7 @@ class ReplayCore:
         for g, served in zip(state.groups, state.served, strict=True):
             self.store.add(g, served, pending=g.group_id in pending)
         self.accepted = AcceptedSeqs.from_state(state.accepted)
-        self.ticketless = set()
+        self.ticketless = {}
         self.metrics.load_state(state.counters)
         self.version = state.version
         self.pending = state.pending
@@ -388,6 +393,7 @@ class ReplayCore:
             duplicates=c["duplicates"],
             drops=m.group("drop"),
             refused=Refusals(by_kind=m.group("rejected")),
+            deferred=m.group("deferred"),
             staleness_hist={int(k): v for k, v in m.group("staleness").items()},
             served=Served(
                 batches=c["batches"],

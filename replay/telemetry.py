@@ -58,6 +58,8 @@ class ReplayCollector(Collector):
         yield CounterMetricFamily("dph_replay_duplicate_groups", "Duplicates answered", value=s.duplicates)
         yield _labelled("dph_replay_drops", "Groups dropped, by reason", "reason", s.drops)
         yield _labelled("dph_replay_rejected", "Messages or groups refused, by kind", "reason", s.refused.by_kind)
+        yield _labelled("dph_replay_deferred", "Groups answered retry, by the budget that was full", "budget",
+                        s.deferred)
         yield _labelled("dph_replay_refusals_logged", "Refusals logged, and held back by the log's rate limit",
                         "logged", {"yes": s.refused.logged, "no": s.refused.unlogged})
         hist = s.staleness_hist

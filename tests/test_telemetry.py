@@ -69,9 +69,15 @@ def test_replay_metrics_parse_and_move_with_work(replay, tmp_path):
     assert after.value("dph_replay_ingest_groups_per_second") > 0
     assert after.value("dph_replay_gate_restarts_total") == 0  # served through its gate, never restarted
     assert after.value("dph_replay_replies_dropped_total") == 0
-    assert "gate" not in row(after)[-1] and "ingest" in row(after)[-1]
+    assert "gate" not in row(after)[-1] and "ingest" in row(after)[-1] and "refused" not in row(after)[-1]
     assert after.value("process_resident_memory_bytes") > 10e6 and after.value("process_open_fds") > 3
     assert after.value("process_threads") >= 3 and after.health["groups"] == 6
+    # A group from the far future is refused, and the refusal is in /metrics and on the status line.
+    sender.send(synthetic_group(0, 6, n=2, tokens=8, version=10**9))
+    assert sender.flush(10) and len(sender.rejected) == 1
+    refused = scrape(ep)
+    assert refused.value("dph_replay_rejected_total", reason="invalid_version") == 1
+    assert "refused {'invalid_version': 1}" in row(refused)[-1]
     client.close()
     sender.close()
 

@@ -71,5 +71,6 @@ class ReplayConfig(Section):
     # With admission on, groups that arrive without a ticket of their actor (resent after the replay
     # restarted, or from a peer that never asked) are held at most this many at a time, beyond which
     # they are answered "retry"; they do not count against the tickets honest actors are granted.
-    # None: one batch (learner.groups_per_step).
+    # None: one batch (learner.groups_per_step). They hold at most max_ticketless_mb between them.
     max_ticketless: int | None = Field(None, ge=0)
+    max_ticketless_mb: float = Field(64.0, ge=0)

@@ -53,6 +53,9 @@ def row(r) -> list[str]:
         notes.append(f"ingest {ingest:.1f} groups/s, holds {r.value('dph_replay_occupancy', 0, what='groups'):.0f}, "
                      f"tickets {r.value('dph_replay_tickets_granted_total', 0):.0f} granted "
                      f"{r.value('dph_replay_tickets_parked', 0):.0f} parked, drops {drops or 0}")
+    refused = {k: int(v) for k, v in r.by_label("dph_replay_rejected_total", "reason").items() if v}
+    if refused:  # records a peer sent that the learner must not see, by reason (docs/data_plane.md)
+        notes.append(f"[yellow]refused {refused}")
     # A gate started again means a peer flooded the port (docs/operating.md, "Gate processes").
     restarts = r.value("dph_replay_gate_restarts_total", 0) + r.value("dph_weights_gate_restarts_total", 0)
     if restarts:
