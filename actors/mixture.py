@@ -14,6 +14,8 @@ and records log pi_a(y_t | .) as its behaviour log-prob, and a as `Completion.po
     mixp    a = 1.5, 0.5, ...       (the samplers seed's mixture: pi_theta^1.5 pi_ref^-0.5 and
                                     pi_theta^0.5 pi_ref^0.5, normalised, at the logits level)
 
+(the weights are the samplers' own, dph_async/samplers.py).
+
 `MixtureEngine` runs both models with torch (the `Engine` interface, in-flight weight loads
 included); `online` runs on vLLM and never needs it.
 """
@@ -27,22 +29,7 @@ import torch
 from torch import Tensor
 
 from actors.engine import ForwardClock, Sample, SamplingSpec
-
-SAMPLER_WEIGHTS: dict[str, tuple[float, ...]] = {
-    "online": (1.0,),
-    "ref": (0.0,),
-    "gshf": (1.0, 0.0),
-    "mixp": (1.5, 0.5),
-}
-
-
-def policy_weights(sampler: str, n: int) -> list[float]:
-    """The policy weight of each of a group's n completions (the sampler's weights, in turn)."""
-    try:
-        cycle = SAMPLER_WEIGHTS[sampler]
-    except KeyError:
-        raise ValueError(f"unknown sampler {sampler!r}; choose from {', '.join(SAMPLER_WEIGHTS)}") from None
-    return [cycle[j % len(cycle)] for j in range(n)]
+from dph_async.samplers import sampler as sampler_named
 
 
 def mixture_logprobs(z_policy: Tensor | None, z_ref: Tensor | None, weight: Tensor, temperature: float) -> Tensor:
@@ -77,12 +64,12 @@ class MixtureEngine:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.set_num_threads(threads)
-        policy_weights(sampler, 1)  # an unknown sampler fails here
+        self.sampler = sampler_named(sampler)  # an unknown sampler fails here
         torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         self.policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
         self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.sampler, self.version = sampler, version
+        self.version = version
         self.eos_id = self.tokenizer.eos_token_id if eos_id is None else eos_id
         self.gen = torch.Generator().manual_seed(seed)
         self._live: dict[str, _Request] = {}
@@ -96,7 +83,7 @@ class MixtureEngine:
     def add(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec, n: int = 1) -> None:
         if spec.temperature <= 0 or spec.top_p != 1.0 or spec.top_k != -1:
             raise ValueError("the DPO samplers sample the full support: temperature > 0, top_p 1, top_k -1")
-        weights = torch.tensor(policy_weights(self.sampler, n))
+        weights = torch.tensor(self.sampler.weights(n))
         self._live[key] = _Request(list(prompt_ids), spec, [Sample(key=f"{key}/{j}") for j in range(n)], weights,
                                    list(range(n)))
 

@@ -24,9 +24,33 @@ import torch
 
 from dph_async.protocol import Batch, RolloutGroup
 from learner.losses import grpo_advantages, zero_spread_groups
-from learner.objectives import Counts
 
 Kind = Literal["fresh", "reference"]
+
+
+@dataclass(frozen=True)
+class Counts:
+    """The denominators of one (mini-)batch: samples and tokens of each type, skipped ones included."""
+
+    n_fresh: int
+    fresh_tokens: int
+    n_reference: int
+    reference_tokens: int
+
+    def fresh_denominator(self, aggregation: str) -> int:
+        return self.fresh_tokens if aggregation == "token-mean" else self.n_fresh
+
+    def reference_denominator(self, aggregation: str) -> int:
+        return self.reference_tokens if aggregation == "token-mean" else self.n_reference
+
+    @property
+    def fresh_weight(self) -> float:
+        return self.n_fresh / max(self.n_fresh + self.n_reference, 1)
+
+    @property
+    def reference_weight(self) -> float:
+        return self.n_reference / max(self.n_fresh + self.n_reference, 1)
+
 
 
 @dataclass(eq=False)

@@ -1,6 +1,6 @@
 """Data-parallel learner ranks: each batch split over R DeepSpeed ranks, the same update as one rank.
 
-    rank 0: the learner (replay, weights, checkpoints)       ranks 1..R-1: follow(trainer, checkpoints)
+    rank 0: the learner (replay, weights, checkpoints)       ranks 1..R-1: trainer.follow(trainer, checkpoints)
     trainer.train_step(batch)   -- "train" + the batch -->   trainer.train_step(batch)
     trainer.save(...)           -- "save" -------------->    trainer.save(...)   (same tag)
     trainer.whole_state()       -- "gather" ------------>    trainer.whole_state()  (ZeRO-3 only)
@@ -47,7 +47,7 @@ from learner.losses import PolicyLoss
 
 if TYPE_CHECKING:
     from learner.batching import Unit
-    from learner.trainer import StepRecord, Trainer
+    from learner.step_record import StepRecord
 
 # Followers wait on the control group for as long as rank 0 waits for the replay to fill a batch.
 CONTROL_TIMEOUT = timedelta(hours=24)
@@ -255,22 +255,3 @@ def init_distributed(rendezvous: Rendezvous | None = None) -> Ranks:
     if world == 1:
         return Ranks()
     return Ranks(rank, world, dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT))
-
-
-def follow(trainer: Trainer, checkpoints: Path) -> int:
-    """A rank other than 0: do what rank 0 says until it says stop. Returns the batches trained."""
-    steps = 0
-    while True:
-        cmd, batch = trainer.ranks.receive()
-        if cmd.op == "stop":
-            return steps
-        if cmd.op == "train":
-            assert batch is not None
-            trainer.train_step(batch)
-            steps += 1
-        elif cmd.op == "save":
-            trainer.save(checkpoints, {})
-        elif cmd.op == "gather":
-            trainer.whole_state()
-        else:
-            trainer.load(checkpoints, cmd.tag)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ from learner.kl_monitor import KLMonitor
 from learner.logprobs import response_logprobs
 from learner.losses import PolicyLoss, policy_loss
 from learner.objectives import Objective, make_objective
+from learner.step_record import StepRecord
 
 
 def deepspeed_config(cfg: LearnerConfig, dtype: str) -> dict:
@@ -55,30 +55,6 @@ def deepspeed_config(cfg: LearnerConfig, dtype: str) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-
-
-@dataclass
-class StepRecord:
-    """What one batch's updates saw: the fresh tokens' per-token outputs (flattened, detached), the
-    objective's parts summed per mini-batch, and the time in each phase."""
-
-    tokens: list[tuple[PolicyLoss, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    parts: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    loss: list[torch.Tensor] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)
-    trained_tokens: int = 0
-    skipped: int = 0  # updates skipped for a non-finite loss or gradient
-    # Gradient of each part of the first mini-batch's objective (fresh, reference), when diagnosed.
-    grads: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-
-    def add_parts(self, parts: dict[str, torch.Tensor]) -> None:
-        for k, v in parts.items():
-            self.parts.setdefault(k, []).append(v)
-
-    def time(self, phase: str, start: float) -> float:
-        now = time.perf_counter()
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - start
-        return now
 
 
 def _flat(out: PolicyLoss, mask: torch.Tensor) -> PolicyLoss:
@@ -444,3 +420,22 @@ class Trainer:
         if self.ranks.main:
             self.ranks.send("stop")
         self.engine.destroy()
+
+
+def follow(trainer: Trainer, checkpoints: Path) -> int:
+    """A rank other than 0: do what rank 0 says until it says stop. Returns the batches trained."""
+    steps = 0
+    while True:
+        cmd, batch = trainer.ranks.receive()
+        if cmd.op == "stop":
+            return steps
+        if cmd.op == "train":
+            assert batch is not None
+            trainer.train_step(batch)
+            steps += 1
+        elif cmd.op == "save":
+            trainer.save(checkpoints, {})
+        elif cmd.op == "gather":
+            trainer.whole_state()
+        else:
+            trainer.load(checkpoints, cmd.tag)

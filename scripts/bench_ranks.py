@@ -57,8 +57,8 @@ def rank_main(rank: int, world: int, store: str, model_dir: str, overrides: list
     import torch
 
     from dph_async.config import load_config
-    from learner.data_parallel import Rendezvous, follow
-    from learner.trainer import Trainer
+    from learner.data_parallel import Rendezvous
+    from learner.trainer import Trainer, follow
 
     cfg = load_config("default", [*overrides, f"learner.ranks={world}"])
     torch.set_num_threads(cfg.learner.threads)

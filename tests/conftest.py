@@ -92,7 +92,7 @@ def ray_session(tmp_path_factory) -> Iterator[None]:
     """One local Ray cluster for every test that runs the processes in this one: their `ray_cluster`
     uses it and leaves it running, instead of paying a cluster's start (5-9 s here) each. Runs in
     subprocesses start clusters of their own. Four CPUs: the most any of these tests asks for."""
-    from dph_async.app.launcher import ray_cluster
+    from dph_async.app.cluster import ray_cluster
 
     with ray_cluster(small_config(tmp_path_factory.mktemp("ray"), "launcher.num_cpus=4")):
         yield

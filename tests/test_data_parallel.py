@@ -29,7 +29,8 @@ from dph_async.config import LearnerConfig, LossConfig
 from dph_async.protocol import Batch, ReferenceSample
 from dph_async.tasks.tiny_model import build_tokenizer
 from learner.batching import Sequence
-from learner.data_parallel import Ranks, Rendezvous, follow
+from learner.data_parallel import Ranks, Rendezvous
+from learner.trainer import follow
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,8 @@ import torch
 from dph_async.config.loss import LossConfig
 from learner import dpo
 from learner import losses as L
-from learner.batching import Sequence
-from learner.objectives import Counts, make_objective
+from learner.batching import Counts, Sequence
+from learner.objectives import make_objective
 
 F64 = torch.float64
 

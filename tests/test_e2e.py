@@ -24,11 +24,14 @@ import ray
 import torch
 from conftest import alive, small_config
 
-from dph_async.app import actor_pool, launcher
+from dph_async.app import actor_pool, actor_process, launcher, learner_process
 from dph_async.app.actor_pool import POOL_NAMESPACE, holding
+from dph_async.app.actor_process import ActorProcess
+from dph_async.app.cluster import ray_cluster
 from dph_async.app.cores import host_cores, plan_cores, process_tree
-from dph_async.app.launcher import ActorProcess, RLResult, cache_dir, ray_cluster, run_rl
+from dph_async.app.launcher import RLResult, run_rl
 from dph_async.app.pipeline import StageTimer, prepare
+from dph_async.app.process_env import cache_dir
 from dph_async.app.specs import RunSpec
 from dph_async.paths import RunPaths
 
@@ -88,7 +91,7 @@ def test_a_local_run_starts_its_own_cluster_whatever_ray_remembers_of_a_stopped_
     try:
         (tmp / "ray").mkdir()
         (tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
-        code = ("import ray\nfrom dph_async.config import load_config\nfrom dph_async.app.launcher import ray_cluster\n"
+        code = ("import ray\nfrom dph_async.config import load_config\nfrom dph_async.app.cluster import ray_cluster\n"
                 "with ray_cluster(load_config('default', ['launcher.num_cpus=1'])):\n"
                 "    print(ray.get_runtime_context().gcs_address)")
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(tmp)}
@@ -151,13 +154,14 @@ def test_pre_sampling_and_evaluation_run_in_a_runs_actor_process_as_in_a_process
     process of their own, bit for bit."""
     import pyarrow.parquet as pq
 
-    from dph_async.app.pipeline import EvalJob, _evaluate_task, _presample_task
+    from dph_async.app.evaluate import EvalJob
+    from dph_async.app.pipeline import _evaluate_task, _presample_task
     from dph_async.paths import final_model
 
     root, prep = prepared
     cfg = small_config(root)
     tests = {"in_domain": root / "data" / "test.parquet"}
-    key = launcher._actor_key(cfg, prep.base.resolve(), 0)
+    key = actor_process.actor_key(cfg, prep.base.resolve(), 0)
 
     def kept_pid() -> int:
         return ray.get(actor_pool._kept[key][0].pid.remote())
@@ -167,10 +171,10 @@ def test_pre_sampling_and_evaluation_run_in_a_runs_actor_process_as_in_a_process
 
     actor_pool.release_actors()  # no process kept: the test's runs before may have kept one
     first = EvalJob(prep.base, tmp_path / "new" / "base.json", 3)
-    assert launcher.evaluate_on_actor(cfg, prep.base, [first], tests)
+    assert actor_process.evaluate_on_actor(cfg, prep.base, [first], tests)
     built = kept_pid()
 
-    assert launcher.presample_on_actor(cfg, prep.base, prep.train, tmp_path / "on-actor")
+    assert actor_process.presample_on_actor(cfg, prep.base, prep.train, tmp_path / "on-actor")
     assert kept_pid() == built
     ray.get(_presample_task.remote(cfg, str(prep.base), str(prep.train), str(tmp_path / "alone")))
     for name in ("samples.parquet", "reference_pool.parquet", "d_exp.parquet"):
@@ -183,7 +187,7 @@ def test_pre_sampling_and_evaluation_run_in_a_runs_actor_process_as_in_a_process
 
     jobs = {where: [EvalJob(prep.base, tmp_path / where / "base.json", 3),
                     EvalJob(final_model(rl_dir), tmp_path / where / "trained.json", 4)] for where in ("kept", "alone")}
-    assert launcher.evaluate_on_actor(cfg, prep.base, jobs["kept"], tests)
+    assert actor_process.evaluate_on_actor(cfg, prep.base, jobs["kept"], tests)
     assert kept_pid() == built
     ray.get(_evaluate_task.remote(cfg, str(prep.base), jobs["alone"], {k: str(v) for k, v in tests.items()}))
     for kept, alone in zip(jobs["kept"], jobs["alone"], strict=True):
@@ -194,13 +198,13 @@ def test_pre_sampling_and_evaluation_run_in_a_runs_actor_process_as_in_a_process
 def test_a_learner_started_ahead_is_the_next_runs_learner(prepared):
     """launcher.start_learner (before pre-sampling, before a sweep's pi_0 evaluation): the process it
     starts is the next run's learner, and it starts none while one is kept."""
-    launcher.release_learner()
+    learner_process.release_learner()
     cfg = small_config(prepared[0])
-    launcher.start_learner(cfg)
-    ahead = launcher._kept_learner
+    learner_process.start_learner(cfg)
+    ahead = learner_process._kept_learner
     assert ahead is not None
-    launcher.start_learner(cfg)
-    assert launcher._kept_learner is ahead
+    learner_process.start_learner(cfg)
+    assert learner_process._kept_learner is ahead
     pid = ray.get(ahead[0].pid.remote())
     result, _ = train(prepared, "ahead", "learner.steps=2", mode="grpo")
     assert result.pids["learner"] == pid and len(result.metrics) == 2
@@ -224,7 +228,8 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from conftest import alive, small_config
-from dph_async.app.launcher import ray_cluster, run_rl
+from dph_async.app.cluster import ray_cluster
+from dph_async.app.launcher import run_rl
 from dph_async.app.pipeline import StageTimer, prepare
 from dph_async.app.specs import RunSpec
 from dph_async.paths import RunPaths

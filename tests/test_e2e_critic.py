@@ -15,7 +15,8 @@ import statistics
 import pytest
 from conftest import small_config
 
-from dph_async.app.launcher import ray_cluster, run_rl
+from dph_async.app.cluster import ray_cluster
+from dph_async.app.launcher import run_rl
 from dph_async.app.pipeline import StageTimer, prepare
 from dph_async.app.specs import RunSpec
 from dph_async.paths import RunPaths

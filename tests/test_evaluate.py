@@ -147,7 +147,7 @@ from pathlib import Path
 from actors.engine import SamplingSpec, VLLMEngine
 from dph_async.app import evaluate
 from dph_async.app.evaluate import evaluate_jobs
-from dph_async.app.pipeline import EvalJob
+from dph_async.app.evaluate import EvalJob
 from dph_async.config import load_config
 
 root, base, other, overrides = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), json.loads(sys.argv[4])

@@ -211,11 +211,11 @@ def test_a_trainer_frozen_with_the_heap_is_garbage_once_thawed(model_dir):
     """The learner process freezes its heap once a run's trainer is built, so that full collections
     no longer walk it, and thaws it when the run closes: a kept process then frees that trainer as
     before (the test above). Without the thaw the closed trainer would stay, frozen, for good."""
-    from dph_async.app.launcher import _freeze_heap, _thaw_heap
+    from dph_async.app.learner_process import freeze_heap, thaw_heap
 
     t = trainer(model_dir)
     try:
-        _freeze_heap()
+        freeze_heap()
         assert gc.get_freeze_count() > 0
         t.train_step(batch(3))
         held = [weakref.ref(x) for x in (t, t.engine, t.module, t.engine.optimizer)]
@@ -223,7 +223,7 @@ def test_a_trainer_frozen_with_the_heap_is_garbage_once_thawed(model_dir):
         del t
         gc.collect()
         assert any(r() is not None for r in held)  # frozen: a collection leaves it
-        _thaw_heap()
+        thaw_heap()
         assert gc.get_freeze_count() == 0
         assert [r() for r in held] == [None] * len(held)
     finally:

@@ -8,7 +8,8 @@ import torch
 
 from dph_async.config.loss import LossConfig
 from learner import losses as L
-from learner.objectives import OBJECTIVES, Counts, UnknownObjective, make_objective, objective_class
+from learner.batching import Counts
+from learner.objectives import OBJECTIVES, UnknownObjective, make_objective, objective_class
 
 F64 = torch.float64
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from dph_async.app import sampler_bandit as B
 from dph_async.app.cli import main as cli
+from dph_async.samplers import SAMPLERS
 
 F64 = torch.float64
 
@@ -42,7 +43,7 @@ def _brute_pairs(name: str, p: list[float], q: list[float], beta: float) -> list
     return [[x / z for x in row] for row in raw]
 
 
-@pytest.mark.parametrize("name", B.SAMPLERS)
+@pytest.mark.parametrize("name", SAMPLERS)
 def test_pair_distributions_and_population_loss_match_brute_force(name):
     rewards, log_ref, logp = _setting()
     beta = 1.7
@@ -73,7 +74,7 @@ def test_optimal_value_is_the_closed_form_and_is_the_maximum():
         assert float(B.value(other, log_ref, rewards, beta)) < v_star
 
 
-@pytest.mark.parametrize("name", B.SAMPLERS)
+@pytest.mark.parametrize("name", SAMPLERS)
 def test_the_optimal_policy_is_a_stationary_point_for_every_sampler(name):
     rewards, log_ref, logp = _setting(k=6, seed=5)
     beta = 2.0
@@ -88,7 +89,7 @@ def test_the_optimal_policy_is_a_stationary_point_for_every_sampler(name):
 def test_every_sampler_converges_to_the_optimal_value_on_a_tiny_bandit():
     cfg = B.BanditConfig(actions=4, beta=1.0, lr=5.0, updates=300, seed=2)
     res = B.simulate(cfg)
-    assert set(res.gap) == set(B.SAMPLERS)
+    assert set(res.gap) == set(SAMPLERS)
     for name, gap in res.gap.items():
         assert gap[0] > 1e-2, name
         assert -1e-12 < gap[-1] < 1e-8, (name, gap[-1])  # V* - V >= 0 up to rounding
@@ -116,3 +117,8 @@ def test_command_writes_the_curves_and_the_plot(tmp_path, capsys):
     assert set(data["gap"]) == {"online", "mixp"} and len(data["gap"]["mixp"]) == 20
     assert "V* =" in capsys.readouterr().out
     assert cli(["simulate", "samplers", "--beta", "0", "--out", str(tmp_path)]) == 2
+
+
+def test_every_registered_sampler_has_its_pair_distribution():
+    """A sampler added to dph_async/samplers.py without its bandit form fails here, not mid-simulation."""
+    assert B.PAIRS.keys() == SAMPLERS.keys()

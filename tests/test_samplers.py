@@ -11,10 +11,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from actors.engine import SamplingSpec
-from actors.mixture import SAMPLER_WEIGHTS, MixtureEngine, policy_weights
+from actors.mixture import MixtureEngine
 from dph_async import protocol as P
 from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
 from dph_async.rewards.result import RewardResult
+from dph_async.samplers import SAMPLERS, sampler
 from dph_async.tasks.tiny_model import build_tokenizer
 from learner.batching import Sequence, pack
 from learner.logprobs import response_logprobs
@@ -55,7 +56,7 @@ def _mixture_logprobs(policy, ref, weight: float, response: list[int]) -> torch.
 
 def _check(engine: MixtureEngine, sampler: str) -> None:
     (samples,) = engine.generate([PROMPT], SamplingSpec(temperature=TAU, max_tokens=6, n=4))
-    assert [s.policy_weight for s in samples] == policy_weights(sampler, 4)
+    assert [s.policy_weight for s in samples] == SAMPLERS[sampler].weights(4)
     for s in samples:
         got = torch.tensor(s.logprobs)
         assert len(got) == len(s.token_ids) == len(s.versions) and set(s.versions) == {engine.version}
@@ -66,7 +67,7 @@ def _check(engine: MixtureEngine, sampler: str) -> None:
             torch.testing.assert_close(got, _learner_logprobs(model, s.token_ids), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("sampler", SAMPLER_WEIGHTS)
+@pytest.mark.parametrize("sampler", SAMPLERS)
 def test_recorded_logprobs_are_those_of_the_distribution_sampled(model_dir, sampler):
     engine = MixtureEngine(model_dir, sampler, seed=1)
     _check(engine, sampler)
@@ -93,7 +94,7 @@ def test_weights_loaded_mid_response_mark_the_later_tokens(model_dir):
 
 def test_unknown_sampler_and_narrow_sampling_are_refused(model_dir):
     with pytest.raises(ValueError, match="unknown sampler 'mix'"):
-        policy_weights("mix", 2)
+        sampler("mix")
     engine = MixtureEngine(model_dir, "gshf")
     with pytest.raises(ValueError, match="full support"):
         engine.add("0", PROMPT, SamplingSpec(temperature=TAU, top_p=0.9), n=2)

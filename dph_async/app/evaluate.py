@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from math import comb
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,8 +24,16 @@ from dph_async.paths import checkpoint_weights, is_learner_checkpoint
 from dph_async.rewards.scorer import make_scorer
 from dph_async.tasks.dataset import PromptRecord, load_prompts
 
-if TYPE_CHECKING:
-    from dph_async.app.pipeline import EvalJob
+
+@dataclass(frozen=True)
+class EvalJob:
+    """One model to evaluate: its weights (a Hugging Face model directory, or a learner checkpoint
+    `checkpoints/v<N>` of a model of `pipeline.evaluate_models`' `arch`), the file its results go to,
+    and the seed of its samples."""
+
+    weights: Path
+    out: Path
+    seed: int
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -17,16 +17,14 @@ from pathlib import Path
 
 import ray
 
+from dph_async.app.actor_process import evaluate_on_actor, presample_on_actor
+from dph_async.app.cluster import ray_cluster
+from dph_async.app.evaluate import EvalJob, evaluate_jobs
 from dph_async.app.inputs import check_datasets, check_model_dir
-from dph_async.app.launcher import (
-    evaluate_on_actor,
-    log_to_file,
-    presample_on_actor,
-    ray_cluster,
-    run_rl,
-    start_learner,
-)
+from dph_async.app.launcher import run_rl
+from dph_async.app.learner_process import start_learner
 from dph_async.app.placement import on_home_node
+from dph_async.app.process_env import log_to_file
 from dph_async.app.progress import console
 from dph_async.app.report import write_report
 from dph_async.app.specs import RunSpec
@@ -89,8 +87,6 @@ def _presample_task(cfg: RunConfig, model_dir: str, train: str, out_dir: str) ->
 
 @ray.remote(max_calls=1)
 def _evaluate_task(cfg: RunConfig, engine_dir: str, jobs: list[EvalJob], test_sets: dict[str, str]) -> None:
-    from dph_async.app.evaluate import evaluate_jobs  # as for _presample_task
-
     log_to_file(jobs[0].out.with_suffix(".log"))
     evaluate_jobs(cfg, Path(engine_dir), jobs, {k: Path(v) for k, v in test_sets.items()})
 
@@ -176,17 +172,6 @@ def prepare(cfg: RunConfig, paths: RunPaths, timer: StageTimer, need_presample: 
                   f"D_exp {presample['d_exp_prompts']} prompts")
     pool = paths.reference_pool if presample["reference_samples"] else None
     return Prepared(base, train, tests, presample, pool, paths.exploration_data)
-
-
-@dataclass(frozen=True)
-class EvalJob:
-    """One model to evaluate: its weights (a Hugging Face model directory, or a learner checkpoint
-    `checkpoints/v<N>` of a model of `evaluate_models`' `arch`), the file its results go to, and the
-    seed of its samples."""
-
-    weights: Path
-    out: Path
-    seed: int
 
 
 # What transformers writes into a saved config about where it was loaded from, not about the model.

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SAMPLERS = ("ref", "online", "gshf", "mixp")
+from dph_async.samplers import SAMPLERS, sampler
 
 
 @dataclass
@@ -47,7 +47,7 @@ class BanditConfig:
     seed: int = 1234567
     # 0: exact population gradient; n > 0: n sampled pairs with sampled labels per update.
     empirical_pairs: int = 0
-    samplers: tuple[str, ...] = SAMPLERS
+    samplers: tuple[str, ...] = tuple(SAMPLERS)
 
 
 @dataclass
@@ -69,21 +69,27 @@ def value(logp: Tensor, log_ref: Tensor, rewards: Tensor, beta: float) -> Tensor
     return (logp.exp() * (rewards - beta * (logp - log_ref))).sum(-1)
 
 
+def _mixp(logp: Tensor, log_ref: Tensor, beta: float) -> Tensor:
+    q = log_ref.exp()
+    log_rho = logp - log_ref
+    d = beta * (log_rho[:, None] - log_rho[None, :])
+    s = q[:, None] * q[None, :] * (2 + d.exp() + (-d).exp())
+    return s / s.sum()
+
+
+# The joint S(a, a') of each sampler of dph_async/samplers.py, in the seed's bandit form (the table above).
+PAIRS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
+    "ref": lambda logp, log_ref, beta: log_ref.exp()[:, None] * log_ref.exp()[None, :],
+    "online": lambda logp, log_ref, beta: logp.exp()[:, None] * logp.exp()[None, :],
+    "gshf": lambda logp, log_ref, beta: (logp.exp()[:, None] * log_ref.exp()[None, :]
+                                        + log_ref.exp()[:, None] * logp.exp()[None, :]) / 2,
+    "mixp": _mixp,
+}
+
+
 def pair_distribution(name: str, logp: Tensor, log_ref: Tensor, beta: float) -> Tensor:
     """The sampler's joint S(a, a') [K, K] (rows: the first response), from detached log-probs."""
-    p, q = logp.detach().exp(), log_ref.exp()
-    if name == "ref":
-        return q[:, None] * q[None, :]
-    if name == "online":
-        return p[:, None] * p[None, :]
-    if name == "gshf":
-        return (p[:, None] * q[None, :] + q[:, None] * p[None, :]) / 2
-    if name == "mixp":
-        log_rho = logp.detach() - log_ref
-        d = beta * (log_rho[:, None] - log_rho[None, :])
-        s = q[:, None] * q[None, :] * (2 + d.exp() + (-d).exp())
-        return s / s.sum()
-    raise ValueError(f"unknown sampler {name!r}; choose from {', '.join(SAMPLERS)}")
+    return PAIRS[sampler(name).name](logp.detach(), log_ref, beta)
 
 
 def population_loss(logp: Tensor, log_ref: Tensor, rewards: Tensor, beta: float, pairs: Tensor) -> Tensor:

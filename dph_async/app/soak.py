@@ -366,7 +366,8 @@ class Sampler:
 
 def run_soak(cfg: RunConfig, minutes: float, interval_s: float, warmup_s: float, on_sample=None) -> SoakResult:
     """Prepare (cached in cfg.output_dir), then RL until `minutes` after its first step; sample; judge."""
-    from dph_async.app.launcher import ray_cluster, run_rl
+    from dph_async.app.cluster import ray_cluster
+    from dph_async.app.launcher import run_rl
     from dph_async.app.pipeline import StageTimer, prepare, validate
     from dph_async.app.specs import RunSpec
     from dph_async.paths import RunPaths

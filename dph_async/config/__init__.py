@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import yaml
 from omegaconf import OmegaConf
@@ -23,14 +23,12 @@ from dph_async.config.loss import CriticConfig, LossConfig
 from dph_async.config.replay import ReplayConfig
 from dph_async.config.rewards import RewardConfig
 from dph_async.errors import UserError
+from dph_async.samplers import sampler
 
 __all__ = ["ConfigError", "CriticConfig", "LossConfig", "NetConfig", "ReplayConfig", "RewardConfig", "RunConfig",
            "load_config", "presets"]
 
 
-# The actors' sampling distributions (ActorsConfig.sampler).
-Sampler = Literal["online", "ref", "gshf", "mixp"]
-SAMPLERS: tuple[str, ...] = get_args(Sampler)
 
 class ModelConfig(Section):
     # A Hugging Face causal-LM directory; None builds the embedded tiny Llama from `tiny_*`.
@@ -106,10 +104,9 @@ class ActorsConfig(Section):
     # Default: default_actors() on this machine (1 on 2 cores, 2 on more); the run's config.yaml
     # records the number used.
     num_actors: int = Field(default_factory=default_actors, ge=1)
-    # Which distribution samples the responses (the DPO samplers, actors/mixture.py): online (the
-    # policy, on vLLM), ref (the frozen pi_0), gshf (half each), mixp (the samplers seed's logit
-    # mixtures of both). All but online run both models with torch in the actor.
-    sampler: Sampler = "online"
+    # Which distribution samples the responses: a name in dph_async/samplers.py's SAMPLERS (online:
+    # the policy, on vLLM; ref, gshf, mixp mix in pi_0's logits and run both models with torch).
+    sampler: str = "online"
     # Prompts an actor keeps in its engine at once.
     max_inflight_prompts: int = Field(16, ge=1)
     # vLLM reads this as whole GiB.
@@ -138,6 +135,12 @@ class ActorsConfig(Section):
     # 11% less CPU per step, its model's forward 35% less (`bench peer`, docs/benchmarks.md). Off:
     # every completion computes its prompt, as vLLM does.
     share_prefill: bool = True
+
+    @field_validator("sampler")
+    @classmethod
+    def _sampler(cls, name: str) -> str:
+        sampler(name)  # an unknown name raises, naming the samplers there are
+        return name
 
 
 class LearnerConfig(Section):

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, replace
 from typing import get_args
 
 from dph_async.app.specs import RunSpec
-from dph_async.config import SAMPLERS
 from dph_async.config.loss import Correction
+from dph_async.samplers import SAMPLERS
 
 CORRECTIONS = get_args(Correction)
 

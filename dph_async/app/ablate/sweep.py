@@ -24,8 +24,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dph_async.app.ablate.cells import Cell, Sweep
-from dph_async.app.launcher import ray_cluster, start_learner
-from dph_async.app.pipeline import EvalJob, Prepared, StageTimer, evaluate_models, prepare, train_mode, validate
+from dph_async.app.cluster import ray_cluster
+from dph_async.app.evaluate import EvalJob
+from dph_async.app.learner_process import start_learner
+from dph_async.app.pipeline import Prepared, StageTimer, evaluate_models, prepare, train_mode, validate
 from dph_async.app.progress import console
 from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config, load_config

@@ -127,8 +127,9 @@ class RecoveryResult:
 def run_recovery(cfg: RunConfig, base: Path, trained: Path, tests: dict[str, Path], out: Path,
                  recoveries: list[Recovery], types: list[str] | None, keep_models: bool = True) -> RecoveryResult:
     """Build, evaluate and report every recovery (skipping what a previous run finished)."""
-    from dph_async.app.launcher import ray_cluster
-    from dph_async.app.pipeline import EvalJob, evaluate_models
+    from dph_async.app.cluster import ray_cluster
+    from dph_async.app.evaluate import EvalJob
+    from dph_async.app.pipeline import evaluate_models
 
     for name, path in (("BASE", base), ("TRAINED", trained)):
         if not (path / "config.json").is_file():

@@ -152,7 +152,7 @@ def run_peer(system: str, python: Path, spec_file: Path, prompts_file: Path, out
 def run_dph(cfg: RunConfig, out: Path, repeat: int, skip: int) -> PeerRun:
     """One dph-async RL run of `cfg` (skipped if finished), measured as `dph-async bench` measures."""
     from dph_async.app.bench.pipeline import _run_one, measure
-    from dph_async.app.launcher import ray_cluster
+    from dph_async.app.cluster import ray_cluster
     from dph_async.app.pipeline import StageTimer, prepare
     from dph_async.app.specs import RunSpec
     from dph_async.paths import RunPaths
@@ -221,7 +221,7 @@ def run(cfg: RunConfig, out: Path, repeats: int, skip: int, machine: dict, syste
     """Prepare the workload (the embedded default's warm start, or --model/--data), then run the
     systems `repeats` times in rotating order; write bench.json. `settings`: the KEY=VALUE overrides
     `cfg` was made with, recorded so that runs of one workload under other settings tell apart."""
-    from dph_async.app.launcher import ray_cluster
+    from dph_async.app.cluster import ray_cluster
     from dph_async.app.pipeline import StageTimer, prepare
     from dph_async.paths import RunPaths
 

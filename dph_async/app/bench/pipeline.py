@@ -215,7 +215,7 @@ def _run_one(cfg: RunConfig, paths: RunPaths, prepared, spec: RunSpec, name: str
 def run_bench(cfg: RunConfig, out: Path, actor_counts: list[int], skip: int, machine: dict,
               repeats: int = 1) -> BenchResult:
     """Run (or resume: finished runs are kept) the benchmark in `out`; write bench.json."""
-    from dph_async.app.launcher import ray_cluster
+    from dph_async.app.cluster import ray_cluster
     from dph_async.app.pipeline import StageTimer, prepare
     from dph_async.config import dump_config
 

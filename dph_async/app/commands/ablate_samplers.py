@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dph_async.app.ablate.command import add_common_arguments, run
-from dph_async.config import SAMPLERS
+from dph_async.samplers import SAMPLERS
 
 NAME = "ablate samplers"
 HELP = "sweep the DPO samplers (online, ref, gshf, mixp) x seeds; the samplers seed's comparison on your task"

@@ -20,7 +20,8 @@ dph_async/app/sampler_bandit.py). Writes bandit.json and bandit_gap.png to --out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dph_async.app.sampler_bandit import SAMPLERS, BanditConfig
+    from dph_async.app.sampler_bandit import BanditConfig
+    from dph_async.samplers import SAMPLERS
 
     d = BanditConfig()
     parser.add_argument("--actions", type=int, default=d.actions, help="K (default: %(default)s)")
