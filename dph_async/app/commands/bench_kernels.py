@@ -50,6 +50,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/kernels.json"), help="JSON results")
 
 
+def _cpu_table(args: argparse.Namespace, cpu: dict, console: Console) -> None:
+    table = Table(title=f"fused (torch path) vs naive, N={args.n} H={args.hidden} V={args.vocab} {args.dtype}, CPU")
+    for col in ("path", "median s", "min s", "CPU s", "peak extra MiB", "CPU share"):
+        table.add_column(col, justify="right")
+    for path, p in cpu["paths"].items():
+        shares = f"{min(p['cpu_share']):.0%}-{max(p['cpu_share']):.0%}"
+        table.add_row(path, f"{p['time_median_s']:.2f}", f"{p['time_min_s']:.2f}", f"{p['cpu_s_median']:.1f}",
+                      f"{p['peak_extra_bytes'] / 2**20:,.0f}", shares)
+    table.add_row("fused / naive", f"{cpu['time_ratio']:.2f}x", f"{cpu['time_ratio_min']:.2f}x",
+                  f"{cpu['cpu_time_ratio']:.2f}x", f"{cpu['memory_ratio']:.1%}", "")
+    console.print(table)
+    console.print(
+        f"targets: time <= 1.5x ({'met' if cpu['time_ratio'] <= 1.5 else 'NOT met'}), "
+        f"memory <= 15% ({'met' if cpu['memory_ratio'] <= 0.15 else 'NOT met'}); "
+        f"max |d log p| = {cpu['max_abs_diff_logp']:.1e}, d hidden rel. {cpu['max_rel_diff_d_hidden']:.1e}"
+    )
+
+
+def _gpu_table(gpu: dict, device: str, console: Console) -> None:
+    table = Table(title=f"Triton kernel on {device}")
+    for col in ("dtype", "naive s", "compiled s", "triton s", "vs naive (time, mem)", "vs compiled (time, mem)"):
+        table.add_column(col, justify="right")
+    for dtype, g in gpu.items():
+        p = g["paths"]
+        table.add_row(dtype, *(f"{p[k]['time_median_s'] * 1e3:.1f} ms" for k in ("naive", "compiled", "triton")),
+                      f"{g['time_ratio_vs_naive']:.2f}x, {g['memory_ratio_vs_naive']:.1%}",
+                      f"{g['time_ratio_vs_compiled']:.2f}x, {g['memory_ratio_vs_compiled']:.1%}")
+    console.print(table)
+
+
 def main(args: argparse.Namespace) -> int:
     # torch: here, not at the top, so that --help stays fast.
     import torch
@@ -78,65 +108,14 @@ def main(args: argparse.Namespace) -> int:
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "machine": bench.machine(),
-        "shape": {
-            "n": args.n,
-            "hidden": args.hidden,
-            "vocab": args.vocab,
-            "dtype": args.dtype,
-            "block_v": args.block_v,
-        },
+        "shape": {"n": args.n, "hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype,
+                  "block_v": args.block_v},
+        "cpu": bench.bench_cpu(args, on_run=report),
     }
-    result["cpu"] = bench.bench_cpu(args, on_run=report)
-    cpu = result["cpu"]
-    table = Table(title=f"fused (torch path) vs naive, N={args.n} H={args.hidden} V={args.vocab} {args.dtype}, CPU")
-    for col in ("path", "median s", "min s", "CPU s", "peak extra MiB", "CPU share"):
-        table.add_column(col, justify="right")
-    for path, p in cpu["paths"].items():
-        shares = f"{min(p['cpu_share']):.0%}-{max(p['cpu_share']):.0%}"
-        table.add_row(
-            path,
-            f"{p['time_median_s']:.2f}",
-            f"{p['time_min_s']:.2f}",
-            f"{p['cpu_s_median']:.1f}",
-            f"{p['peak_extra_bytes'] / 2**20:,.0f}",
-            shares,
-        )
-    table.add_row(
-        "fused / naive",
-        f"{cpu['time_ratio']:.2f}x",
-        f"{cpu['time_ratio_min']:.2f}x",
-        f"{cpu['cpu_time_ratio']:.2f}x",
-        f"{cpu['memory_ratio']:.1%}",
-        "",
-    )
-    console.print(table)
-    console.print(
-        f"targets: time <= 1.5x ({'met' if cpu['time_ratio'] <= 1.5 else 'NOT met'}), "
-        f"memory <= 15% ({'met' if cpu['memory_ratio'] <= 0.15 else 'NOT met'}); "
-        f"max |d log p| = {cpu['max_abs_diff_logp']:.1e}, d hidden rel. {cpu['max_rel_diff_d_hidden']:.1e}"
-    )
-
+    _cpu_table(args, result["cpu"], console)
     if torch.cuda.is_available():
         result["gpu"] = {dtype: bench.bench_gpu(args, dtype) for dtype in ("float32", "bfloat16")}
-        table = Table(title=f"Triton kernel on {torch.cuda.get_device_name()}")
-        for col in (
-            "dtype",
-            "naive s",
-            "compiled s",
-            "triton s",
-            "vs naive (time, mem)",
-            "vs compiled (time, mem)",
-        ):
-            table.add_column(col, justify="right")
-        for dtype, g in result["gpu"].items():
-            p = g["paths"]
-            table.add_row(
-                dtype,
-                *(f"{p[k]['time_median_s'] * 1e3:.1f} ms" for k in ("naive", "compiled", "triton")),
-                f"{g['time_ratio_vs_naive']:.2f}x, {g['memory_ratio_vs_naive']:.1%}",
-                f"{g['time_ratio_vs_compiled']:.2f}x, {g['memory_ratio_vs_compiled']:.1%}",
-            )
-        console.print(table)
+        _gpu_table(result["gpu"], torch.cuda.get_device_name(), console)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {args.out}")

@@ -68,67 +68,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/transport.json"), help="JSON results")
 
 
-def main(args: argparse.Namespace) -> int:
-    # numpy, ZeroMQ and the replay: here, not at the top, so that --help stays fast.
-    from dph_async.app.bench import transport as bench
+TRANSPORT_COLUMNS = ("n x T", "MiB/group", "via", "zmq GB/s", "protocol GB/s", "groups/s", "protocol/zmq",
+                     "CPU us/group zmq", "protocol", "protocol CPU/zmq", "pickle GB/s", "protocol/pickle",
+                     "pickle lists GB/s", "protocol/lists", "memcpy GB/s")
 
-    console = Console()
-    if not console.is_terminal:  # a log file: wide enough for the tables
-        console = Console(width=240)
-    shapes = [(args.n, t) for t in args.tokens]
-    result: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": bench.machine(),
-        "args": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")},
-    }
+
+def _transport(args: argparse.Namespace, bench, console: Console) -> dict:
+    """Rollout groups between two processes: the protocol against bare ZeroMQ, pickle and memcpy."""
 
     def progress(cell: bench.Cell) -> None:
-        console.print(
-            f"  {cell.transport} n={cell.n} T={cell.tokens} {cell.mode}: "
-            f"{cell.groups_per_s:,.0f} groups/s, {cell.gb_per_s:.2f} GB/s",
-            highlight=False,
-        )
+        console.print(f"  {cell.transport} n={cell.n} T={cell.tokens} {cell.mode}: "
+                      f"{cell.groups_per_s:,.0f} groups/s, {cell.gb_per_s:.2f} GB/s", highlight=False)
 
+    shapes = [(args.n, t) for t in args.tokens]
     rows = bench.bench_transport(shapes, args.transports, args.repeats, args.mb, args.prompt_tokens, progress)
-    result["transport"] = rows
     table = Table(title="rollout transport between two processes (medians; ratios: median of per-repeat ratios)")
-    for col in (
-        "n x T",
-        "MiB/group",
-        "via",
-        "zmq GB/s",
-        "protocol GB/s",
-        "groups/s",
-        "protocol/zmq",
-        "CPU us/group zmq",
-        "protocol",
-        "protocol CPU/zmq",
-        "pickle GB/s",
-        "protocol/pickle",
-        "pickle lists GB/s",
-        "protocol/lists",
-        "memcpy GB/s",
-    ):
+    for col in TRANSPORT_COLUMNS:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(
-            f"{r['n']} x {r['tokens']}",
-            f"{r['group_bytes'] / 2**20:.2f}",
-            r["transport"],
-            f"{r['zmq']['gb_per_s']:.2f}",
-            f"{r['protocol']['gb_per_s']:.2f}",
-            f"{r['protocol']['groups_per_s']:,.0f}",
-            f"{r['protocol_vs_zmq']:.0%}",
-            f"{r['zmq']['cpu_us_per_group']:,.0f}",
-            f"{r['protocol']['cpu_us_per_group']:,.0f}",
-            f"{r['protocol_cpu_vs_zmq']:.2f}x",
-            f"{r['pickle']['gb_per_s']:.2f}",
-            f"{r['protocol_vs_pickle']:.1f}x",
-            f"{r['pickle_lists']['gb_per_s']:.3f}",
-            f"{r['protocol_vs_pickle_lists']:.0f}x",
-            f"{r['memcpy_gb_per_s']:.1f}",
-        )
+            f"{r['n']} x {r['tokens']}", f"{r['group_bytes'] / 2**20:.2f}", r["transport"],
+            f"{r['zmq']['gb_per_s']:.2f}", f"{r['protocol']['gb_per_s']:.2f}", f"{r['protocol']['groups_per_s']:,.0f}",
+            f"{r['protocol_vs_zmq']:.0%}", f"{r['zmq']['cpu_us_per_group']:,.0f}",
+            f"{r['protocol']['cpu_us_per_group']:,.0f}", f"{r['protocol_cpu_vs_zmq']:.2f}x",
+            f"{r['pickle']['gb_per_s']:.2f}", f"{r['protocol_vs_pickle']:.1f}x", f"{r['pickle_lists']['gb_per_s']:.3f}",
+            f"{r['protocol_vs_pickle_lists']:.0f}x", f"{r['memcpy_gb_per_s']:.1f}")
     console.print(table)
+    out: dict = {"transport": rows}
     big = [r for r in rows if r["group_bytes"] >= 2**20]
     if big:
         targets = {
@@ -137,53 +103,68 @@ def main(args: argparse.Namespace) -> int:
             "protocol_vs_pickle_lists": min(r["protocol_vs_pickle_lists"] for r in big),
             "protocol_cpu_vs_zmq": max(r["protocol_cpu_vs_zmq"] for r in big),
         }
-        result["targets_1mib_and_more"] = targets
+        out["targets_1mib_and_more"] = targets
         console.print(
             f"groups >= 1 MiB, worst row: protocol/zmq {targets['protocol_vs_zmq']:.0%} (target >= 80%); "
             f"protocol/pickle of numpy arrays {targets['protocol_vs_pickle']:.1f}x, of Python lists "
             f"(TRL's rollout form) {targets['protocol_vs_pickle_lists']:.0f}x (target >= 10x); CPU per group "
-            f"{targets['protocol_cpu_vs_zmq']:.2f}x bare ZeroMQ's",
-            highlight=False,
-        )
+            f"{targets['protocol_cpu_vs_zmq']:.2f}x bare ZeroMQ's", highlight=False)
+    return out
+
+
+def _ingest(args: argparse.Namespace, bench, console: Console) -> list[dict]:
+    """The whole ingest path into a replay process, with and without its gate and write-ahead log."""
+    rows: list[dict] = []
+    for tokens in args.ingest_tokens:
+        count = bench.count_for(args.n * tokens * 12, args.mb * 1e6)
+        for wal in (False, True):
+            pair = {gate: bench.bench_ingest(args.n, tokens, count, args.prompt_tokens, wal, gate)
+                    for gate in ((True, False) if len(rows) % 4 == 0 else (False, True))}  # fmt: skip
+            pair[True]["vs_no_gate"] = pair[True]["groups_per_s"] / pair[False]["groups_per_s"]
+            rows += [pair[True], pair[False]]
+    table = Table(title="ingest path: RolloutSender -> replay process (decode, validate, log, ack)")
+    for col in ("n x T", "MiB/group", "write-ahead log", "gate", "groups/s", "GB/s", "gate / none", "all acked"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(f"{r['n']} x {r['tokens']}", f"{r['group_bytes'] / 2**20:.2f}", "on" if r["wal"] else "off",
+                      "on" if r["gate"] else "off", f"{r['groups_per_s']:,.0f}", f"{r['gb_per_s']:.2f}",
+                      f"{r['vs_no_gate']:.2f}" if "vs_no_gate" in r else "", str(r["all_acknowledged"]))
+    console.print(table)
+    return rows
+
+
+def _replay(args: argparse.Namespace, bench, console: Console) -> list[dict]:
+    """The replay's own insert and sample rates in-process, with and without its write-ahead log."""
+    rows = [bench.bench_replay(args.replay_held, args.replay_batch, args.replay_seconds)]
+    with tempfile.TemporaryDirectory(prefix="dph-bench-wal-") as wal:
+        rows.append(bench.bench_replay(args.replay_held, args.replay_batch, args.replay_seconds, wal))
+    table = Table(title=f"replay in-process, ~{args.replay_held:,} groups held, batches of {args.replay_batch}")
+    for col in ("write-ahead log", "insert groups/s", "sample groups/s", "insert+sample pairs/s"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row("on" if r["wal"] else "off", f"{r['insert_groups_per_s']:,.0f}",
+                      f"{r['sample_groups_per_s']:,.0f}", f"{r['insert_plus_sample_per_s']:,.0f}")
+    console.print(table)
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    # numpy, ZeroMQ and the replay: here, not at the top, so that --help stays fast.
+    from dph_async.app.bench import transport as bench
+
+    console = Console()
+    if not console.is_terminal:  # a log file: wide enough for the tables
+        console = Console(width=240)
+    result: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "machine": bench.machine(),
+        "args": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")},
+    }
+    result |= _transport(args, bench, console)
     if args.ingest_tokens:
-        result["ingest"] = []
-        for tokens in args.ingest_tokens:
-            count = bench.count_for(args.n * tokens * 12, args.mb * 1e6)
-            for wal in (False, True):
-                pair = {gate: bench.bench_ingest(args.n, tokens, count, args.prompt_tokens, wal, gate)
-                        for gate in ((True, False) if len(result["ingest"]) % 4 == 0 else (False, True))}  # fmt: skip
-                pair[True]["vs_no_gate"] = pair[True]["groups_per_s"] / pair[False]["groups_per_s"]
-                result["ingest"] += [pair[True], pair[False]]
-        table = Table(title="ingest path: RolloutSender -> replay process (decode, validate, log, ack)")
-        for col in ("n x T", "MiB/group", "write-ahead log", "gate", "groups/s", "GB/s", "gate / none", "all acked"):
-            table.add_column(col, justify="right")
-        for r in result["ingest"]:
-            table.add_row(
-                f"{r['n']} x {r['tokens']}",
-                f"{r['group_bytes'] / 2**20:.2f}",
-                "on" if r["wal"] else "off",
-                "on" if r["gate"] else "off",
-                f"{r['groups_per_s']:,.0f}",
-                f"{r['gb_per_s']:.2f}",
-                f"{r['vs_no_gate']:.2f}" if "vs_no_gate" in r else "",
-                str(r["all_acknowledged"]),
-            )
-        console.print(table)
+        result["ingest"] = _ingest(args, bench, console)
     if args.replay_held:
-        result["replay"] = [bench.bench_replay(args.replay_held, args.replay_batch, args.replay_seconds)]
-        with tempfile.TemporaryDirectory(prefix="dph-bench-wal-") as wal:
-            result["replay"].append(bench.bench_replay(args.replay_held, args.replay_batch, args.replay_seconds, wal))
-        table = Table(title=f"replay in-process, ~{args.replay_held:,} groups held, batches of {args.replay_batch}")
-        for col in ("write-ahead log", "insert groups/s", "sample groups/s", "insert+sample pairs/s"):
-            table.add_column(col, justify="right")
-        for r in result["replay"]:
-            table.add_row(
-                "on" if r["wal"] else "off",
-                f"{r['insert_groups_per_s']:,.0f}",
-                f"{r['sample_groups_per_s']:,.0f}",
-                f"{r['insert_plus_sample_per_s']:,.0f}",
-            )
-        console.print(table)
+        result["replay"] = _replay(args, bench, console)
     result["machine"]["load_avg_after"] = list(os.getloadavg())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
