@@ -175,3 +175,49 @@ def test_honest_load_counts_each_recent_peer_and_warns_once_per_doubling():
     assert load.saw(7, tenth, now=5.0) is not None  # 2.8 MB: twice what was last warned about
     assert load.saw(9, 2 * tenth, now=700.0) is None  # the others last seen over 10 minutes ago: forgotten
     assert load.peers == 1 and load.needed_bytes == 7 * 2 * tenth
+
+
+FLOOD = """
+import os, sys, time, zmq
+def rss_mb():
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20
+multipart = sys.argv[1] == 'multipart'
+ctx = zmq.Context()
+router = ctx.socket(zmq.ROUTER)
+router.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # each frame within the limit
+router.setsockopt(zmq.RCVHWM, 4)
+port = router.bind_to_random_port('tcp://127.0.0.1')
+pid = os.fork()
+if pid == 0:
+    dealer = zmq.Context().socket(zmq.DEALER)
+    dealer.connect(f'tcp://127.0.0.1:{port}')
+    part = b'x' * (512 * 1024)
+    for _ in range(512):  # 256 MiB in all
+        dealer.send(part, zmq.SNDMORE if multipart else 0)
+    dealer.send(b'end')
+    time.sleep(60)
+    os._exit(0)
+base, peak, deadline = rss_mb(), 0.0, time.time() + 20
+while time.time() < deadline and peak - base < 200:
+    if router.poll(50) and not multipart:
+        router.recv_multipart()
+    peak = max(peak, rss_mb())
+os.kill(pid, 9)
+print(round(peak - base))
+"""
+
+
+@pytest.mark.parametrize("multipart", [True, False], ids=["multipart", "single-frames"])
+def test_libzmq_holds_a_whole_multipart_message_which_is_why_the_gate_exists(multipart, tmp_path):
+    """A bare ROUTER with 1 MiB frames and a receive high-water mark of 4 still buffers every frame of
+    a message whose last frame has not come: 256 MiB of one multipart message grows the reading
+    process by all of it, while the same bytes as single-frame messages, read as they come, grow it by
+    a few MiB. Measured 2026-11-27: +1,008 MB for a 1 GiB multipart flood, +4 MB as single frames. If
+    libzmq ever bounds the first, a single-frame protocol could replace the gate."""
+    script = tmp_path / "flood.py"
+    script.write_text(FLOOD)
+    out = subprocess.run([sys.executable, str(script), "multipart" if multipart else "single"], capture_output=True,
+                         text=True, timeout=120)
+    grown = int(out.stdout.strip().splitlines()[-1])
+    assert grown >= 200 if multipart else grown < 64, (multipart, grown, out.stderr[-2000:])
