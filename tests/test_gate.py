@@ -198,10 +198,11 @@ if pid == 0:
     dealer.send(b'end')
     time.sleep(60)
     os._exit(0)
-base, peak, deadline = rss_mb(), 0.0, time.time() + 20
-while time.time() < deadline and peak - base < 200:
+base, peak, read, deadline = rss_mb(), 0.0, 0, time.time() + 20
+while time.time() < deadline and peak - base < 200 and read < 513:
     if router.poll(50) and not multipart:
         router.recv_multipart()
+        read += 1
     peak = max(peak, rss_mb())
 os.kill(pid, 9)
 print(round(peak - base))
