@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -10,9 +11,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 from rich.table import Table
 
 from dph_async.app.evaluate import DIFFICULTY, SplitResult, by_base_difficulty, load_results
+from dph_async.app.plot_colours import colour_map
 from dph_async.app.progress import console
 from dph_async.paths import RunPaths
 
@@ -90,7 +93,23 @@ def print_tables(evals: dict[str, dict[str, SplitResult]]) -> None:
         console.print(table)
 
 
-def plot_pass_at_k(evals: dict[str, dict[str, SplitResult]], out: Path) -> None:
+BASE_COLOUR = "black"  # pi_0 (dashed) in every figure of a report
+
+
+def run_colours(names: Iterable[str]) -> dict[str, str]:
+    """The colour of each run (and of pi_0, "base") in every panel of a run's figures."""
+    return colour_map(["base", *names], fixed={"base": BASE_COLOUR})
+
+
+def _save(fig: Figure, out: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def pass_at_k_figure(evals: dict[str, dict[str, SplitResult]], colours: dict[str, str] | None = None) -> Figure:
+    """Pass@k against k, a panel per test set, a line per model."""
+    colours = colours or run_colours(evals)
     splits = sorted({s for res in evals.values() for s in res})
     fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 4), squeeze=False)
     for ax, split in zip(axes[0], splits, strict=True):
@@ -98,16 +117,19 @@ def plot_pass_at_k(evals: dict[str, dict[str, SplitResult]], out: Path) -> None:
             if split in res:
                 ks = sorted(res[split].pass_at_k)
                 ax.plot(ks, [100 * res[split].pass_at_k[k] for k in ks], marker="o", ms=3, label=name,
-                        ls="--" if name == "base" else "-")
+                        color=colours[name], ls="--" if name == "base" else "-")
         ax.set(xscale="log", xlabel="k", ylabel="Pass@k (%)", title=split)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    return fig
 
 
-def plot_training(curves: dict[str, list[dict[str, float]]], out: Path) -> None:
+def plot_pass_at_k(evals: dict[str, dict[str, SplitResult]], out: Path, colours: dict[str, str] | None = None) -> None:
+    _save(pass_at_k_figure(evals, colours), out)
+
+
+def training_figure(curves: dict[str, list[dict[str, float]]], colours: dict[str, str]) -> Figure:
+    """Reward, entropy, divergence and staleness against the learner step, a line per RL run."""
     keys = [("reward/mean", "reward"), ("policy/entropy", "entropy"), ("loss/divergence_ref", "divergence (ref)"),
             ("staleness/mean", "staleness")]
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.5))
@@ -115,13 +137,15 @@ def plot_training(curves: dict[str, list[dict[str, float]]], out: Path) -> None:
         for mode, rows in curves.items():
             pts = [(r["learner/version"], r[key]) for r in rows if key in r]
             if pts:
-                ax.plot(*zip(*pts, strict=True), label=mode)
+                ax.plot(*zip(*pts, strict=True), label=mode, color=colours[mode])
         ax.set(xlabel="learner step", title=title)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def plot_training(curves: dict[str, list[dict[str, float]]], out: Path, colours: dict[str, str]) -> None:
+    _save(training_figure(curves, colours), out)
 
 
 def throughput_rows(rl: dict[str, dict], curves: dict[str, list[dict[str, float]]]) -> list[list[str]]:
@@ -167,12 +191,13 @@ def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) ->
         f = paths.rl(summary["runs"][mode]["dir"]) / "metrics.jsonl"
         if f.is_file():
             curves[mode] = [json.loads(line) for line in f.read_text().splitlines()]
+    colours = run_colours(summary["modes"])
     if curves:
-        plot_training(curves, paths.plots / "training.png")
+        plot_training(curves, paths.plots / "training.png", colours)
     md = [f"# dph-async run: {paths.root.name}", ""]
     if evals:
         summary["eval"] = {name: {s: asdict(r) for s, r in res.items()} for name, res in evals.items()}
-        plot_pass_at_k(evals, paths.plots / "pass_at_k.png")
+        plot_pass_at_k(evals, paths.plots / "pass_at_k.png", colours)
         header, rows = comparison_rows(evals)
         md += ["Greedy accuracy, unbiased Pass@k (%), and distinct correct answers per prompt.", "",
                markdown_table(header, rows), ""]
