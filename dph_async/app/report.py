@@ -50,27 +50,30 @@ def comparison_rows(evals: dict[str, dict[str, SplitResult]]) -> tuple[list[str]
 
 
 def difficulty_rows(evals: dict[str, dict[str, SplitResult]]) -> tuple[list[str], list[list[str]]]:
-    """Per test set and model: Pass@1, Pass@k_max and distinct correct answers on the prompts pi_0
-    always, sometimes and never solved (where the diversity is kept or lost)."""
-    base = evals.get("base", {})
-    header = ["test set", "model", *(f"{DIFFICULTY[d]}: {m}" for d in DIFFICULTY for m in ("prompts", "P@1", "P@max",
-                                                                                          "distinct"))]
+    """Per test set, part of its prompts by what pi_0 did on them (always, sometimes, never right) and
+    model: Pass@1, Pass@k_max and distinct correct answers on that part (where the diversity is kept
+    or lost). One row each, the models of a part together."""
+    base = {split: b for split, b in sorted(evals.get("base", {}).items()) if b.per_prompt}
+    k_max = max((b.samples for b in base.values()), default=0)
+    header = ["test set", "pi_0 on these prompts", "prompts", "model", "P@1", f"P@{k_max}", "distinct"]
     rows = []
-    for split, b in sorted(base.items()):
-        if not b.per_prompt:
-            continue
-        for name, res in evals.items():
-            if split not in res or not res[split].per_prompt:
-                continue
-            subsets = by_base_difficulty(b, res[split])
-            cells = []
-            for d in DIFFICULTY:
-                sub = subsets.get(d)
-                cells += ["0", "-", "-", "-"] if sub is None else [
-                    str(sub.prompts), f"{100 * sub.pass_at_k[1]:.1f}", f"{100 * sub.pass_at_k[max(sub.pass_at_k)]:.1f}",
-                    f"{sub.distinct_correct:.2f}"]
-            rows.append([split, name, *cells])
+    for split, b in base.items():
+        parts = {name: by_base_difficulty(b, res[split]) for name, res in evals.items()
+                 if split in res and res[split].per_prompt}
+        for d, label in DIFFICULTY.items():
+            for name, subsets in parts.items():
+                if (sub := subsets.get(d)) is not None:
+                    rows.append([split, label, str(sub.prompts), name, f"{100 * sub.pass_at_k[1]:.1f}",
+                                 f"{100 * sub.pass_at_k[max(sub.pass_at_k)]:.1f}", f"{sub.distinct_correct:.2f}"])
     return header, rows
+
+
+def tables_by_test_set(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Markdown lines: one small table per test set (rows whose first cell names it), under its name."""
+    lines: list[str] = []
+    for split in dict.fromkeys(r[0] for r in rows):
+        lines += [f"### {split}", "", markdown_table(header[1:], [r[1:] for r in rows if r[0] == split]), ""]
+    return lines
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -209,7 +212,7 @@ def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) ->
                    "correct answers per prompt on each part. pi_0's own rows are the draw that sorted the "
                    "prompts, so its P@max is 100 where it is right under half the time and 0 where never, by "
                    "construction: compare the trained models with each other here (an ablation of the "
-                   "divergences evaluates pi_0 again for an unbiased row).", "", markdown_table(header, rows), ""]
+                   "divergences evaluates pi_0 again for an unbiased row).", "", *tables_by_test_set(header, rows)]
         print_tables(evals)
     if rows := kl_rows(curves):
         md += ["## KL(pi_theta || pi_0) at the sampling temperature", "",
