@@ -74,7 +74,8 @@ def down_line(r: Reading) -> str:
 
 def row(r: Reading) -> list[str]:
     """The table cells of a Reading of a process that answered."""
-    version = r.value("dph_learner_version") or r.value("dph_replay_version") or r.value("dph_actor_weights_version")
+    versions = (r.value(name) for name in ("dph_learner_version", "dph_replay_version", "dph_actor_weights_version"))
+    version = next((v for v in versions if v is not None), None)  # version 0 is a version
     notes: list[str] = []
     if (rate := r.value("dph_learner_tokens_per_second")) is not None:
         notes.append(f"{rate:.0f} tok/s, {r.value('dph_learner_checkpoints', 0):.0f} ckpt")
@@ -97,7 +98,7 @@ def row(r: Reading) -> list[str]:
         notes.append(f"{items:.0f} scored, {r.value('dph_scorer_in_flight', 0):.0f} in flight")
     return [r.endpoint.name, "[green]up", str(r.health.get("pid", r.endpoint.pid or "")),
             _mb(r.value("process_resident_memory_bytes")), _num(r.value("process_open_fds")),
-            _num(r.value("process_threads")), _num(version), r.endpoint.url, "; ".join(notes)]
+            _num(r.value("process_threads")), _num(version), r.endpoint.url.removeprefix("http://"), "; ".join(notes)]
 
 
 def show_finished(outcome: RunOutcome, console: Console) -> None:
@@ -140,7 +141,7 @@ def live_table(readings: list[Reading], done: dict[str, RLOutcome], console: Con
         console.print(rl_line(run))
     if up := [r for r in readings if r.up]:
         table = Table(title="dph-async status", box=box.SIMPLE_HEAD)
-        for column in ("process", "state", "pid", "RSS MB", "fds", "threads", "version", "url"):
+        for column in ("process", "state", "pid", "MB", "fds", "thr", "ver", "url"):  # narrow: activity wraps
             table.add_column(column, no_wrap=True, overflow="ellipsis")
         table.add_column("activity", ratio=1, overflow="fold")
         for r in up:
