@@ -1,4 +1,4 @@
-"""What both ends of the shared-memory weight transport agree on (docs/data_plane.md, section 10).
+"""What both ends of the shared-memory weight transport agree on (docs/weights.md).
 
 An actor on the learner's host reads a published version straight from a file under /dev/shm that
 the learner wrote, instead of pulling it in buckets over ZeroMQ. The learner keeps KEEP_VERSIONS such

@@ -1,6 +1,6 @@
 """Learner step time with R data-parallel ranks, on the benchmark's batch shape, without actors.
 
-    python scripts/bench_ranks.py --ranks 1 2 --steps 20 --out runs/bench/ranks.json [KEY=VALUE ...]
+    python scripts/bench_ranks.py --ranks 1 2 --steps 20 -o runs/bench/ranks.json [KEY=VALUE ...]
 
 Each R runs in R fresh processes (rank 0 drives, the others follow, as in a run): the embedded tiny
 model, a synthetic batch of learner.groups_per_step groups x sampling.n completions of up to
@@ -113,7 +113,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", type=Path)
+    p.add_argument("-o", "--output", "--out", dest="out", type=Path)
     p.add_argument("overrides", nargs="*", help="dotted config overrides (learner.*, sampling.*, model.*)")
     args = p.parse_args()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))

@@ -29,9 +29,10 @@ A, B = "learner.lr=1e-4", "task.test_data.dev=dev.parquet"
     (["ablate", "divergence", A, "--modes", "grpo", "forward", B, "--coeffs", "0.1"],
      {"modes": ["grpo", "forward"], "coeffs": [0.1]}),
     (["bench", A, "--steps", "20", B], {"steps": 20}),
-    (["bench", "--set", A, "--out", "o", B], {"out": Path("o")}),
+    (["bench", "--set", A, "--out", "o", B], {"output": Path("o")}),
     (["bench", "peer", A, "--systems", "loop", B, "--steps", "9"], {"systems": ["loop"], "steps": 9}),
-    (["score", A, "responses.jsonl", B, "--out", "r.jsonl"], {"file": Path("responses.jsonl"), "out": Path("r.jsonl")}),
+    (["score", A, "responses.jsonl", B, "--out", "r.jsonl"],
+     {"file": Path("responses.jsonl"), "output": Path("r.jsonl")}),
     (["serve", "replay", A, "--no-wal", B], {"no_wal": True}),
     (["serve", "scorer", "--port", "0", A, B, "--insecure"], {"port": 0, "insecure": True}),
     (["soak", A, "--minutes", "2", B], {"minutes": 2.0}),
@@ -43,6 +44,35 @@ def test_options_and_overrides_in_any_order(argv, expected):
     args = build_parser().parse_args(argv)
     assert args.overrides == [t for t in argv if t in (A, B)]  # in the order given: the last one wins
     assert {k: getattr(args, k) for k in expected} == expected
+
+
+# Every command that writes somewhere, with what else it needs to parse, and whether it took --out
+# before -o/--output was its one spelling (those keep --out working, unlisted).
+OUTPUT_COMMANDS = [
+    (["run"], False), (["presample", "--model", "m", "--data", "d"], False),
+    (["eval", "--model", "m", "--data", "d"], False), (["soak"], False),
+    (["bench"], True), (["bench", "peer"], True), (["bench", "weights"], True), (["bench", "gemm"], True),
+    (["bench", "kernels"], True), (["bench", "transport"], True), (["bench", "scorer"], True),
+    (["analyze", "b", "t"], True), (["recover", "b", "t"], True), (["ablate", "staleness"], True),
+    (["ablate", "divergence"], True), (["ablate", "samplers"], True), (["simulate", "samplers"], True),
+    (["score", "responses.jsonl"], True),
+]
+
+
+@pytest.mark.parametrize(("command", "took_out"), OUTPUT_COMMANDS, ids=[" ".join(c[:2]) for c, _ in OUTPUT_COMMANDS])
+def test_every_command_writes_where_o_or_output_says(command, took_out, capsys):
+    for option in ("-o", "--output", *(["--out"] if took_out else [])):
+        args = build_parser([*command, option, "x"]).parse_args([*command, option, "x"])
+        assert str(args.output) == "x", (command, option)
+    with pytest.raises(SystemExit):
+        build_parser([*command, "--help"]).parse_args([*command, "--help"])
+    usage = capsys.readouterr().out
+    assert "-o OUTPUT, --output OUTPUT" in usage and "--out " not in usage  # --output is the one documented
+
+
+def test_soak_writes_into_its_output_directory():
+    args = build_parser(["soak"]).parse_args(["soak", "-o", "runs/s", "--minutes", "1"])
+    assert args.output == "runs/s" and args.minutes == 1.0
 
 
 def test_a_stray_word_reaches_the_config_and_is_named():

@@ -173,7 +173,7 @@ def test_bench_kernels_command_smoke(tmp_path):
 
     out = tmp_path / "kernels.json"
     shape = ["--n", "64", "--hidden", "32", "--vocab", "3001"]
-    assert main(["bench", "kernels", *shape, "--rounds", "1", "--iters", "1", "--out", str(out)]) == 0
+    assert main(["bench", "kernels", *shape, "--rounds", "1", "--iters", "1", "--output", str(out)]) == 0
     cpu = json.loads(out.read_text())["cpu"]
     assert cpu["time_ratio"] > 0 and cpu["memory_ratio"] > 0
     assert cpu["max_abs_diff_logp"] < 1e-4 and cpu["max_rel_diff_d_hidden"] < 1e-4

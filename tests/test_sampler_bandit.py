@@ -108,7 +108,7 @@ def test_empirical_loss_is_unbiased_for_the_population_loss():
 
 def test_command_writes_the_curves_and_the_plot(tmp_path, capsys):
     rc = cli(["simulate", "samplers", "--actions", "5", "--updates", "20", "--samplers", "online", "mixp",
-              "--out", str(tmp_path)])
+              "-o", str(tmp_path)])
     assert rc == 0
     assert (tmp_path / "bandit_gap.png").stat().st_size > 1000
     import json

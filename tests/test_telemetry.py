@@ -8,6 +8,7 @@ import socket
 import time
 import tracemalloc
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from dph_async.app.bench.transport import synthetic_group
 from dph_async.app.cli import main as cli
 from dph_async.app.commands.status import row
 from dph_async.app.endpoints import find_endpoints, scrape
+from dph_async.app.evaluate import SplitResult
 from dph_async.config import NetConfig, RunConfig
 from dph_async.config.replay import ReplayConfig
 from dph_async.gate import HonestLoad
@@ -231,6 +233,77 @@ def test_actor_metrics_and_the_status_table(tmp_path, replay, capsys):
         assert not readings["actor1"]["up"] and readings["replay"]["up"]
     finally:
         actor.close()
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (a connection to it is refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def announce_dead(directory: Path, *names: str) -> None:
+    """Announce files of processes that have ended: what a stopped run leaves in its endpoints/."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (directory / f"{name}.json").write_text(json.dumps(
+            {"name": name, "url": f"http://127.0.0.1:{closed_port()}", "pid": 4242}))
+
+
+def rl_result(steps: int, drops: int) -> dict:
+    return {"learner": {"steps": steps}, "replay": {"drops": {"stale": drops}}, "actor_restarts": 0,
+            "wall_seconds": 16.4}
+
+
+def split_result(name: str, greedy: float, top: float) -> dict:
+    return asdict(SplitResult(name, 200, greedy, {1: 0.4, 16: top}, 0.4, 2.1, 3.0, samples=16))
+
+
+def write_summary(run: Path, modes: list[str]) -> None:
+    """A run's summary.json, as `dph-async run` writes it last (the keys status reads)."""
+    evals = {m: {s: split_result(s, g, top) for s in ("in_domain", "ood")}
+             for m, g, top in (("base", 0.55, 0.98), ("grpo@d_exp", 0.5, 0.845), ("js_low_var", 0.6, 0.82))}
+    (run / "summary.json").write_text(json.dumps({
+        "modes": modes, "rl": {m: rl_result(150, 0) for m in modes}, "wall_seconds": 141.0,
+        "stage_seconds": {"warm start": 53.0, "evaluation": 11.0}, "eval": evals}))
+
+
+def test_status_of_a_finished_run_says_so_and_shows_its_result(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    modes = {"grpo@d_exp": "grpo_d_exp", "js_low_var": "js_low_var"}
+    for slug in modes.values():
+        announce_dead(tmp_path / "rl" / slug / "endpoints", "learner", "actor0")
+        (tmp_path / "rl" / slug / "result.json").write_text(json.dumps(rl_result(150, 3)))
+    assert cli(["status", str(tmp_path)]) == 1  # every mode finished, but not the run: no summary yet
+    out = capsys.readouterr().out
+    assert "rl/grpo_d_exp: finished, 150 steps in 16 s, 3 groups dropped" in out and "not finished" in out
+    write_summary(tmp_path, list(modes))
+    assert cli(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    words = " ".join(out.split())  # long lines wrap
+    assert f"{tmp_path}: finished" in words and "in 2 min 21 s" in words and "warm start 53 s" in words
+    assert "rl/js_low_var: finished, 150 steps in 16 s" in out
+    (line,) = [x for x in out.splitlines() if "grpo@d_exp" in x and "rl/" not in x]
+    assert line.split() == ["grpo@d_exp", "50.0", "84.5", "50.0", "84.5"]  # greedy and P@16, in_domain and ood
+    assert "down" not in out and "Errno" not in out and "refused" not in out
+    assert all(len(x) <= 100 for x in out.splitlines())
+
+
+def test_status_of_a_live_run_is_one_line_per_process(tmp_path, replay, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    announce_dead(tmp_path / "rl" / "js_low_var" / "endpoints", "learner", *(f"actor{i}" for i in range(8)))
+    announce_dead(tmp_path / "rl" / "grpo_d_exp" / "endpoints", "learner", "actor0")  # a mode that finished
+    (tmp_path / "rl" / "grpo_d_exp" / "result.json").write_text(json.dumps(rl_result(150, 0)))
+    write_summary(tmp_path, ["grpo@d_exp"])  # an earlier invocation's: the replay answers, so the run is live
+    assert cli(["status", str(tmp_path)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert all(len(x) <= 100 for x in lines)
+    assert [x for x in lines if x.startswith("down ")] == [
+        f"down {name} (pid 4242): connection refused" for name in ["actor0", *(f"actor{i}" for i in range(1, 8)),
+                                                                   "learner"]]
+    assert [x for x in lines if "replay" in x and "up" in x.split()]  # the live one, in the table
+    assert "rl/grpo_d_exp: finished, 150 steps in 16 s" in lines
+    assert len(lines) <= 24  # a screen, with ten processes
 
 
 def test_endpoint_serves_only_gets_of_its_paths_and_bounds_clients(replay):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -10,9 +11,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 from rich.table import Table
 
 from dph_async.app.evaluate import DIFFICULTY, SplitResult, by_base_difficulty, load_results
+from dph_async.app.plot_colours import colour_map
 from dph_async.app.progress import console
 from dph_async.paths import RunPaths
 
@@ -47,27 +50,30 @@ def comparison_rows(evals: dict[str, dict[str, SplitResult]]) -> tuple[list[str]
 
 
 def difficulty_rows(evals: dict[str, dict[str, SplitResult]]) -> tuple[list[str], list[list[str]]]:
-    """Per test set and model: Pass@1, Pass@k_max and distinct correct answers on the prompts pi_0
-    always, sometimes and never solved (where the diversity is kept or lost)."""
-    base = evals.get("base", {})
-    header = ["test set", "model", *(f"{DIFFICULTY[d]}: {m}" for d in DIFFICULTY for m in ("prompts", "P@1", "P@max",
-                                                                                          "distinct"))]
+    """Per test set, part of its prompts by what pi_0 did on them (always, sometimes, never right) and
+    model: Pass@1, Pass@k_max and distinct correct answers on that part (where the diversity is kept
+    or lost). One row each, the models of a part together."""
+    base = {split: b for split, b in sorted(evals.get("base", {}).items()) if b.per_prompt}
+    k_max = max((b.samples for b in base.values()), default=0)
+    header = ["test set", "pi_0 on these prompts", "prompts", "model", "P@1", f"P@{k_max}", "distinct"]
     rows = []
-    for split, b in sorted(base.items()):
-        if not b.per_prompt:
-            continue
-        for name, res in evals.items():
-            if split not in res or not res[split].per_prompt:
-                continue
-            subsets = by_base_difficulty(b, res[split])
-            cells = []
-            for d in DIFFICULTY:
-                sub = subsets.get(d)
-                cells += ["0", "-", "-", "-"] if sub is None else [
-                    str(sub.prompts), f"{100 * sub.pass_at_k[1]:.1f}", f"{100 * sub.pass_at_k[max(sub.pass_at_k)]:.1f}",
-                    f"{sub.distinct_correct:.2f}"]
-            rows.append([split, name, *cells])
+    for split, b in base.items():
+        parts = {name: by_base_difficulty(b, res[split]) for name, res in evals.items()
+                 if split in res and res[split].per_prompt}
+        for d, label in DIFFICULTY.items():
+            for name, subsets in parts.items():
+                if (sub := subsets.get(d)) is not None:
+                    rows.append([split, label, str(sub.prompts), name, f"{100 * sub.pass_at_k[1]:.1f}",
+                                 f"{100 * sub.pass_at_k[max(sub.pass_at_k)]:.1f}", f"{sub.distinct_correct:.2f}"])
     return header, rows
+
+
+def tables_by_test_set(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Markdown lines: one small table per test set (rows whose first cell names it), under its name."""
+    lines: list[str] = []
+    for split in dict.fromkeys(r[0] for r in rows):
+        lines += [f"### {split}", "", markdown_table(header[1:], [r[1:] for r in rows if r[0] == split]), ""]
+    return lines
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -90,7 +96,23 @@ def print_tables(evals: dict[str, dict[str, SplitResult]]) -> None:
         console.print(table)
 
 
-def plot_pass_at_k(evals: dict[str, dict[str, SplitResult]], out: Path) -> None:
+BASE_COLOUR = "black"  # pi_0 (dashed) in every figure of a report
+
+
+def run_colours(names: Iterable[str]) -> dict[str, str]:
+    """The colour of each run (and of pi_0, "base") in every panel of a run's figures."""
+    return colour_map(["base", *names], fixed={"base": BASE_COLOUR})
+
+
+def _save(fig: Figure, out: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def pass_at_k_figure(evals: dict[str, dict[str, SplitResult]], colours: dict[str, str] | None = None) -> Figure:
+    """Pass@k against k, a panel per test set, a line per model."""
+    colours = colours or run_colours(evals)
     splits = sorted({s for res in evals.values() for s in res})
     fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 4), squeeze=False)
     for ax, split in zip(axes[0], splits, strict=True):
@@ -98,16 +120,19 @@ def plot_pass_at_k(evals: dict[str, dict[str, SplitResult]], out: Path) -> None:
             if split in res:
                 ks = sorted(res[split].pass_at_k)
                 ax.plot(ks, [100 * res[split].pass_at_k[k] for k in ks], marker="o", ms=3, label=name,
-                        ls="--" if name == "base" else "-")
+                        color=colours[name], ls="--" if name == "base" else "-")
         ax.set(xscale="log", xlabel="k", ylabel="Pass@k (%)", title=split)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    return fig
 
 
-def plot_training(curves: dict[str, list[dict[str, float]]], out: Path) -> None:
+def plot_pass_at_k(evals: dict[str, dict[str, SplitResult]], out: Path, colours: dict[str, str] | None = None) -> None:
+    _save(pass_at_k_figure(evals, colours), out)
+
+
+def training_figure(curves: dict[str, list[dict[str, float]]], colours: dict[str, str]) -> Figure:
+    """Reward, entropy, divergence and staleness against the learner step, a line per RL run."""
     keys = [("reward/mean", "reward"), ("policy/entropy", "entropy"), ("loss/divergence_ref", "divergence (ref)"),
             ("staleness/mean", "staleness")]
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.5))
@@ -115,13 +140,15 @@ def plot_training(curves: dict[str, list[dict[str, float]]], out: Path) -> None:
         for mode, rows in curves.items():
             pts = [(r["learner/version"], r[key]) for r in rows if key in r]
             if pts:
-                ax.plot(*zip(*pts, strict=True), label=mode)
+                ax.plot(*zip(*pts, strict=True), label=mode, color=colours[mode])
         ax.set(xlabel="learner step", title=title)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def plot_training(curves: dict[str, list[dict[str, float]]], out: Path, colours: dict[str, str]) -> None:
+    _save(training_figure(curves, colours), out)
 
 
 def throughput_rows(rl: dict[str, dict], curves: dict[str, list[dict[str, float]]]) -> list[list[str]]:
@@ -167,12 +194,13 @@ def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) ->
         f = paths.rl(summary["runs"][mode]["dir"]) / "metrics.jsonl"
         if f.is_file():
             curves[mode] = [json.loads(line) for line in f.read_text().splitlines()]
+    colours = run_colours(summary["modes"])
     if curves:
-        plot_training(curves, paths.plots / "training.png")
+        plot_training(curves, paths.plots / "training.png", colours)
     md = [f"# dph-async run: {paths.root.name}", ""]
     if evals:
         summary["eval"] = {name: {s: asdict(r) for s, r in res.items()} for name, res in evals.items()}
-        plot_pass_at_k(evals, paths.plots / "pass_at_k.png")
+        plot_pass_at_k(evals, paths.plots / "pass_at_k.png", colours)
         header, rows = comparison_rows(evals)
         md += ["Greedy accuracy, unbiased Pass@k (%), and distinct correct answers per prompt.", "",
                markdown_table(header, rows), ""]
@@ -184,7 +212,7 @@ def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) ->
                    "correct answers per prompt on each part. pi_0's own rows are the draw that sorted the "
                    "prompts, so its P@max is 100 where it is right under half the time and 0 where never, by "
                    "construction: compare the trained models with each other here (an ablation of the "
-                   "divergences evaluates pi_0 again for an unbiased row).", "", markdown_table(header, rows), ""]
+                   "divergences evaluates pi_0 again for an unbiased row).", "", *tables_by_test_set(header, rows)]
         print_tables(evals)
     if rows := kl_rows(curves):
         md += ["## KL(pi_theta || pi_0) at the sampling temperature", "",

@@ -35,6 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dph_async.app.plot_colours import colour_map
 from dph_async.config import RunConfig
 
 RSS_TOLERANCE = 0.05
@@ -283,25 +284,28 @@ def plot(result: SoakResult, path: Path) -> None:
     samples = result.samples
     t = [s.t / 60 for s in samples]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for name in sorted({n for s in samples for n in s.processes}):
+    names = sorted({n for s in samples for n in s.processes})
+    disk = {"WAL MB": "wal_bytes", "checkpoints MB": "checkpoint_bytes", "/dev/shm files": "shm_files"}
+    colours = colour_map([*names, *disk])  # one colour per series in every panel; the steps/s line is black
+    for name in names:
         pts = [(s.t / 60, s.processes[name]) for s in samples if name in s.processes]
-        axes[0, 0].plot([x for x, _ in pts], [p.rss_bytes / 2**20 for _, p in pts], label=name)
-        axes[0, 1].plot([x for x, _ in pts], [p.open_fds for _, p in pts], label=name)
+        axes[0, 0].plot([x for x, _ in pts], [p.rss_bytes / 2**20 for _, p in pts], label=name, color=colours[name])
+        axes[0, 1].plot([x for x, _ in pts], [p.open_fds for _, p in pts], label=name, color=colours[name])
     axes[0, 0].set(title="RSS (MB)", xlabel="minutes")
     axes[0, 1].set(title="open file descriptors", xlabel="minutes")
     if any(s.processes for s in samples):
         axes[0, 0].legend(fontsize=7)
     rates = throughputs(samples)
-    axes[1, 0].plot([x / 60 for x, _ in rates], [r for _, r in rates], marker="o")
+    axes[1, 0].plot([x / 60 for x, _ in rates], [r for _, r in rates], marker="o", color="black")
     axes[1, 0].set(title="learner steps/s (per interval); CPU-s per step (dashed)", xlabel="minutes")
     cpu_axis = axes[1, 0].twinx()
-    for i, name in enumerate(sorted({n for s in samples for n in s.processes})):
+    for name in names:
         pts = cpu_per_step(samples, name)
-        cpu_axis.plot([x / 60 for x, _ in pts], [c for _, c in pts], linestyle="--", color=f"C{i + 1}", label=name)
+        cpu_axis.plot([x / 60 for x, _ in pts], [c for _, c in pts], linestyle="--", color=colours[name], label=name)
     cpu_axis.legend(fontsize=7)
-    axes[1, 1].plot(t, [s.wal_bytes / 2**20 for s in samples], label="WAL MB")
-    axes[1, 1].plot(t, [s.checkpoint_bytes / 2**20 for s in samples], label="checkpoints MB")
-    axes[1, 1].plot(t, [s.shm_files for s in samples], label="/dev/shm files")
+    for label, attr in disk.items():
+        scale = 2**20 if label.endswith("MB") else 1
+        axes[1, 1].plot(t, [getattr(s, attr) / scale for s in samples], label=label, color=colours[label])
     axes[1, 1].set(title="disk and shared memory", xlabel="minutes")
     axes[1, 1].legend(fontsize=7)
     warm = result.meta.get("warmup_s", 0) / 60

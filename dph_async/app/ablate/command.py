@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from dph_async.app.commands.common import add_config_arguments, fail, guarded
+from dph_async.app.commands.common import add_config_arguments, add_output_argument, fail, guarded
 from dph_async.app.progress import console
 from dph_async.config import load_config
 
@@ -21,10 +21,10 @@ def add_common_arguments(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--steps", type=int, help="learner steps per cell (default: 100, or learner.steps=...)")
     p.add_argument("--eval-points", type=int, default=3,
                    help="evaluations along each run, the last of the final model (default: %(default)s)")
-    p.add_argument("--out", "-o", type=Path, default=Path(out), help="sweep directory (default: %(default)s)")
+    add_output_argument(p, "sweep directory (default: %(default)s)", out_alias=True, type=Path, default=Path(out))
     p.add_argument("--model", help="a Hugging Face causal-LM directory (sets model.path)")
     p.add_argument("--data", help="training prompts: parquet in the verl row format (sets task.data)")
-    p.add_argument("--fresh", action="store_true", help="delete the finished cells in --out and run them again "
+    p.add_argument("--fresh", action="store_true", help="delete the finished cells in --output and run them again "
                    "(with a different base config, the shared base model and pre-sampling too)")
     p.add_argument("--report-only", action="store_true", help="only rewrite the summary from the finished cells")
 
@@ -32,7 +32,7 @@ def add_common_arguments(p: argparse.ArgumentParser, out: str) -> None:
 def run(args: argparse.Namespace, make_sweep: Callable[[str], object]) -> int:
     """Build the sweep (make_sweep gets the base config's run spec), run it, write the report."""
     flags = {"learner.steps": args.steps, "model.path": args.model, "task.data": args.data}
-    overrides = [*SWEEP_DEFAULTS, *args.overrides, f"output_dir={args.out}",
+    overrides = [*SWEEP_DEFAULTS, *args.overrides, f"output_dir={args.output}",
                  *(f"{k}={v}" for k, v in flags.items() if v is not None)]
     cfg = load_config(args.preset, overrides)
     # The run specs (torch), the sweep (Ray) and the report (matplotlib): here, so --help stays fast.
@@ -48,11 +48,11 @@ def run(args: argparse.Namespace, make_sweep: Callable[[str], object]) -> int:
         return fail(str(e))
 
     def work() -> None:
-        if args.fresh and (args.out / "rl").exists():
-            shutil.rmtree(args.out / "rl")
+        if args.fresh and (args.output / "rl").exists():
+            shutil.rmtree(args.output / "rl")
         if not args.report_only:
-            run_sweep(args.preset, overrides, sweep, args.out, args.eval_points, fresh=args.fresh)
-        write_summary(args.out)
-        console.print(f"report: {args.out / 'summary.md'}")
+            run_sweep(args.preset, overrides, sweep, args.output, args.eval_points, fresh=args.fresh)
+        write_summary(args.output)
+        console.print(f"report: {args.output / 'summary.md'}")
 
     return guarded(work, "finished cells are kept; the same command goes on from there")

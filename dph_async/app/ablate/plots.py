@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from dph_async.app.ablate.results import Group
+from dph_async.app.plot_colours import colour_map
 
 
 def _save(fig: plt.Figure, out: Path, rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> None:
@@ -35,6 +36,11 @@ def _label(g: Group, panel: str | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in g.factors.items() if k != panel) if panel else g.name
 
 
+def _colours(groups: list[Group], panel: str | None) -> dict[str, str]:
+    """A line's colour by its label, the same in every panel (a panel may lack some labels)."""
+    return colour_map(_label(g, panel) for g in groups)
+
+
 def _smooth(ys: list[float], window: int) -> list[float]:
     out, acc = [], 0.0
     for i, y in enumerate(ys):
@@ -51,14 +57,15 @@ def _mean_curve(g: Group, attr: str) -> list[float]:
 
 
 def plot_curves(groups: list[Group], panel: str | None, out: Path) -> None:
-    panels = _panels(groups, panel)
+    panels, colours = _panels(groups, panel), _colours(groups, panel)
     fig, axes = plt.subplots(2, len(panels), figsize=(5 * len(panels), 7), squeeze=False)
     for j, (name, members) in enumerate(panels.items()):
         for g in members:
             reward = _mean_curve(g, "reward")
             smooth = _smooth(reward, max(1, len(reward) // 15))
+            label = _label(g, panel)
             for i, attr in enumerate(("samples", "wall")):
-                axes[i, j].plot(_mean_curve(g, attr)[: len(smooth)], smooth, label=_label(g, panel))
+                axes[i, j].plot(_mean_curve(g, attr)[: len(smooth)], smooth, label=label, color=colours[label])
         axes[0, j].set(title=f"{panel}={name}" if panel else "training reward", xlabel="fresh samples consumed",
                        ylabel="training reward (moving mean)")
         axes[1, j].set(xlabel="wall seconds since the first step", ylabel="training reward (moving mean)")
@@ -69,13 +76,13 @@ def plot_curves(groups: list[Group], panel: str | None, out: Path) -> None:
 
 
 def plot_pass_at_k(groups: list[Group], panel: str | None, out: Path) -> None:
-    panels = _panels(groups, panel)
+    panels, colours = _panels(groups, panel), _colours(groups, panel)
     splits = sorted(groups[0].cells[0].evals[-1].splits)
     k_max = max(groups[0].cells[0].evals[-1].splits[splits[0]].pass_at_k)
     fig, axes = plt.subplots(len(splits), len(panels), figsize=(5 * len(panels), 3.5 * len(splits)), squeeze=False)
     for j, (name, members) in enumerate(panels.items()):
-        for gi, g in enumerate(members):
-            color = f"C{gi}"
+        for g in members:
+            color = colours[_label(g, panel)]
             points = min(len(c.evals) for c in g.cells)
             xs = [sum(c.evals[p].samples for c in g.cells) / len(g.cells) for p in range(points)]
             for i, split in enumerate(splits):
@@ -93,7 +100,7 @@ def plot_pass_at_k(groups: list[Group], panel: str | None, out: Path) -> None:
 
 
 def plot_staleness(groups: list[Group], panel: str | None, out: Path) -> None:
-    panels = _panels(groups, panel)
+    panels, colours = _panels(groups, panel), _colours(groups, panel)
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
     for ax, (name, members) in zip(axes[0], panels.items(), strict=True):
         width = 0.8 / len(members)
@@ -105,7 +112,7 @@ def plot_staleness(groups: list[Group], panel: str | None, out: Path) -> None:
             total = sum(hist.values()) or 1
             xs = sorted(hist)
             ax.bar([x + (gi - (len(members) - 1) / 2) * width for x in xs], [hist[x] / total for x in xs],
-                   width=width, label=_label(g, panel))
+                   width=width, label=_label(g, panel), color=colours[_label(g, panel)])
         ax.set(title=f"{panel}={name}" if panel else "staleness", xlabel="staleness (learner versions)",
                ylabel="share of consumed groups")
         ax.grid(alpha=0.3, axis="y")
@@ -118,6 +125,7 @@ def plot_summary(groups: list[Group], x: str, panel: str | None, k_max: int, spl
     metrics = [("reward", "final training reward"), (f"{split}/pass@{k_max}", f"{split} Pass@{k_max}"),
                ("ess", "ESS (mean over steps)"), ("mismatch_kl_k3", "mismatch KL k3 (mean)")]
     numeric = panel is not None and all(isinstance(g.factors[x], int | float) for g in groups)
+    colours = colour_map(f"{panel}={name}" for name in _panels(groups, panel))  # a metric may lack a panel value
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.5 * len(metrics), 3.6))
     for ax, (key, title) in zip(axes, metrics, strict=True):
         have = [g for g in groups if key in g.metrics]
@@ -125,7 +133,7 @@ def plot_summary(groups: list[Group], x: str, panel: str | None, k_max: int, spl
             for name, members in _panels(have, panel).items():
                 ax.errorbar([g.factors[x] for g in members], [g.metrics[key].mean for g in members],
                             yerr=[g.metrics[key].se or 0.0 for g in members], marker="o", capsize=3,
-                            label=f"{panel}={name}")
+                            label=f"{panel}={name}", color=colours[f"{panel}={name}"])
             ax.set(xlabel=x)
             ax.legend(fontsize=7)
         else:

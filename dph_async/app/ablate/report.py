@@ -46,14 +46,24 @@ def divergence_columns(splits: list[str], k_max: int) -> list[Column]:
             Column("train reward", "reward"), Column("ESS", "ess")]
 
 
-def difficulty_columns(split: str, k_max: int, base: SplitResult) -> list[Column]:
-    """Pass@1, Pass@k_max and distinct correct answers on the split's prompts grouped by what pi_0 did
-    on each (evaluate.difficulty_of), with the number of prompts in the header."""
-    counts = Counter(difficulty_of(r.correct, base.samples) for r in base.per_prompt)
-    return [c for kind in DIFFICULTY if counts[kind]
-            for c in [Column(f"{kind} ({counts[kind]}) P@1", f"{split}/{kind}/pass@1", 100, 1),
-                      Column(f"{kind} P@{k_max}", f"{split}/{kind}/pass@{k_max}", 100, 1),
-                      Column(f"{kind} distinct", f"{split}/{kind}/distinct", digits=2)]]
+def difficulty_columns(split: str, kind: str, k_max: int) -> list[Column]:
+    """Pass@1, Pass@k_max and distinct correct answers on the split's prompts of one band by what pi_0
+    did on each (evaluate.difficulty_of)."""
+    return [Column("P@1", f"{split}/{kind}/pass@1", 100, 1),
+            Column(f"P@{k_max}", f"{split}/{kind}/pass@{k_max}", 100, 1),
+            Column("distinct", f"{split}/{kind}/distinct", digits=2)]
+
+
+def difficulty_tables(groups: list[Group], split: str, k_max: int, base: dict[str, SplitResult],
+                      redraw: dict[str, SplitResult] | None) -> list[str]:
+    """Markdown lines: one small table per band of the split's prompts, its prompt count in its title."""
+    counts = Counter(difficulty_of(r.correct, base[split].samples) for r in base[split].per_prompt)
+    lines: list[str] = []
+    for kind, label in DIFFICULTY.items():
+        if counts[kind]:
+            lines += [f"### {label} ({counts[kind]} prompts)", "",
+                      results_table(groups, difficulty_columns(split, kind, k_max), base, redraw), ""]
+    return lines
 
 
 def _base_row(base: dict[str, SplitResult], columns: list[Column], width: int,
@@ -161,7 +171,7 @@ def write_summary(out: Path) -> list[Group]:
                       "scores 100 on 'rarely' and 0 on 'never' by construction." if redraw else
                       "pi_0's row is the draw that sorted the prompts, so its 'rarely' and 'never' figures "
                       "hold by construction (100 and 0 at Pass@16): compare the runs with each other."), "",
-                   results_table(groups, difficulty_columns(split, k_max, base[split]), base, redraw), ""]
+                   *difficulty_tables(groups, split, k_max, base, redraw)]
     if any(c.resumed for c in cells):
         md += ["Resumed after an interruption (their wall-clock curves hold the pause): "
                + ", ".join(c.cell.key for c in cells if c.resumed), ""]

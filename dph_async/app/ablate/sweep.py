@@ -80,7 +80,7 @@ def run_sweep(preset: str, overrides: list[str], sweep: Sweep, out: Path, eval_p
     if paths.config.is_file() and paths.config.read_text() != text:
         if not fresh:
             raise ConfigError(f"{out} holds a sweep with another base config ({paths.config}); give another "
-                              "--out, or --fresh to start over")
+                              "--output, or --fresh to start over")
         for shared in (paths.base_model, paths.data, paths.presample, paths.eval):  # made from the old config
             shutil.rmtree(shared, ignore_errors=True)
     paths.config.write_text(text)

@@ -31,7 +31,7 @@ from dph_async.app.analyze.svd import REPLACEMENTS, SVD, Replacement, replace_to
 from dph_async.app.analyze.weights import Checkpoint, MatrixInfo, WeightReader, common_matrices
 from dph_async.app.evaluate import SplitResult, load_results
 from dph_async.app.progress import console, progress
-from dph_async.app.report import comparison_rows, difficulty_rows, markdown_table, plot_pass_at_k
+from dph_async.app.report import comparison_rows, difficulty_rows, markdown_table, plot_pass_at_k, tables_by_test_set
 from dph_async.config import RunConfig
 
 # Files a model directory holds besides its weights (config, tokenizer, generation config): copied.
@@ -232,6 +232,6 @@ def write_report(result: RecoveryResult, out: Path) -> None:
         md += ["## By what the base model did on each test prompt", "",
                "Pass@k (%) and distinct correct answers on the test prompts, grouped by how often the base model "
                "was right on them: where a recovery restores or loses the base's diversity.", "",
-               markdown_table(d_header, d_rows), ""]
+               *tables_by_test_set(d_header, d_rows)]
     md += ["Plots: `plots/recover.png`, `plots/pass_at_k.png`.", ""]
     (out / "recover.md").write_text("\n".join(md))

@@ -13,7 +13,7 @@ A grid of RL runs that differ only in replay.max_staleness (eta: how many learne
 group may be when it is consumed; eta = 0 is synchronous RL) and learner.loss.correction (behavior:
 naive PPO on stale data; decoupled: AReaL's decoupled PPO with truncated importance weights;
 masked: tokens whose weights leave [1/C, C] are masked out), each with several seeds, all from the
-same base model (warm-started and pre-sampled once, in --out).
+same base model (warm-started and pre-sampled once, in --output).
 
 Every cell reports training reward against fresh samples consumed and against wall time, Pass@k on
 the test splits at --eval-points versions along the run, the staleness histogram of what the learner
@@ -22,7 +22,7 @@ mean ± standard error over seeds and says, per correction, whether each eta rea
 eta = 0. docs/ablations.md explains the defaults and how to read the figures.
 
 Resumable: a finished cell (rl/<cell>/cell.json) is never rerun; rerunning the command with more
-etas or seeds runs only the new cells. Output: summary.md, summary.json, plots/ in --out.
+etas or seeds runs only the new cells. Output: summary.md, summary.json, plots/ in --output.
 
 examples:
   dph-async ablate staleness                                  # 5 etas x 3 corrections x 3 seeds

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dph_async.app.commands.common import fail
+from dph_async.app.commands.common import add_output_argument, fail
 
 NAME = "analyze"
 HELP = "weight analysis: singular spectra and principal angles of top-k subspaces, base against trained"
@@ -24,7 +24,7 @@ in order, or give an RL run directory (rl/<run>), which stands for its learner c
 order (read directly, no export needed) followed by its final model.
 
 BASE and TRAINED: a Hugging Face model directory, a learner checkpoint (rl/<run>/checkpoints/v<N>), or
-(TRAINED only) an RL run directory. Output goes to --out, by default <run>/analysis/<name> where <run> is
+(TRAINED only) an RL run directory. Output goes to --output, by default <run>/analysis/<name> where <run> is
 the run directory holding TRAINED (the one with config.yaml), else runs/analysis/<name>.
 
 examples:
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trained", type=Path, nargs="+", help="trained checkpoints, in order (a trajectory)")
     p.add_argument("--top-k", type=int, default=16, help="size of the compared singular subspaces, capped per "
                    "matrix at its smaller side (default: %(default)s)")
-    p.add_argument("--out", "-o", type=Path, help="output directory (default: <run>/analysis/<name>)")
+    add_output_argument(p, "output directory (default: <run>/analysis/<name>)", out_alias=True, type=Path)
     p.add_argument("--threads", type=int, default=1, help="torch threads for the SVDs; more pays off only for "
                    "large matrices on idle cores (default: %(default)s)")
 
@@ -63,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"TRAINED names a checkpoint twice: {', '.join(labels)}")
         if args.top_k < 1:
             raise ValueError(f"--top-k must be >= 1, got {args.top_k}")
-        out = args.out or default_out(args.trained, "analysis")
+        out = args.output or default_out(args.trained, "analysis")
         console.print(f"analysing {len(checkpoints)} checkpoint(s) against {base[0].path}: {', '.join(labels)}")
         report = write_analysis(analyze(base[0], checkpoints, args.top_k), out)
     except (FileNotFoundError, ValueError, KeyError) as e:

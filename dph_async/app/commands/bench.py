@@ -6,7 +6,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from dph_async.app.commands.common import fail, guarded
+from dph_async.app.commands.common import add_output_argument, fail, guarded
 from dph_async.app.progress import console
 from dph_async.config import load_config
 
@@ -30,7 +30,7 @@ weight transport rates, CPU cores used per component, and the async speedup agai
 that ideal with the CPU floor (a step's CPU work over the cores), which is what a machine whose
 cores the actors and the learner share can reach. docs/benchmarks.md explains the method.
 
-Output in --out: bench.json, bench.md, plots/timeline.png (who was busy when), plots/busy.png,
+Output in --output: bench.json, bench.md, plots/timeline.png (who was busy when), plots/busy.png,
 plots/scaling.png, and each run's directory under rl/. Finished runs are kept: running the same
 command again only redoes the report (--fresh starts over).
 
@@ -39,14 +39,14 @@ Sub-benchmarks: `dph-async bench kernels`, `bench transport`, `bench scorer` (se
 examples:
   dph-async bench                                   # embedded default, 100 steps per mode
   dph-async bench --repeats 3 --actors 1 2 3        # 3 sync/async pairs; scaling at 1 and 3 actors
-  dph-async bench replay.max_staleness=2 learner.groups_per_step=32 --out runs/bench/eta2
-  dph-async bench --model path/to/hf_model --data train.parquet --steps 20 --out runs/bench/qwen
+  dph-async bench replay.max_staleness=2 learner.groups_per_step=32 -o runs/bench/eta2
+  dph-async bench --model path/to/hf_model --data train.parquet --steps 20 -o runs/bench/qwen
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", "-o", type=Path, default=Path("runs/bench/pipeline"), help="output directory "
-                   "(default: %(default)s)")
+    add_output_argument(p, "output directory (default: %(default)s)", out_alias=True, type=Path,
+                        default=Path("runs/bench/pipeline"))
     p.add_argument("--steps", type=int, help="learner steps per run (default: 100, or learner.steps=...)")
     p.add_argument("--skip", type=int, default=5, help="first learner steps left out of the steady state "
                    "(default: %(default)s)")
@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # No KEY=VALUE positional next to the subcommands: dph_async.app.cli takes bare overrides out first.
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a dotted config override; a bare KEY=VALUE anywhere does the same")
-    p.add_argument("--fresh", action="store_true", help="delete earlier runs in --out and measure again")
+    p.add_argument("--fresh", action="store_true", help="delete earlier runs in --output and measure again")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -71,20 +71,20 @@ def main(args: argparse.Namespace) -> int:
     from dph_async.app.bench.transport import machine
 
     flags = {"learner.steps": args.steps, "model.path": args.model, "task.data": args.data}
-    cfg = load_config(args.preset, [*BENCH_DEFAULTS, *args.overrides, f"output_dir={args.out}",
+    cfg = load_config(args.preset, [*BENCH_DEFAULTS, *args.overrides, f"output_dir={args.output}",
                                     *(f"{k}={v}" for k, v in flags.items() if v is not None)])
     if cfg.learner.steps <= args.skip:
         return fail(f"learner.steps ({cfg.learner.steps}) must be more than --skip ({args.skip})")
-    if args.fresh and (args.out / "rl").exists():
-        shutil.rmtree(args.out / "rl")
+    if args.fresh and (args.output / "rl").exists():
+        shutil.rmtree(args.output / "rl")
 
     def work() -> None:
-        res = run_bench(cfg, args.out, args.actors, args.skip, machine(), args.repeats)
-        write_report(res, args.out)
+        res = run_bench(cfg, args.output, args.actors, args.skip, machine(), args.repeats)
+        write_report(res, args.output)
         c = res.comparison
         bound = f"; CPU-bound ideal {c.ideal_cpu_bound:.2f}x -> {c.of_ideal_cpu_bound:.0%}" if c.ideal_cpu_bound else ""
         console.print(f"async speedup {c.speedup:.2f}x; ideal (g+t)/max(g,t) {c.ideal:.2f}x -> {c.of_ideal:.0%} of "
                       f"ideal{bound}", highlight=False)
-        console.print(f"report: {args.out / 'bench.md'}")
+        console.print(f"report: {args.output / 'bench.md'}")
 
     return guarded(work, "finished runs are kept; the same command goes on from there")

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from dph_async.app.commands.common import fail, write_cells
+from dph_async.app.commands.common import add_output_argument, fail, write_cells
 
 NAME = "bench gemm"
 HELP = "the learner's linear layers: oneDNN (learner.cpu_gemm) against torch's F.linear"
@@ -21,7 +21,7 @@ layers (read from its config). Prints a table of GFLOP/s and oneDNN's speedup, a
 (docs/benchmarks.md, section Learner's linear layers). Run it with nothing else on the machine.
 Example:
 
-    dph-async bench gemm --rows 256 1024 --out runs/bench/gemm.json
+    dph-async bench gemm --rows 256 1024 -o runs/bench/gemm.json
 """
 
 
@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per cell (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads, as learner.threads (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench/gemm.json"), help="JSON results")
+    add_output_argument(parser, "JSON results (default: %(default)s)", out_alias=True, type=Path,
+                        default=Path("runs/bench/gemm.json"))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -71,4 +72,4 @@ def main(args: argparse.Namespace) -> int:
 
     cells = bench.run(shapes, args.rows, args.rounds, on_cell=show)
     meta["machine"]["load_avg_end"] = os.getloadavg()
-    return write_cells(args.out, meta, cells, bench.markdown(cells))
+    return write_cells(args.output, meta, cells, bench.markdown(cells))

@@ -12,7 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from dph_async.app.commands.common import fail
+from dph_async.app.commands.common import add_output_argument, fail
 
 NAME = "bench kernels"
 HELP = "peak memory and time of the fused log-prob kernels against the naive path"
@@ -25,7 +25,7 @@ Prints a table of the ratios and writes JSON. Targets on the CPU: peak extra mem
 naive path's, time <= 1.5x. The defaults need ~8 GB of free memory for the naive path; only one
 copy runs at a time. Example:
 
-    dph-async bench kernels --out runs/bench/kernels.json
+    dph-async bench kernels -o runs/bench/kernels.json
 """
 
 
@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--iters", type=int, default=2, help="forward+backward per process (default: %(default)s)")
     parser.add_argument("--block-v", type=int, default=None, help="vocabulary block (default: 128 MiB of logits)")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench/kernels.json"), help="JSON results")
+    add_output_argument(parser, "JSON results (default: %(default)s)", out_alias=True, type=Path,
+                        default=Path("runs/bench/kernels.json"))
 
 
 def _cpu_table(args: argparse.Namespace, cpu: dict, console: Console) -> None:
@@ -116,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         result["gpu"] = {dtype: bench.bench_gpu(args, dtype) for dtype in ("float32", "bfloat16")}
         _gpu_table(result["gpu"], torch.cuda.get_device_name(), console)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    console.print(f"wrote {args.out}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    console.print(f"wrote {args.output}")
     return 0

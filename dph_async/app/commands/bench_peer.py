@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dph_async.app.commands.common import add_output_argument, fail, guarded
+
 NAME = "bench peer"
 HELP = "the same GRPO work through dph-async, an in-repo single-process loop and TRL's GRPOTrainer"
 DESCRIPTION = """\
@@ -31,14 +33,14 @@ bound too, and the same for its engine steps alone (docs/benchmarks.md).
 
 --user-case builds a user's case and benchmarks it: a tiny HF Llama (4 layers, hidden 128, fp32,
 a 16-id character tokenizer, briefly trained), verl-format parquet prompts, 16 prompts x 8 samples,
-completions of at most 8 tokens, lr 1e-4 (files under --out/user_case).
+completions of at most 8 tokens, lr 1e-4 (files under --output/user_case).
 
-Output in --out: bench.json, bench.md, rl/ (dph-async's runs), peers/ (the peers' results and logs).
+Output in --output: bench.json, bench.md, rl/ (dph-async's runs), peers/ (the peers' results and logs).
 Finished runs are kept: the same command again only redoes the report (--fresh starts over).
 
 examples:
   dph-async bench peer                                  # embedded default, 3 repeats
-  dph-async bench peer --user-case --out runs/bench/peer-user
+  dph-async bench peer --user-case -o runs/bench/peer-user
   dph-async bench peer --model path/to/hf_model --data train.parquet --steps 30
   dph-async bench peer --systems loop trl --repeats 5   # the peers alone
   dph-async bench peer --set replay.max_staleness=2
@@ -48,8 +50,8 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from dph_async.app.bench.peer import SYSTEMS
 
-    p.add_argument("--out", "-o", type=Path, default=Path("runs/bench/peer"), help="output directory "
-                   "(default: %(default)s)")
+    add_output_argument(p, "output directory (default: %(default)s)", out_alias=True, type=Path,
+                        default=Path("runs/bench/peer"))
     p.add_argument("--steps", type=int, default=40, help="steps per run, every system (default: %(default)s)")
     p.add_argument("--skip", type=int, default=5, help="first steps left out of the steady state "
                    "(default: %(default)s)")
@@ -65,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a dotted config override, repeatable; a bare KEY=VALUE anywhere does the same")
     p.add_argument("--cache", type=Path, default=Path(".cache"), help="where TRL's environment is made "
                    "(default: %(default)s)")
-    p.add_argument("--fresh", action="store_true", help="delete earlier runs in --out and measure again")
+    p.add_argument("--fresh", action="store_true", help="delete earlier runs in --output and measure again")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -74,7 +76,6 @@ def main(args: argparse.Namespace) -> int:
     from dph_async.app.bench import peer
     from dph_async.app.bench.pipeline import BENCH_DEFAULTS
     from dph_async.app.bench.transport import machine
-    from dph_async.app.commands.common import fail, guarded
     from dph_async.app.progress import console
     from dph_async.config import load_config
 
@@ -84,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
         return fail(f"--steps ({args.steps}) must be more than --skip ({args.skip})")
     if args.fresh:
         for sub in ("rl", "peers"):
-            shutil.rmtree(args.out / sub, ignore_errors=True)
+            shutil.rmtree(args.output / sub, ignore_errors=True)
 
     def work() -> None:
         from dph_async.app.pipeline import validate
@@ -92,19 +93,19 @@ def main(args: argparse.Namespace) -> int:
         model, data, extra = args.model, args.data, []
         if args.user_case:
             with console.status("user case: writing the prompts and training the tiny Llama briefly"):
-                base, train = peer.make_user_case(args.out / "user_case", seed=0)
+                base, train = peer.make_user_case(args.output / "user_case", seed=0)
             model, data, extra = str(base), str(train), list(peer.USER_CASE)
         flags = {"learner.steps": args.steps, "model.path": model, "task.data": data}
-        cfg = load_config(args.preset, [*BENCH_DEFAULTS, *extra, *args.overrides, f"output_dir={args.out}",
+        cfg = load_config(args.preset, [*BENCH_DEFAULTS, *extra, *args.overrides, f"output_dir={args.output}",
                                         *(f"{k}={v}" for k, v in flags.items() if v is not None)])
         cfg = validate(cfg, [])
-        res = peer.run(cfg, args.out, args.repeats, args.skip, machine(), args.systems, args.cache,
+        res = peer.run(cfg, args.output, args.repeats, args.skip, machine(), args.systems, args.cache,
                        log=lambda m: console.print(m, highlight=False), settings=args.overrides)
-        (args.out / "bench.md").write_text(peer.markdown(res))
+        (args.output / "bench.md").write_text(peer.markdown(res))
         for system, m in res.medians.items():
             ratio = f"; dph-async / {system}: {res.ratios[system]:.2f}x" if system in res.ratios else ""
             console.print(f"{system}: {m['step_s']:.3f} s/step, {m['completions_per_s']:.0f} completions/s{ratio}",
                           highlight=False)
-        console.print(f"report: {args.out / 'bench.md'}")
+        console.print(f"report: {args.output / 'bench.md'}")
 
     return guarded(work, "finished runs are kept; the same command goes on from there")

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from dph_async.app.commands.common import write_cells
+from dph_async.app.commands.common import add_output_argument, write_cells
 
 NAME = "bench scorer"
 HELP = "scorer throughput and latency percentiles: local pool against the HTTP service"
@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-request deadline (default: %(default)s)")
     parser.add_argument("--backends", nargs="+", choices=["pool", "http"], default=["pool", "http"])
     parser.add_argument("--workloads", nargs="+", choices=["sql", "math"], default=["sql", "math"])
-    parser.add_argument("--out", type=Path, default=Path("runs/bench/scorer.json"), help="JSON results")
+    add_output_argument(parser, "JSON results (default: %(default)s)", out_alias=True, type=Path,
+                        default=Path("runs/bench/scorer.json"))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -44,4 +45,4 @@ def main(args: argparse.Namespace) -> int:
             "machine": bench.machine(), "workers": args.workers}
     cells = bench.run(args.workers, args.concurrency, args.batch, args.seconds, args.timeout_s,
                       args.backends, args.workloads)
-    return write_cells(args.out, meta, cells, bench.markdown(cells))
+    return write_cells(args.output, meta, cells, bench.markdown(cells))

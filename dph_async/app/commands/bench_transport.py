@@ -12,6 +12,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from dph_async.app.commands.common import add_output_argument
+
 NAME = "bench transport"
 HELP = "rollout transport bandwidth: protocol vs bare ZeroMQ vs pickle queues, and replay ops/s"
 DESCRIPTION = """\
@@ -26,7 +28,7 @@ on, each with the replay's gate process and without, alternating) and the replay
 rate in-process with 100k groups held. Targets for groups of 1 MiB and more: protocol >= 80% of
 bare ZeroMQ and >= 10x the pickle queue. Prints tables, writes JSON (docs/benchmarks.md, Transport).
 
-    dph-async bench transport --out runs/bench/transport.json
+    dph-async bench transport -o runs/bench/transport.json
 """
 
 
@@ -65,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--replay-batch", type=int, default=64, help="groups per batch (default: %(default)s)")
     parser.add_argument("--replay-seconds", type=float, default=2.0, help="per replay measurement")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench/transport.json"), help="JSON results")
+    add_output_argument(parser, "JSON results (default: %(default)s)", out_alias=True, type=Path,
+                        default=Path("runs/bench/transport.json"))
 
 
 TRANSPORT_COLUMNS = ("n x T", "MiB/group", "via", "zmq GB/s", "protocol GB/s", "groups/s", "protocol/zmq",
@@ -166,7 +169,7 @@ def main(args: argparse.Namespace) -> int:
     if args.replay_held:
         result["replay"] = _replay(args, bench, console)
     result["machine"]["load_avg_after"] = list(os.getloadavg())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    console.print(f"wrote {args.out}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2))
+    console.print(f"wrote {args.output}")
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dph_async.app.commands.common import add_output_argument, fail, guarded
+
 NAME = "bench weights"
 HELP = "weight sync: publish -> loaded in a vLLM actor, per stage, against memcpy"
 DESCRIPTION = """\
@@ -17,19 +19,19 @@ load into the engine, publish -> loaded) against memcpy of the same bytes on thi
 variant. Target: the actor's fetch + verify + load at >= 50% of memcpy. --cpu-gemm torch runs the
 actor's linear layers as actors.cpu_gemm=torch does (F.linear on the weights as loaded: no oneDNN
 packing on a load, slower generation). Needs ~5 GB of memory and
-~1.1 GB of /dev/shm at the default size. Output: --out/bench.json and bench.md.
+~1.1 GB of /dev/shm at the default size. Output: --output/bench.json and bench.md.
 
 examples:
   dph-async bench weights                              # 134 M parameters, 9 rounds (3 per variant)
   dph-async bench weights --layers 24 --rounds 12      # 248 M parameters
-  dph-async bench weights --bucket-mb 128 --out runs/bench/weights-128
-  dph-async bench weights --cpu-gemm torch --out runs/bench/weights-torch
+  dph-async bench weights --bucket-mb 128 -o runs/bench/weights-128
+  dph-async bench weights --cpu-gemm torch -o runs/bench/weights-torch
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", "-o", type=Path, default=Path("runs/bench/weights"), help="output directory "
-                   "(default: %(default)s)")
+    add_output_argument(p, "output directory (default: %(default)s)", out_alias=True, type=Path,
+                        default=Path("runs/bench/weights"))
     p.add_argument("--models", type=Path, default=Path(".cache/bench-models"), help="where the made model "
                    "is kept (default: %(default)s)")
     p.add_argument("--hidden", type=int, default=768, help="hidden size (default: %(default)s)")
@@ -46,7 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from dph_async.app.bench import weights as bench
     from dph_async.app.bench.transport import machine
-    from dph_async.app.commands.common import fail, guarded
     from dph_async.app.progress import console
 
     if args.hidden % 64:
@@ -65,13 +66,13 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"{shape.name}: making it (once) and starting the actor's engine")
         res = bench.run(shape, args.models, args.rounds, args.bucket_mb, machine(), on_round=show,
                         cpu_gemm=args.cpu_gemm)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench.json").write_text(res.to_json())
-        (args.out / "bench.md").write_text(bench.markdown(res))
+        args.output.mkdir(parents=True, exist_ok=True)
+        (args.output / "bench.json").write_text(res.to_json())
+        (args.output / "bench.md").write_text(bench.markdown(res))
         for path, s in res.summary.items():
             console.print(f"{path}: actor fetch+verify+load {s['actor']:.2f} GB/s = {s['actor_of_memcpy']:.0%} of "
                           f"memcpy ({s['memcpy']:.2f} GB/s), in CPU-seconds {s['cpu_actor_of_memcpy']:.0%}; "
                           f"publish -> loaded {s['publish_to_loaded']:.2f} GB/s", highlight=False)
-        console.print(f"report: {args.out / 'bench.md'}")
+        console.print(f"report: {args.output / 'bench.md'}")
 
     return guarded(work, "nothing is kept but the made model")

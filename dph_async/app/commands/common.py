@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from dph_async.app.progress import console
 
@@ -19,6 +20,15 @@ def add_config_arguments(p: argparse.ArgumentParser, overrides: str = "dotted co
                    help=f"{overrides}, e.g. learner.lr=1e-4 (see `dph-async config`)")
     p.add_argument("--preset", "--config", dest="preset", default="default",
                    help="a preset name (dph-async config --list) or a YAML file (default: %(default)s)")
+
+
+def add_output_argument(p: argparse.ArgumentParser, help: str, *, out_alias: bool = False, **kwargs: Any) -> None:
+    """-o/--output: where a command writes, spelled alike in every command (`args.output`). `out_alias`
+    also accepts --out, unlisted, for the commands that took --out before."""
+    p.add_argument("-o", "--output", dest="output", help=help, **kwargs)
+    if out_alias:
+        p.add_argument("--out", dest="output", type=kwargs.get("type"), default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)
 
 
 def fail(message: str, status: int = 2) -> int:

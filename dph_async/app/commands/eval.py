@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dph_async.app.commands.common import add_config_arguments
+from dph_async.app.commands.common import add_config_arguments, add_output_argument
 from dph_async.config import load_config
 
 NAME = "eval"
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a Hugging Face causal-LM directory")
     p.add_argument("--data", required=True, action="append", metavar="[NAME=]PATH",
                    help="a test set; repeat for several (NAME defaults to the file's stem)")
-    p.add_argument("--output", "-o", help="write the results as JSON here")
+    add_output_argument(p, "write the results as JSON here")
 
 
 def main(args: argparse.Namespace) -> int:

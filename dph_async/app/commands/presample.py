@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dph_async.app.commands.common import add_config_arguments
+from dph_async.app.commands.common import add_config_arguments, add_output_argument
 from dph_async.app.progress import console
 from dph_async.config import load_config
 
@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--model", required=True, help="the base model pi_0 (a Hugging Face model directory)")
     p.add_argument("--data", required=True, help="training prompts, parquet in the verl row format")
-    p.add_argument("--output", "-o", required=True, help="output directory")
+    add_output_argument(p, "output directory", required=True)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dph_async.app.commands.common import fail
+from dph_async.app.commands.common import add_output_argument, fail
 
 if TYPE_CHECKING:
     from dph_async.config import RunConfig
@@ -26,7 +26,7 @@ share of the update trained - base each keeps; plots/recover.png shows accuracy 
 
 Test sets and the evaluation config come from the run directory holding TRAINED (its config.yaml; for
 the embedded default its in_domain and ood splits), or --run; --data replaces the test sets. --set
-overrides apply to that config (e.g. --set eval.max_prompts=50). Finished models and evaluations in --out are
+overrides apply to that config (e.g. --set eval.max_prompts=50). Finished models and evaluations in --output are
 kept: the same command again only does what is missing.
 
 examples:
@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a dotted config override, repeatable (e.g. --set eval.max_prompts=50)")
     p.add_argument("--preset", default="default", help="config preset when there is no run directory")
-    p.add_argument("--out", "-o", type=Path, help="output directory (default: <run>/recover/<name>)")
+    add_output_argument(p, "output directory (default: <run>/recover/<name>)", out_alias=True, type=Path)
     p.add_argument("--discard-models", action="store_true", help="delete each recovered model once evaluated")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the SVDs (default: %(default)s)")
 
@@ -81,7 +81,7 @@ def main(args: argparse.Namespace) -> int:
         tests = resolve_test_sets(cfg, run, args.data)
     except (ConfigError, FileNotFoundError) as e:
         return fail(str(e))
-    out = args.out or default_out([args.trained], "recover")
+    out = args.output or default_out([args.trained], "recover")
     torch.set_num_threads(max(1, args.threads))
     ks = sorted(set(args.k))
     recoveries = [Recovery(w, k) for w in what for k in ks]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dph_async.app.commands.common import add_config_arguments, guarded
+from dph_async.app.commands.common import add_config_arguments, add_output_argument, guarded
 from dph_async.config import load_config
 
 NAME = "run"
@@ -35,7 +35,7 @@ examples:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p, "dotted config overrides, e.g. learner.loss.objective=forward")
-    p.add_argument("--output", "-o", help="run directory (default: output_dir of the config, runs/default)")
+    add_output_argument(p, "run directory (default: output_dir of the config, runs/default)")
     p.add_argument("--model", help="a Hugging Face causal-LM directory (sets model.path)")
     p.add_argument("--data", help="training prompts: parquet in the verl row format (sets task.data)")
     p.add_argument("--compare", help="comma-separated runs trained from the same base, each "

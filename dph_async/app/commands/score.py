@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from dph_async.app.commands.common import add_config_arguments
+from dph_async.app.commands.common import add_config_arguments, add_output_argument
 from dph_async.config import load_config
 
 NAME = "score"
@@ -33,7 +33,7 @@ A reward of your own (docs/rewards.md, Plugins):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, help="responses, .jsonl or .parquet")
     add_config_arguments(parser, "config overrides (rewards.*)")
-    parser.add_argument("--out", type=Path, help="write one JSON result per row here")
+    add_output_argument(parser, "write one JSON result per row here", out_alias=True, type=Path)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -47,8 +47,8 @@ def main(args: argparse.Namespace) -> int:
     with make_scorer(cfg) as scorer:
         results = scorer.score_many(requests)
     elapsed = time.perf_counter() - start
-    if args.out:
-        with open(args.out, "w") as f:
+    if args.output:
+        with open(args.output, "w") as f:
             for i, result in enumerate(results):
                 f.write(json.dumps({"index": i, **asdict(result)}) + "\n")
 

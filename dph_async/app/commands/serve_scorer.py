@@ -22,7 +22,7 @@ overrides, e.g.
     dph-async serve scorer --port 5001 rewards.workers=4 rewards.sql.db_root=data/bird/databases
     dph-async serve scorer --port 0 --max-body-mb 16 --header-timeout-s 5   # the OS picks the port
 
-Limits against hostile or broken clients (docs/data_plane.md, "Hostile peers"): request headers
+Limits against hostile or broken clients (docs/rewards.md, "Scorer service"): request headers
 within --header-timeout-s, bodies within --body-timeout-s and --max-body-mb, at most --max-items
 requests per batch, and at most --max-queued-mb of bodies in the service at once (503 beyond).
 

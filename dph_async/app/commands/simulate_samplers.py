@@ -6,12 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from dph_async.app.commands.common import add_output_argument
+
 NAME = "simulate samplers"
 HELP = "tabular bandit: how fast DPO converges with each pair sampler (ref, online, gshf, mixp)"
 DESCRIPTION = """\
 Train a tabular policy with DPO from pairs drawn by each sampler and plot the gap to the optimal
 KL-regularised value, V* - V(pi), per update (the samplers seed's numerical simulation; formulas in
-dph_async/app/sampler_bandit.py). Writes bandit.json and bandit_gap.png to --out. Examples:
+dph_async/app/sampler_bandit.py). Writes bandit.json and bandit_gap.png to --output. Examples:
 
     dph-async simulate samplers                                 # the seed's exact setting
     dph-async simulate samplers --empirical-pairs 8192 --lr 0.05 --updates 3000
@@ -32,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--empirical-pairs", type=int, default=0, metavar="N",
                         help="sample N pairs and labels per update instead of the exact gradient")
     parser.add_argument("--samplers", nargs="+", choices=SAMPLERS, default=list(SAMPLERS))
-    parser.add_argument("--out", type=Path, default=Path("runs/simulate_samplers"), help="output directory")
+    add_output_argument(parser, "output directory (default: %(default)s)", out_alias=True, type=Path,
+                        default=Path("runs/simulate_samplers"))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -48,7 +51,7 @@ def main(args: argparse.Namespace) -> int:
     with progress() as bar:
         task = bar.add_task("DPO on the bandit", total=cfg.updates * len(cfg.samplers))
         result = simulate(cfg, on_update=lambda: bar.advance(task))
-    for path in write(result, args.out):
+    for path in write(result, args.output):
         print(path)
     print(f"V* = {result.optimal_value:.4f}; gap after {cfg.updates} updates:")
     for name, gap in result.gap.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dph_async.app.commands.common import add_config_arguments, fail
+from dph_async.app.commands.common import add_config_arguments, add_output_argument, fail
 from dph_async.app.progress import console
 from dph_async.config import load_config
 
@@ -24,13 +24,14 @@ Beside the throughput it reports each process's CPU-seconds per learner step. Ev
 work, so if throughput falls while those rise in every process at once, the machine ran slower (a
 shared host); if one process's rises alone, that process does more per step.
 
-Report: <output_dir>/soak/soak.json, soak.md, soak.png. Examples:
+Report: <output>/soak/soak.json, soak.md, soak.png. Examples:
 
     nice dph-async soak --minutes 60
+    dph-async soak --minutes 20 -o runs/soak-grpo learner.loss.objective=grpo
     dph-async soak --minutes 2 --interval-s 15 --warmup-s 30 learner.loss.objective=grpo
     dph-async soak --minutes 10 actors.num_actors=4 learner.keep_checkpoints=2
 
-The soak's own defaults (before your overrides): output_dir=runs/soak, learner.steps out of reach,
+The soak's own defaults (before your overrides): its run directory runs/soak, learner.steps out of reach,
 learner.checkpoint_every=20, replay.wal_segment_mb=1 and replay.wal_compact_mb=4 (so that log
 compaction and segment deletion happen many times), wandb off.
 """
@@ -41,6 +42,7 @@ SOAK_DEFAULTS = ("output_dir=runs/soak", "learner.steps=1000000000", "learner.ch
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, "config overrides")
+    add_output_argument(parser, "run directory (default: runs/soak, or output_dir=...); the report goes in its soak/")
     parser.add_argument("--minutes", type=float, default=60.0, help="soak length after the first step (default: 60)")
     parser.add_argument("--interval-s", type=float, default=60.0, help="seconds between samples (default: 60)")
     parser.add_argument("--warmup-s", type=float,
@@ -50,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.minutes <= 0 or args.interval_s <= 0:
         return fail("--minutes and --interval-s must be positive")
-    cfg = load_config(args.preset, [*SOAK_DEFAULTS, *args.overrides])
+    output = [f"output_dir={args.output}"] if args.output else []
+    cfg = load_config(args.preset, [*SOAK_DEFAULTS, *args.overrides, *output])
     # The soak runs the pipeline under Ray: here, not at the top, so that --help stays fast.
     from dph_async.app.soak import run_soak, write_report
 

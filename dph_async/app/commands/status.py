@@ -1,14 +1,26 @@
-"""`dph-async status`: one table of every process's health and key metrics."""
+"""`dph-async status`: the health and key metrics of a run's processes, or a finished run's result."""
 
 from __future__ import annotations
 
 import argparse
+from datetime import datetime
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from dph_async.app.commands.common import fail
+from dph_async.app.endpoints import TIMEOUT_S, Reading, find_endpoints, scrape
+from dph_async.app.progress import console as progress_console
+from dph_async.app.run_outcome import RLOutcome, RunOutcome, finished_rl, finished_run
 
 NAME = "status"
-HELP = "health and key metrics of a run's processes (replay, learner, actors, scorers)"
+HELP = "health and key metrics of a run's processes (replay, learner, actors, scorers), or a finished run's result"
 DESCRIPTION = """\
-Read GET /health and /metrics of every long-running process and print one table: up or down, pid,
-RSS, open files, threads, policy version, throughput (learner tokens/s, actor tokens/s, replay
+Read GET /health and /metrics of every long-running process and print a table of those that answer:
+pid, RSS, open files, threads, policy version, throughput (learner tokens/s, actor tokens/s, replay
 ingest), replay occupancy and drops, admission tickets, checkpoints kept, and the restarts of a
 service's gate process (a peer flooding its port) when there were any.
 
@@ -20,7 +32,13 @@ Processes announce their endpoints in <run>/rl/<mode>/endpoints/*.json (serve re
     dph-async status http://127.0.0.1:40123 http://10.0.0.5:5001
     dph-async status runs/default --json              # the raw readings, for scripts
 
-A process that does not answer is shown as down (an announce file of a stopped run says where it was).
+A process that does not answer is shown as down, with the reason in a few words (--json has the
+whole error). The processes of an RL run that finished (rl/<mode>/result.json) are not asked: the
+run is one line. A run that finished (its summary.json written) with none of its processes
+answering is shown as finished, with its key figures: every RL run's steps and time, and each
+model's greedy accuracy and Pass@k on each test set (summary.md has the rest).
+
+Exit status: 0 when every process asked answers, or the run finished; 1 otherwise.
 """
 
 
@@ -38,11 +56,26 @@ def _num(x: float | None, fmt: str = "{:.0f}") -> str:
     return "" if x is None else fmt.format(x)
 
 
-def row(r) -> list[str]:
-    """The table cells of one Reading."""
-    if not r.up:
-        return [r.endpoint.name, "[red]down", str(r.endpoint.pid or ""), "", "", "", "", "", r.error[:60]]
-    version = r.value("dph_learner_version") or r.value("dph_replay_version") or r.value("dph_actor_weights_version")
+def reason(r: Reading) -> str:
+    """Why a process counts as down, in a few words."""
+    if not r.error:
+        return f"health {r.health.get('status')!r}"
+    if "Connection refused" in r.error:
+        return "connection refused"
+    if "Timeout" in r.error.split(":")[0]:
+        return f"no answer in {TIMEOUT_S:.0f} s"
+    return " ".join(r.error.split())[:60]
+
+
+def down_line(r: Reading) -> str:
+    pid = f" (pid {r.endpoint.pid})" if r.endpoint.pid else ""
+    return f"[red]down[/] {escape(r.endpoint.name)}{pid}: {escape(reason(r))}"
+
+
+def row(r: Reading) -> list[str]:
+    """The table cells of a Reading of a process that answered."""
+    versions = (r.value(name) for name in ("dph_learner_version", "dph_replay_version", "dph_actor_weights_version"))
+    version = next((v for v in versions if v is not None), None)  # version 0 is a version
     notes: list[str] = []
     if (rate := r.value("dph_learner_tokens_per_second")) is not None:
         notes.append(f"{rate:.0f} tok/s, {r.value('dph_learner_checkpoints', 0):.0f} ckpt")
@@ -68,37 +101,90 @@ def row(r) -> list[str]:
         notes.append(f"{items:.0f} scored, {r.value('dph_scorer_in_flight', 0):.0f} in flight")
     return [r.endpoint.name, "[green]up", str(r.health.get("pid", r.endpoint.pid or "")),
             _mb(r.value("process_resident_memory_bytes")), _num(r.value("process_open_fds")),
-            _num(r.value("process_threads")), _num(version), r.endpoint.url, "; ".join(notes)]
+            _num(r.value("process_threads")), _num(version), r.endpoint.url.removeprefix("http://"), "; ".join(notes)]
+
+
+def show_finished(outcome: RunOutcome, console: Console) -> None:
+    """A finished run's key figures, in a few lines."""
+    m, sec = divmod(round(outcome.wall_s), 60)
+    when = datetime.fromtimestamp(outcome.finished_at).strftime("%Y-%m-%d %H:%M")
+    console.print(f"[green]{escape(str(outcome.root))}: finished[/] {when}, in {m} min {sec} s; no process running")
+    console.print("stages: " + ", ".join(f"{escape(k)} {v:.0f} s" for k, v in outcome.stages.items()))
+    for run in outcome.runs:
+        console.print(f"  {rl_line(run)}")
+    splits = list(dict.fromkeys(s.test_set for s in outcome.scores))
+    if splits:
+        k = max(s.k for s in outcome.scores)
+        table = Table(title="greedy accuracy and Pass@k (%)", title_justify="left", box=box.SIMPLE_HEAD)
+        table.add_column("model", no_wrap=True)
+        for split in splits:
+            table.add_column(f"{split} greedy", justify="right")
+            table.add_column(f"{split} P@{k}", justify="right")
+        for model in dict.fromkeys(s.model for s in outcome.scores):
+            scores = {s.test_set: s for s in outcome.scores if s.model == model}
+            cells = []
+            for split in splits:
+                score = scores.get(split)
+                cells += [f"{100 * score.greedy:.1f}", f"{100 * score.pass_at_k:.1f}"] if score else ["-", "-"]
+            table.add_row(escape(model), *cells)
+        console.print(table)
+    console.print(f"report: {escape(str(outcome.root / 'summary.md'))}")
+
+
+def rl_line(run: RLOutcome) -> str:
+    line = f"rl/{escape(run.name)}: finished, {run.steps} steps in {run.wall_s:.0f} s"
+    counts = ((run.dropped, "groups dropped"), (run.actor_restarts, "actor restarts"))
+    return line + "".join(f", {n} {what}" for n, what in counts if n)
+
+
+def live_table(readings: list[Reading], done: dict[str, RLOutcome], console: Console) -> None:
+    """A table of the processes that answered, a line per process that did not and per RL run that
+    finished."""
+    for run in done.values():
+        console.print(rl_line(run))
+    if up := [r for r in readings if r.up]:
+        table = Table(title="dph-async status", box=box.SIMPLE_HEAD)
+        for column in ("process", "state", "pid", "MB", "fds", "thr", "ver", "url"):  # narrow: activity wraps
+            table.add_column(column, no_wrap=True, overflow="ellipsis")
+        table.add_column("activity", ratio=1, overflow="fold")
+        for r in up:
+            table.add_row(*row(r))
+        console.print(table)
+    for r in readings:
+        if not r.up:
+            console.print(down_line(r), overflow="ellipsis", no_wrap=True)
 
 
 def main(args: argparse.Namespace) -> int:
     import json
 
-    from rich.console import Console
-    from rich.table import Table
-
-    from dph_async.app.commands.common import fail
-    from dph_async.app.endpoints import find_endpoints, scrape
-    from dph_async.app.progress import console
-
     try:
         endpoints = find_endpoints(args.targets)
     except FileNotFoundError as e:
         return fail(str(e))
-    if not endpoints:
-        console.print(f"no endpoints announced under {', '.join(args.targets)} (is a run going, with net.metrics on?)")
-        return 1
-    readings = [scrape(ep) for ep in endpoints]
     if args.json:
+        readings = [scrape(ep) for ep in endpoints]
         print(json.dumps([{"name": r.endpoint.name, "url": r.endpoint.url, "up": r.up, "error": r.error,
                            "health": r.health,
                            "metrics": {f"{n}{dict(ls) or ''}": v for (n, ls), v in r.samples.items()}}
                           for r in readings], indent=1))
-    else:
-        table = Table(title="dph-async status")
-        for column in ("process", "state", "pid", "RSS MB", "fds", "threads", "version", "url", "activity"):
-            table.add_column(column)
-        for r in readings:
-            table.add_row(*row(r))
-        Console().print(table)  # the table is the output: stdout
+        return 0 if all(r.up for r in readings) else 1
+    # An announce file under rl/<mode>/endpoints of a mode that finished is where a process was.
+    done = {ep.source: run for ep in endpoints
+            if ep.source and (run := finished_rl(Path(ep.source).parent.parent)) is not None}
+    readings = [scrape(ep) for ep in endpoints if ep.source not in done]
+    finished = [o for t in args.targets if not t.startswith(("http://", "https://")) and (o := finished_run(Path(t)))]
+    console = Console()  # the report is the output: stdout
+    if finished and not any(r.up for r in readings):
+        for outcome in finished:
+            show_finished(outcome, console)
+        return 0
+    if not endpoints:
+        progress_console.print(f"no endpoints announced under {', '.join(args.targets)} "
+                               "(is a run going, with net.metrics on?)")
+        return 1
+    live_table(readings, {run.name: run for run in done.values()}, console)
+    if not readings:
+        console.print(f"no process of {', '.join(args.targets)} is running, and it has not finished")
+        return 1
     return 0 if all(r.up for r in readings) else 1
