@@ -16,7 +16,7 @@ import os
 import random
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from dph_async.config import RunConfig
 from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
 from dph_async.replay_client import RolloutSender
 from dph_async.rewards.scorer import Scorer
+from dph_async.run_stats import ActorStats
 from dph_async.spans import add_span
 from dph_async.tasks.dataset import PromptRecord
 
@@ -61,39 +62,6 @@ def sample_seed(seed: int, actor_id: int, seq: int) -> int:
 
 
 CPU_MARK_S = 0.25  # how often the rollout thread marks its CPU-seconds (as bench's /proc sampler samples)
-
-
-@dataclass
-class ActorStats:
-    actor_id: int
-    groups_sent: int = 0
-    tokens_generated: int = 0
-    generate_seconds: float = 0.0  # inside engine steps
-    generate_cpu_seconds: float = 0.0  # the thread's CPU-seconds inside engine steps
-    forward_cpu_seconds: float = 0.0  # of those, in the model's forward passes; the rest is the engine's bookkeeping
-    thread_cpu_seconds: float = 0.0  # the thread's CPU-seconds over the run: engine steps, loads, scoring, sending
-    # Every CPU_MARK_S, (wall clock, thread_cpu_seconds, generate_cpu_seconds, forward_cpu_seconds) so
-    # far: the three over any window of the run (bench's steady state)
-    cpu_marks: list[tuple[float, float, float, float]] = field(default_factory=list)
-    wait_seconds: float = 0.0  # waiting for tickets or weights
-    score_seconds: float = 0.0
-    weight_loads: int = 0
-    weight_load_seconds: float = 0.0  # fetch, verify and load into the engine
-    weight_fetch_seconds: float = 0.0  # the fetch and checksum part of it
-    ticket_seconds: float = 0.0  # asking for admission while the engine has work
-    send_seconds: float = 0.0
-    weight_bytes: int = 0
-    weight_fetch_failures: int = 0  # versions refused (bad checksum, no longer held) or unanswered; old weights stay
-    weight_shm_loads: int = 0  # of weight_loads: read from the learner's shared memory (the rest over TCP)
-    weight_shm_fallbacks: int = 0  # versions whose segment could not be opened here: read over TCP
-    weight_leased_loads: int = 0  # of weight_shm_loads: the engine kept views of the leased segment, no copy
-    version: int = 0
-    skipped_accepted: int = 0  # positions already accepted before a restart
-    resumed_at: int = 0  # the replay's watermark when this process started: every position below was accepted
-    wall_seconds: float = 0.0
-    cores: list[int] = field(default_factory=list)  # the rollout thread's cores at its end (launcher.pin_cores)
-    threads_offloaded: int = 0  # the process's other threads moved to the learner's cores at the start (pin_cores)
-    timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, what), wall clock
 
 
 class RolloutWorker:

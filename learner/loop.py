@@ -13,32 +13,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from dph_async.config import RunConfig
 from dph_async.paths import checkpoint_dir
 from dph_async.protocol import Batch, ReferenceSample, RolloutGroup
 from dph_async.replay_client import ReplayClient
-from dph_async.spans import Span, add_span
+from dph_async.run_stats import LearnerStats
+from dph_async.spans import add_span
 from learner import retention
 from learner.guard import check_finite
 from learner.publish import WeightServer
 from learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LearnerStats:
-    steps: int = 0
-    train_seconds: float = 0.0
-    wait_seconds: float = 0.0
-    publish_seconds: float = 0.0
-    publish_bytes: int = 0
-    checkpoint_seconds: float = 0.0
-    drops: dict[str, int] = field(default_factory=dict)
-    timeline: list[Span] = field(default_factory=list)
 
 
 class LearnerLoop:

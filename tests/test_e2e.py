@@ -29,11 +29,12 @@ from dph_async.app.actor_pool import POOL_NAMESPACE, holding
 from dph_async.app.actor_process import ActorProcess
 from dph_async.app.cluster import ray_cluster
 from dph_async.app.cores import host_cores, plan_cores, process_tree
-from dph_async.app.launcher import RLResult, run_rl
+from dph_async.app.launcher import run_rl
 from dph_async.app.pipeline import StageTimer, prepare
 from dph_async.app.process_env import cache_dir
 from dph_async.app.specs import RunSpec
 from dph_async.paths import RunPaths
+from dph_async.run_stats import RLResult
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +109,7 @@ def test_async_respects_staleness_and_trains(prepared):
     assert len(result.metrics) == 5
     assert all(math.isfinite(m["loss/total"]) for m in result.metrics)
     # On one host every version reached the actors through the learner's shared memory.
-    assert all(a["weight_shm_loads"] == a["weight_loads"] and a["weight_shm_fallbacks"] == 0
+    assert all(a.weight_shm_loads == a.weight_loads and a.weight_shm_fallbacks == 0
                for a in result.actors), result.actors
     assert all(m["batch/reference_samples"] > 0 for m in result.metrics)  # the DPH term had samples
     plan = plan_cores(host_cores(), 2, 1)  # none on 2 cores: the learner would be left without one
@@ -125,18 +126,18 @@ def test_async_respects_staleness_and_trains(prepared):
     # Every actor that contributed loaded new weights, and tokens made with them reached the learner.
     # (Not necessarily both: in a run of 5 steps, about 2 s, one actor can take every ticket while
     # the other is still in its first engine step.)
-    assert all(a["weight_loads"] >= 1 for a in result.actors if a["groups_sent"] > 0)
+    assert all(a.weight_loads >= 1 for a in result.actors if a.groups_sent > 0)
     assert max(newest for s in steps for *_, newest in s["groups"]) >= 1
     assert (rl_dir / "final_model" / "config.json").is_file()
     # An engine step's CPU splits into the model's forward and vLLM's bookkeeping (bench peer's limit).
     # The actor's thread does the engine steps and more (bench peer's bound on one actor's thread),
     # and marks its clocks as it goes: between two marks the thread's CPU is no more than the wall
     # time, its engine steps' no more than that, their forward no more than those.
-    for a in (a for a in result.actors if a["groups_sent"] > 0):
-        assert 0 < a["forward_cpu_seconds"] < a["generate_cpu_seconds"] < a["thread_cpu_seconds"], a
-        marks = a["cpu_marks"]
-        assert len(marks) >= 2 and list(marks[-1][1:]) == [a[k] for k in ("thread_cpu_seconds", "generate_cpu_seconds",
-                                                                     "forward_cpu_seconds")]
+    for a in (a for a in result.actors if a.groups_sent > 0):
+        assert 0 < a.forward_cpu_seconds < a.generate_cpu_seconds < a.thread_cpu_seconds, a
+        marks = a.cpu_marks
+        assert len(marks) >= 2 and list(marks[-1][1:]) == [a.thread_cpu_seconds, a.generate_cpu_seconds,
+                                                             a.forward_cpu_seconds]
         for m0, m1 in pairwise(marks):
             wall, thread, engine, forward = (y - x for x, y in zip(m0, m1, strict=True))
             assert 0 <= forward <= engine + 1e-6 and engine <= thread + 1e-6 and thread <= wall + 0.02, (m0, m1)
@@ -309,7 +310,7 @@ def test_an_actor_off_the_drivers_node_is_kept_and_reset_from_the_learner(prepar
     first, _ = train(prepared, "away-1", *once, mode="grpo")
     again, _ = train(prepared, "away-2", *once, mode="grpo")
     assert again.pids == first.pids and len(again.metrics) == 3
-    assert all(a["weight_loads"] >= 1 for a in again.actors), again.actors
+    assert all(a.weight_loads >= 1 for a in again.actors), again.actors
 
 
 def test_killed_actor_is_restarted_and_run_completes(prepared):
@@ -366,7 +367,7 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
         zmq_cores = [cores for name, cores in actor_threads if name.startswith("ZMQbg")]
         assert zmq_cores and all(cores == set(plan.actors[0]) for cores in zmq_cores), actor_threads
         assert {frozenset(cores) for _, cores in actor_threads} == {frozenset(plan.actors[0]), frozenset(plan.learner)}
-        assert result.actors[0]["cores"] == plan.actors[0] and result.actors[0]["threads_offloaded"] > 0
+        assert result.actors[0].cores == plan.actors[0] and result.actors[0].threads_offloaded > 0
 
 
 def test_two_learner_ranks_train_checkpoint_and_resume(prepared):
@@ -423,8 +424,8 @@ def test_under_f_linear_the_actor_runs_on_the_learners_shared_weights(prepared):
                            "actors.cpu_gemm=torch", "actors.threads=2", "learner.checkpoint_every=2",
                            "learner.keep_checkpoints=0", mode="grpo")
     (actor,) = result.actors
-    assert actor["weight_loads"] >= 3, actor
-    assert actor["weight_leased_loads"] == actor["weight_shm_loads"] == actor["weight_loads"], actor
+    assert actor.weight_loads >= 3, actor
+    assert actor.weight_leased_loads == actor.weight_shm_loads == actor.weight_loads, actor
     made_at_2 = [[Sequence(g.prompt_ids, c.token_ids, c.logprobs) for c in g.completions if len(c.token_ids)]
                  for r in WriteAheadLog(rl_dir / "replay_wal").records() if isinstance(r, IngestRecord)
                  for g in r.groups if {v for c in g.completions for v in c.versions} == {2}]

@@ -13,9 +13,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
+import msgspec
 import pytest
 
-from actors.rollout import ActorStats
 from actors.telemetry import ActorCollector, actor_health
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.app.cli import main as cli
@@ -28,6 +28,8 @@ from dph_async.gate import HonestLoad
 from dph_async.net import NetSecurity
 from dph_async.protocol import Batch
 from dph_async.replay_client import ReplayClient, RolloutSender
+from dph_async.replay_stats import ReplayStats
+from dph_async.run_stats import ActorStats, LearnerStats, RLResult
 from dph_async.spans import MAX_SPANS, add_span
 from dph_async.telemetry import MAX_CLIENTS, start_endpoint
 from learner.loop import LearnerLoop
@@ -251,8 +253,10 @@ def announce_dead(directory: Path, *names: str) -> None:
 
 
 def rl_result(steps: int, drops: int) -> dict:
-    return {"learner": {"steps": steps}, "replay": {"drops": {"stale": drops}}, "actor_restarts": 0,
-            "wall_seconds": 16.4}
+    """An RL run's record as result.json (and summary.json's "rl") holds it."""
+    result = RLResult("r", LearnerStats(steps=steps), [ActorStats(0)], ReplayStats(drops={"stale": drops}), 0, 16.4,
+                      "final_model")
+    return msgspec.to_builtins(result)
 
 
 def split_result(name: str, greedy: float, top: float) -> dict:

@@ -9,7 +9,6 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +25,7 @@ from dph_async.config import RunConfig
 from dph_async.paths import endpoints_dir
 from dph_async.replay_client import RolloutSender
 from dph_async.rewards.scorer import make_scorer
+from dph_async.run_stats import ActorStats
 from dph_async.samplers import sampler
 from dph_async.tasks.dataset import load_prompts
 from dph_async.telemetry import start_endpoint
@@ -217,13 +217,13 @@ class ActorProcess:
         """(address, Ray node id) of the node this actor runs on."""
         return ray.util.get_node_ip_address(), home_node()
 
-    def run(self, max_groups: int | None = None, spare_cores: list[int] | None = None) -> dict:
+    def run(self, max_groups: int | None = None, spare_cores: list[int] | None = None) -> ActorStats:
         """Generate until stopped; first, with `spare_cores`, every other thread of the process but ZMQ's
         goes there, and the calling thread (Ray's choice) keeps the actor's cores (cores.py)."""
         self._stop.clear()
         if spare_cores:
             self.worker.stats.threads_offloaded = offload_threads(spare_cores)
-        return asdict(self.worker.run(self._stop, max_groups))
+        return self.worker.run(self._stop, max_groups)
 
     def stop(self) -> None:
         self._stop.set()

@@ -38,29 +38,9 @@ from dph_async.app.progress import progress
 from dph_async.config import RunConfig
 from dph_async.paths import final_model
 from dph_async.replay_stats import ReplayStats
+from dph_async.run_stats import ActorStats, LearnerStats, RLResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RLResult:
-    name: str
-    metrics: list[dict[str, float]]
-    learner: dict
-    actors: list[dict]
-    replay: ReplayStats
-    actor_restarts: int
-    wall_seconds: float
-    final_model: str
-    pids: dict[str, int] = field(default_factory=dict)
-    # Seconds from the start of the run to: actors_ready (every engine built), learner_ready (trainer
-    # built), first_step (the first metrics arrive), last_step, end (final model written, all stopped).
-    phases: dict[str, float] = field(default_factory=dict)
-    # Where each actor ran: (address, Ray node id), in order; a restart on another node adds one.
-    nodes: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
-    # The cores each process of the driver's host was pinned to ("learner": every rank), if any
-    # (launcher.pin_cores).
-    cores: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _pin_cores(cfg: RunConfig, pids: dict[str, int], nodes: dict[str, list[tuple[str, str]]]
@@ -190,7 +170,8 @@ def _restart_actor(run: _Run, i: int, error: RayActorError) -> None:
 
 
 def _supervise(run: _Run, name: str, read: int, metrics: list[dict[str, float]] | None,
-               on_metrics: Callable[[dict[str, float]], None] | None, stop: threading.Event | None) -> dict:
+               on_metrics: Callable[[dict[str, float]], None] | None, stop: threading.Event | None
+               ) -> LearnerStats:
     """Pass the learner's metrics on and restart dead actors until the learner is done; its stats."""
     learner, cfg = run.learner, run.cfg
     learner_run = learner.run.remote()
@@ -232,7 +213,7 @@ def _stop(run: _Run) -> None:
     run.learner.stop.remote()
 
 
-def _wind_down(run: _Run) -> tuple[list[dict], ReplayStats]:
+def _wind_down(run: _Run) -> tuple[list[ActorStats], ReplayStats]:
     """After the learner's last step: the actors' stats, the replay's, and every process closed, kept
     for the next run (`launcher.reuse_actors`, `reuse_learner`) or ended."""
     cfg, keep_s = run.cfg, run.cfg.launcher.keep_actors_s
@@ -287,5 +268,5 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
             _stop(run)
         actor_stats, replay = _wind_down(run)
     run.phases["end"] = run.since_start()
-    return RLResult(name, metrics, learner_stats, actor_stats, replay, run.restarts, run.phases["end"], str(out),
-                    run.pids, run.phases, run.nodes, run.cores)
+    return RLResult(name, learner_stats, actor_stats, replay, run.restarts, run.phases["end"], str(out), run.pids,
+                    run.phases, run.nodes, run.cores, metrics)

@@ -12,7 +12,6 @@ import os
 import shutil
 import threading
 import uuid
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,6 +26,7 @@ from dph_async.app.process_env import bind_address, log_to_file
 from dph_async.config import RunConfig
 from dph_async.paths import checkpoint_dir, endpoints_dir
 from dph_async.replay_stats import ReplayStats
+from dph_async.run_stats import LearnerStats
 from dph_async.tasks.model_limits import replay_config
 from dph_async.telemetry import start_endpoint
 from learner.telemetry import LearnerCollector, learner_health
@@ -177,8 +177,8 @@ class LearnerProcess:
 
         return pack(Path(self.model_dir), Path(prompts_path))
 
-    def run(self) -> dict:
-        return asdict(self.loop.run(self._stop))
+    def run(self) -> LearnerStats:
+        return self.loop.run(self._stop)
 
     def stop(self) -> None:
         self._stop.set()

@@ -30,6 +30,7 @@ from dph_async.app.report import write_report
 from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config
 from dph_async.paths import RunPaths, checkpoint_dir, final_model, is_learner_checkpoint
+from dph_async.run_stats import RLResult, read_result, write_result
 from dph_async.tasks.dataset import verl_row, write_rows
 from dph_async.tasks.embedded import ALPHABET, make_splits
 
@@ -226,7 +227,7 @@ def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
     paths.config.write_text(dump_config(cfg))
     timer = StageTimer()
     start = time.time()
-    results: dict[str, dict] = {}
+    results: dict[str, RLResult] = {}
     need_presample = any(s.needs_presampling for s in specs)
     evals = {"base": paths.eval / "base.json", **{s.name: paths.eval / f"{s.slug}.json" for s in specs}}
     # A finished run invoked again only reads what it wrote: no Ray, whose start would be most of it.
@@ -256,12 +257,11 @@ def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
 
 
 def train_mode(cfg: RunConfig, paths: RunPaths, prepared: Prepared, spec: RunSpec, rl_dir: Path, timer: StageTimer,
-               name: str | None = None) -> dict:
+               name: str | None = None) -> RLResult:
     """One RL run in rl_dir (resumed from its newest checkpoint if it was stopped; skipped if finished).
     Returns its record (result.json): learner, actor and replay statistics, restarts, wall time."""
-    record = rl_dir / "result.json"
-    if record.is_file():
-        return json.loads(record.read_text())
+    if (rl_dir / "result.json").is_file():
+        return read_result(rl_dir)
     mcfg = spec.apply(cfg)
     name = name or spec.name
     latest = checkpoint_dir(rl_dir) / "latest"
@@ -273,12 +273,8 @@ def train_mode(cfg: RunConfig, paths: RunPaths, prepared: Prepared, spec: RunSpe
         result = run_rl(mcfg, name, rl_dir, prepared.base, prepared.prompts_for(spec),
                         prepared.pool_for(spec), resume_tag=resume_tag, on_metrics=wb)
     timer.add(f"rl ({name})", t)
-    data = asdict(result)
-    data.pop("metrics")
-    (rl_dir / "timeline.json").write_text(json.dumps(
-        {"learner": data["learner"].pop("timeline"), "actors": [a.pop("timeline") for a in data["actors"]]}))
-    record.write_text(json.dumps(data, indent=2))
-    return data
+    write_result(result, rl_dir)
+    return read_result(rl_dir)
 
 
 class WandbStream:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 import matplotlib
+import msgspec
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -18,6 +19,7 @@ from dph_async.app.evaluate import DIFFICULTY, SplitResult, by_base_difficulty, 
 from dph_async.app.plot_colours import colour_map
 from dph_async.app.progress import console
 from dph_async.paths import RunPaths
+from dph_async.run_stats import RLResult
 
 TABLE_K = (1, 4, 8, 16)
 
@@ -151,21 +153,25 @@ def plot_training(curves: dict[str, list[dict[str, float]]], out: Path, colours:
     _save(training_figure(curves, colours), out)
 
 
-def throughput_rows(rl: dict[str, dict], curves: dict[str, list[dict[str, float]]]) -> list[list[str]]:
+def _jsonable(value: object) -> object:
+    """What json cannot write itself: the typed results as their fields, anything else (paths) as text."""
+    return msgspec.to_builtins(value) if is_dataclass(value) else str(value)
+
+
+def throughput_rows(rl: dict[str, RLResult], curves: dict[str, list[dict[str, float]]]) -> list[list[str]]:
     """Per RL run: start-up (to the first step's metrics) and shutdown (after the last step) seconds,
     each actor's generation tokens/s, the learner's training tokens/s, drops, restarts."""
     rows = []
     for mode, r in rl.items():
-        actors = " / ".join(f"{a['tokens_generated'] / max(a['generate_seconds'], 1e-9):,.0f}" for a in r["actors"])
-        learner = r["learner"]
+        actors = " / ".join(f"{a.tokens_generated / max(a.generate_seconds, 1e-9):,.0f}" for a in r.actors)
         tokens = sum(m["batch/fresh_tokens"] for m in curves.get(mode, []))
-        ph = r.get("phases", {})
+        ph = r.phases
         startup = f"{ph['first_step']:.1f}" if "first_step" in ph else "-"
         shutdown = f"{ph['end'] - ph['last_step']:.1f}" if "last_step" in ph else "-"
-        rows.append([mode, f"{r['wall_seconds']:.0f}", startup, shutdown, str(learner["steps"]), actors,
-                     f"{tokens / max(learner['train_seconds'], 1e-9):,.0f}",
-                     f"{learner['wait_seconds'] / max(r['wall_seconds'], 1e-9):.0%}",
-                     str(sum(r["replay"]["drops"].values())), str(r["actor_restarts"])])
+        rows.append([mode, f"{r.wall_seconds:.0f}", startup, shutdown, str(r.learner.steps), actors,
+                     f"{tokens / max(r.learner.train_seconds, 1e-9):,.0f}",
+                     f"{r.learner.wait_seconds / max(r.wall_seconds, 1e-9):.0%}",
+                     str(sum(r.replay.drops.values())), str(r.actor_restarts)])
     return rows
 
 
@@ -228,7 +234,7 @@ def write_report(paths: RunPaths, summary: dict, eval_files: dict[str, Path]) ->
         [k, f"{v:.1f}"] for k, v in summary["stage_seconds"].items()]), ""]
     md += ["Plots: `plots/training.png`, `plots/pass_at_k.png`.", ""]
     (paths.root / "summary.md").write_text("\n".join(md))
-    (paths.root / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (paths.root / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
     stages = ", ".join(f"{k} {v:.0f}s" for k, v in summary["stage_seconds"].items())
     console.print(f"stages: {stages}; total {summary['wall_seconds']:.0f}s")
     console.print(f"report: {paths.root / 'summary.md'} (plots in {paths.plots}, logs in {paths.root / 'rl'}/*/logs)")

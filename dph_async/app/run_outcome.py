@@ -8,6 +8,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
+from dph_async.run_stats import RLResult, read_result
+
 
 @dataclass(frozen=True)
 class RLOutcome:
@@ -20,9 +24,9 @@ class RLOutcome:
     actor_restarts: int
 
     @classmethod
-    def of(cls, name: str, result: dict) -> RLOutcome:
-        return cls(name, int(result["learner"]["steps"]), float(result["wall_seconds"]),
-                   int(sum(result["replay"]["drops"].values())), int(result["actor_restarts"]))
+    def of(cls, name: str, result: RLResult) -> RLOutcome:
+        return cls(name, result.learner.steps, result.wall_seconds, sum(result.replay.drops.values()),
+                   result.actor_restarts)
 
 
 @dataclass(frozen=True)
@@ -63,10 +67,10 @@ def finished_run(root: Path) -> RunOutcome | None:
         return None
     summary = json.loads(path.read_text())
     return RunOutcome(root, path.stat().st_mtime, float(summary["wall_seconds"]), summary["stage_seconds"],
-                      [RLOutcome.of(name, r) for name, r in summary["rl"].items()], _scores(summary.get("eval", {})))
+                      [RLOutcome.of(name, msgspec.convert(r, RLResult)) for name, r in summary["rl"].items()],
+                      _scores(summary.get("eval", {})))
 
 
 def finished_rl(rl_dir: Path) -> RLOutcome | None:
     """The outcome of the RL run in `rl_dir` (rl/<mode>), or None while it has no result.json."""
-    path = rl_dir / "result.json"
-    return RLOutcome.of(rl_dir.name, json.loads(path.read_text())) if path.is_file() else None
+    return RLOutcome.of(rl_dir.name, read_result(rl_dir)) if (rl_dir / "result.json").is_file() else None

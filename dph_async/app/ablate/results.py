@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dph_async.app.ablate.cells import Cell
 from dph_async.app.evaluate import SplitResult, by_base_difficulty, load_results
+from dph_async.run_stats import read_result
 
 # Diagnostics averaged over a run's steps: name -> metrics.jsonl key.
 DIAGNOSTICS = {
@@ -77,14 +78,14 @@ def load_cell(rl_dir: Path, base_eval: dict[str, SplitResult]) -> CellResult:
         v = int(f.stem[1:])
         i = version.index(v)
         evals.append(EvalPoint(v, samples[i], wall[i], load_results(f)))
-    replay = json.loads((rl_dir / "result.json").read_text())["replay"]
+    replay = read_result(rl_dir).replay
     diagnostics = {}
     for name, key in DIAGNOSTICS.items():
         values = [r[key] for r in rows if key in r]
         if values:
             diagnostics[name] = sum(values) / len(values)
     return CellResult(cell, version, samples, wall, [r["reward/mean"] for r in rows], evals,
-                      {int(k): v for k, v in replay["staleness_hist"].items()}, replay["drops"], diagnostics,
+                      replay.staleness_hist, replay.drops, diagnostics,
                       record["resumed"])
 
 

@@ -34,6 +34,7 @@ from dph_async.app.bench.cpu import ProcessTreeCPU, cpu_between
 from dph_async.app.bench.peer_limit import Limit, limit_lines, limit_of
 from dph_async.app.bench.peer_spec import PeerSpec
 from dph_async.config import RunConfig
+from dph_async.run_stats import ActorStats, read_result
 
 SYSTEMS = ("dph-async", "loop", "trl")
 TRL_PACKAGES = ("transformers==5.23.0", "trl==1.16.0", "datasets==5.2.0", "accelerate==1.15.0")
@@ -164,28 +165,28 @@ def run_dph(cfg: RunConfig, out: Path, repeat: int, skip: int) -> PeerRun:
         prepared = prepare(cfg, paths, StageTimer(), False)
         cpu = _run_one(cfg, paths, prepared, RunSpec.of(cfg), name, StageTimer())
     f = measure(name, cfg, paths.rl(name), skip, cpu)
-    result = json.loads((paths.rl(name) / "result.json").read_text())
+    result = read_result(paths.rl(name))
     return PeerRun(
         system="dph-async", repeat=repeat, steps=f.steps, step_s=f.step_s, completions_per_s=f.samples_per_s,
         tokens_per_s=f.tokens_per_s, phases={"learner wait (g)": f.generate_s, "learner train (t)": f.train_s},
-        startup_s=result["wall_seconds"] - f.window_s, load_avg=(load0, os.getloadavg()[0]),
+        startup_s=result.wall_seconds - f.window_s, load_avg=(load0, os.getloadavg()[0]),
         outside_cores=f.cpu_cores.get("outside") if f.cpu_cores else None, reward_mean=f.reward_last,
         cpu_s_per_step=f.cpu_s_per_step,
         detail={"eta": f.eta, "actors": f.actors, "cpu_cores": f.cpu_cores, "learner_phase_s": f.learner_phase_s,
-                "tokens_per_step": f.tokens_per_s * f.step_s, **engine_cpu_per_token(result["actors"]),
+                "tokens_per_step": f.tokens_per_s * f.step_s, **engine_cpu_per_token(result.actors),
                 "weights": asdict(f.weights), "learner_busy": f.learner_busy, "actors_busy": f.actors_busy,
-                "actor_cpu_s": f.actor_cpu_s, "cores": result.get("cores", {})},
+                "actor_cpu_s": f.actor_cpu_s, "cores": result.cores},
     )
 
 
-def engine_cpu_per_token(actors: list[dict]) -> dict[str, float]:
+def engine_cpu_per_token(actors: list[ActorStats]) -> dict[str, float]:
     """The engines' thread CPU per generated token over a run: in engine steps, and of that in the
-    model's forward (none from a run recorded before actors kept them)."""
-    if not actors or any("forward_cpu_seconds" not in a for a in actors):
+    model's forward."""
+    if not actors:
         return {}
-    tokens = sum(a["tokens_generated"] for a in actors) or 1
-    return {"engine_cpu_per_token": sum(a["generate_cpu_seconds"] for a in actors) / tokens,
-            "forward_cpu_per_token": sum(a["forward_cpu_seconds"] for a in actors) / tokens}
+    tokens = sum(a.tokens_generated for a in actors) or 1
+    return {"engine_cpu_per_token": sum(a.generate_cpu_seconds for a in actors) / tokens,
+            "forward_cpu_per_token": sum(a.forward_cpu_seconds for a in actors) / tokens}
 
 
 def write_inputs(cfg: RunConfig, model: Path, data: Path, out: Path) -> tuple[Path, Path]:

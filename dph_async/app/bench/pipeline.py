@@ -38,6 +38,7 @@ from dph_async.app.bench.timeline import (
 from dph_async.app.specs import RunSpec
 from dph_async.config import RunConfig
 from dph_async.paths import RunPaths
+from dph_async.run_stats import read_result
 
 # Applied before the user's overrides: a throughput benchmark of the RL loop, not a training run.
 # Checkpoints would add the same pause to both modes; their cost is its own span in the timeline.
@@ -50,19 +51,19 @@ def _mean(xs: list[float]) -> float:
 
 def measure(name: str, cfg: RunConfig, rl_dir: Path, skip: int, cpu: list[CpuSample] | None) -> RunFigures:
     """Figures of a finished run of `cfg` in rl_dir (result.json, timeline.json, metrics.jsonl)."""
-    result = json.loads((rl_dir / "result.json").read_text())
+    result = read_result(rl_dir)
     tl = Timeline.load(rl_dir / "timeline.json")
     win: Window = steady_window(tl.learner, skip)
     rows = [json.loads(x) for x in (rl_dir / "metrics.jsonl").read_text().splitlines()]
     in_win = [r for r in rows if r["learner/version"] > skip]
     phases = learner_phases(tl.learner, win)
-    actors, lrn = result["actors"], result["learner"]
+    actors, lrn = result.actors, result.learner
     publishes = sum(1 for s in tl.learner if s.what == "publish")
-    loads = sum(a["weight_loads"] for a in actors)
-    load_s = sum(a["weight_load_seconds"] for a in actors)
-    load_bytes = sum(a["weight_bytes"] for a in actors)
-    occ = result["replay"]["occupancy"]
-    group_bytes = occ["bytes"] / occ["groups"] if occ["groups"] else 0.0
+    loads = sum(a.weight_loads for a in actors)
+    load_s = sum(a.weight_load_seconds for a in actors)
+    load_bytes = sum(a.weight_bytes for a in actors)
+    occ = result.replay.occupancy
+    group_bytes = occ.bytes / occ.groups if occ.groups else 0.0
     cores = per_step = None
     if cpu:
         used = cpu_between(cpu, win.start, win.end)
@@ -93,21 +94,20 @@ def measure(name: str, cfg: RunConfig, rl_dir: Path, skip: int, cpu: list[CpuSam
         learner_busy=fractions(tl.learner, win),
         actors_busy=[fractions(a, win) for a in tl.actors],
         all_waiting=all_waiting(tl.learner, tl.actors, win),
-        actor_tokens_per_s=_mean([a["tokens_generated"] / a["generate_seconds"] for a in actors
-                                  if a["generate_seconds"] > 0]),
+        actor_tokens_per_s=_mean([a.tokens_generated / a.generate_seconds for a in actors if a.generate_seconds > 0]),
         learner_tokens_per_s=statistics.median(r["learner/tokens_per_s"] for r in in_win),
         weights=WeightSync(
             publishes=publishes,
-            publish_s=lrn["publish_seconds"] / max(publishes, 1),
-            publish_bytes=lrn["publish_bytes"] // max(publishes, 1),
+            publish_s=lrn.publish_seconds / max(publishes, 1),
+            publish_bytes=lrn.publish_bytes // max(publishes, 1),
             loads=loads,
             load_s=load_s / max(loads, 1),
             load_bytes=load_bytes // max(loads, 1),
             load_gb_per_s=load_bytes / load_s / 1e9 if load_s > 0 else 0.0,
             delay_s=statistics.median(delays) if (delays := weight_delays(tl.learner, tl.actors, win)) else 0.0,
         ),
-        rollout_mb_per_s=result["replay"]["accepted"] * group_bytes / result["wall_seconds"] / 1e6,
-        staleness_hist=result["replay"]["staleness_hist"],
+        rollout_mb_per_s=result.replay.accepted * group_bytes / result.wall_seconds / 1e6,
+        staleness_hist=result.replay.staleness_hist,
         reward_last=_mean([r["reward/mean"] for r in last]),
         cpu_cores=cores,
         cpu_s_per_step=per_step,
