@@ -114,8 +114,8 @@ def measure(name: str, cfg: RunConfig, rl_dir: Path, skip: int, cpu: list[CpuSam
         learner_phase_s={k.removeprefix("time/"): _mean([r.get(k, 0.0) for r in in_win]) for k in phase_keys},
         actor_span_s=actor_spans,
         actor_cpu_s=[dict(zip(("thread", "engine", "forward"),
-                              (v / win.steps for v in marked_between(a["cpu_marks"], win.start, win.end)),
-                              strict=True)) for a in actors if a.get("cpu_marks")],
+                              (v / win.steps for v in marked_between(a.cpu_marks, win.start, win.end)),
+                              strict=True)) for a in actors if a.cpu_marks],
     )
 
 
