@@ -112,6 +112,25 @@ def test_a_damaged_record_mid_segment_is_skipped_reported_and_its_positions_reop
     assert sorted(e.group.seq for e in again.store) == [0, 1, 2, 3, 6, 7, 8]
 
 
+def test_a_restore_over_a_damaged_record_reopens_its_positions(tmp_path):
+    """A learner resuming from a snapshot: the groups accepted after it come back from the log, but for
+    those of a damaged record, whose positions stay open for their actors."""
+    core = make_core(tmp_path)
+    sent = [synthetic_group(0, i) for i in range(9)]
+    core.ingest(sent[:3])
+    core.snapshot(tmp_path / "ckpt")
+    bounds = [_segment(core).stat().st_size]
+    for i in (3, 6):
+        core.ingest(sent[i : i + 3])
+        bounds.append(_segment(core).stat().st_size)
+    _flip(_segment(core), (bounds[0] + bounds[1]) // 2)  # the record of (0, 3) to (0, 5)
+    recovered = make_core(tmp_path)
+    assert "3 accepted after the snapshot re-added" in recovered.restore(tmp_path / "ckpt")
+    assert sorted(e.group.seq for e in recovered.store) == [0, 1, 2, 6, 7, 8]
+    resume = recovered.resume(0)
+    assert (resume.watermark, resume.accepted_above) == (3, [6, 7, 8])
+
+
 def test_status_flags_a_damaged_log(tmp_path):
     core, _, (_, first_end, second_end, _) = _three_records(tmp_path)
     _flip(_segment(core), (first_end + second_end) // 2)
