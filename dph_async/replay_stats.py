@@ -66,11 +66,14 @@ class Tickets:
 @dataclass
 class WalStats:
     """The write-ahead log: the segment being written, bytes since the last base, and what recovery
-    found damaged (records whose checksum failed or that were cut short, and the bytes cut off)."""
+    found damaged: records whose checksum failed or that were cut short, the damaged bytes skipped
+    with sound records after them (acknowledged data lost; its groups are generated again), and the
+    bytes cut off the end of a segment."""
 
     segment: int = -1
     bytes_since_base: int = 0
     damaged_records: int = 0
+    skipped_bytes: int = 0
     truncated_bytes: int = 0
 
 

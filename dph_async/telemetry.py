@@ -10,16 +10,23 @@
 Every long-running process (replay, learner, actors, scorer) serves one; `dph-async status` reads them.
 The endpoint binds loopback by default and lets the OS choose the port; the announce file says which.
 It only answers GETs of those two paths: no body is read, a request's line and headers are bounded by
-the standard library (64 KiB, 100 headers), a client has `CLIENT_TIMEOUT_S` to send them, and at most
-`MAX_CLIENTS` connections are served at once (more are closed unanswered).
+the standard library (64 KiB, 100 headers), a connection has `CLIENT_TIMEOUT_S` in all to send them (a
+deadline for the whole request, not for each read), at most `MAX_CLIENTS` connections are served at
+once and at most `MAX_PER_CLIENT` of them from one address (more are closed unanswered). /metrics is
+rendered at most once per `RENDER_INTERVAL_S` (`CachedExposition`): a scrape loop costs the process
+bytes sent, not collections of its numbers.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import socket
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -32,6 +39,8 @@ from dph_async.config import NetConfig
 
 CLIENT_TIMEOUT_S = 5.0
 MAX_CLIENTS = 16
+MAX_PER_CLIENT = 4
+RENDER_INTERVAL_S = 1.0
 
 
 class ThreadsCollector(Collector):
@@ -57,17 +66,61 @@ def process_registry() -> CollectorRegistry:
     return registry
 
 
+class CachedExposition:
+    """A registry's Prometheus text, rendered at most once per `interval_s`; scrapes in between get the
+    last rendering. Collecting reads every number of the process (the replay's stats, the learner's
+    metrics): at the rate of a scrape loop it took 0.9 of a core and slowed the replay's acks 5x."""
+
+    def __init__(self, registry: CollectorRegistry, interval_s: float = RENDER_INTERVAL_S) -> None:
+        self.registry, self.interval_s = registry, interval_s
+        self._lock = threading.Lock()  # concurrent scrapes wait for one rendering
+        self._text, self._rendered_at = b"", -math.inf
+
+    def text(self) -> bytes:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._rendered_at >= self.interval_s:
+                self._text, self._rendered_at = generate_latest(self.registry), now
+            return self._text
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's bytes until a deadline for the whole request: a client sending a byte every few
+    seconds is cut off like a silent one (a timeout per read would hold its slot for ever)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"request not received within {CLIENT_TIMEOUT_S:g} s")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
-        self.clients = threading.BoundedSemaphore(MAX_CLIENTS)
+        self._lock = threading.Lock()
+        self._served = 0
+        self._per_client: Counter[str] = Counter()
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.address_family = family
         super().__init__(address, handler)
 
     def process_request(self, request, client_address) -> None:  # type: ignore[override]
-        if not self.clients.acquire(blocking=False):  # too many at once: close, do not queue
+        host = client_address[0]
+        with self._lock:  # too many at once, or from this address: close, do not queue
+            admitted = self._served < MAX_CLIENTS and self._per_client[host] < MAX_PER_CLIENT
+            if admitted:
+                self._served += 1
+                self._per_client[host] += 1
+        if not admitted:
             self.shutdown_request(request)
             return
         super().process_request(request, client_address)
@@ -76,7 +129,11 @@ class _Server(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.clients.release()
+            with self._lock:
+                self._served -= 1
+                self._per_client[client_address[0]] -= 1
+                if not self._per_client[client_address[0]]:
+                    del self._per_client[client_address[0]]
 
 
 class MetricsEndpoint:
@@ -86,13 +143,17 @@ class MetricsEndpoint:
                  host: str = "127.0.0.1", port: int = 0) -> None:
         self.name = name
         self.announced: Path | None = None  # the file announce() wrote
+        exposition = CachedExposition(registry)
 
         class Handler(BaseHTTPRequestHandler):
-            timeout = CLIENT_TIMEOUT_S  # for the request line and headers of a slow client
+            def setup(self) -> None:
+                super().setup()
+                self.rfile.close()
+                self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + CLIENT_TIMEOUT_S))
 
             def do_GET(self) -> None:
                 if self.path == "/metrics":
-                    self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+                    self._reply(200, exposition.text(), CONTENT_TYPE_LATEST)
                 elif self.path == "/health":
                     try:
                         body = {"status": "ok", "name": name, "pid": os.getpid(), **health()}

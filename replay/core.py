@@ -421,6 +421,7 @@ class ReplayCore:
                 segment=wal.segment,
                 bytes_since_base=wal.bytes_since_base,
                 damaged_records=wal.damaged_records,
+                skipped_bytes=wal.skipped_bytes,
                 truncated_bytes=wal.truncated_bytes,
             )
             if wal is not None

@@ -3,15 +3,17 @@
 A directory of numbered segments of checksummed records, plus bases (state files, replay/state.py)
 that summarise everything before a segment:
 
-    wal.json              {"wal_id": ..., "keep_from": first segment a learner snapshot needs}
+    wal.json              {"wal_id": ..., "keep_from": first segment a learner snapshot needs, "crc32": ...}
     seg-00000007.wal      records, appended and flushed before the replay acknowledges them
-    base-00000007.arrow   the state at the start of segment 7
+    base-00000007.arrow   the state at the start of segment 7 (with its own checksums)
 
-A segment is the 8-byte magic b"DPHWAL02", then records, each
+A segment is the 8-byte magic b"DPHWAL03", then records, each self-delimiting and checksummed:
 
-    length  u64 little-endian   bytes of the payload
-    crc32   u32 little-endian   zlib.crc32 of the payload
-    payload                     a kind byte, then the record
+    sync        4 bytes             b"\xd7\x1dWR": where a record starts
+    length      u64 little-endian   bytes of the payload
+    crc32       u32 little-endian   zlib.crc32 of the payload
+    head crc32  u32 little-endian   zlib.crc32 of the 16 bytes before it
+    payload                         a kind byte, then the record
 
 Two record kinds:
     G  ingest   accepted groups, written before they are acknowledged, as the wire protocol's
@@ -23,20 +25,24 @@ Two record kinds:
                 version, group ids, reference ids, and the groups dropped since the previous
                 batch; it also confirms the batch before it
 
-Segments of the previous build (b"DPHWAL01": every payload one Arrow record batch, an ingest
-record a row per group) are still read, so a run resumes across the upgrade.
+Damage is never read as data. A record whose header or payload fails its checksum is skipped: the
+reader finds the next sound record (a sync whose header and payload checksums both hold) and goes on
+from there, so only the damaged record is lost; recovery logs it as an error and counts it
+(`damaged_records`, `skipped_bytes`). Its groups were never re-accepted, so the actors that made them
+generate their positions again when they resume (replay/core.py). Damage with no sound record after
+it ends the segment: a write a crash cut short (never acknowledged), or damage at its end; recovery
+truncates the segment there (`truncated_bytes`). Segments are deleted once both the newest base and
+the newest learner snapshot are past them: a restore re-adds the groups accepted after its snapshot
+from these segments, so nothing an actor was told is accepted is lost.
 
-Recovery loads the newest base and applies the segments from there on. In each segment it stops at
-the first record that is cut short (a crash inside a write: that record was never acknowledged) or
-whose checksum fails (the disk changed it), counts and logs the damage, and truncates the segment
-there, so what comes before survives and the damage is never read again. Segments are deleted once
-both the newest base and the newest learner snapshot are past them: a restore re-adds the groups
-accepted after its snapshot from these segments, so nothing an actor was told is accepted is lost.
+Logs of earlier builds are read: b"DPHWAL02" segments (records of u64 length and u32 crc32, read up to
+their first damaged record and truncated there, since a damaged length leaves nothing to resynchronise
+on), b"DPHWAL01" ones (Arrow payloads), an index without a checksum (rewritten with one) and bases
+without checksums (replay/state.py). New records always go to a new segment in this build's format.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -47,6 +53,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pyarrow as pa
 
 from dph_async.protocol import Limits, ProtocolError, RolloutGroup, decode, encode
@@ -69,9 +76,14 @@ WAL_SCHEMA = pa.schema(
     ]
 )
 _SEGMENT = re.compile(r"seg-(\d{8})\.wal$")
-MAGIC = b"DPHWAL02"
+MAGIC = b"DPHWAL03"
+MAGIC_V2 = b"DPHWAL02"  # read, never written
 MAGIC_V1 = b"DPHWAL01"  # read, never written
-_RECORD = struct.Struct("<QI")  # payload length, crc32 of the payload
+_SYNC = b"\xd7\x1dWR"
+_HEAD = struct.Struct("<4sQI")  # sync, payload length, crc32 of the payload
+_HEAD_CRC = struct.Struct("<I")  # crc32 of _HEAD's bytes
+HEADER_BYTES = _HEAD.size + _HEAD_CRC.size
+_RECORD_V2 = struct.Struct("<QI")  # payload length, crc32 of the payload
 _GROUPS, _SERVE = b"G", b"S"
 # Our own log, checksummed: the wire's size limits are for peers, and a group accepted under a
 # service's raised limits must read back.
@@ -154,8 +166,101 @@ def _payload(record: Record) -> bytes:
 
 
 class WalFormatError(ValueError):
-    """A segment is not a log this build reads (no magic, or a checksummed record it cannot parse):
-    never truncated, the file is named."""
+    """A file of the log is not one this build reads (no magic, a damaged index, or a checksummed record
+    it cannot parse): never truncated or rewritten, the file (and where it can, the byte) is named."""
+
+
+class WalIndex(msgspec.Struct, forbid_unknown_fields=True):
+    """wal.json: the log's id (snapshots name it) and the first segment the newest snapshot needs."""
+
+    wal_id: str
+    keep_from: int | None = None
+    crc32: int | None = None  # of the index's other fields (`_index_crc`); absent in earlier builds' files
+
+
+def _index_crc(index: WalIndex) -> int:
+    return zlib.crc32(msgspec.json.encode([index.wal_id, index.keep_from]))
+
+
+def read_index(path: Path) -> WalIndex:
+    """The index at `path`, checked; WalFormatError naming the file (and the byte, where JSON breaks)."""
+    data = path.read_bytes()
+    try:
+        index = msgspec.json.decode(data, type=WalIndex)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise WalFormatError(f"{path}: damaged write-ahead log index ({e}); {_DAMAGED_INDEX}") from None
+    if index.crc32 is None:
+        log.warning("write-ahead log index %s: written by an earlier build, without a checksum; rewritten with one",
+                    path)
+    elif index.crc32 != _index_crc(index):
+        raise WalFormatError(f"{path}: damaged write-ahead log index (bytes 0-{len(data) - 1} do not match their "
+                             f"checksum); {_DAMAGED_INDEX}")
+    return index
+
+
+_DAMAGED_INDEX = "nothing of the log was read; repair the file or move the directory away to start a new log"
+
+
+@dataclass
+class Damage:
+    """Bytes [offset, end) of a segment that hold no sound record; `end` is the segment's size when no
+    sound record follows."""
+
+    offset: int
+    end: int
+    problem: str
+
+
+def record_header(payload: bytes) -> bytes:
+    """The header that goes before `payload` in a segment."""
+    head = _HEAD.pack(_SYNC, len(payload), zlib.crc32(payload))
+    return head + _HEAD_CRC.pack(zlib.crc32(head))
+
+
+def _frame(view: memoryview, offset: int, size: int) -> tuple[int, int] | str:
+    """(payload offset, payload length) of the sound record at `offset`, or what is wrong there."""
+    if size - offset < HEADER_BYTES:
+        return "record header cut short"
+    sync, length, crc = _HEAD.unpack_from(view, offset)
+    (head_crc,) = _HEAD_CRC.unpack_from(view, offset + _HEAD.size)
+    if sync != _SYNC or zlib.crc32(view[offset : offset + _HEAD.size]) != head_crc:
+        return "record header fails its checksum"
+    body = offset + HEADER_BYTES
+    if length > size - body:
+        return "record cut short"
+    if zlib.crc32(view[body : body + length]) != crc:
+        return "payload fails its checksum"
+    return body, length
+
+
+def _next_record(view: memoryview, start: int, size: int) -> int | None:
+    """Where the first sound record at or after `start` begins (its sync, and both its checksums hold)."""
+    chunk = 1 << 20
+    while start < size:
+        window = bytes(view[start : min(size, start + chunk + len(_SYNC) - 1)])
+        at = window.find(_SYNC)
+        while at >= 0:
+            if not isinstance(_frame(view, start + at, size), str):
+                return start + at
+            at = window.find(_SYNC, at + 1)
+        start += chunk
+    return None
+
+
+def scan(view: memoryview, size: int) -> Iterator[tuple[int, int] | Damage]:
+    """A DPHWAL03 segment's records as (payload offset, length), and the damaged spans between them."""
+    offset = len(MAGIC)
+    while offset < size:
+        found = _frame(view, offset, size)
+        if not isinstance(found, str):
+            yield found
+            offset = found[0] + found[1]
+            continue
+        resume = _next_record(view, offset + 1, size)
+        yield Damage(offset, size if resume is None else resume, found)
+        if resume is None:
+            return
+        offset = resume
 
 
 def _from_batch(batch: pa.RecordBatch) -> Iterator[Record]:
@@ -188,26 +293,26 @@ class WriteAheadLog:
             )
         self.fsync = fsync
         self.segment_bytes = segment_bytes
-        meta_file = self.dir / "wal.json"
-        if meta_file.exists():
-            self._meta = json.loads(meta_file.read_text())
-        else:
-            self._meta = {"wal_id": uuid.uuid4().hex, "keep_from": None}
+        index = self.dir / "wal.json"
+        self._meta = read_index(index) if index.exists() else WalIndex(uuid.uuid4().hex)
+        if self._meta.crc32 is None:  # new, or an earlier build's
             self._write_meta()
         self.segment = -1  # the segment being written; none until open()
         self._file = None
         self._written = 0
         self.bytes_since_base = 0
         self.damaged_records = 0  # found by recovery: records cut short or failing their checksum
+        self.skipped_bytes = 0  # of them, damaged bytes followed by sound records (lost, not truncated)
         self.truncated_bytes = 0
 
     @property
     def wal_id(self) -> str:
-        return self._meta["wal_id"]
+        return self._meta.wal_id
 
     def _write_meta(self) -> None:
+        self._meta.crc32 = _index_crc(self._meta)
         tmp = self.dir / "wal.json.tmp"
-        tmp.write_text(json.dumps(self._meta))
+        tmp.write_bytes(msgspec.json.encode(self._meta))
         os.replace(tmp, self.dir / "wal.json")
 
     def _numbered(self, pattern: re.Pattern) -> dict[int, Path]:
@@ -240,25 +345,40 @@ class WriteAheadLog:
             raise WalFormatError(f"{path}: not a write-ahead log segment of this build (no {MAGIC!r} header)")
         buf = pa.memory_map(str(path)).read_buffer()
         magic = buf[: len(MAGIC)].to_pybytes()
-        if magic not in (MAGIC, MAGIC_V1):
-            raise WalFormatError(f"{path}: not a write-ahead log segment of this build (no {MAGIC!r} header)")
+        if magic not in (MAGIC, MAGIC_V2, MAGIC_V1):
+            raise WalFormatError(f"{path}: not a write-ahead log segment of this build (no {MAGIC!r} header at "
+                                 "byte 0)")
         view = memoryview(buf)
+        if magic != MAGIC:
+            yield from self._earlier_records(path, buf, magic == MAGIC_V1, repair)
+            return
+        for found in scan(view, size):
+            if isinstance(found, Damage):
+                self._damaged(path, found, size, repair)
+            else:
+                body, length = found
+                yield self._record(path, body - HEADER_BYTES, view[body : body + length])
+
+    def _earlier_records(self, path: Path, buf: pa.Buffer, arrow: bool, repair: bool) -> Iterator[Record]:
+        """An earlier build's segment, up to its first damaged record: with no checksum over a record's
+        length, nothing after a damaged one can be found again."""
+        size, view = buf.size, memoryview(buf)
         offset = len(MAGIC)
         while offset < size:
             problem = ""
-            if size - offset < _RECORD.size:
+            if size - offset < _RECORD_V2.size:
                 problem = "record header cut short"
             else:
-                length, crc = _RECORD.unpack_from(view, offset)
-                body = offset + _RECORD.size
+                length, crc = _RECORD_V2.unpack_from(view, offset)
+                body = offset + _RECORD_V2.size
                 if length > size - body:
                     problem = "record cut short"
                 elif zlib.crc32(view[body : body + length]) != crc:
                     problem = "checksum mismatch"
             if problem:
-                self._damaged(path, offset, size, problem, repair)
+                self._damaged(path, Damage(offset, size, problem), size, repair)
                 return
-            if magic == MAGIC_V1:
+            if arrow:
                 yield from _from_batch(pa.ipc.read_record_batch(buf.slice(body, length), WAL_SCHEMA))
             else:
                 yield self._record(path, offset, view[body : body + length])
@@ -280,16 +400,24 @@ class WriteAheadLog:
             problem = str(e)
         raise WalFormatError(f"{path}: the record at byte {offset} is not one this build reads ({problem})")
 
-    def _damaged(self, path: Path, offset: int, size: int, problem: str, repair: bool) -> None:
+    def _damaged(self, path: Path, damage: Damage, size: int, repair: bool) -> None:
+        where = f"write-ahead log {path}: bytes {damage.offset}-{damage.end - 1} ({damage.problem})"
+        if damage.end < size:  # sound records follow: acknowledged data was lost, say so loudly
+            log.error("%s: skipped, the record there is lost; the groups it held are not accepted, so their "
+                      "actors generate them again when they resume; the %d bytes after it are read", where,
+                      size - damage.end)
+            if repair:
+                self.damaged_records += 1
+                self.skipped_bytes += damage.end - damage.offset
+            return
         if not repair:
-            log.warning("write-ahead log %s: damaged at byte %d (%s); records from there on skipped",
-                        path.name, offset, problem)
+            log.warning("%s: the end of the segment, not read", where)
             return
         self.damaged_records += 1
-        self.truncated_bytes += size - offset
-        log.warning("write-ahead log %s: damaged at byte %d (%s); truncated there, %d bytes dropped "
-                    "(records before it are kept)", path.name, offset, problem, size - offset)
-        os.truncate(path, offset)
+        self.truncated_bytes += size - damage.offset
+        log.warning("%s: the end of the segment (a write a crash cut short, never acknowledged, or damage); "
+                    "truncated there, the records before it are kept", where)
+        os.truncate(path, damage.offset)
 
     def missing_segments(self, start: int) -> bool:
         """True if segments from `start` on were already deleted (or never written here)."""
@@ -317,7 +445,7 @@ class WriteAheadLog:
         """Write a record to the OS (and to disk with fsync=True): durable once this returns."""
         assert self._file is not None, "WriteAheadLog.open() first"
         payload = _payload(record)
-        header = _RECORD.pack(len(payload), zlib.crc32(payload))
+        header = record_header(payload)
         size = len(header) + len(payload)
         if os.writev(self._file.fileno(), [header, payload]) != size:
             raise OSError(f"write-ahead log {self._segment_path(self.segment)}: short write")
@@ -339,7 +467,7 @@ class WriteAheadLog:
 
     def keep_from(self, segment: int) -> None:
         """A learner snapshot was taken at `segment`: keep segments from there on for its restore."""
-        self._meta["keep_from"] = segment
+        self._meta.keep_from = segment
         self._write_meta()
         self._retain()
 
@@ -347,7 +475,8 @@ class WriteAheadLog:
         base = self.latest_base()
         if base is None:
             return
-        keep = base[0] if self._meta["keep_from"] is None else min(base[0], self._meta["keep_from"])
+        keep_from = self._meta.keep_from
+        keep = base[0] if keep_from is None else min(base[0], keep_from)
         for n, path in self._numbered(_SEGMENT).items():
             if n < keep:
                 path.unlink()

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import shutil
-import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dph_async.app.bench.transport import synthetic_group
+from dph_async.app.commands.status import row
+from dph_async.app.endpoints import Endpoint, Reading
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, encode
 from replay.core import ReplayCore
 from replay.state import ReplayStateError, read_state
-from replay.wal import WalFormatError, WriteAheadLog
+from replay.wal import HEADER_BYTES, WalFormatError, WriteAheadLog, record_header
 
 
 def make_core(wal_dir, **cfg) -> ReplayCore:
@@ -63,25 +65,166 @@ def test_a_torn_final_record_is_cut_off_and_the_rest_kept(tmp_path, cut):
     assert again.stats().wal.damaged_records == 0 and len(again.store) == 3
 
 
-def test_a_flipped_byte_fails_the_checksum_and_nothing_after_it_is_read(tmp_path):
+def _three_records(tmp_path) -> tuple[ReplayCore, list, list[int]]:
+    """A log of three ingest records of three groups each: the core, the groups, and where each record
+    starts and the segment ends."""
     core = make_core(tmp_path)
-    core.ingest([synthetic_group(0, i) for i in range(3)])
-    first_end = _segment(core).stat().st_size
-    core.ingest([synthetic_group(0, i) for i in range(3, 6)])
-    second_end = _segment(core).stat().st_size
-    core.ingest([synthetic_group(0, i) for i in range(6, 9)])
-    segment = _segment(core)
-    data = bytearray(segment.read_bytes())
-    at = (first_end + second_end) // 2  # a byte in the second record's payload (a logprob, an id...)
+    sent = [synthetic_group(0, i) for i in range(9)]
+    bounds = [_segment(core).stat().st_size]
+    for i in range(0, 9, 3):
+        core.ingest(sent[i : i + 3])
+        bounds.append(_segment(core).stat().st_size)
+    return core, sent, bounds
+
+
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
     data[at] ^= 0x40
-    segment.write_bytes(bytes(data))
+    path.write_bytes(bytes(data))
+
+
+# Where in the middle record the byte flips: its sync, its length, its payload's checksum, its header's
+# checksum, its kind byte, the middle of its payload.
+OFFSET_CLASSES = {"sync": 1, "length": 6, "payload crc": 13, "header crc": 17, "kind": 20, "payload": None}
+
+
+@pytest.mark.parametrize("where", OFFSET_CLASSES)
+def test_a_damaged_record_mid_segment_is_skipped_reported_and_its_positions_reopened(tmp_path, caplog, where):
+    core, sent, (_, first_end, second_end, _) = _three_records(tmp_path)
+    segment = _segment(core)
+    relative = OFFSET_CLASSES[where]
+    _flip(segment, first_end + relative if relative is not None else (first_end + second_end) // 2)
+    with caplog.at_level("ERROR", logger="replay.wal"):
+        recovered = make_core(tmp_path)
+    # Only the damaged record is lost; the records after it are read (they were acknowledged too).
+    assert sorted(e.group.seq for e in recovered.store) == [0, 1, 2, 6, 7, 8]
+    assert all(_wire(e.group) == _wire(sent[e.group.seq]) for e in recovered.store)
+    wal = recovered.stats().wal
+    assert wal.damaged_records == 1 and wal.skipped_bytes == second_end - first_end and wal.truncated_bytes == 0
+    [error] = caplog.messages
+    assert f"{segment}: bytes {first_end}-{second_end - 1}" in error and "generate them again" in error
+    # The lost positions are open again: a resuming actor generates them, and only them, again.
+    resume = recovered.resume(0)
+    assert (resume.watermark, resume.accepted_above) == (3, [6, 7, 8])
+    assert [v.status for v in recovered.ingest([sent[3], sent[6]])] == ["ok", "duplicate"]
+    again = make_core(tmp_path)  # recovery wrote a base: the damage is not read again
+    assert again.stats().wal.damaged_records == 0
+    assert sorted(e.group.seq for e in again.store) == [0, 1, 2, 3, 6, 7, 8]
+
+
+def test_a_restore_over_a_damaged_record_reopens_its_positions(tmp_path):
+    """A learner resuming from a snapshot: the groups accepted after it come back from the log, but for
+    those of a damaged record, whose positions stay open for their actors."""
+    core = make_core(tmp_path)
+    sent = [synthetic_group(0, i) for i in range(9)]
+    core.ingest(sent[:3])
+    core.snapshot(tmp_path / "ckpt")
+    bounds = [_segment(core).stat().st_size]
+    for i in (3, 6):
+        core.ingest(sent[i : i + 3])
+        bounds.append(_segment(core).stat().st_size)
+    _flip(_segment(core), (bounds[0] + bounds[1]) // 2)  # the record of (0, 3) to (0, 5)
     recovered = make_core(tmp_path)
-    # Records after a damaged one are dropped too: the log is a sequence, never read past a hole.
-    assert sorted(e.group.seq for e in recovered.store) == [0, 1, 2]
-    assert recovered.stats().wal.damaged_records == 1
-    assert recovered.stats().wal.truncated_bytes == len(data) - first_end
-    again = make_core(tmp_path)  # the damage was cut off (and recovery wrote a base): never read again
-    assert again.stats().wal.damaged_records == 0 and len(again.store) == 3
+    assert "3 accepted after the snapshot re-added" in recovered.restore(tmp_path / "ckpt")
+    assert sorted(e.group.seq for e in recovered.store) == [0, 1, 2, 6, 7, 8]
+    resume = recovered.resume(0)
+    assert (resume.watermark, resume.accepted_above) == (3, [6, 7, 8])
+
+
+def test_status_flags_a_damaged_log(tmp_path):
+    core, _, (_, first_end, second_end, _) = _three_records(tmp_path)
+    _flip(_segment(core), (first_end + second_end) // 2)
+    recovered = make_core(tmp_path)
+    samples = {("dph_replay_wal_damaged_records_total", ()): float(recovered.stats().wal.damaged_records)}
+    reading = Reading(Endpoint("replay", "http://x", 1, ""), {"status": "ok", "pid": 1}, samples)
+    assert "[red]log damaged: 1 records lost at recovery" in row(reading)[-1]
+
+
+def test_damage_at_the_end_of_a_segment_is_cut_off(tmp_path):
+    core, _, (*_, second_end, third_end) = _three_records(tmp_path)
+    _flip(_segment(core), (second_end + third_end) // 2)  # the last record: nothing sound after it
+    recovered = make_core(tmp_path)
+    assert sorted(e.group.seq for e in recovered.store) == [0, 1, 2, 3, 4, 5]
+    wal = recovered.stats().wal
+    assert (wal.damaged_records, wal.skipped_bytes, wal.truncated_bytes) == (1, 0, third_end - second_end)
+    assert recovered.resume(0).watermark == 6
+
+
+def test_no_byte_flip_in_a_segment_changes_what_recovery_reads(tmp_path):
+    """Every header byte of every record, the kind bytes and every 16th payload byte, flipped one at a
+    time in a log of ingest and serve records: each is refused naming the file and byte, or recovered with
+    the loss counted, the groups read back field for field and the lost ones open for their actors again."""
+    core = make_core(tmp_path / "log")
+    sent = [synthetic_group(0, i, n=2, tokens=4, prompt_tokens=4) for i in range(6)]
+    starts = [_segment(core).stat().st_size]
+    core.ingest(sent[:2])
+    starts.append(_segment(core).stat().st_size)
+    core.request(BatchRequest(0, 2, 0.0, request_id=7))
+    starts.append(_segment(core).stat().st_size)
+    core.ingest(sent[2:4])
+    starts.append(_segment(core).stat().st_size)
+    core.ingest(sent[4:])
+    original = _segment(core).read_bytes()
+    index = (tmp_path / "log" / "wal.json").read_bytes()
+    offsets = sorted({*range(8), *(s + i for s in starts for i in range(HEADER_BYTES + 1)),
+                      *range(starts[0], len(original), 16)})
+    for at in offsets:
+        where = tmp_path / f"flip-{at}"
+        where.mkdir()
+        (where / "wal.json").write_bytes(index)
+        data = bytearray(original)
+        data[at] ^= 0x01
+        (where / "seg-00000000.wal").write_bytes(bytes(data))
+        try:
+            recovered = make_core(where)
+        except WalFormatError as e:
+            assert at < 8 and "seg-00000000.wal" in str(e) and "byte 0" in str(e), (at, str(e))
+            continue
+        assert recovered.stats().wal.damaged_records == 1, at
+        for g in sent:
+            entry = recovered.store.get(g.group_id)
+            if entry is None:  # lost: open for its actor again
+                assert g.group_id not in recovered.accepted, at
+            else:
+                assert _wire(entry.group) == _wire(g), at
+        shutil.rmtree(where)
+
+
+def test_no_byte_flip_in_a_state_file_is_read_as_data(tmp_path):
+    """Before the checksums, 8 of 19 flipped bytes of a base changed its data unnoticed (a token id 52211
+    read back as -16,725,005)."""
+    core = make_core(tmp_path / "log")
+    core.ingest([synthetic_group(0, i, n=2, tokens=4, prompt_tokens=4) for i in range(3)])
+    core.request(BatchRequest(0, 2, 0.0, request_id=7))
+    path = tmp_path / "s.arrow"
+    core.snapshot(path)
+    original = path.read_bytes()
+    assert read_state(path).pending.request_id == 7
+    for at in range(len(original)):
+        data = bytearray(original)
+        data[at] ^= 0x01
+        path.write_bytes(bytes(data))
+        with pytest.raises(ReplayStateError, match=re.escape(str(path)) + r": damaged.* byte") as info:
+            read_state(path)
+        if "fail their checksum" in str(info.value):  # a data block: named by its bytes
+            first, last = map(int, re.search(r"bytes (\d+)-(\d+)", str(info.value)).groups())
+            assert first <= at <= last
+
+
+def test_no_byte_flip_in_the_index_is_read_as_data(tmp_path):
+    core = make_core(tmp_path)
+    core.snapshot(tmp_path / "s.arrow")  # keep_from set: every field of the index holds a value
+    index = tmp_path / "wal.json"
+    original = index.read_bytes()
+    for at in range(len(original)):
+        data = bytearray(original)
+        data[at] ^= 0x01
+        index.write_bytes(bytes(data))
+        with pytest.raises(WalFormatError, match=re.escape(str(index)) + ": damaged write-ahead log index"):
+            WriteAheadLog(tmp_path)
+    index.write_bytes(b'{"wal_id": "abc", "keep_from": x}')
+    with pytest.raises(WalFormatError, match=r"wal\.json: damaged write-ahead log index \(.*byte 31"):
+        WriteAheadLog(tmp_path)
 
 
 def test_a_log_without_checksums_or_magic_is_named_not_truncated(tmp_path):
@@ -220,15 +363,49 @@ def test_a_log_of_the_previous_build_still_recovers(tmp_path):
     assert sorted(e.group.seq for e in again.store) == [0, 1, 2, 3, 4, 5, 6]
 
 
+def test_a_log_of_the_build_before_checksummed_bases_still_recovers_and_restores(tmp_path, caplog):
+    # tests/data/wal-v2 and wal-v2-snapshot: written by the build before (b"DPHWAL02" segments, a base,
+    # a snapshot and an index without checksums): groups (0, 0) to (0, 3), batch 7 served with (0, 0) and
+    # (0, 1), a recovery (base-00000001), (0, 4), a snapshot, then (0, 5).
+    data = Path(__file__).parent / "data"
+    shutil.copytree(data / "wal-v2", tmp_path / "wal")
+    shutil.copytree(data / "wal-v2-snapshot", tmp_path / "ckpt")
+    with caplog.at_level("WARNING"):
+        core = make_core(tmp_path / "wal")
+    made = {i: synthetic_group(0, i, n=2, tokens=3, prompt_tokens=4) for i in range(7)}
+    assert sorted(e.group.seq for e in core.store) == [0, 1, 2, 3, 4, 5]
+    assert all(_wire(e.group) == _wire(made[e.group.seq]) for e in core.store)
+    assert core.pending.request_id == 7 and core.stats().wal.damaged_records == 0
+    assert any("index" in m and "without a checksum; rewritten with one" in m for m in caplog.messages)
+    assert any("base-00000001.arrow: written by an earlier build, without checksums" in m for m in caplog.messages)
+    assert isinstance(json.loads((tmp_path / "wal" / "wal.json").read_text())["crc32"], int)  # migrated
+    detail = core.restore(tmp_path / "ckpt")
+    assert "1 accepted after the snapshot re-added" in detail, detail
+    assert sorted(e.group.seq for e in core.store) == [0, 1, 2, 3, 4, 5]
+    core.ingest([made[6]])  # appended in this build's format
+    again = make_core(tmp_path / "wal")
+    assert sorted(e.group.seq for e in again.store) == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_a_damaged_segment_of_the_build_before_is_read_up_to_its_damage(tmp_path):
+    """Its records carry no checksum over their length: nothing after damage can be found again, so the
+    segment ends there (its groups, not accepted, are generated again)."""
+    shutil.copytree(Path(__file__).parent / "data" / "wal-v2", tmp_path / "wal")
+    _flip(tmp_path / "wal" / "seg-00000001.wal", 8 + 12 + 40)  # in the payload of its one record, (0, 4)
+    core = make_core(tmp_path / "wal")
+    assert sorted(e.group.seq for e in core.store) == [0, 1, 2, 3, 5]
+    assert core.stats().wal.damaged_records == 1 and core.resume(0).watermark == 4
+
+
 def test_a_checksummed_record_this_build_cannot_read_is_named_not_truncated(tmp_path):
     core = make_core(tmp_path)
     core.ingest([synthetic_group(0, 0)])
     segment = _segment(core)
     # an unknown kind; none at all; groups announced but absent; a serve record that is not Arrow
     for payload in (b"X" + b"\0" * 8, b"", b"G" + b"\xff" * 7, b"S" + b"\0" * 16):
-        data = segment.read_bytes() + struct.pack("<QI", len(payload), zlib.crc32(payload)) + payload
+        data = segment.read_bytes() + record_header(payload) + payload
         segment.write_bytes(data)
         with pytest.raises(WalFormatError, match=r"seg-\d{8}\.wal: the record at byte \d+ is not one this build"):
             make_core(tmp_path)
         assert segment.read_bytes() == data
-        segment.write_bytes(data[: -len(payload) - 12])
+        segment.write_bytes(data[: -len(payload) - HEADER_BYTES])

@@ -118,6 +118,10 @@ def test_dph_async_score_with_a_plugin(tmp_path, capsys):
     ("X = 1\n", "registered no reward"),
     ("from dph_async.rewards.registry import register\n@register('countdown')\ndef f(r, g, e): ...\n",
      "reward name 'countdown' is already registered"),
+    ("import sys\nsys.exit(0)\n", "raised SystemExit(0) at import; a plugin's top level must only define and "
+                                 "register its rewards, never exit"),
+    ("raise SystemExit('bye')\n", "raised SystemExit('bye') at import"),
+    ("raise KeyboardInterrupt\n", "raised KeyboardInterrupt at import"),
 ])
 def test_a_plugin_that_cannot_be_used_is_named(tmp_path, text, says):
     plugin = tmp_path / f"p{uuid.uuid4().hex[:8]}.py"
@@ -125,8 +129,74 @@ def test_a_plugin_that_cannot_be_used_is_named(tmp_path, text, says):
     with pytest.raises(PluginError, match="^" + re.escape(f"rewards.plugins: {plugin}: ")) as info:
         load_plugins([str(plugin)])
     assert says in str(info.value)
-    if "failed to import" in says:
+    if "import" in says:
         assert not [m for m in sys.modules if plugin.stem in m]  # nothing half-imported is left behind
+
+
+def test_dph_async_score_with_a_plugin_that_exits_at_import(tmp_path, capsys):
+    """Before: `dph-async score` ended with exit 0 and nothing scored."""
+    plugin = tmp_path / "leaves.py"
+    plugin.write_text("import sys\nsys.exit(0)\n")
+    responses = tmp_path / "responses.jsonl"
+    responses.write_text(json.dumps({"data_source": "countdown", "response": "x", "reward_model": {"ground_truth": 1}}))
+    assert main(["score", str(responses), f"rewards.plugins=[{plugin}]"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: rewards.plugins: {plugin}: raised SystemExit(0) at import; a plugin's top level must "
+                      "only define and register its rewards, never exit"]
+
+
+# A plugin whose reward breaks the contract: `{body}` is what it returns (or does).
+BROKEN = '''
+import math
+
+from dph_async.rewards.registry import register
+from dph_async.rewards.result import RewardResult
+
+
+@register("{source}")
+def broken(response, ground_truth, extra_info):
+    {body}
+'''
+
+
+@pytest.mark.parametrize("inline", [True, False])
+@pytest.mark.parametrize(("body", "says"), [
+    ("return 0.5", "returned float; a reward function must return a RewardResult"),
+    ("return None", "returned NoneType; a reward function must return a RewardResult"),
+    ("return {'score': 1.0}", "returned dict; a reward function must return a RewardResult"),
+    ("return RewardResult(score=math.nan, correct=True)", "returned a non-finite score (nan)"),
+    ("return RewardResult(score=-math.inf, correct=False)", "returned a non-finite score (-inf)"),
+    ("return RewardResult(score='1', correct=True)", "returned a score of type str"),
+    ("return RewardResult(score=1.0, correct=True, status='great')", "returned status 'great'"),
+    ("raise SystemExit(3)", "raised SystemExit(3); a reward function must return a RewardResult, never exit"),
+])
+def test_a_reward_that_breaks_the_contract_is_a_named_scorer_failure(tmp_path, inline, body, says):
+    """Masked (status error), never a number in a batch; the detail names the function, its file and the
+    rule. Before: "reward worker died (exit code 1)", a TypeError raised in the caller, or NaN scored ok."""
+    source = f"broken_{uuid.uuid4().hex[:8]}"
+    plugin = tmp_path / "broken_reward.py"
+    plugin.write_text(BROKEN.format(source=source, body=body))
+    register = "@register(\"{source}\", inline=True)" if inline else "@register(\"{source}\")"
+    plugin.write_text(plugin.read_text().replace(f'@register("{source}")', register.format(source=source)))
+    cfg = load_config("default", [f"rewards.plugins=[{plugin}]", "rewards.workers=1"]).rewards
+    with make_scorer(cfg) as scorer:
+        results = scorer.score_many([ScoreRequest(source, r, 1, {}) for r in ("a", "b")])
+    for r in results:
+        assert r.status == "error" and r.scorer_failed and r.score == 0.0 and not r.correct
+        assert r.detail.startswith(f"reward function broken ({plugin}) ") and says in r.detail, r.detail
+
+
+def test_dph_async_score_names_a_broken_reward_once(tmp_path, capsys):
+    source = f"broken_{uuid.uuid4().hex[:8]}"
+    plugin = tmp_path / "floats.py"
+    plugin.write_text(BROKEN.format(source=source, body="return 0.5"))
+    responses = tmp_path / "responses.jsonl"
+    responses.write_text("".join(json.dumps({"data_source": source, "response": r, "reward_model": {"ground_truth": 1}})
+                                 + "\n" for r in RESPONSES))
+    assert main(["score", str(responses), f"rewards.plugins=[{plugin}]", "rewards.workers=1"]) == 0
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: 4 of 4 responses not scored: reward function broken ({plugin}) returned float; a "
+                      "reward function must return a RewardResult (dph_async.rewards.result)"]
 
 
 def test_missing_plugins_are_named(tmp_path):

@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import SMALL, copy_base, kill_tree, session_members
+from conftest import SMALL, copy_base, descendants, kill_tree, processes, session_members
 from safetensors.torch import load_file
 
 from dph_async.app.evaluate import load_results
@@ -402,3 +402,109 @@ def test_ctrl_c_during_rl_stops_everything(small_base, tmp_path: Path):
     wait_gone(proc.pid, timeout_s=10)
     assert ours & set(os.listdir("/dev/shm")) == set(), "shared memory of the run left behind"
     assert "interrupted" in (tmp_path / "run.log").read_text()
+
+
+# --- A run that fails ---------------------------------------------------------------------------------
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _listening() -> dict[int, str]:
+    """Socket inode -> address of every listening TCP and Unix socket on this machine."""
+    found = {}
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # LISTEN
+                    found[int(fields[9])] = f"{table} {fields[1]}"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[3], 16) & 0x10000:  # __SO_ACCEPTCON: listening
+                found[int(fields[6])] = f"unix {fields[7] if len(fields) > 7 else '(unnamed)'}"
+    return found
+
+
+class Footprint:
+    """Everything a run holds at any moment it is sampled: its processes (the driver's descendants,
+    with their start times, so that a reused pid is not mistaken for one of them), the /dev/shm files
+    they map or hold open, and the sockets they listen on."""
+
+    def __init__(self) -> None:
+        self.processes: dict[int, tuple[str, str]] = {}  # pid -> (start time, command line)
+        self.shm: set[str] = set()
+        self.listening: dict[int, str] = {}
+
+    def sample(self, driver: int) -> None:
+        table = processes()
+        pids = [driver, *descendants(driver, table)]
+        for pid in pids:
+            if (start := _start_time(pid)) is not None:
+                self.processes.setdefault(pid, (start, table.get(pid, (0, ""))[1]))
+        self.shm |= shm_files_of(pids)
+        listening = _listening()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                for fd in Path(f"/proc/{pid}/fd").iterdir():
+                    link = os.readlink(fd)
+                    if link.startswith("socket:[") and (inode := int(link[8:-1])) in listening:
+                        self.listening[inode] = listening[inode]
+
+    def left(self) -> list[str]:
+        return [f"{pid} {cmd[:120]}" for pid, (start, cmd) in self.processes.items() if _start_time(pid) == start]
+
+
+def _fail_learner(how: str, rl_dir: Path) -> None:
+    """Make the training learner of `rl_dir` fail: "raises" puts a file where its checkpoints go (its
+    next checkpoint raises), "killed" SIGKILLs its process (as the OOM killer would)."""
+    if how == "raises":
+        shutil.rmtree(rl_dir / "checkpoints", ignore_errors=True)
+        (rl_dir / "checkpoints").write_text("in the way of the learner's checkpoints\n")
+    else:
+        os.kill(json.loads((rl_dir / "endpoints" / "learner.json").read_text())["pid"], signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["raises", "killed"])
+def test_a_run_that_fails_midway_leaves_no_process_socket_or_shared_memory(small_base, tmp_path: Path, how: str):
+    """The learner fails once it trains: it raises at its first checkpoint (after step CHECKPOINT), or
+    its process is killed. The command fails, and nothing of the run is left: no process, no listening
+    socket, no /dev/shm segment."""
+    out = tmp_path / "out"
+    copy_base(small_base, out)
+    checkpoint = 200
+    with (tmp_path / "run.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "dph_async.app.cli", "run", "--output", str(out), *SMALL,
+                                 "learner.steps=100000", f"learner.checkpoint_every={checkpoint}"],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    footprint, failed = Footprint(), None
+    try:
+        deadline = time.time() + 900
+        while proc.poll() is None:  # everything the run holds, from its start to its end
+            footprint.sample(proc.pid)
+            if failed is None and (trained := [m.parent for m in out.glob("rl/*/metrics.jsonl") if lines(m)]):
+                failed = trained[0]
+                _fail_learner(how, failed)
+            assert time.time() < deadline, "the run neither failed nor ended"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+    output = (tmp_path / "run.log").read_text()
+    assert proc.returncode not in (0, None), output[-3000:]
+    assert failed is not None and len(lines(failed / "metrics.jsonl")) < 2 * checkpoint, output[-3000:]
+    if how == "raises":  # the learner's error reached the user
+        assert len(lines(failed / "metrics.jsonl")) == checkpoint and "snapshot failed" in output, output[-3000:]
+    assert len(footprint.processes) > 3 and footprint.listening, "the samples did not see the run's processes"
+    deadline = time.time() + 60
+    while (left := footprint.left()) and time.time() < deadline:  # a killed process's children take a moment
+        time.sleep(0.2)
+    assert not left, f"processes of the failed run still alive: {left}"
+    assert footprint.shm & set(os.listdir("/dev/shm")) == set(), "shared memory of the run left behind"
+    still = {inode: address for inode, address in _listening().items() if inode in footprint.listening}
+    assert not still, f"sockets of the failed run still listening: {still}"

@@ -1,5 +1,7 @@
 """The scorer service (in-process app and the `serve scorer` command) and its client's retries."""
 
+import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -95,9 +97,13 @@ def test_metrics(client):
     client.post("/v1/score", json={"requests": [item(5)]})
     before = scrape(client.get("/metrics").text)
     client.post("/v1/score", json={"requests": [item(6), item(7)]})
-    after = scrape(client.get("/metrics").text)
-    ok = ("dph_scorer_items_total", (("data_source", "countdown"), ("status", "ok")))
     batches = ("dph_scorer_batches_total", (("code", "200"),))
+    deadline = time.monotonic() + 30
+    # Rendered at most once a second: a scrape right after the batch may show the rendering before it.
+    while (after := scrape(client.get("/metrics").text))[batches] == before[batches]:
+        assert time.monotonic() < deadline, "the metrics never showed the batch"
+        time.sleep(0.1)
+    ok = ("dph_scorer_items_total", (("data_source", "countdown"), ("status", "ok")))
     latencies = ("dph_scorer_item_latency_seconds_count", ())
     assert after[ok] == before[ok] + 2 and after[batches] == before[batches] + 1
     assert after[latencies] == before[latencies] + 2
@@ -110,6 +116,53 @@ def test_shared_token(cfg):
         assert c.post("/v1/score", json={"requests": [item(1)]}).status_code == 401
         ok = c.post("/v1/score", json={"requests": [item(1)]}, headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
+
+
+def _asgi_scope(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> dict:
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": headers,
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+
+
+def test_a_cancelled_upload_gives_its_reservation_back(cfg):
+    """The request's task cancelled mid-upload (a server shutting down does this): its admitted bytes
+    are given back, as for any other end of the request."""
+    app = make_app(cfg, ServiceSettings(max_queued_bytes=1000))
+
+    async def queued_bytes() -> float:
+        sent: list[bytes] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message.get("body", b""))
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        await app(_asgi_scope("GET", "/metrics", []), receive, send)
+        return scrape(b"".join(sent).decode())[("dph_scorer_queued_bytes", ())]
+
+    async def cancelled_upload() -> float:
+        started = asyncio.Event()
+
+        async def receive() -> dict:
+            if not started.is_set():
+                started.set()
+                return {"type": "http.request", "body": b"{", "more_body": True}
+            await asyncio.Event().wait()  # the rest never comes
+            raise AssertionError("unreachable")
+
+        async def send(message: dict) -> None:
+            pass
+
+        upload = asyncio.create_task(app(_asgi_scope("POST", "/v1/score", [(b"content-length", b"900")]),
+                                         receive, send))
+        await started.wait()  # admitted by its Content-Length, and reading
+        upload.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await upload
+        return await queued_bytes()
+
+    assert asyncio.run(cancelled_upload()) == 0
 
 
 class _Flaky(BaseHTTPRequestHandler):

@@ -3,8 +3,10 @@ numbers move when work happens, and `dph-async status` reads them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import threading
 import time
 import tracemalloc
 from collections import Counter
@@ -15,6 +17,8 @@ from types import SimpleNamespace
 import httpx
 import msgspec
 import pytest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from actors.telemetry import ActorCollector, actor_health
 from dph_async.app.bench.transport import synthetic_group
@@ -31,11 +35,21 @@ from dph_async.replay_client import ReplayClient, RolloutSender
 from dph_async.replay_stats import ReplayStats
 from dph_async.run_stats import ActorStats, LearnerStats, RLResult
 from dph_async.spans import MAX_SPANS, add_span
-from dph_async.telemetry import MAX_CLIENTS, start_endpoint
+from dph_async.telemetry import CLIENT_TIMEOUT_S, MAX_CLIENTS, MAX_PER_CLIENT, RENDER_INTERVAL_S, start_endpoint
 from learner.loop import LearnerLoop
 from learner.telemetry import LearnerCollector, learner_health
 from replay.service import ReplayService
 from replay.telemetry import ReplayCollector, replay_health, staleness_buckets
+
+
+def scrape_moved(ep, name: str, since: float | None, timeout_s: float = 30.0, **labels: str):
+    """A scrape whose `name` differs from `since`: /metrics is rendered at most once per
+    RENDER_INTERVAL_S, so a scrape right after work may show the rendering from before it."""
+    deadline = time.monotonic() + timeout_s
+    while (reading := scrape(ep)).value(name, **labels) == since:
+        assert time.monotonic() < deadline, f"{name} still {since} after {timeout_s:g} s"
+        time.sleep(0.1)
+    return reading
 
 
 @pytest.fixture
@@ -63,7 +77,7 @@ def test_replay_metrics_parse_and_move_with_work(replay, tmp_path):
     assert sender.flush(10)
     client = ReplayClient(svc.batch_endpoint, token=svc.control_token)
     assert len(client.get_batch(0, 4, wait_s=1.0).groups) == 4
-    after = scrape(ep)
+    after = scrape_moved(ep, "dph_replay_accepted_groups_total", 0)
     assert after.value("dph_replay_accepted_groups_total") == 6
     assert after.value("dph_replay_tickets_granted_total") == 6
     assert after.value("dph_replay_occupancy", what="groups") == 6  # 4 pending in the batch, 2 unserved
@@ -97,12 +111,13 @@ def test_a_gate_too_small_for_the_actors_seen_is_warned_about_and_flagged(tmp_pa
     try:
         (ep,) = find_endpoints([str(tmp_path)])
         with caplog.at_level("WARNING", logger="replay.service"):
+            needed = None
             for actor in range(3):
                 sender = RolloutSender(svc.ingest_endpoint, actor)
                 sender.send(synthetic_group(actor, 0, n=8, tokens=4096))  # 8 x 4096 x 12 bytes
                 assert sender.flush(10)
                 sender.close()
-                r = scrape(ep)
+                r = scrape_moved(ep, "dph_replay_gate_memory_megabytes", needed, what="needed")
                 needed = r.value("dph_replay_gate_memory_megabytes", what="needed")
                 assert r.value("dph_replay_gate_memory_megabytes", what="limit") == 4
                 assert needed == pytest.approx((3 * (actor + 1) + 4) * 0.375, rel=0.01)
@@ -150,7 +165,7 @@ def test_learner_metrics_move_with_steps(tmp_path):
         loop.server.gate_restarts, loop.server.replies_dropped = 3, 5
         (loop.checkpoint_dir / "v2").mkdir(parents=True)
         (loop.checkpoint_dir / "v2" / "model.pt").write_bytes(b"x" * 1000)
-        r = scrape(ep)
+        r = scrape_moved(ep, "dph_learner_fresh_tokens_total", 0)
         assert r.value("dph_learner_fresh_tokens_total") == 300 and r.value("dph_learner_scorer_failed_total") == 2
         assert r.value("dph_learner_tokens_per_second") == 502 and r.value("dph_learner_version") == 2
         assert r.value("dph_learner_checkpoints") == 1 and r.value("dph_learner_checkpoint_bytes") == 1000
@@ -160,7 +175,8 @@ def test_learner_metrics_move_with_steps(tmp_path):
         assert r.value("dph_weights_gate_memory_megabytes", what="limit") == 4 and "short" not in row(r)[-1]
         for actor in range(3):  # (2 x 3 + 4) buckets of 0.5 MB: more than the gate's 4 MB
             loop.server.gate_load.saw(actor, 2**19)
-        r = scrape(ep)
+        r = scrape_moved(ep, "dph_weights_gate_memory_megabytes", r.value("dph_weights_gate_memory_megabytes",
+                                                                           what="needed"), what="needed")
         assert r.value("dph_weights_gate_memory_megabytes", what="needed") == 5
         assert "[red]weights gate memory short: needs 5 MB" in row(r)[-1]
         assert r.health["version"] == 2
@@ -217,7 +233,6 @@ def test_actor_metrics_and_the_status_table(tmp_path, replay, capsys):
     actor = start_endpoint("actor1", [collector], lambda: actor_health(worker), NetConfig(), 3, tmp_path / "endpoints")
     try:
         (ep,) = [e for e in find_endpoints([str(tmp_path)]) if e.name == "actor1"]
-        assert scrape(ep).value("dph_actor_tokens_generated_total", actor="1") == 0
         collector._last = (time.monotonic() - 2.0, 0)  # the previous scrape, 2 s ago
         worker.stats.tokens_generated, worker.stats.version = 1000, 5
         r = scrape(ep)
@@ -330,3 +345,96 @@ def test_endpoint_serves_only_gets_of_its_paths_and_bounds_clients(replay):
             s.close()
     health = json.loads(httpx.get(f"{endpoint.url}/health").text)
     assert health["status"] == "ok" and health["name"] == "replay"
+
+
+def _host_port(endpoint) -> tuple[str, int]:
+    host, port = endpoint.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _closed_by_server(s: socket.socket) -> bool:
+    try:
+        return s.recv(1024) == b""
+    except BlockingIOError:
+        return False
+    except OSError:  # reset
+        return True
+
+
+def test_a_request_trickled_a_byte_at_a_time_is_cut_off_at_the_whole_request_deadline(replay):
+    """Slow clients sending a byte every half second never let a per-read timeout fire; the deadline for
+    the whole request closes them all the same. The bound is generous (3x the deadline): the point is
+    that they are closed at all; without the deadline they are held until the test gives up."""
+    _, endpoint = replay
+    socks = [socket.create_connection(_host_port(endpoint)) for _ in range(MAX_PER_CLIENT)]
+    opened = time.monotonic()
+    for s in socks:
+        s.setblocking(False)
+    held: dict[int, float] = {}
+    try:
+        while len(held) < len(socks) and time.monotonic() - opened < 6 * CLIENT_TIMEOUT_S:
+            for i, s in enumerate(socks):
+                if i in held:
+                    continue
+                if _closed_by_server(s):
+                    held[i] = time.monotonic() - opened
+                else:
+                    with contextlib.suppress(OSError):
+                        s.send(b"G")  # a request line that never ends, one byte at a time
+            time.sleep(0.5)  # the attacker's pace, not a wait for the service
+    finally:
+        for s in socks:
+            s.close()
+    assert len(held) == len(socks), f"{len(socks) - len(held)} trickling clients still held"
+    assert max(held.values()) < 3 * CLIENT_TIMEOUT_S, held
+
+
+def test_one_address_cannot_take_every_slot(replay):
+    """MAX_CLIENTS idle connections from 127.0.0.1 (accepted in order, before the next client's): only
+    MAX_PER_CLIENT of them hold a slot, so a client from another address is answered while they wait
+    for their deadline. Without the cap they hold every slot and that client is closed unanswered."""
+    _, endpoint = replay
+    idle = [socket.create_connection(_host_port(endpoint)) for _ in range(MAX_CLIENTS)]
+    try:
+        other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=CLIENT_TIMEOUT_S)
+        with other:
+            assert other.get(f"{endpoint.url}/health").json()["status"] == "ok"
+    finally:
+        for s in idle:
+            s.close()
+
+
+class _Counting(Collector):
+    def __init__(self) -> None:
+        self.collections = 0
+
+    def collect(self):
+        self.collections += 1
+        yield GaugeMetricFamily("dph_test_collections", "Times this collector was read", value=self.collections)
+
+
+def test_a_scrape_burst_renders_the_metrics_at_most_once_per_interval(tmp_path):
+    """Eight scrapers (each from an address of its own, within the per-address cap) in a loop: every
+    scrape is answered, and the numbers are collected at most once per RENDER_INTERVAL_S, not per scrape."""
+    counting = _Counting()
+    endpoint = start_endpoint("burst", [counting], dict, NetConfig(), 0, tmp_path / "endpoints")
+    answered: list[int] = []
+
+    def scrape_loop(i: int) -> None:
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=f"127.0.0.{10 + i}"), timeout=30) as c:
+            for _ in range(25):
+                reply = c.get(f"{endpoint.url}/metrics")
+                answered.append(reply.status_code == 200 and "dph_test_collections" in reply.text)
+
+    try:
+        start = time.monotonic()
+        threads = [threading.Thread(target=scrape_loop, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - start
+    finally:
+        endpoint.close()
+    assert len(answered) == 200 and all(answered)
+    assert counting.collections <= elapsed / RENDER_INTERVAL_S + 2, (counting.collections, elapsed)

@@ -100,3 +100,9 @@ def summarize(requests: list[ScoreRequest], results: list[RewardResult]) -> list
             latency_p95_s=float(np.percentile(latency, 95)),
         ))
     return out
+
+
+def scorer_failures(results: list[RewardResult], most: int = 5) -> list[tuple[str, int]]:
+    """The `most` commonest reasons the scorer itself failed (status error or verifier_error: a broken
+    reward, plugin or ground truth), with how many results each: what a user fixes first."""
+    return Counter(r.detail for r in results if r.scorer_failed).most_common(most)

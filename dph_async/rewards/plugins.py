@@ -52,6 +52,10 @@ def _load(plugin: str) -> None:
         raise
     except Exception as e:  # whatever the plugin's top level raises: SyntaxError, ImportError, ...
         raise PluginError(f"rewards.plugins: {plugin}: failed to import: {type(e).__name__}: {e}") from e
+    except BaseException as e:  # sys.exit(), exit(), KeyboardInterrupt: would end the scoring process
+        what = f"{type(e).__name__}({e.code!r})" if isinstance(e, SystemExit) else type(e).__name__
+        raise PluginError(f"rewards.plugins: {plugin}: raised {what} at import; a plugin's top level must only "
+                          "define and register its rewards, never exit") from None
     after = registry.registered()
     if after == before and not registry.registered_by(module.__name__):
         raise PluginError(f"rewards.plugins: {plugin}: registered no reward; decorate its reward function with "

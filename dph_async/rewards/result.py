@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 # Who is to blame decides what a trainer does with a zero:
@@ -49,3 +53,32 @@ class RewardResult:
 def failure(status: Status, detail: str, *, format_ok: bool = False) -> RewardResult:
     """A zero-score result for a response that could not be scored normally."""
     return RewardResult(score=0.0, correct=False, format_ok=format_ok, status=status, detail=detail)
+
+
+def origin(fn: Callable) -> str:
+    """A reward function as a user finds it: its name and the file that defines it (a plugin's path)."""
+    try:
+        where = inspect.getsourcefile(fn) or fn.__module__
+    except TypeError:  # a builtin or a callable object
+        where = getattr(fn, "__module__", "?")
+    return f"reward function {getattr(fn, '__qualname__', repr(fn))} ({where})"
+
+
+def checked(value: object, fn: Callable) -> RewardResult:
+    """What reward function `fn` returned, if it keeps the contract: a RewardResult whose score is a finite
+    number and whose status is one of `Status`. Anything else becomes a scorer failure (status "error",
+    masked by the learner) that names the function, its file and the rule it broke, so that no NaN,
+    infinity or non-number ever reaches a batch."""
+    if not isinstance(value, RewardResult):
+        return failure("error", f"{origin(fn)} returned {type(value).__name__}; a reward function must return "
+                                "a RewardResult (dph_async.rewards.result)")
+    if value.status not in STATUSES:
+        return failure("error", f"{origin(fn)} returned status {value.status!r}; one of {', '.join(STATUSES)}")
+    score = value.score
+    if isinstance(score, bool) or not isinstance(score, numbers.Real):
+        return failure("error", f"{origin(fn)} returned a score of type {type(score).__name__}; a score is a "
+                                "finite float")
+    if not math.isfinite(score):
+        return failure("error", f"{origin(fn)} returned a non-finite score ({float(score)}); a score is a "
+                                "finite float")
+    return value if type(score) is float else replace(value, score=float(score))

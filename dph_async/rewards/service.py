@@ -7,14 +7,16 @@ Endpoints:
   or with more than `max_items` requests, 503 with Retry-After when admitting the body would put more
   than `max_queued_bytes` of bodies in the service (the client backs off and retries).
 - GET /health: {"status": "ok", workers, in_flight, queued_bytes, restarts, timeout_s}.
-- GET /metrics: Prometheus text (items by data_source and status, latency histogram, HTTP codes,
-  process memory and file descriptors).
+- GET /metrics: Prometheus text (items by data_source and status, latency histogram, HTTP codes (499:
+  the client hung up before its answer), process memory and file descriptors), rendered at most once a
+  second.
 
 What the service trusts of a peer: nothing but the token. The event loop only reads bytes (bounded,
 timed, admitted by size before they are read where Content-Length says) and answers; bodies are parsed
 in killable child processes (`body`), ground truths built only inside the reward workers, and scoring
-waits in threads. Every batch has a deadline (its `budget_s`, at most `max_budget_s`) that includes
-waiting for a worker: the answer always comes by then.
+waits in threads. Every byte admitted is given back however its request ends (answered, refused, timed
+out, the client gone mid-upload, the task cancelled). Every batch has a deadline (its `budget_s`, at
+most `max_budget_s`) that includes waiting for a worker: the answer always comes by then.
 """
 
 from __future__ import annotations
@@ -22,15 +24,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
 from dph_async.config.rewards import RewardConfig
 from dph_async.rewards.body import BodyParser, BodyRefused
@@ -39,6 +42,7 @@ from dph_async.rewards.pool import RewardPool
 from dph_async.rewards.registry import UnknownDataSource, get_reward_fn
 from dph_async.rewards.service_metrics import ServiceMetrics
 from dph_async.rewards.wire import ScoreReply
+from dph_async.telemetry import CachedExposition
 
 MiB = 2**20
 
@@ -74,47 +78,60 @@ class _Admission:
     def __init__(self, limit: int) -> None:
         self.limit, self.held = limit, 0
 
-    def take(self, n: int) -> None:
-        if self.held + n > self.limit:
-            raise _Refused(503, "overloaded", f"{self.held} bytes of requests in the service; retry later",
+    @contextmanager
+    def reservation(self) -> Iterator[_Reservation]:
+        """A request's share, given back however the request ends: answered, refused, timed out, the
+        client gone mid-upload (Starlette's ClientDisconnect), the task cancelled, or any error."""
+        reservation = _Reservation(self)
+        try:
+            yield reservation
+        finally:
+            self.held -= reservation.taken
+            reservation.taken = 0
+
+
+class _Reservation:
+    def __init__(self, admission: _Admission) -> None:
+        self.admission, self.taken = admission, 0
+
+    def grow_to(self, n: int) -> None:
+        """Hold `n` bytes in all (no-op if already held); 503 when the service has no room for them."""
+        more = n - self.taken
+        if more <= 0:
+            return
+        a = self.admission
+        if a.held + more > a.limit:
+            raise _Refused(503, "overloaded", f"{a.held} bytes of requests in the service; retry later",
                            {"Retry-After": "1"})
-        self.held += n
+        a.held += more
+        self.taken = n
 
 
-async def _read_body(request: Request, settings: ServiceSettings, admission: _Admission) -> tuple[bytes, int]:
+async def _read_body(request: Request, settings: ServiceSettings, reservation: _Reservation) -> bytes:
     """The body, admitted by size before reading where Content-Length allows, and as it arrives
-    (whatever Content-Length claims); returns it with the bytes taken from `admission`."""
+    (whatever Content-Length claims); the bytes stay held in `reservation` until it is given back."""
     declared = request.headers.get("content-length", "")
-    taken = 0
     if declared.isdigit():
         if int(declared) > settings.max_body_bytes:
             raise _Refused(413, "too_large", f"body over {settings.max_body_bytes} bytes; send smaller batches")
-        admission.take(int(declared))
-        taken = int(declared)
+        reservation.grow_to(int(declared))
     chunks: list[bytes] = []
 
     async def receive() -> None:
-        nonlocal taken
         size = 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > settings.max_body_bytes:
                 raise _Refused(413, "too_large", f"body over {settings.max_body_bytes} bytes; send smaller batches")
-            if size > taken:
-                admission.take(size - taken)
-                taken = size
+            reservation.grow_to(size)
             chunks.append(chunk)
 
     try:
         await asyncio.wait_for(receive(), settings.body_timeout_s)
     except asyncio.TimeoutError:
-        admission.held -= taken
         raise _Refused(408, "timeout", f"body not received within {settings.body_timeout_s:g} s",
                        {"Connection": "close"}) from None
-    except _Refused:
-        admission.held -= taken
-        raise
-    return b"".join(chunks), taken
+    return b"".join(chunks)
 
 
 def _error(e: _Refused | BodyRefused, **extra: object) -> JSONResponse:
@@ -137,6 +154,7 @@ def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> Fast
                             lambda: pools[0].restarts if pools else 0),
         "workers": ("Reward worker processes", lambda: cfg.workers),
     })
+    exposition = CachedExposition(metrics.registry)
     # Threads that wait on the pool; batches beyond them queue here, already admitted.
     executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="scorer-batch")
     parse_threads = ThreadPoolExecutor(max_workers=settings.parsers, thread_name_prefix="scorer-parse")
@@ -165,33 +183,37 @@ def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> Fast
                 metrics.record_batch(401)
                 return _error(_Refused(401, "unauthorized", "missing or wrong bearer token"))
         arrived = time.monotonic()  # the budget counts from here: reading and parsing come out of it
-        taken = 0
+        with admission.reservation() as reservation:
+            try:
+                return await _score(request, reservation, arrived)
+            except ClientDisconnect:  # gone mid-upload: nobody to answer; the reservation is given back
+                metrics.record_batch(499)
+                return Response(status_code=499)
+
+    async def _score(request: Request, reservation: _Reservation, arrived: float) -> Response:
         loop = asyncio.get_running_loop()
         try:
+            body = await _read_body(request, settings, reservation)
+            budget_s, requests = await loop.run_in_executor(parse_threads, parser.parse, body)
+            del body
+        except (_Refused, BodyRefused) as e:
+            metrics.record_batch(e.code)
+            return _error(e)
+        sources = [r.data_source for r in requests]
+        for source in set(sources):
             try:
-                body, taken = await _read_body(request, settings, admission)
-                budget_s, requests = await loop.run_in_executor(parse_threads, parser.parse, body)
-                del body
-            except (_Refused, BodyRefused) as e:
-                metrics.record_batch(e.code)
-                return _error(e)
-            sources = [r.data_source for r in requests]
-            for source in set(sources):
-                try:
-                    get_reward_fn(source)
-                except UnknownDataSource as e:
-                    metrics.record_batch(400)
-                    return _error(_Refused(400, "unknown_data_source", str(e)), data_source=source)
-            deadline = arrived + min(budget_s or settings.max_budget_s, settings.max_budget_s)
-            state["in_flight"] += len(requests)
-            try:
-                results = await loop.run_in_executor(executor, pools[0].score_many, requests, deadline)
-            finally:
-                state["in_flight"] -= len(requests)
-            metrics.record_batch(200, sources, results)
-            return Response(msgspec.json.encode(ScoreReply(results)), media_type="application/json")
+                get_reward_fn(source)
+            except UnknownDataSource as e:
+                metrics.record_batch(400)
+                return _error(_Refused(400, "unknown_data_source", str(e)), data_source=source)
+        deadline = arrived + min(budget_s or settings.max_budget_s, settings.max_budget_s)
+        state["in_flight"] += len(requests)
+        try:
+            results = await loop.run_in_executor(executor, pools[0].score_many, requests, deadline)
         finally:
-            admission.held -= taken
+            state["in_flight"] -= len(requests)
+        metrics.record_batch(200, sources, results)
+        return Response(msgspec.json.encode(ScoreReply(results)), media_type="application/json")
 
     @app.get("/health")
     async def health() -> dict:
@@ -201,6 +223,6 @@ def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> Fast
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(exposition.text(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -4,7 +4,9 @@ uvicorn times out idle keep-alive connections, but not a client that never finis
 connection that sends nothing, or a byte a second, is held for ever (200 of them held 20 s and more,
 all open). `TimedH11Protocol` closes a connection whose request headers are not complete within
 `header_timeout_s` of its opening or of the previous response; the app bounds the body
-(`ServiceSettings.body_timeout_s`), and `limit_concurrency` bounds connections.
+(`ServiceSettings.body_timeout_s`), and `limit_concurrency` bounds connections. One address may hold at
+most `MAX_PER_CLIENT` of them (more are closed unanswered), so that one client cannot take every
+connection the service allows and leave others nothing but 503.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import asyncio
 import signal
 import socket
 import threading
+from collections import Counter
+from typing import ClassVar
 
 import h11
 import uvicorn
@@ -21,14 +25,24 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEADER_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 1024
+MAX_PER_CLIENT = 256
 
 
 class TimedH11Protocol(H11Protocol):
     header_timeout_s = HEADER_TIMEOUT_S
+    max_per_client = MAX_PER_CLIENT
+    clients: ClassVar[Counter[str]] = Counter()  # connections per address: one per server (see serve())
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
+        peer = transport.get_extra_info("peername")
+        self._client: str | None = str(peer[0] if isinstance(peer, tuple) else peer)
+        if self.clients[self._client] >= self.max_per_client:
+            self._client = None
+            transport.close()
+            return
+        self.clients[self._client] += 1
         self._arm()
 
     def _arm(self) -> None:
@@ -57,6 +71,10 @@ class TimedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._client is not None:
+            self.clients[self._client] -= 1
+            if not self.clients[self._client]:
+                del self.clients[self._client]
         super().connection_lost(exc)
 
 
@@ -78,7 +96,7 @@ def serve(app: FastAPI, sock: socket.socket, header_timeout_s: float = HEADER_TI
     if threading.current_thread() is threading.main_thread():  # uvicorn captures signals only there
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
-    protocol = type("Protocol", (TimedH11Protocol,), {"header_timeout_s": header_timeout_s})
+    protocol = type("Protocol", (TimedH11Protocol,), {"header_timeout_s": header_timeout_s, "clients": Counter()})
     config = uvicorn.Config(app, http=protocol, log_level="warning", limit_concurrency=max_connections,
                             timeout_keep_alive=5)
     uvicorn.Server(config).run(sockets=[sock])

@@ -23,8 +23,8 @@ from dph_async.config.rewards import RewardConfig
 from dph_async.rewards import context
 from dph_async.rewards.child import limit_resources
 from dph_async.rewards.plugins import PluginError, load_plugins
-from dph_async.rewards.registry import get_reward_fn, load_builtins
-from dph_async.rewards.result import RewardResult, failure
+from dph_async.rewards.registry import UnknownDataSource, get_reward_fn, load_builtins
+from dph_async.rewards.result import RewardResult, checked, failure, origin
 
 # The worker's own deadline comes a little before the parent's kill, so that a query which merely
 # runs long (a recursive CTE) ends cleanly with status "timeout" instead of costing a new process.
@@ -74,15 +74,27 @@ def score_one(req: ScoreRequest) -> RewardResult:
     elif len(req.response) > limit:
         result = failure("rejected", f"response has {len(req.response)} characters; the limit is {limit}")
     else:
-        try:
-            result = get_reward_fn(req.data_source)(req.response, ground_truth, extra_info)
-        except MemoryError:
-            result = failure("rejected", "memory limit reached while scoring")
-        except RecursionError:
-            result = failure("rejected", "nesting too deep to score")
-        except Exception as e:
-            result = failure("error", f"{type(e).__name__}: {e}"[:500])
+        result = _call(req.data_source, req.response, ground_truth, extra_info)
     return replace(result, latency_s=time.perf_counter() - start)
+
+
+def _call(data_source: str, response: str, ground_truth: Any, extra_info: dict) -> RewardResult:
+    """The reward for `data_source` applied, its failures turned into statuses and its result checked."""
+    try:
+        fn = get_reward_fn(data_source)
+    except UnknownDataSource as e:
+        return failure("error", f"{type(e).__name__}: {e}"[:500])
+    try:
+        return checked(fn(response, ground_truth, extra_info), fn)
+    except MemoryError:
+        return failure("rejected", "memory limit reached while scoring")
+    except RecursionError:
+        return failure("rejected", "nesting too deep to score")
+    except SystemExit as e:  # a reward must not end the process that scores (an actor, when inline)
+        return failure("error", f"{origin(fn)} raised SystemExit({e.code!r}); a reward function must return a "
+                                "RewardResult, never exit")
+    except Exception as e:
+        return failure("error", f"{type(e).__name__}: {e}"[:500])
 
 
 def serve(conn: Connection, memory_limit_mb: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.overrides).rewards
     # numpy, httpx and the reward modules: here, not at the top, so that --help stays fast.
-    from dph_async.rewards.batch_file import read_requests, summarize
+    from dph_async.rewards.batch_file import read_requests, scorer_failures, summarize
     from dph_async.rewards.scorer import make_scorer
 
     requests = read_requests(args.file)
@@ -65,4 +66,6 @@ def main(args: argparse.Namespace) -> int:
     for row in summary:
         counts = ", ".join(f"{k} {v}" for k, v in row.statuses.items())
         console.print(f"statuses {row.data_source}: {counts}")
+    for detail, n in scorer_failures(results):
+        print(f"error: {n} of {len(results)} responses not scored: {detail}", file=sys.stderr)
     return 0

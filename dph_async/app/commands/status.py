@@ -93,6 +93,8 @@ def row(r: Reading) -> list[str]:
     restarts = r.value("dph_replay_gate_restarts_total", 0) + r.value("dph_weights_gate_restarts_total", 0)
     if restarts:
         notes.append(f"[red]gate restarted {restarts:.0f}x")
+    if damaged := r.value("dph_replay_wal_damaged_records_total", 0):  # their groups are generated again
+        notes.append(f"[red]log damaged: {damaged:.0f} records lost at recovery")
     for service in ("replay", "weights"):  # honest actors sending or fetching at once would be dropped
         needed = r.value(f"dph_{service}_gate_memory_megabytes", 0, what="needed")
         if needed > r.value(f"dph_{service}_gate_memory_megabytes", 0, what="limit"):
