@@ -93,7 +93,10 @@ def test_replay_metrics_parse_and_move_with_work(replay, tmp_path):
     # A group from the far future is refused, and the refusal is in /metrics and on the status line.
     sender.send(synthetic_group(0, 6, n=2, tokens=8, version=10**9))
     assert sender.flush(10) and len(sender.rejected) == 1
-    refused = scrape(ep)
+    deadline = time.monotonic() + 10  # /metrics is rendered at most once a second
+    while (refused := scrape(ep)).value("dph_replay_rejected_total", reason="invalid_version") is None:
+        assert time.monotonic() < deadline, "the refusal never reached /metrics"
+        time.sleep(0.1)
     assert refused.value("dph_replay_rejected_total", reason="invalid_version") == 1
     assert "refused {'invalid_version': 1}" in row(refused)[-1]
     client.close()
