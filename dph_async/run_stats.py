@@ -103,3 +103,9 @@ def read_result(rl_dir: Path) -> RLResult:
     """The RL run's record from rl_dir/result.json, through its type (a missing or mistyped field is
     an error naming it)."""
     return msgspec.json.decode((rl_dir / "result.json").read_bytes(), type=RLResult)
+
+
+def result_from(data: dict) -> RLResult:
+    """An RLResult from its JSON form as summary.json nests it (JSON's object keys are strings: the
+    replay's staleness histogram's keys become ints again)."""
+    return msgspec.convert(data, RLResult, strict=False)

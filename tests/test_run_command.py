@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from dph_async.app.evaluate import load_results
 from dph_async.app.report import TABLE_K, write_report
 from dph_async.paths import MODEL_STATES, RunPaths
+from dph_async.run_stats import result_from
 
 pytestmark = pytest.mark.slow
 
@@ -207,6 +208,7 @@ def test_plots_show_the_data_written_beside_them(runs, tmp_path, monkeypatch):
         (tmp_path / "rl" / mode).mkdir(parents=True)
         (tmp_path / "rl" / mode / "metrics.jsonl").write_bytes((full / "rl" / mode / "metrics.jsonl").read_bytes())
     summary = json.loads((full / "summary.json").read_text())
+    summary["rl"] = {mode: result_from(r) for mode, r in summary["rl"].items()}
     eval_files = {name: full / "eval" / f"{name}.json" for name in ("base", *MODES)}
     write_report(paths, summary, eval_files)
     assert set(figures) == {"training.png", "pass_at_k.png"}

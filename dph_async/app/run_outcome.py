@@ -8,9 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
-
-from dph_async.run_stats import RLResult, read_result
+from dph_async.run_stats import RLResult, read_result, result_from
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,7 @@ def finished_run(root: Path) -> RunOutcome | None:
         return None
     summary = json.loads(path.read_text())
     return RunOutcome(root, path.stat().st_mtime, float(summary["wall_seconds"]), summary["stage_seconds"],
-                      [RLOutcome.of(name, msgspec.convert(r, RLResult)) for name, r in summary["rl"].items()],
+                      [RLOutcome.of(name, result_from(r)) for name, r in summary["rl"].items()],
                       _scores(summary.get("eval", {})))
 
 

@@ -398,7 +398,7 @@ def run_soak(cfg: RunConfig, minutes: float, interval_s: float, warmup_s: float,
         finally:
             sampler.join()
     meta = {"minutes": minutes, "interval_s": interval_s, "warmup_s": warmup_s, "run": spec.name,
-            "config": cfg.output_dir, "wall_seconds": time.time() - started, "steps": rl.learner.get("steps"),
+            "config": cfg.output_dir, "wall_seconds": time.time() - started, "steps": rl.learner.steps,
             "actor_restarts": rl.actor_restarts, "cpus": os.cpu_count(),
             "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg())}
     return SoakResult(sampler.samples, evaluate(sampler.samples, warmup_s, mcfg), meta)
