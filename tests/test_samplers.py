@@ -50,20 +50,20 @@ def _learner_logprobs(model, response: list[int]) -> torch.Tensor:
         return response_logprobs(model, mb, TAU, impl="torch")[0][0, : len(response)]
 
 
-def _doc_distribution(policy, ref, weight: float, ids: list[int]) -> torch.Tensor:
+def doc_distribution(policy, ref, weight: float, ids: list[int], tau: float = TAU) -> torch.Tensor:
     """[len(ids), V] log pi_a(. | ids[:t+1]) of docs/losses.md in float64: pi_theta^a pi_ref^(1 - a),
-    each at TAU, normalised over the vocabulary."""
+    each at temperature tau, normalised over the vocabulary."""
     x = torch.tensor([ids])
     with torch.no_grad():
-        log_theta = torch.log_softmax(policy(input_ids=x).logits[0].double() / TAU, -1)
-        log_ref = torch.log_softmax(ref(input_ids=x).logits[0].double() / TAU, -1)
+        log_theta = torch.log_softmax(policy(input_ids=x).logits[0].double() / tau, -1)
+        log_ref = torch.log_softmax(ref(input_ids=x).logits[0].double() / tau, -1)
     unnormalised = weight * log_theta + (1 - weight) * log_ref
     return unnormalised - torch.logsumexp(unnormalised, -1, keepdim=True)
 
 
 def _mixture_logprobs(policy, ref, weight: float, response: list[int]) -> torch.Tensor:
     """The docs' log pi_a of each response token."""
-    logp = _doc_distribution(policy, ref, weight, PROMPT + response)[len(PROMPT) - 1: -1]
+    logp = doc_distribution(policy, ref, weight, PROMPT + response)[len(PROMPT) - 1: -1]
     return logp[torch.arange(len(response)), torch.tensor(response)].float()
 
 
@@ -114,8 +114,8 @@ def test_first_tokens_are_drawn_from_the_docs_distribution(model_dir, sampler):
         drawn = torch.tensor([s.token_ids[0] for s in samples[j::2]])
         assert {s.policy_weight for s in samples[j::2]} == {weight}
         freq = torch.bincount(drawn, minlength=engine.policy.config.vocab_size).double() / n
-        expected = _doc_distribution(engine.policy, engine.ref, weight, PROMPT)[-1].exp()
-        other = _doc_distribution(engine.policy, engine.ref, weights[1 - j], PROMPT)[-1].exp()
+        expected = doc_distribution(engine.policy, engine.ref, weight, PROMPT)[-1].exp()
+        other = doc_distribution(engine.policy, engine.ref, weights[1 - j], PROMPT)[-1].exp()
         assert 0.5 * float((expected - other).abs().sum()) > 0.15  # the test tells the two apart
         assert 0.5 * float((freq - expected).abs().sum()) < 0.06, (sampler, weight)
 
