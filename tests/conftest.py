@@ -25,8 +25,28 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# A failing property test prints the blob that replays its example (@reproduce_failure); under CI
+# (the CI variable set) the examples are derandomised, so a failure there repeats anywhere.
+settings.register_profile("dev", print_blob=True)
+settings.register_profile("ci", print_blob=True, derandomize=True)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+# Per-test time limits by marker (pytest-timeout; `timeout` in pyproject.toml is the default), so a
+# hang fails its test instead of stalling the suite. Generous: at a load average of 16 on two cores
+# fast tests took over 120 s. A test's own @pytest.mark.timeout wins.
+TIMEOUT_BY_MARKER = {"slow": 1200, "triton": 900}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            limits = [s for name, s in TIMEOUT_BY_MARKER.items() if item.get_closest_marker(name)]
+            if limits:
+                item.add_marker(pytest.mark.timeout(max(limits)))
 
 # The small size of every end-to-end run: seconds per stage on two cores. So short a warm start
 # leaves pi_0 right a few percent of the time: a prompt joins D_pef with one correct sample of its

@@ -129,14 +129,24 @@ def test_what_a_critic_cannot_serve_is_refused_before_the_run_starts():
 
 
 def test_the_critic_is_saved_and_restored_with_the_learner(model_dir, tmp_path):  # noqa: F811
+    """Restored into a trainer that has trained on other data (as a kept learner process's would have):
+    the critic's weights and every value of its optimizer's state (Adam's moments and step count)
+    are those saved, not merely the same keys."""
     a = trainer(model_dir, critic={"enabled": True})
     a.train_step(batch(5))
     a.save(tmp_path, {})
     b = trainer(model_dir, critic={"enabled": True})
+    b.train_step(batch(6))
     b.load(tmp_path, "v1")
     for x, y in zip(a.critic.model.parameters(), b.critic.model.parameters(), strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
-    assert b.critic.optimizer.state_dict()["state"].keys() == a.critic.optimizer.state_dict()["state"].keys()
+    saved, restored = a.critic.optimizer.state_dict(), b.critic.optimizer.state_dict()
+    assert restored["state"].keys() == saved["state"].keys() and saved["state"]
+    for key, state in saved["state"].items():
+        assert state.keys() == restored["state"][key].keys()
+        for name, value in state.items():
+            assert torch.equal(restored["state"][key][name], value), f"optimizer state {key}/{name} differs"
+    assert restored["param_groups"] == saved["param_groups"]
 
 
 def test_the_critic_serves_every_mini_batch_and_epoch(model_dir):  # noqa: F811

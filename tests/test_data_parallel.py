@@ -73,8 +73,8 @@ def run_case(model_dir: str, settings: dict, rendezvous: Rendezvous | None = Non
     """Rank 0 (or the only rank) trains on the batch; another rank follows it until released."""
     t = make_trainer(model_dir, settings, rendezvous)
     stage = settings["zero_stage"]
-    # ZeRO-3's whole gradients are gathered from every rank: both record them.
-    grads = recording(t)[0] if stage == 3 else recording_gradients(t) if stage == 0 and t.ranks.main else []
+    # Under ZeRO-2 and 3 each rank holds part of the gradients: both record them, gathered whole.
+    grads = recording(t)[0] if stage >= 2 else recording_gradients(t) if t.ranks.main else []
     if not t.ranks.main:
         assert follow(t, Path(model_dir) / "checkpoints") == 1
         return {}
@@ -125,7 +125,7 @@ def two_ranks(model_dir, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_take_the_step_of_one(model_dir, two_ranks, case):
     one, two = run_case(model_dir, CASES[case]), two_ranks[case]
-    assert len(one["grads"]) == len(two["grads"])
+    assert len(one["grads"]) == len(two["grads"]) > 0
     for step_one, step_two in zip(one["grads"], two["grads"], strict=True):
         assert any(bool(g.abs().max() > 1e-3) for g in step_one)
         for a, b in zip(step_one, step_two, strict=True):

@@ -6,6 +6,7 @@ the `dph-async run` command in tests/test_run_command.py.)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -103,9 +104,21 @@ def test_a_local_run_starts_its_own_cluster_whatever_ray_remembers_of_a_stopped_
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_async_respects_staleness_and_trains(prepared):
-    eta = 1
-    result, rl_dir = train(prepared, "async", "learner.steps=5", f"replay.max_staleness={eta}", "actors.num_actors=2")
+ETA = 1
+# Rollouts at a temperature other than 1, where vLLM's raw and processed log-probs differ.
+TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def async_run(prepared) -> tuple[RLResult, Path]:
+    """Two actors within eta = 1 at temperature 0.7, a checkpoint at every version (the behaviour
+    log-prob test reads the learner's weights of each)."""
+    return train(prepared, "async", "learner.steps=5", f"replay.max_staleness={ETA}", "actors.num_actors=2",
+                 f"sampling.temperature={TEMPERATURE}", "learner.checkpoint_every=1", "learner.keep_checkpoints=0")
+
+
+def test_async_respects_staleness_and_trains(async_run):
+    result, rl_dir = async_run
     assert len(result.metrics) == 5
     assert all(math.isfinite(m["loss/total"]) for m in result.metrics)
     # On one host every version reached the actors through the learner's shared memory.
@@ -120,7 +133,7 @@ def test_async_respects_staleness_and_trains(prepared):
     for step in steps:
         assert len(step["groups"]) == 4
         for _, _, oldest, _ in step["groups"]:
-            assert 0 <= step["version"] - oldest <= eta
+            assert 0 <= step["version"] - oldest <= ETA
     ids = group_ids(rl_dir)
     assert len(ids) == len(set(ids)), "a group was used twice"
     # Every actor that contributed loaded new weights, and tokens made with them reached the learner.
@@ -141,6 +154,45 @@ def test_async_respects_staleness_and_trains(prepared):
         for m0, m1 in pairwise(marks):
             wall, thread, engine, forward = (y - x for x, y in zip(m0, m1, strict=True))
             assert 0 <= forward <= engine + 1e-6 and engine <= thread + 1e-6 and thread <= wall + 0.02, (m0, m1)
+
+
+def test_async_behaviour_logprobs_are_those_sampled_at_each_tokens_version(prepared, async_run):
+    """Every token an actor logged (the replay's write-ahead log) against the distribution its engine
+    sampled it from: the learner's weights of the version stamped on it (its checkpoints), over the KV
+    cache of the earlier tokens' weights where a load came mid-response (tests/sampled_logprobs.py),
+    at the sampling temperature."""
+    from sampled_logprobs import model_at, sampled_logprobs
+    from test_run_command import LOGPROB_TOL
+
+    from dph_async.paths import checkpoint_dir
+    from replay.wal import IngestRecord, WriteAheadLog
+
+    _, rl_dir = async_run
+    groups = [g for r in WriteAheadLog(rl_dir / "replay_wal").records() if isinstance(r, IngestRecord)
+              for g in r.groups]
+    models = {v: model_at(prepared[1].base, checkpoint_dir(rl_dir), v)
+              for v in {int(v) for g in groups for c in g.completions for v in c.versions}}
+    worst, blind, checked, mid_response = 0.0, 0.0, 0, 0
+    for g in groups:
+        completions = [c for c in g.completions if len(c.token_ids)]
+        firsts = {int(c.versions[0]) for c in completions}
+        if len(firsts) > 1:  # a load between its completions' first steps: tests/test_inflight_logprobs.py
+            continue
+        (first,) = firsts
+        for c in completions:
+            versions = [int(v) for v in c.versions]
+            want = sampled_logprobs(models, g.prompt_ids, c.token_ids, versions, first, TEMPERATURE)
+            worst = max(worst, float(abs(want - c.logprobs).max()))
+            checked += len(versions)
+            mid_response += sum(v != first for v in versions)
+            if first >= 2:  # the check can fail: pi_0's log-probs of tokens sampled two versions on
+                at_0 = sampled_logprobs(models, g.prompt_ids, c.token_ids, [0] * len(versions), 0, TEMPERATURE)
+                blind = max(blind, float(abs(at_0 - c.logprobs).max()))
+    # Batches of version 4 take groups of version 3 at the oldest (eta = 1): tokens of 3 or later.
+    assert max(models) >= 3 and checked >= 100, (sorted(models), checked)
+    assert worst < LOGPROB_TOL, f"behaviour log-probs differ from those sampled by up to {worst:.2e} " \
+                                f"({mid_response} of {checked} tokens sampled after a mid-response load)"
+    assert blind > 10 * LOGPROB_TOL, f"versions 0 and 2+ differ by only {blind:.2e}: the check is blind"
 
 
 def _without_seconds(results: dict) -> dict:
@@ -322,20 +374,39 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
     finished = threading.Event()
     metrics = prepared[0] / "chaos" / "metrics.jsonl"
 
+    failed: list[BaseException] = []
+
+    def cores_of(tids: list[int]) -> dict[int, set[int]]:
+        """The cores of each of these processes or threads that still runs (one may end while read)."""
+        out = {}
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):
+                out[tid] = os.sched_getaffinity(tid)
+        return out
+
+    def thread_names(pid: int) -> list[tuple[str, set[int]]]:
+        task = Path(f"/proc/{pid}/task")
+        named = []
+        for tid, cores in cores_of([int(t) for t in os.listdir(task)]).items():
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                named.append(((task / str(tid) / "comm").read_text().strip(), cores))
+        return named
+
     def kill_after_first_step() -> None:
         # Watched here, not from the driver's metrics (read every 0.5 s or later on two busy cores):
         # the steps take 0.25 s, and a late kill would find the remaining batches already made.
-        while not finished.is_set():
-            if "actor0" in pids and metrics.is_file() and (n := len(metrics.read_text().splitlines())):
-                affinity.update({k: os.sched_getaffinity(pids[k]) for k in ("actor0", "learner")})
-                started.update({p: os.sched_getaffinity(p) for p in process_tree(pids["learner"])[1:]})
-                task = Path(f"/proc/{pids['actor0']}/task")
-                actor_threads.extend(((task / t / "comm").read_text().strip(), os.sched_getaffinity(int(t)))
-                                     for t in os.listdir(task))
-                os.kill(pids["actor0"], signal.SIGKILL)
-                steps_at_kill.append(n)
-                return
-            time.sleep(0.01)
+        try:
+            while not finished.is_set():
+                if "actor0" in pids and metrics.is_file() and (n := len(metrics.read_text().splitlines())):
+                    affinity.update({k: os.sched_getaffinity(pids[k]) for k in ("actor0", "learner")})
+                    started.update(cores_of(process_tree(pids["learner"])[1:]))
+                    actor_threads.extend(thread_names(pids["actor0"]))
+                    os.kill(pids["actor0"], signal.SIGKILL)
+                    steps_at_kill.append(n)
+                    return
+                time.sleep(0.01)
+        except BaseException as e:  # failed in the test, not silently in its thread
+            failed.append(e)
 
     watcher = threading.Thread(target=kill_after_first_step)
     watcher.start()
@@ -347,6 +418,7 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
     finally:
         finished.set()
         watcher.join()
+    assert not failed, f"the watcher failed: {failed[0]!r}"
     assert steps_at_kill and steps_at_kill[0] <= 6, steps_at_kill  # the run still needed the actor
     assert result.actor_restarts >= 1
     assert result.metrics[-1]["learner/version"] == 8
@@ -372,19 +444,31 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
 
 def test_two_learner_ranks_train_checkpoint_and_resume(prepared):
     """learner.ranks=2: a second DeepSpeed rank in the learner's placement group trains its share of
-    every batch; both write their parts of a checkpoint, and a resumed run goes on from it."""
-    ranks = ("learner.ranks=2", "actors.num_actors=1", "learner.checkpoint_every=2")
-    result, rl_dir = train(prepared, "ranks", "learner.steps=2", *ranks)
-    assert [m["learner/version"] for m in result.metrics] == [1, 2]
+    every batch; both write their parts of a checkpoint, and a run resumed from it goes on as the
+    uninterrupted run did (sync mode: the run is a function of its seed), to the same weights."""
+    from safetensors.torch import load_file
+    from test_run_command import NOT_REPEATED
+
+    def repeated(metrics: list[dict]) -> list[dict]:
+        return [{k: v for k, v in m.items() if k not in NOT_REPEATED and not k.startswith("time/")} for m in metrics]
+
+    ranks = ("mode=sync", "learner.ranks=2", "actors.num_actors=1", "learner.checkpoint_every=2", "learner.steps=3")
+    result, rl_dir = train(prepared, "ranks", *ranks)
+    assert [m["learner/version"] for m in result.metrics] == [1, 2, 3]
     assert all(math.isfinite(m["loss/total"]) and m["batch/trained_fresh_tokens"] > 0 for m in result.metrics)
     assert (rl_dir / "logs" / "learner1.log").is_file()
-    assert (rl_dir / "checkpoints" / "latest").read_text().strip() == "v2"
     # Both ranks' optimizer partitions (ZeRO-1, the default) are in the checkpoint.
     assert len(list((rl_dir / "checkpoints" / "v2").glob("*optim_states.pt"))) == 2
-    resumed, _ = train(prepared, "ranks", "learner.steps=3", *ranks, resume_tag="v2")
+    weights = load_file(rl_dir / "final_model" / "model.safetensors")
+    groups = group_ids(rl_dir)
+    resumed, _ = train(prepared, "ranks", *ranks, resume_tag="v2")  # step 3 again, from v2's two partitions
     # The resumed run's metrics: the two steps logged before the checkpoint, then the new one.
     assert [m["learner/version"] for m in resumed.metrics] == [1, 2, 3]
-    assert [s["version"] for s in consumed(rl_dir)] == [0, 1, 2]
+    assert [s["version"] for s in consumed(rl_dir)] == [0, 1, 2] and group_ids(rl_dir) == groups
+    assert repeated(resumed.metrics) == repeated(result.metrics)
+    again = load_file(rl_dir / "final_model" / "model.safetensors")
+    assert again.keys() == weights.keys()
+    assert all(torch.equal(again[k], weights[k]) for k in weights), "the resumed run's weights differ"
 
 
 def test_zero3_over_two_learner_ranks_publishes_measures_and_saves_whole_weights(prepared):
@@ -411,8 +495,9 @@ def test_zero3_over_two_learner_ranks_publishes_measures_and_saves_whole_weights
 def test_under_f_linear_the_actor_runs_on_the_learners_shared_weights(prepared):
     """actors.cpu_gemm=torch: every version reaches the engine as views of the learner's shared-memory
     slot, leased while the engine runs on it (no copy), and the behaviour log-probs are still the
-    learner's at the version that made them (sync mode: one version per group). With two threads per
-    actor: the engine runs on threads other than the one that built it, with the same thread count."""
+    learner's at the version that made them (sync mode: one version per group), at a sampling
+    temperature of 0.7. With two threads per actor: the engine runs on threads other than the one
+    that built it, with the same thread count."""
     from test_run_command import LOGPROB_TOL, worst_gap
     from transformers import AutoModelForCausalLM
 
@@ -422,7 +507,7 @@ def test_under_f_linear_the_actor_runs_on_the_learners_shared_weights(prepared):
 
     result, rl_dir = train(prepared, "views", "mode=sync", "learner.steps=4", "actors.num_actors=1",
                            "actors.cpu_gemm=torch", "actors.threads=2", "learner.checkpoint_every=2",
-                           "learner.keep_checkpoints=0", mode="grpo")
+                           "learner.keep_checkpoints=0", f"sampling.temperature={TEMPERATURE}", mode="grpo")
     (actor,) = result.actors
     assert actor.weight_loads >= 3, actor
     assert actor.weight_leased_loads == actor.weight_shm_loads == actor.weight_loads, actor
@@ -433,4 +518,4 @@ def test_under_f_linear_the_actor_runs_on_the_learners_shared_weights(prepared):
     model = AutoModelForCausalLM.from_pretrained(prepared[0] / "base_model", dtype=torch.float32).eval()
     states = torch.load(rl_dir / "checkpoints" / "v2" / MODEL_STATES, map_location="cpu", weights_only=False)
     model.load_state_dict(states["module"])
-    assert worst_gap(model, made_at_2, "fresh") < LOGPROB_TOL
+    assert worst_gap(model, made_at_2, "fresh", TEMPERATURE) < LOGPROB_TOL

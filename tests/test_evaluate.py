@@ -12,9 +12,12 @@ import subprocess
 import sys
 from fractions import Fraction
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 from conftest import SMALL, small_config
+from transformers import AutoModelForCausalLM
 
 from actors.engine import Sample, SamplingSpec
 from dph_async.app.evaluate import evaluate_split, pass_at_k
@@ -112,6 +115,55 @@ def test_d_pef_rule_on_made_up_outcomes():
 
 
 @pytest.mark.slow
+class AnsweringEngine:
+    """Stands in for vLLM in this unit test: every sample of a prompt is its right answer, as token ids."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], tokenizer) -> None:
+        self.answers, self.tokenizer = answers, tokenizer
+
+    def generate(self, prompts, spec: SamplingSpec) -> list[list[Sample]]:
+        out = []
+        for i, p in enumerate(prompts):
+            ids = self.answers[tuple(p)]
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            out.append([Sample(key=f"{i}/{j}", token_ids=list(ids), text=text) for j in range(spec.n)])
+        return out
+
+
+def test_reference_logprobs_are_pi0s_at_the_sampling_temperature(tmp_path):
+    """The pi_0 log-probs pre-sampling stores with each reference sample are the learner's at the
+    training rollouts' temperature (sampling.temperature, what its divergence terms use), not the
+    pre-sampling's own: at step 0 every divergence is then zero."""
+    from conftest import save_tiny_llama
+    from test_run_command import learner_logprobs
+    from transformers import AutoTokenizer
+
+    from dph_async.app.presample import presample
+    from dph_async.tasks.dataset import load_prompts, verl_row, write_rows
+    from dph_async.tasks.embedded import make_splits
+    from learner.batching import Sequence
+
+    model = save_tiny_llama(tmp_path / "pi0")
+    tok = AutoTokenizer.from_pretrained(model)
+    problems = make_splits(0, 6, 2)["train"]
+    train = write_rows([verl_row(q.prompt, q.data_source, q.ground_truth, i, "train") for i, q in enumerate(problems)],
+                       tmp_path / "train.parquet")
+    cfg = small_config(tmp_path, "sampling.temperature=0.7", "presample.temperature=1.0", "presample.k=2")
+    solution = {q.prompt: q.solutions()[0] for q in problems}
+    answers = {r.prompt_ids: [*tok.encode(solution[r.text], add_special_tokens=False), tok.eos_token_id]
+               for r in load_prompts(train, tok, 1000)}
+    presample(cfg, model, train, tmp_path / "out", tok, AnsweringEngine(answers, tok))
+    pool = pq.read_table(tmp_path / "out" / "reference_pool.parquet").to_pylist()
+    assert len(pool) == 2 * len(problems)  # every answer right: every prompt in D_pef, both samples kept
+    units = [[Sequence(np.asarray(r["prompt_ids"]), np.asarray(r["response_ids"]), np.asarray(r["ref_logprobs"]))]
+             for r in pool]
+    pi0 = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    for temperature, close in ((0.7, True), (1.0, False)):
+        want = learner_logprobs(pi0, units, "reference", temperature)
+        gap = max(float(np.abs(want[id(s)] - s.old_logprobs).max()) for u in units for s in u)
+        assert (gap < 1e-5) == close, (temperature, gap)
+
+
 def test_presampling_output_follows_the_split_rule(small_base):
     """The real pre-sampling of the shared small base: D_pef = prompts with at least min_correct of their
     k samples correct (by the reward itself, scored again here), their correct samples the reference

@@ -2,7 +2,8 @@
 
 The shared-prompt forward must give the log-probs and gradients of separate sequences; skipping
 zero-advantage sequences must not change the update; mini-batch updates must record the proximal
-policy before the first update, so that the ratio moves from the second update on.
+policy before the first update, for every mini-batch, so that the ratio moves and the clip acts from
+the second update on.
 """
 
 from __future__ import annotations
@@ -243,6 +244,32 @@ def test_mini_batches_count_optimizer_steps_and_move_the_ratio(model_dir):
     assert m["policy/ratio_dev"] > 1e-4
     m = many.train_step(batch(7))
     assert many.version == 2 and m["learner/optimizer_steps"] == 8
+
+
+def test_the_proximal_policy_is_the_batchs_start_for_every_mini_batch(model_dir):
+    """AReaL's rule: pi_prox is the policy before the batch's first update, recorded once for every
+    sequence of the batch. Each mini-batch's ratio is taken against it, so after the first update
+    the second mini-batch's ratio has moved and the clip acts (a pi_prox recorded at each
+    mini-batch's own start would make that ratio 1 and the clip idle)."""
+    t = trainer(model_dir, mini_batches=2, loss={"correction": "decoupled"})
+    start = tiny("llama")  # the weights model_dir holds
+    seen: list[tuple[MiniBatch, torch.Tensor | None]] = []
+    share = t._fresh_share
+
+    def recording_prox(mb, mini, record):
+        loss = share(mb, mini, record)
+        seen.append((mb, mb.prox()))
+        return loss
+
+    t._fresh_share = recording_prox
+    m = t.train_step(batch(6))
+    assert m["learner/optimizer_steps"] == 2
+    assert len(seen) >= 2 and all(prox is not None for _, prox in seen)
+    with torch.no_grad():
+        for mb, prox in seen:
+            want = response_logprobs(start, mb, 1.0)[0]
+            torch.testing.assert_close(prox[mb.mask], want[mb.mask], atol=1e-5, rtol=1e-5)
+    assert m["policy/clip_frac"] > 0 and m["policy/ratio_dev"] > 1e-3
 
 
 def test_gradient_parts_norms_and_cosine():

@@ -9,14 +9,17 @@ never published.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
 import torch
 from test_learner import V, group, model_dir, trainer  # noqa: F401  (model_dir is a fixture)
 
+from dph_async.config import RunConfig
 from dph_async.protocol import Batch, ReferenceSample
 from learner.guard import NonFiniteTraining, StepGuard, check_finite, screen
+from learner.loop import LearnerLoop
 
 
 def _batch(rewards: list[list[float]], seed: int = 0, actor: int = 0) -> Batch:
@@ -85,6 +88,24 @@ def test_a_non_finite_update_leaves_weights_and_optimizer_state_unchanged(model_
         t.close()
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_finite_loss_with_a_non_finite_gradient_is_skipped(model_dir, stage):  # noqa: F811
+    """The loss alone does not tell: one gradient entry made infinite by a hook on a parameter, the
+    loss finite, and the update must still be skipped."""
+    t = trainer(model_dir, zero_stage=stage)
+    try:
+        t.train_step(_batch(HEALTHY, seed=1))
+        before = _state(t)
+        param = next(p for p in t.module.parameters() if p.requires_grad)
+        hook = param.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+        m = t.train_step(_batch(HEALTHY, seed=2))
+        hook.remove()
+        assert np.isfinite(m["loss/total"]) and m["learner/skipped_updates"] == 1.0
+        assert all(torch.equal(a, b) for a, b in zip(before, _state(t), strict=True))
+    finally:
+        t.close()
+
+
 def test_batches_that_keep_failing_stop_the_run_naming_their_sources(model_dir):  # noqa: F811
     t = trainer(model_dir, zero_stage=0, max_skipped_steps=2)
     try:
@@ -116,6 +137,27 @@ def test_non_finite_weights_are_never_published():
     with pytest.raises(NonFiniteTraining, match="version 7 hold non-finite values in 1 tensors \\(b\\)"):
         check_finite(state, 7)
     check_finite({"a": torch.ones(3)}, 7)  # finite weights pass
+
+
+def test_the_loop_publishes_no_non_finite_weights(tmp_path):
+    """The learner loop checks every state before the weight server sees it (a stand-in trainer and
+    server: only the order matters here)."""
+    published = []
+
+    class Server:
+        def publish(self, state, version):
+            published.append(version)
+            return types.SimpleNamespace(nbytes=0)
+
+    weights = {"w": torch.ones(2)}
+    trainer = types.SimpleNamespace(version=4, whole_state=lambda: weights)
+    loop = LearnerLoop(RunConfig(), trainer, None, Server(), tmp_path)
+    loop.publish()
+    weights["w"] = torch.tensor([1.0, float("nan")])
+    trainer.version = 5
+    with pytest.raises(NonFiniteTraining, match="version 5"):
+        loop.publish()
+    assert published == [4]
 
 
 def test_the_trainer_screens_its_batch_before_computing_anything(model_dir):  # noqa: F811

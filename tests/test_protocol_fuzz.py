@@ -8,6 +8,7 @@ import msgpack
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_protocol import assert_same
 
 from dph_async import protocol as P
 from dph_async.app.bench.transport import synthetic_group
@@ -131,8 +132,8 @@ def test_thousands_of_mutations():
 
 
 def test_every_valid_seed_decodes():
-    for frames in SEED_FRAMES:
-        P.decode(frames)
+    for msg, frames in zip(SEEDS, SEED_FRAMES, strict=True):
+        assert_same(msg, P.decode(frames))
 
 
 @settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from dph_async.app.evaluate import load_results
 from dph_async.app.report import TABLE_K, write_report
 from dph_async.paths import MODEL_STATES, RunPaths
+from dph_async.protocol import SHM_PREFIX
 from dph_async.run_stats import result_from
 
 pytestmark = pytest.mark.slow
@@ -240,8 +241,8 @@ def test_second_invocation_of_a_finished_run_redoes_nothing_and_starts_no_ray(ru
     now = {p: p.stat().st_mtime_ns for p in runs["finished"]}
     assert now == runs["finished"]
     summary = json.loads((full / "summary.json").read_text())
-    assert set(summary["stage_seconds"]) == {"evaluation"}  # no stage ran; the evaluations were read back
-    assert summary["stage_seconds"]["evaluation"] < 5
+    # No stage ran; the evaluations were read back (their files and logs unchanged, above).
+    assert set(summary["stage_seconds"]) == {"evaluation"}
 
 
 # --- Resume = uninterrupted ----------------------------------------------------------------------
@@ -292,24 +293,25 @@ def learner_model(run: Path, mode: str, version: int) -> torch.nn.Module:
     return model
 
 
-def learner_logprobs(model: torch.nn.Module, units: list[list], kind: str) -> dict[int, np.ndarray]:
-    """The learner's per-token log-probs of every sequence (by id), packed as the learner packs them:
-    a group's completions share their prompt's row."""
+def learner_logprobs(model: torch.nn.Module, units: list[list], kind: str,
+                     temperature: float = 1.0) -> dict[int, np.ndarray]:
+    """The learner's per-token log-probs of every sequence (by id) at `temperature`, packed as the
+    learner packs them: a group's completions share their prompt's row."""
     from learner.batching import pack
     from learner.logprobs import response_logprobs
 
     out: dict[int, np.ndarray] = {}
     with torch.no_grad():
         for mb in pack(units, kind, 4096, 0):
-            logp, _ = response_logprobs(model, mb, 1.0)
+            logp, _ = response_logprobs(model, mb, temperature)
             for row, s in enumerate(mb.sequences):
                 out[id(s)] = logp[row][mb.mask[row]].double().numpy()
     return out
 
 
-def worst_gap(model: torch.nn.Module, units: list[list], kind: str) -> float:
+def worst_gap(model: torch.nn.Module, units: list[list], kind: str, temperature: float = 1.0) -> float:
     """max |learner - recorded| log-prob over every token of the units."""
-    mine = learner_logprobs(model, units, kind)
+    mine = learner_logprobs(model, units, kind, temperature)
     return max(float(np.abs(mine[id(s)] - s.old_logprobs).max()) for u in units for s in u)
 
 
@@ -396,6 +398,9 @@ def test_ctrl_c_during_rl_stops_everything(small_base, tmp_path: Path):
         members = session_members(proc.pid)
         assert len(members) > 3, members  # the check below sees the run's processes
         ours = shm_files_of([int(m.split()[0]) for m in members])
+        # The learner's weight slots at least (one host: shared memory by default); none seen would
+        # make the check below pass whatever the run leaves behind.
+        assert any(name.startswith(SHM_PREFIX) for name in ours), ours
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole foreground group
         assert proc.wait(timeout=120) == 130
     finally:

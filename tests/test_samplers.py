@@ -1,7 +1,11 @@
 """The DPO samplers in the actor: every response records which distribution sampled it and its
 log-probs under that distribution, equal to the learner's own log-probs of pi_theta (online),
-of pi_ref (ref) and to the mixtures computed from both models' full logits (gshf, mixp), before and
-after a weight update; the record survives the wire and the replay's columns."""
+of pi_ref (ref) and to the mixtures of docs/losses.md computed here in float64 from both models'
+full logits (gshf, mixp), before and after a weight update; the tokens are drawn from that
+distribution; the record survives the wire and the replay's columns.
+
+The expected policy weights are written out here from docs/losses.md, not read from the engine's
+table: a wrong weight there must fail these tests."""
 
 from __future__ import annotations
 
@@ -23,6 +27,9 @@ from replay.records import group_columns, groups_from
 
 TAU = 0.8
 PROMPT = [3, 7, 5, 9]
+# docs/losses.md, Samplers: completion j of a group samples from softmax((a_j z_theta + (1 - a_j) z_ref) / tau),
+# that is pi_theta^a_j pi_ref^(1 - a_j) normalised, each model's distribution taken at tau.
+DOC_WEIGHTS = {"online": [1.0] * 4, "ref": [0.0] * 4, "gshf": [1.0, 0.0, 1.0, 0.0], "mixp": [1.5, 0.5, 1.5, 0.5]}
 
 
 @pytest.fixture(scope="module")
@@ -44,30 +51,43 @@ def _learner_logprobs(model, response: list[int]) -> torch.Tensor:
         return response_logprobs(model, mb, TAU, impl="torch")[0][0, : len(response)]
 
 
-def _mixture_logprobs(policy, ref, weight: float, response: list[int]) -> torch.Tensor:
-    """log softmax((a z_theta + (1 - a) z_ref) / TAU) of each response token, from full logits (float64)."""
-    ids = torch.tensor([PROMPT + response])
+def doc_distribution(policy, ref, weight: float, ids: list[int], tau: float = TAU) -> torch.Tensor:
+    """[len(ids), V] log pi_a(. | ids[:t+1]) of docs/losses.md in float64: pi_theta^a pi_ref^(1 - a),
+    each at temperature tau, normalised over the vocabulary."""
+    x = torch.tensor([ids])
     with torch.no_grad():
-        z = policy(input_ids=ids).logits[0].double(), ref(input_ids=ids).logits[0].double()
-    mixed = weight * z[0] + (1 - weight) * z[1]
-    logp = torch.log_softmax(mixed / TAU, -1)[len(PROMPT) - 1: -1]
+        log_theta = torch.log_softmax(policy(input_ids=x).logits[0].double() / tau, -1)
+        log_ref = torch.log_softmax(ref(input_ids=x).logits[0].double() / tau, -1)
+    unnormalised = weight * log_theta + (1 - weight) * log_ref
+    return unnormalised - torch.logsumexp(unnormalised, -1, keepdim=True)
+
+
+def _mixture_logprobs(policy, ref, weight: float, response: list[int]) -> torch.Tensor:
+    """The docs' log pi_a of each response token."""
+    logp = doc_distribution(policy, ref, weight, PROMPT + response)[len(PROMPT) - 1: -1]
     return logp[torch.arange(len(response)), torch.tensor(response)].float()
 
 
 def _check(engine: MixtureEngine, sampler: str) -> None:
     (samples,) = engine.generate([PROMPT], SamplingSpec(temperature=TAU, max_tokens=6, n=4))
-    assert [s.policy_weight for s in samples] == SAMPLERS[sampler].weights(4)
-    for s in samples:
+    assert [s.policy_weight for s in samples] == DOC_WEIGHTS[sampler]
+    for s, weight in zip(samples, DOC_WEIGHTS[sampler], strict=True):
         got = torch.tensor(s.logprobs)
         assert len(got) == len(s.token_ids) == len(s.versions) and set(s.versions) == {engine.version}
-        torch.testing.assert_close(got, _mixture_logprobs(engine.policy, engine.ref, s.policy_weight, s.token_ids),
+        torch.testing.assert_close(got, _mixture_logprobs(engine.policy, engine.ref, weight, s.token_ids),
                                    atol=2e-5, rtol=1e-5)
-        if s.policy_weight in (0.0, 1.0):  # a pure model: the learner's own log-probs of it
+        if weight in (0.0, 1.0):  # a pure model: the learner's own log-probs of it
             model = engine.policy if s.policy_weight == 1.0 else engine.ref
             torch.testing.assert_close(got, _learner_logprobs(model, s.token_ids), atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("sampler", SAMPLERS)
+def test_every_sampler_of_the_docs_and_no_other():
+    assert set(SAMPLERS) == set(DOC_WEIGHTS)
+    for name, weights in DOC_WEIGHTS.items():
+        assert SAMPLERS[name].weights(4) == weights
+
+
+@pytest.mark.parametrize("sampler", DOC_WEIGHTS)
 def test_recorded_logprobs_are_those_of_the_distribution_sampled(model_dir, sampler):
     engine = MixtureEngine(model_dir, sampler, seed=1)
     _check(engine, sampler)
@@ -78,6 +98,27 @@ def test_recorded_logprobs_are_those_of_the_distribution_sampled(model_dir, samp
     engine.load_weights(new, version=3)
     assert all(torch.equal(a, b) for a, b in zip(ref_before, engine.ref.parameters(), strict=True))
     _check(engine, sampler)
+
+
+@pytest.mark.parametrize("sampler", ["gshf", "mixp"])
+def test_first_tokens_are_drawn_from_the_docs_distribution(model_dir, sampler):
+    """4,000 one-token completions per policy weight: their frequencies against pi_a of the docs
+    (float64, the whole vocabulary). The total variation of 4,000 draws from 24 outcomes is about
+    0.02-0.03 here; the other weight's distribution is 0.27 or more away."""
+    engine = MixtureEngine(model_dir, sampler, seed=5)
+    g = torch.Generator().manual_seed(6)  # pi_theta far from pi_ref (both start as the same weights)
+    engine.load_weights([(k, (8 if k == "lm_head.weight" else 1) * v + 0.1 * torch.randn(v.shape, generator=g))
+                         for k, v in engine.policy.state_dict().items()], version=1)
+    n, weights = 4000, DOC_WEIGHTS[sampler][:2]
+    (samples,) = engine.generate([PROMPT], SamplingSpec(temperature=TAU, max_tokens=1, n=2 * n))
+    for j, weight in enumerate(weights):
+        drawn = torch.tensor([s.token_ids[0] for s in samples[j::2]])
+        assert {s.policy_weight for s in samples[j::2]} == {weight}
+        freq = torch.bincount(drawn, minlength=engine.policy.config.vocab_size).double() / n
+        expected = doc_distribution(engine.policy, engine.ref, weight, PROMPT)[-1].exp()
+        other = doc_distribution(engine.policy, engine.ref, weights[1 - j], PROMPT)[-1].exp()
+        assert 0.5 * float((expected - other).abs().sum()) > 0.15  # the test tells the two apart
+        assert 0.5 * float((freq - expected).abs().sum()) < 0.06, (sampler, weight)
 
 
 def test_weights_loaded_mid_response_mark_the_later_tokens(model_dir):

@@ -272,8 +272,8 @@ def announce_dead(directory: Path, *names: str) -> None:
 
 def rl_result(steps: int, drops: int) -> dict:
     """An RL run's record as result.json (and summary.json's "rl") holds it."""
-    result = RLResult("r", LearnerStats(steps=steps), [ActorStats(0)], ReplayStats(drops={"stale": drops}, staleness_hist={0: 90, 1: 60}), 0, 16.4,
-                      "final_model")
+    replay = ReplayStats(drops={"stale": drops}, staleness_hist={0: 90, 1: 60})
+    result = RLResult("r", LearnerStats(steps=steps), [ActorStats(0)], replay, 0, 16.4, "final_model")
     return msgspec.to_builtins(result)
 
 

@@ -6,6 +6,8 @@ fetchable while a fetch is in progress, and a published version never changes un
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from actors.rollout import RolloutWorker
 from actors.weights import WeightClient, WeightFetchError
 from dph_async.config import RunConfig
 from dph_async.net import NetSecurity
-from dph_async.protocol import WeightsBucket, WeightsRequest
+from dph_async.protocol import WeightsBucket, WeightsReady, WeightsRequest
 from dph_async.tasks.dataset import PromptRecord
 from dph_async.weights import checksum, make_buckets, tensor_to_array
 from learner.publish import WeightServer
@@ -50,6 +52,15 @@ def client(server):
     c = WeightClient(server.address, SECURITY, actor_id=0, timeout_s=5.0, transport="tcp")
     yield c
     c.close()
+
+
+def newest(client: WeightClient, version: int) -> WeightsReady:
+    """The manifest of `version` (or a newer one), once the server's push or an answer brought it."""
+    deadline = time.monotonic() + 5
+    while (ready := client.newest(version - 1)) is None or ready.version < version:
+        assert time.monotonic() < deadline, f"version {version} not announced"
+        time.sleep(0.01)
+    return ready
 
 
 def assert_bitwise(got: list[tuple[str, torch.Tensor]], model: torch.nn.Module) -> None:
@@ -219,6 +230,7 @@ def test_two_versions_stay_fetchable_while_a_fetch_is_in_progress(server, client
     actor = worker(client, engine)
     actor.update_weights()
     assert engine.loaded == [] and actor.stats.weight_fetch_failures == 1
+    newest(client, 4)  # pushed by the server's thread, maybe after the refusal's reply: waited for
     actor.update_weights()
     assert [v for v, _ in engine.loaded] == [4] and engine.version == 4
     assert_bitwise(engine.loaded[0][1], models[4])

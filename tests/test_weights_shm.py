@@ -1,20 +1,20 @@
 """The shared-memory weight transport (dph_async/weights_shm.py, learner/shm_slots.py, actors/weights.py):
 a version read from the learner's /dev/shm slot is bit for bit what was published, read in place (no
-bucket crosses the socket); a segment that cannot be opened sends the actor to TCP, or is an error
-under transport=shm; a hostile manifest is refused before anything is mapped; the files stay at two
-per learner, a slot a reader holds is replaced rather than rewritten under it, and nothing is left in
-/dev/shm after close or after a writer died.
+bucket crosses the socket); a byte of the slot changed after it was written is refused by its
+checksum whichever transport reads it, and never reaches the engine; a segment that cannot be opened
+sends the actor to TCP, or is an error under transport=shm; a hostile manifest is refused before
+anything is mapped; the files stay at two per learner, a slot a reader holds is replaced rather than
+rewritten under it, and nothing is left in /dev/shm after close or after a writer died.
 """
 
 from __future__ import annotations
 
 import os
-import time
 
 import msgspec
 import pytest
 import torch
-from test_weights import Net, assert_bitwise
+from test_weights import Net, RecordingEngine, assert_bitwise, newest, worker
 
 from actors.weights import WeightClient, WeightFetchError, WeightTransportError
 from dph_async import weights_shm as shm
@@ -47,14 +47,6 @@ def client(server):
     c.close()
 
 
-def newest(client: WeightClient, version: int) -> WeightsReady:
-    deadline = time.monotonic() + 5
-    while (ready := client.newest(version - 1)) is None or ready.version < version:
-        assert time.monotonic() < deadline, f"version {version} not announced"
-        time.sleep(0.01)
-    return ready
-
-
 def test_round_trip_is_bit_for_bit_and_reads_the_segment_in_place(server, client):
     model = Net(0)
     with torch.no_grad():
@@ -74,6 +66,43 @@ def test_round_trip_is_bit_for_bit_and_reads_the_segment_in_place(server, client
     assert client.loads == {"shm": 1, "tcp": 0} and client.shm_fallbacks == 0
     assert server.bytes_served == 0  # no bucket crossed the socket
     assert os.stat(shm.segment_path(ready.shm.name)).st_mode & 0o777 == 0o600
+
+
+def flip_a_byte(ready: WeightsReady) -> None:
+    """Change one bit of the last tensor in the learner's segment, as a stray write after the learner
+    hashed it would (the file is the learner's user's, as the test's)."""
+    fd = os.open(shm.segment_path(ready.shm.name), os.O_RDWR)
+    try:
+        offset = ready.shm.offsets[-1]
+        (byte,) = os.pread(fd, 1, offset)
+        os.pwrite(fd, bytes([byte ^ 0x10]), offset)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("transport", ["auto", "shm", "tcp"])
+def test_a_corrupted_byte_in_the_segment_is_refused_and_never_reaches_the_engine(server, transport):
+    """Every way an actor reads a version: from the segment (auto, the default on one host; shm), or
+    over the socket (tcp), whose buckets are views of the same slot."""
+    client = client_of(server, transport)
+    try:
+        server.publish(Net(6), version=1)
+        flip_a_byte(newest(client, 1))
+        engine = RecordingEngine()
+        actor = worker(client, engine)
+        actor.update_weights()
+        assert engine.loaded == [] and engine.version == 0 and actor.stats.weight_fetch_failures == 1
+        assert client.loads == {"shm": 0, "tcp": 0}  # refused, not read another way instead
+        ready = newest(client, 1)
+        with pytest.raises(WeightFetchError, match=r"bucket \d+ failed its checksum"), client.tensors(ready):
+            pass
+        server.publish(Net(7), version=2)  # the learner's next version, whole: loaded
+        newest(client, 2)
+        actor.update_weights()
+        assert [v for v, _ in engine.loaded] == [2] and actor.stats.weight_loads == 1
+        assert_bitwise(engine.loaded[0][1], Net(7))
+    finally:
+        client.close()
 
 
 class _frozen(torch.nn.Module):
