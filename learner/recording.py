@@ -61,12 +61,9 @@ def write_run_info(rl_dir: Path, cfg: RunConfig, model_dir: str | Path) -> None:
     """Write the learner's config and where its model is. A model inside the run's tree is named
     relative to `rl_dir`, so that a copied or moved run directory still finds it."""
     (rl_dir / LEARNER_CONFIG).write_text(dump_config(cfg))
-    model = Path(model_dir).resolve()
-    root = rl_dir.resolve()
-    try:
-        named = os.path.relpath(model, root) if model.is_relative_to(root.parent.parent) else str(model)
-    except ValueError:  # another drive
-        named = str(model)
+    model, root = Path(model_dir).resolve(), rl_dir.resolve()
+    # rl_dir is <run>/rl/<mode>: pi_0 of the embedded default is <run>/base_model.
+    named = os.path.relpath(model, root) if model.is_relative_to(root.parent.parent) else str(model)
     info = {"config": LEARNER_CONFIG, "model_dir": named, "recording": RECORDING}
     (rl_dir / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
 

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dph_async.errors import UserError
 from dph_async.protocol import Batch
 from learner.batching import MicroBatch, MiniBatch, Sequence, Unit
+from learner.guard import screen
 from learner.step_record import StepRecord
 from learner.trainer import Trainer
 
@@ -106,31 +108,35 @@ def _sequence_tokens(s: Sequence, logp: torch.Tensor, where: dict) -> list[Token
                         float(weights[t])) for t in range(len(s.response_ids))]
 
 
-def diagnose_step(trainer: Trainer, batch: Batch, top_tokens: int = 20) -> StepDiagnosis:
-    """The diagnosis of the step `trainer` is about to take on `batch` (module docstring)."""
-    if trainer.critic is not None:
-        raise ValueError("a step of a run with a learned critic cannot be diagnosed: its per-token advantages "
-                         "come from the critic's update inside the step")
-    p = trainer.prepared(batch)
-    mini = p.mini_batches(trainer.cfg.mini_batches)[0]
-    names = {id(g.prompt_ids): f"group {g.actor_id}/{g.seq}" for g in batch.groups}
+def _contributions(trainer: Trainer, mini: MiniBatch, parts: list[tuple[str, list[Unit], list[MicroBatch]]]
+                   ) -> tuple[list[PartContribution], float]:
+    """Each part's loss, gradient norm and projection on the whole gradient; the whole gradient's norm."""
     params = [q for q in trainer.module.parameters() if q.requires_grad]
-    parts = _parts(trainer, mini, names)
-    trainer.engine.train()
     total = torch.zeros(sum(q.numel() for q in params), dtype=torch.float64)
-    losses, norms = [], []
-    for _, _, micro in parts:
+    out = []
+    for name, units, micro in parts:
         loss = _part_loss(trainer, micro, mini)
         g = _flat_grad(loss, params)
         total += g
-        losses.append(float(loss.detach()))
-        norms.append(float(g.norm()))
+        tokens = sum(len(s.response_ids) for u in units for s in u)
+        out.append(PartContribution(name, sum(len(u) for u in units), tokens, float(loss.detach()), float(g.norm()),
+                                    0.0))
     norm = float(total.norm())
-    out = StepDiagnosis(trainer.version, sum(losses), norm)
-    for (name, units, micro), loss, part_norm in zip(parts, losses, norms, strict=True):
+    for part, (_, _, micro) in zip(out, parts, strict=True):  # again: no part's gradient was kept
         g = _flat_grad(_part_loss(trainer, micro, mini), params)
-        out.parts.append(PartContribution(name, sum(len(u) for u in units), sum(len(s.response_ids) for u in units
-                                                                              for s in u),
-                                          loss, part_norm, float(g @ total) / norm if norm > 0 else 0.0))
-    out.top_tokens = _top_tokens(trainer, mini, batch, top_tokens)
-    return out
+        part.contribution = float(g @ total) / norm if norm > 0 else 0.0
+    return out, norm
+
+
+def diagnose_step(trainer: Trainer, batch: Batch, top_tokens: int = 20) -> StepDiagnosis:
+    """The diagnosis of the step `trainer` is about to take on `batch` (module docstring)."""
+    if trainer.critic is not None:
+        raise UserError("a step of a run with a learned critic cannot be diagnosed: its per-token advantages "
+                        "come from the critic's update inside the step")
+    batch, _ = screen(batch, trainer.vocab)  # as train_step takes it
+    mini = trainer.prepared(batch).mini_batches(trainer.cfg.mini_batches)[0]
+    names = {id(g.prompt_ids): f"group {g.actor_id}/{g.seq}" for g in batch.groups}
+    trainer.engine.train()
+    parts, norm = _contributions(trainer, mini, _parts(trainer, mini, names))
+    return StepDiagnosis(trainer.version, sum(p.loss for p in parts), norm, parts,
+                         _top_tokens(trainer, mini, batch, top_tokens))
