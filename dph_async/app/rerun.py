@@ -194,7 +194,11 @@ class Rerun:
         replay = self.cfg.replay
         self.staleness = StalenessController(StalenessRule.of(replay)) if replay.auto_staleness else None
         if start:
-            state = self.trainer.load(checkpoint_dir(rl_dir), f"v{start}")
+            try:
+                state = self.trainer.load(checkpoint_dir(rl_dir), f"v{start}")
+            except BaseException:
+                self.trainer.close()
+                raise
             if self.staleness is not None and "staleness" in state:
                 self.staleness = StalenessController.from_state(self.staleness.rule, state["staleness"])
 
