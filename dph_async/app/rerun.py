@@ -82,6 +82,11 @@ class RerunReport:
         return next((s for s in self.steps if s.differing), None)
 
     @property
+    def differs(self) -> bool:
+        """Some compared metric or weight is not the run's."""
+        return not self.metrics_equal or any(not w.equal for w in self.weights)
+
+    @property
     def bitwise(self) -> bool:
         """Every compared step's metrics and every compared weight the run's, bit for bit."""
         return bool(self.steps) and self.metrics_equal and bool(self.weights) and all(w.equal for w in self.weights)

@@ -16,7 +16,7 @@ checkpoint of the run) and trains on the recorded batches in order: no actors, e
 
 With no overrides it checks the run repeats: every logged metric but the wall-clock ones, and the
 weights at each checkpoint of the run and at its final model, must equal the run's bit for bit (on
-the machine that ran it). Exit status 1 when they do not.
+the machine that ran it). Exit status 1 when one does not.
 
 With learner overrides (learner.*: objective, coefficient, lr, correction, mini-batches...) it trains
 a counterfactual learner on exactly the same data, into its own directory (metrics.jsonl,
@@ -102,7 +102,9 @@ def main(args: argparse.Namespace) -> int:
                        top_tokens=args.top_tokens)
     except (RecordingError, FileNotFoundError) as e:
         return fail(str(e))
+    if not report.steps:
+        return fail(f"no step re-executed from version {report.start}: {report.stopped}")
     console.print(f"{verdict(report)}\nreport: {out / 'report.md'}")
     if args.diagnose is not None and not (out / f"diagnose_v{args.diagnose}.json").is_file():
         return fail(f"--diagnose {args.diagnose}: the rerun stopped at version {report.end} ({report.stopped})")
-    return 1 if not report.counterfactual and not report.bitwise else 0
+    return 1 if not report.counterfactual and report.differs else 0
