@@ -92,11 +92,14 @@ def main(args: argparse.Namespace) -> int:
         return fail(str(e))
     out = args.out or rl_dir / "rerun" / _label(args.overrides)
     # torch, DeepSpeed and the trainer: here, so that --help stays fast.
+    from transformers.utils import logging as hf_logging
+
     from dph_async.app.progress import console
     from dph_async.app.rerun import rerun
     from dph_async.app.rerun_report import verdict
     from learner.recording import RecordingError
 
+    hf_logging.disable_progress_bar()  # the command's output is its verdict
     try:
         report = rerun(rl_dir, out, args.overrides, start=args.start, until=args.until, diagnose=args.diagnose,
                        top_tokens=args.top_tokens)
