@@ -588,18 +588,27 @@ class Stats(Message):
     replay: ReplayStats
 
 
-ControlCommand = Literal["snapshot", "restore", "shutdown"]
+ControlCommand = Literal["snapshot", "restore", "shutdown", "set_staleness"]
 
 
-class Control(Message):
+class Control(Message, omit_defaults=True):
     """A command for the replay, obeyed only from the control identity (the CURVE control key, or
-    without CURVE `token`). path: a snapshot's name relative to the replay's data directory."""
+    without CURVE `token`). path: a snapshot's name relative to the replay's data directory.
+    Fields left at their defaults are not sent, so a command a peer of schema 7 knows reads the same
+    there (set_staleness and its field came without a new schema version: such a peer refuses the
+    command by name)."""
 
     command: ControlCommand
     path: Annotated[str, msgspec.Meta(max_length=MAX_PATH)] = ""
     # snapshot: the learner's version (optimizer steps applied) at the checkpoint; -1 if unknown.
     version: int = -1
     token: Token = b""
+    # set_staleness: the new bound eta (replay.max_staleness=auto only, within its limits).
+    max_staleness: int = -1
+
+    def validate(self) -> None:
+        if self.command == "set_staleness" and not 0 <= self.max_staleness < 1 << 31:
+            raise ValueError(f"set_staleness needs a bound in [0, 2^31), got {self.max_staleness}")
 
 
 class ControlReply(Message):

@@ -421,9 +421,10 @@ class ReplayClient:
             raise ValueError(f"{p} is not inside the replay's data directory ({self.data_dir})")
         return str(p.resolve().relative_to(self.data_dir))
 
-    def _control(self, command: str, path: str | os.PathLike = "", version: int = -1) -> str:
+    def _control(self, command: str, path: str | os.PathLike = "", version: int = -1, max_staleness: int = -1) -> str:
         name = self._name(path) if path else ""
-        reply = self._call(Control(command, name, version, self.token), lambda m: isinstance(m, ControlReply))
+        reply = self._call(Control(command, name, version, self.token, max_staleness),
+                           lambda m: isinstance(m, ControlReply))
         if not reply.ok:
             raise ReplayError(reply.detail)
         return reply.detail
@@ -438,6 +439,10 @@ class ReplayClient:
     def restore(self, path: str | os.PathLike) -> str:
         """Return the replay to a snapshot (see ReplayCore.restore for what is kept)."""
         return self._control("restore", path)
+
+    def set_staleness(self, eta: int) -> str:
+        """Set the replay's staleness bound (replay.max_staleness=auto; ReplayCore.set_max_staleness)."""
+        return self._control("set_staleness", max_staleness=eta)
 
     def shutdown(self) -> None:
         self._control("shutdown")

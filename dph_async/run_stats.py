@@ -26,6 +26,8 @@ class LearnerStats:
     checkpoint_seconds: float = 0.0
     drops: dict[str, int] = field(default_factory=dict)
     timeline: list[Span] = field(default_factory=list)
+    # The bound's changes under replay.max_staleness=auto: (wall time, new eta, the window's mean ESS).
+    staleness: list[tuple[float, int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -88,12 +90,13 @@ class RLResult:
 
 def write_result(result: RLResult, rl_dir: Path) -> None:
     """result.json (without the per-step metrics, which metrics.jsonl holds) and timeline.json (the
-    processes' busy/wait spans, which benchmarks read)."""
-    timeline = {"learner": result.learner.timeline, "actors": [a.timeline for a in result.actors]}
+    processes' busy/wait spans, which benchmarks read, and the staleness bound's changes)."""
+    timeline = {"learner": result.learner.timeline, "actors": [a.timeline for a in result.actors],
+                "staleness": result.learner.staleness}  # replay.max_staleness=auto: (time, eta, ESS)
     (rl_dir / "timeline.json").write_bytes(msgspec.json.encode(timeline))
     data = msgspec.to_builtins(result)
     del data["metrics"]
-    data["learner"]["timeline"] = []
+    data["learner"]["timeline"] = data["learner"]["staleness"] = []
     for a in data["actors"]:
         a["timeline"] = []
     (rl_dir / "result.json").write_bytes(msgspec.json.format(msgspec.json.encode(data), indent=2))

@@ -4,6 +4,9 @@
     enough for v (topping up until the batch is full), trains, and publishes every `sync_every` steps.
     A checkpoint holds the DeepSpeed state (model, optimizer), the version, and a replay snapshot
     (buffered groups and every actor's accepted positions): a resumed run continues as if never stopped.
+Each batch is recorded before it trains (learner/recording.py), so that `dph-async rerun` can train
+on it again; with replay.max_staleness=auto the loop steers the replay's bound
+(learner/staleness_control.py).
 """
 
 from __future__ import annotations
@@ -24,9 +27,22 @@ from dph_async.spans import add_span
 from learner import retention
 from learner.guard import check_finite
 from learner.publish import WeightServer
+from learner.recording import RECORDING, BatchRecorder
+from learner.staleness_control import Decision, StalenessController, StalenessRule
 from learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+
+def finish_metrics(m: dict[str, float], batch: Batch, staleness: StalenessController | None) -> Decision | None:
+    """A step's metrics past the trainer's own: the replay's drops as the batch reported them and, with
+    replay.max_staleness=auto, the controller's decision. The loop and a rerun log the same."""
+    m.update({f"drops/{k}": float(v) for k, v in batch.drops.items()})
+    if staleness is None:
+        return None
+    decision = staleness.observe(m)
+    m.update(decision.metrics())
+    return decision
 
 
 class LearnerLoop:
@@ -38,6 +54,9 @@ class LearnerLoop:
         # What each step trained on: (actor, seq, oldest, newest token version) per group. An audit
         # trail for staleness, and how resume is checked against an uninterrupted run.
         self.consumed_path = run_dir / "consumed.jsonl"
+        self.recording_path = run_dir / RECORDING
+        self.recorder: BatchRecorder | None = None  # opened by run(), after any resume
+        self.staleness = StalenessController(StalenessRule.of(cfg.replay)) if cfg.replay.auto_staleness else None
         self.stats = LearnerStats()
         # Steps in metrics.jsonl; of those, the ones from `_unread_from` on that the driver has not
         # read yet (a long-running learner keeps no per-step history in memory: the file has it).
@@ -82,7 +101,8 @@ class LearnerLoop:
         tag = f"v{self.trainer.version}"
         replay_dir = self.checkpoint_dir / tag / "replay"
         self.replay.snapshot(str(replay_dir.resolve()), self.trainer.version)
-        self.trainer.save(self.checkpoint_dir, {"replay": str(replay_dir), "metrics": self.logged})
+        extra = {} if self.staleness is None else {"staleness": self.staleness.state()}
+        self.trainer.save(self.checkpoint_dir, {"replay": str(replay_dir), "metrics": self.logged, **extra})
         retention.prune(self.checkpoint_dir, self.cfg.learner.keep_checkpoints, self.cfg.learner.keep_versions)
         self.stats.checkpoint_seconds += self._span(start, "checkpoint")
         return self.checkpoint_dir / tag
@@ -91,6 +111,10 @@ class LearnerLoop:
         """Return to checkpoint `tag`: learner state, then the replay's state at that moment."""
         state = self.trainer.load(self.checkpoint_dir, tag)
         self.replay.restore(str(Path(state["replay"]).resolve()))
+        if self.staleness is not None and "staleness" in state:
+            self.staleness = StalenessController.from_state(self.staleness.rule, state["staleness"])
+        if self.staleness is not None:
+            self.replay.set_staleness(self.staleness.eta)
         # Steps logged after the checkpoint are redone: forget them.
         for path in (self.metrics_path, self.consumed_path):
             lines = path.read_text().splitlines()[: int(state["metrics"])] if path.exists() else []
@@ -126,23 +150,51 @@ class LearnerLoop:
             self._unread_from = index
             return list(self._unread)
 
+    def _steer(self, decision: Decision | None) -> None:
+        """At the end of each window, tell the replay the bound (again: a replay that restarted on its
+        own has forgotten it); a change is also kept for the timeline."""
+        if decision is None or decision.signal is None:
+            return
+        self.replay.set_staleness(decision.eta)
+        if decision.change:
+            self.stats.staleness.append((time.time(), decision.eta, decision.signal))
+            log.info("staleness bound %d -> %d (mean ESS %.4f)", decision.eta - decision.change, decision.eta,
+                     decision.signal)
+
+    def _record(self, batch: Batch) -> float:
+        """Append the batch to the recording; the seconds it took (0 with recording off)."""
+        if not self.cfg.learner.record_batches:
+            return 0.0
+        start = time.perf_counter()
+        if self.recorder is None:  # after any resume: the steps before its checkpoint stay on record
+            self.recorder = BatchRecorder(self.recording_path, keep=self.logged)
+        self.recorder.append(batch)
+        return time.perf_counter() - start
+
     def run(self, stop: threading.Event) -> LearnerStats:
         lc = self.cfg.learner
         if self.server.latest != self.trainer.version:  # the launcher publishes before actors start
             self.publish()
-        while self.trainer.version < lc.steps and not stop.is_set():
-            batch = self._collect(stop)
-            if batch is None:
-                break
-            start = time.time()
-            m = self.trainer.train_step(batch)
-            self.stats.train_seconds += self._span(start, "train")
-            self.stats.steps += 1
-            if self.trainer.version % lc.sync_every == 0 or self.trainer.version == lc.steps:
-                self.publish()
-            m["time/wall"] = time.time()
-            m.update({f"drops/{k}": float(v) for k, v in self.stats.drops.items()})
-            self.log_step(m, batch)
-            if lc.checkpoint_every and self.trainer.version % lc.checkpoint_every == 0:
-                self.checkpoint()
+        try:
+            while self.trainer.version < lc.steps and not stop.is_set():
+                batch = self._collect(stop)
+                if batch is None:
+                    break
+                record_s = self._record(batch)
+                start = time.time()
+                m = self.trainer.train_step(batch)
+                self.stats.train_seconds += self._span(start, "train")
+                self.stats.steps += 1
+                if self.trainer.version % lc.sync_every == 0 or self.trainer.version == lc.steps:
+                    self.publish()
+                m["time/wall"] = time.time()
+                m["time/record"] = record_s
+                self._steer(finish_metrics(m, batch, self.staleness))
+                self.log_step(m, batch)
+                if lc.checkpoint_every and self.trainer.version % lc.checkpoint_every == 0:
+                    self.checkpoint()
+        finally:
+            if self.recorder is not None:
+                self.recorder.close()
+                self.recorder = None
         return self.stats

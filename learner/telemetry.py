@@ -32,6 +32,7 @@ class LearnerCollector(Collector):
         self.loop = loop
         self._totals = {key: 0.0 for key, _, _ in TOTALS}
         self._last: dict[str, float] = {}
+        self._signal: float | None = None  # replay.max_staleness=auto: the last window's mean ESS
         self._lock = threading.Lock()
         loop.listeners.append(self._observe)
 
@@ -40,13 +41,14 @@ class LearnerCollector(Collector):
             for key in self._totals:
                 self._totals[key] += m.get(key, 0.0)
             self._last = m
+            self._signal = m.get("staleness/signal", self._signal)
 
-    def _snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
+    def _snapshot(self) -> tuple[dict[str, float], dict[str, float], float | None]:
         with self._lock:
-            return dict(self._totals), self._last
+            return dict(self._totals), self._last, self._signal
 
     def collect(self) -> Iterator[Metric]:
-        totals, last = self._snapshot()
+        totals, last, signal = self._snapshot()
         stats = self.loop.stats
         yield GaugeMetricFamily("dph_learner_version", "Optimizer steps applied", value=self.loop.trainer.version)
         yield CounterMetricFamily("dph_learner_steps", "Steps taken by this process", value=stats.steps)
@@ -58,6 +60,12 @@ class LearnerCollector(Collector):
                                 value=last.get("reward/mean", 0.0))
         yield GaugeMetricFamily("dph_learner_staleness_max", "Largest staleness in the last batch",
                                 value=last.get("staleness/max", 0.0))
+        if "staleness/eta" in last:  # replay.max_staleness=auto (learner/staleness_control.py)
+            yield GaugeMetricFamily("dph_learner_staleness_bound", "The staleness bound eta the learner set",
+                                    value=last["staleness/eta"])
+        if signal is not None:
+            yield GaugeMetricFamily("dph_learner_staleness_signal", "Mean ESS of the last window of the "
+                                    "staleness controller", value=signal)
         seconds = CounterMetricFamily("dph_learner_seconds", "Time spent, by activity", labels=["what"])
         for what in ("train", "wait", "publish", "checkpoint"):
             seconds.add_metric([what], getattr(stats, f"{what}_seconds"))

@@ -136,6 +136,11 @@ class Trainer:
     def updates_per_batch(self) -> int:
         return self.cfg.mini_batches * self.cfg.epochs
 
+    def logprobs(self, mb: MicroBatch) -> torch.Tensor:
+        """[B, T] log-probs of the micro-batch's responses under the current weights (no gradient)."""
+        with torch.no_grad():
+            return self._logprobs(self.module, mb, with_entropy=False)[0]
+
     def _logprobs(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return response_logprobs(model, mb, self.temperature, with_entropy=with_entropy, impl=self.cfg.kernel)
@@ -150,20 +155,24 @@ class Trainer:
         record.time("critic", start)
         return metrics
 
-    def _pack(self, mini: MiniBatch, skip: bool) -> tuple[list[MicroBatch], list[MicroBatch]]:
+    def pack_fresh(self, units: list[Unit]) -> list[MicroBatch]:
         cfg = self.cfg
+        whole = self.objective.whole_units  # a DPO pair stays in one row of one micro-batch
+        share = (cfg.share_prompts and not self.collective_forwards) or whole
+        return pack(units, "fresh", cfg.micro_token_budget, self.pad_id, share,
+                    1 << 30 if whole else cfg.pack_row_tokens)
+
+    def pack_reference(self, units: list[Unit]) -> list[MicroBatch]:
+        return pack(units, "reference", self.cfg.micro_token_budget, self.pad_id)
+
+    def _pack(self, mini: MiniBatch, skip: bool) -> tuple[list[MicroBatch], list[MicroBatch]]:
         units = mini.fresh_units(skip)
         if not units and mini.groups:
             # Every sequence has zero advantage: one still runs, so the optimizer steps on the zero
             # gradient exactly as it would without skipping (Adam's moments move either way).
             units = [mini.groups[0][:1]]
-        whole = self.objective.whole_units  # a DPO pair stays in one row of one micro-batch
         units, refs = self.ranks.share(units, [[s] for s in mini.reference])  # this rank's part
-        share = (cfg.share_prompts and not self.collective_forwards) or whole
-        fresh = pack(units, "fresh", cfg.micro_token_budget, self.pad_id, share,
-                     1 << 30 if whole else cfg.pack_row_tokens)
-        reference = pack(refs, "reference", cfg.micro_token_budget, self.pad_id)
-        return fresh, reference
+        return self.pack_fresh(units), self.pack_reference(refs)
 
     def _record_prox(self, minis: list[MiniBatch], skip: bool, record: StepRecord) -> None:
         """log pi_prox of every sequence these mini-batches will train on, under the current weights."""
@@ -209,6 +218,10 @@ class Trainer:
         record.time("loss", start)
         return share.loss
 
+    def share_loss(self, mb: MicroBatch, mini: MiniBatch, record: StepRecord) -> torch.Tensor:
+        """The micro-batch's share of the mini-batch objective, with its graph (what one backward takes)."""
+        return (self._fresh_share if mb.kind == "fresh" else self._reference_share)(mb, mini, record)
+
     def _reference_share(self, mb: MicroBatch, mini: MiniBatch, record: StepRecord) -> torch.Tensor:
         start = time.perf_counter()
         logp, _ = self._logprobs(self.module, mb, with_entropy=False)
@@ -240,8 +253,7 @@ class Trainer:
             self.engine.set_gradient_accumulation_boundary(i == steps - 1)
             if i < len(micro):
                 mb = micro[i]
-                share = self._fresh_share if mb.kind == "fresh" else self._reference_share
-                loss = share(mb, mini, record)
+                loss = self.share_loss(mb, mini, record)
                 if diagnose:
                     self._add_grad(mb.kind, loss, record)
             else:
@@ -287,6 +299,21 @@ class Trainer:
         logp, _ = self._logprobs(self.module, mb, with_entropy=False)
         return (logp * mb.mask).sum() * 0.0
 
+    def prepared(self, batch: Batch) -> PreparedBatch:
+        """A screened batch as the updates take it: GRPO advantages, the objective's units, and the
+        reference samples if the objective trains on them."""
+        lc = self.loss_cfg
+        reference = batch.reference if self.objective.uses_pool else []
+        p = prepare(Batch(batch.version, batch.groups, reference, batch.drops), use_std=lc.use_std,
+                    eps=lc.adv_eps, filter_zero_spread=lc.filter_zero_spread)
+        p.groups, p.skipped_groups = self.objective.form_units(p.groups)
+        return p
+
+    @property
+    def skip_zero_advantage(self) -> bool:
+        # A learned critic gives a group with equal rewards per-token advantages too: none is skipped.
+        return self.cfg.skip_zero_advantage and not self.objective.needs_every_fresh_token() and self.critic is None
+
     def train_step(self, batch: Batch) -> dict[str, float]:
         """Train on `batch` (mini_batches x epochs optimizer steps); the version advances by one.
         Returns the batch's metrics (on rank 0; the others return none)."""
@@ -297,12 +324,8 @@ class Trainer:
         start = time.perf_counter()
         record = StepRecord()
         staleness = [self.version - g.min_version for g in batch.groups]
-        reference = batch.reference if self.objective.uses_pool else []
-        p = prepare(Batch(batch.version, batch.groups, reference, batch.drops), use_std=lc.use_std,
-                    eps=lc.adv_eps, filter_zero_spread=lc.filter_zero_spread)
-        p.groups, p.skipped_groups = self.objective.form_units(p.groups)
-        # A learned critic gives a group with equal rewards per-token advantages too: none is skipped.
-        skip = cfg.skip_zero_advantage and not self.objective.needs_every_fresh_token() and self.critic is None
+        p = self.prepared(batch)
+        skip = self.skip_zero_advantage
         rng = random.Random(f"{self.seed}/{self.version}")
         plans = [p.mini_batches(cfg.mini_batches, rng if epoch else None) for epoch in range(cfg.epochs)]
         record.time("batching", start)

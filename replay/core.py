@@ -77,7 +77,9 @@ class ReplayCore:
         self.cfg = cfg
         self.reference = reference if reference is not None else ReferencePool([])
         self.wal = wal
-        self.admission = Admission(cfg.max_staleness, groups_per_batch, cfg.admission)
+        # eta: fixed, or with replay.max_staleness=auto steered by the learner (`set_max_staleness`).
+        self.max_staleness = cfg.initial_staleness
+        self.admission = Admission(self.max_staleness, groups_per_batch, cfg.admission)
         self.metrics = ReplayMetrics()
         self.store = FreshStore()
         self.accepted = AcceptedSeqs()
@@ -161,6 +163,20 @@ class ReplayCore:
         watermark, above = self.accepted.resume_point(actor_id)
         return ResumeInfo(actor_id, watermark, above, self.version)
 
+    def set_max_staleness(self, eta: int) -> str:
+        """The learner's new bound (replay.max_staleness=auto): admission grants by it from now on and
+        the next batch drops what it makes stale. Not logged: after a restart the bound is the lower
+        limit until the learner's next decision says it again."""
+        cfg = self.cfg
+        if not cfg.auto_staleness:
+            raise ValueError(f"the bound is fixed (replay.max_staleness={cfg.max_staleness}); only auto is steered")
+        if not cfg.staleness_min <= eta <= cfg.staleness_max:
+            raise ValueError(f"eta {eta} outside [replay.staleness_min, replay.staleness_max] = "
+                             f"[{cfg.staleness_min}, {cfg.staleness_max}]")
+        before, self.max_staleness = self.max_staleness, eta
+        self.admission.max_staleness = eta
+        return f"max_staleness {before} -> {eta}"
+
     # ----------------------------------------------------------------------------- batches
 
     def request(self, req: BatchRequest) -> Batch | None:
@@ -202,7 +218,7 @@ class ReplayCore:
         if not self.cfg.admission:
             return False
         coming = self.admission.last_chance(req.version)
-        oldest = req.version - self.cfg.max_staleness
+        oldest = req.version - self.max_staleness
         return coming > 0 and self.store.unserved_up_to(oldest) + coming <= req.num_groups
 
     def _reference_due(self, samples: int) -> int:
@@ -247,7 +263,7 @@ class ReplayCore:
         self.pending = None
 
     def _expire(self) -> None:
-        for entry in self.store.expire(self.version - self.cfg.max_staleness):
+        for entry in self.store.expire(self.version - self.max_staleness):
             self._dropped(entry, "stale_reused" if entry.served else "stale")
 
     def _dropped(self, entry: Entry, reason: str) -> None:

@@ -423,6 +423,11 @@ class ReplayService:
         if msg.command == "shutdown":
             self._stop.set()
             return ControlReply(True, "replay shutting down")
+        if msg.command == "set_staleness":
+            try:
+                return ControlReply(True, self.core.set_max_staleness(msg.max_staleness))
+            except ValueError as e:
+                return ControlReply(False, f"set_staleness refused: {e}")
         if self.data_dir is None:
             return ControlReply(False, f"{msg.command} refused: this replay has no data directory")
         try:

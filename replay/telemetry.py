@@ -48,6 +48,8 @@ class ReplayCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         s = read_stats(self.service)
         yield GaugeMetricFamily("dph_replay_version", "Learner version the replay last served", value=s.version)
+        yield GaugeMetricFamily("dph_replay_max_staleness", "The staleness bound eta in force (steered by the "
+                                "learner with replay.max_staleness=auto)", value=self.service.core.max_staleness)
         yield _labelled("dph_replay_occupancy", "What the fresh store holds", "what", asdict(s.occupancy),
                         GaugeMetricFamily)
         yield GaugeMetricFamily("dph_replay_ingest_groups_per_second", "Groups accepted per second, last 10 s",

@@ -121,6 +121,8 @@ def files(tmp_path: Path) -> dict[str, Path]:
     (["score", "{tmp}/none.jsonl"], ["none.jsonl", "no such file"]),
     (["score", "{responses}", "rewards.plugins=[{tmp}/none.py]"], ["rewards.plugins", "none.py", "no such file"]),
     (["ablate", "staleness", "--seeds", "0", "replay.max_staleness=-1"], ["replay.max_staleness"]),
+    (["rerun", "{tmp}"], ["{tmp}", "no recorded RL run there"]),
+    (["rerun", "{tmp}", "replay.max_staleness=2"], ["replay.max_staleness=2", "changes only the learner"]),
     (["soak", "sampling.n=x"], ["sampling.n"]),
     (["serve", "replay", "net.hots=1"], ["net.hots", "unknown key"]),
     (["serve", "scorer", "rewards.workers=0"], ["rewards.workers"]),
@@ -150,3 +152,15 @@ def test_a_command_line_loads_only_its_own_commands_options(argv):
             "print(sorted(m for m in ('torch', 'vllm', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_staleness_sweep_takes_auto_beside_integer_etas():
+    from dph_async.app.ablate.cells import staleness_sweep
+    from dph_async.app.cli import build_parser
+
+    argv = ["ablate", "staleness", "--etas", "0", "auto", "--corrections", "decoupled", "--seeds", "0"]
+    args = build_parser(argv).parse_args(argv)
+    assert args.etas == [0, "auto"]
+    sweep = staleness_sweep(args.etas, args.corrections, args.seeds, "js_low_var")
+    assert [(c.key, c.overrides[0]) for c in sweep.cells] == [
+        ("eta0-decoupled-seed0", "replay.max_staleness=0"), ("etaauto-decoupled-seed0", "replay.max_staleness=auto")]

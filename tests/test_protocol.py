@@ -384,3 +384,15 @@ def test_decoded_arrays_are_views_of_the_frames():
     back = P.decode(frames)
     assert not back.completions[0].token_ids.flags.owndata  # no copy on receipt
     assert not back.completions[0].token_ids.flags.writeable
+
+
+def test_a_control_command_an_older_peer_knows_is_sent_as_it_reads_it():
+    """Control leaves default fields out: a snapshot command carries no set_staleness bound, so a peer
+    of the schema before that command reads it unchanged; set_staleness carries its bound."""
+    fields = lambda msg: msgpack.unpackb(P.encode(msg)[0])["m"]  # noqa: E731
+    assert fields(P.Control("snapshot", "ckpt/v3", 3, b"t")) == {"command": "snapshot", "path": "ckpt/v3",
+                                                                 "version": 3, "token": b"t"}
+    assert fields(P.Control("set_staleness", token=b"t", max_staleness=4)) == {
+        "command": "set_staleness", "token": b"t", "max_staleness": 4}
+    with pytest.raises(P.ProtocolError, match="set_staleness needs a bound"):
+        P.encode(P.Control("set_staleness", token=b"t"))

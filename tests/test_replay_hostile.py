@@ -161,7 +161,8 @@ def test_state_changes_need_the_control_token(service, tmp_path):
     outside = tmp_path.parent / f"outside-{tmp_path.name}"
     for token in (b"", b"x" * 32, near_miss(service.control_token)):
         for msg in (Control("snapshot", "snap", 10**9, token), Control("shutdown", token=token),
-                    Control("restore", "snap", token=token), BatchRequest(0, 4, 0.0, 1, token)):
+                    Control("restore", "snap", token=token), Control("set_staleness", token=token, max_staleness=0),
+                    BatchRequest(0, 4, 0.0, 1, token)):
             reply = ask(sock, encode(msg))
             assert isinstance(reply, ErrorReply) and reply.kind == "unauthorized", msg
     assert not (tmp_path / "snap").exists()
@@ -172,7 +173,7 @@ def test_state_changes_need_the_control_token(service, tmp_path):
     assert not outside.exists()
     # Nothing changed: the version did not move, the service still runs, the group is still there.
     stats = stats_within(service, 5)
-    assert stats.version == 0 and stats.refused.by_kind == {"unauthorized": 12, "path": 5}
+    assert stats.version == 0 and stats.refused.by_kind == {"unauthorized": 15, "path": 5}
     reply = ask(sock, encode(BatchRequest(0, 4, 0.0, 2, service.control_token)))
     assert [g.group_id for g in reply.groups] == [(7, 0)]
     reply = ask(sock, encode(Control("snapshot", "ckpt/v0", 0, service.control_token)))

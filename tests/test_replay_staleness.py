@@ -212,3 +212,55 @@ def test_steady_workload_over_sockets_has_no_drops(ipc):
         client.close()
         service.stop()
     assert stats.drops == {} and stats.served.groups == b * steps
+
+
+AUTO = ReplayConfig(max_staleness="auto", staleness_min=1, staleness_max=4, admission=True, wal_dir=None)
+
+
+def test_an_auto_bound_starts_at_its_minimum_and_admission_and_expiry_follow_what_the_learner_sets():
+    b = 4
+    core = ReplayCore(AUTO, groups_per_batch=b)
+    assert core.max_staleness == 1 and core.admission.capacity(0, 0) == (1 + 1) * b
+    assert core.set_max_staleness(3) == "max_staleness 1 -> 3"
+    assert core.tickets(TicketRequest(0, 100, 0, 0)).granted == (3 + 1) * b  # (eta + v + 1) B, at the new eta
+    core.ingest([synthetic_group(0, i, n=2, tokens=3, version=0) for i in range(2 * b)])
+    # At version 3 the version-0 groups are within eta = 3: served.
+    assert len(core.request(BatchRequest(3, b, 0.0, request_id=1)).groups) == b
+    # The learner lowers the bound: the next batch drops what it makes stale, counted by reason.
+    core.set_max_staleness(1)
+    batch = core.request(BatchRequest(3, b, 0.0, request_id=2))
+    assert batch.groups == [] and batch.drops == {"stale": b}
+    held = core.admitted + core.admission.in_flight_total
+    assert core.admission.capacity(3, core.admitted) == (1 + 3 + 1) * b - held == 8
+
+
+def test_a_bound_is_set_only_under_auto_and_within_its_limits():
+    core = ReplayCore(AUTO, groups_per_batch=4)
+    for eta in (0, 5):
+        with pytest.raises(ValueError, match=r"outside \[replay.staleness_min, replay.staleness_max\] = \[1, 4\]"):
+            core.set_max_staleness(eta)
+    fixed = ReplayCore(ReplayConfig(max_staleness=2, wal_dir=None), groups_per_batch=4)
+    with pytest.raises(ValueError, match="the bound is fixed"):
+        fixed.set_max_staleness(3)
+    assert (core.max_staleness, fixed.max_staleness, fixed.admission.max_staleness) == (1, 2, 2)
+
+
+def test_the_learner_sets_the_bound_with_its_control_identity_only(ipc):
+    from dph_async.replay_client import ReplayError
+
+    service = ReplayService(AUTO, ipc("ingest"), ipc("batch"), 4)
+    service.start_in_thread()
+    learner = ReplayClient(service.batch_endpoint, reply_timeout_s=5, token=service.control_token)
+    stranger = ReplayClient(service.batch_endpoint, reply_timeout_s=5, token=b"x" * 32)
+    try:
+        assert learner.set_staleness(3) == "max_staleness 1 -> 3"
+        with pytest.raises(ReplayError, match="needs the control identity"):
+            stranger.set_staleness(4)
+        with pytest.raises(ReplayError, match="set_staleness refused: eta 9 outside"):
+            learner.set_staleness(9)
+        assert service.core.max_staleness == 3 and service.core.admission.max_staleness == 3
+        assert learner.stats().refused.by_kind == {"unauthorized": 1}
+    finally:
+        learner.close()
+        stranger.close()
+        service.stop()

@@ -88,6 +88,7 @@ def test_replay_metrics_parse_and_move_with_work(replay, tmp_path):
     assert after.value("dph_replay_gate_restarts_total") == 0  # served through its gate, never restarted
     assert after.value("dph_replay_replies_dropped_total") == 0
     assert "gate" not in row(after)[-1] and "ingest" in row(after)[-1] and "refused" not in row(after)[-1]
+    assert after.value("dph_replay_max_staleness") == 4 and "eta 4," in row(after)[-1]
     assert after.value("process_resident_memory_bytes") > 10e6 and after.value("process_open_fds") > 3
     assert after.value("process_threads") >= 3 and after.health["groups"] == 6
     # A group from the far future is refused, and the refusal is in /metrics and on the status line.
@@ -161,9 +162,12 @@ def test_learner_metrics_move_with_steps(tmp_path):
     try:
         (ep,) = find_endpoints([str(tmp_path)])
         assert scrape(ep).value("dph_learner_fresh_tokens_total") == 0
+        assert "eta" not in row(scrape(ep))[-1]  # a fixed bound: the replay's row says it
+        # replay.max_staleness=auto: the bound every step, the controller's signal at a window's end.
+        auto = [{"staleness/eta": 2.0, "staleness/signal": 0.97, "staleness/change": 1.0}, {"staleness/eta": 2.0}]
         for v in (1, 2):
             _log(loop, v, **{"batch/fresh_tokens": 100.0 * v, "batch/scorer_failed": 1.0,
-                             "learner/tokens_per_s": 500.0 + v})
+                             "learner/tokens_per_s": 500.0 + v, **auto[v - 1]})
         loop.server.refused.update({"size": 2, "type": 1})
         loop.server.gate_restarts, loop.server.replies_dropped = 3, 5
         (loop.checkpoint_dir / "v2").mkdir(parents=True)
@@ -175,6 +179,8 @@ def test_learner_metrics_move_with_steps(tmp_path):
         assert r.by_label("dph_weights_refused_total", "kind") == {"size": 2, "type": 1}
         assert r.value("dph_weights_gate_restarts_total") == 3 and r.value("dph_weights_replies_dropped_total") == 5
         assert "[red]gate restarted 3x" in row(r)[-1]  # `dph-async status` flags a flooded port
+        assert r.value("dph_learner_staleness_bound") == 2 and r.value("dph_learner_staleness_signal") == 0.97
+        assert "eta 2 (auto, ESS 0.970)" in row(r)[-1]
         assert r.value("dph_weights_gate_memory_megabytes", what="limit") == 4 and "short" not in row(r)[-1]
         for actor in range(3):  # (2 x 3 + 4) buckets of 0.5 MB: more than the gate's 4 MB
             loop.server.gate_load.saw(actor, 2**19)

@@ -144,6 +144,7 @@ class LearnerProcess:
         with self._importing:
             import_trainer()
         from learner.loop import LearnerLoop
+        from learner.recording import write_run_info
 
         cfg = self.cfg
         trainer, self.tokenizer = build_trainer(cfg, self.model_dir, self.rendezvous)
@@ -156,6 +157,7 @@ class LearnerProcess:
         except BaseException:
             client.close()  # the replay's context would wait for it at close
             raise
+        write_run_info(self.rl_dir, cfg, self.model_dir)  # what `dph-async rerun` builds the trainer from
         if self.resume_tag:
             self.loop.resume(self.resume_tag)
         self.loop.publish()  # actors on other nodes build their engines from these weights

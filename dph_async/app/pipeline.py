@@ -62,8 +62,9 @@ def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
         cfg = cfg.model_copy(deep=True)
         cfg.replay.max_staleness = 0
         cfg.learner.sync_every = 1
-    elif cfg.replay.max_staleness < cfg.learner.sync_every - 1:
-        raise ConfigError(f"replay.max_staleness ({cfg.replay.max_staleness}) must be >= learner.sync_every - 1 "
+    elif cfg.replay.initial_staleness < cfg.learner.sync_every - 1:
+        key = "staleness_min" if cfg.replay.auto_staleness else "max_staleness"
+        raise ConfigError(f"replay.{key} ({cfg.replay.initial_staleness}) must be >= learner.sync_every - 1 "
                           f"({cfg.learner.sync_every - 1}): actors only get weights every sync_every steps")
     if cfg.model.path is not None:
         check_model_dir(cfg.model.path, "model.path")

@@ -201,6 +201,10 @@ class LearnerConfig(Section):
     keep_checkpoints: int = Field(3, ge=0)
     # Versions whose checkpoints are never deleted (an ablation sets its evaluation points here).
     keep_versions: list[int] = Field(default_factory=list)
+    # Record every batch trained on (rl/<mode>/batches.rec), so that `dph-async rerun` can re-execute
+    # the run, or train a counterfactual learner on the same data. It holds what the replay's log
+    # holds (every group once, plus the reference samples drawn), and is never pruned.
+    record_batches: bool = True
     threads: int = Field(1, ge=1)
     # Data-parallel DeepSpeed ranks, one process each (a core, or a device, apiece): each batch is
     # split over them with the batch's own denominators, so R ranks take the step one would. Rank 0

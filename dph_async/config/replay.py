@@ -3,14 +3,24 @@
 docs/data_plane.md explains each rule; the service is replay/service.py.
 """
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
 
 from dph_async.config.base import Section
 
 
 class ReplayConfig(Section):
     # eta: a group is used only while (learner version - oldest token version) <= max_staleness.
-    max_staleness: int = Field(1, ge=0)
+    # auto: the learner steers eta within [staleness_min, staleness_max], starting at the minimum, by
+    # the effective sample size of its importance weights: every `staleness_window` steps, halved if
+    # the window's mean ESS is below `staleness_target_ess`, else raised by one if the window's data
+    # reached the bound (learner/staleness_control.py; docs/decisions.md says why).
+    max_staleness: int | Literal["auto"] = 1
+    staleness_min: int = Field(1, ge=0)
+    staleness_max: int = Field(8, ge=0)
+    staleness_target_ess: float = Field(0.95, gt=0, lt=1)
+    staleness_window: int = Field(5, ge=1)
     # Admission control: prompts in flight or buffered stay within (eta + 1) batches of the learner.
     admission: bool = True
     # How often a fresh group may be served (1 = use once, as in AReaL and PipelineRL). Reuse only
@@ -74,3 +84,26 @@ class ReplayConfig(Section):
     # None: one batch (learner.groups_per_step). They hold at most max_ticketless_mb between them.
     max_ticketless: int | None = Field(None, ge=0)
     max_ticketless_mb: float = Field(64.0, ge=0)
+
+    @field_validator("max_staleness", mode="before")
+    @classmethod
+    def _eta(cls, value: object) -> object:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError("an integer >= 0, or auto")
+
+    @model_validator(mode="after")
+    def _limits(self) -> "ReplayConfig":
+        if self.staleness_min > self.staleness_max:
+            raise ValueError(f"replay.staleness_min ({self.staleness_min}) must be <= replay.staleness_max "
+                             f"({self.staleness_max})")
+        return self
+
+    @property
+    def auto_staleness(self) -> bool:
+        return self.max_staleness == "auto"
+
+    @property
+    def initial_staleness(self) -> int:
+        """eta at the start: the fixed bound, or with auto the lower limit."""
+        return self.staleness_min if self.max_staleness == "auto" else self.max_staleness

@@ -36,13 +36,14 @@ class Sweep:
     panel: str | None  # the factor that splits plots into panels (None: one panel)
 
 
-def staleness_sweep(etas: list[int], corrections: list[str], seeds: list[int], mode: str) -> Sweep:
-    """eta (replay.max_staleness) x off-policy correction x seeds; eta = 0 is synchronous RL."""
+def staleness_sweep(etas: list[int | str], corrections: list[str], seeds: list[int], mode: str) -> Sweep:
+    """eta (replay.max_staleness: an int, or auto) x off-policy correction x seeds; eta = 0 is
+    synchronous RL."""
     for c in corrections:
         if c not in CORRECTIONS:
             raise ValueError(f"correction {c!r}: choose from {', '.join(CORRECTIONS)}")
-    if any(e < 0 for e in etas):
-        raise ValueError(f"eta must be >= 0, got {etas}")
+    if any(e != "auto" and (not isinstance(e, int) or e < 0) for e in etas):
+        raise ValueError(f"eta must be an integer >= 0 or auto, got {etas}")
     cells = [
         Cell(f"eta{eta}-{corr}-seed{seed}", f"eta{eta}-{corr}", {"eta": eta, "correction": corr}, seed, mode,
              (f"replay.max_staleness={eta}", f"learner.loss.correction={corr}", f"seed={seed}"))

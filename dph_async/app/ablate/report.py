@@ -35,7 +35,8 @@ def _split_columns(splits: list[str], ks: list[int]) -> list[Column]:
 
 def staleness_columns(splits: list[str], k_max: int) -> list[Column]:
     return [Column("train reward", "reward"), *_split_columns(splits, [1, k_max]),
-            Column("staleness", "staleness", digits=2), Column("ESS", "ess"), Column("clip frac", "clip_frac"),
+            Column("staleness", "staleness", digits=2), Column("eta (auto, mean)", "eta", digits=2),
+            Column("ESS", "ess"), Column("clip frac", "clip_frac"),
             Column("kept frac", "kept_frac"), Column("mismatch KL k3", "mismatch_kl_k3", digits=4),
             Column("dropped", "dropped", digits=0), Column("wall s", "wall_s", digits=0)]
 
@@ -91,7 +92,7 @@ def results_table(groups: list[Group], columns: list[Column], base: dict[str, Sp
 @dataclass
 class Verdict:
     correction: str
-    eta: int
+    eta: int | str  # an int, or "auto"
     metric: str
     delta: float  # mean at eta minus mean at eta = 0
     se: float | None
@@ -120,7 +121,7 @@ def staleness_verdicts(groups: list[Group], metrics: list[str]) -> list[Verdict]
                 continue
             se = math.sqrt(a.se**2 + b.se**2) if a.se is not None and b.se is not None else None
             delta = a.mean - b.mean
-            out.append(Verdict(str(g.factors["correction"]), int(g.factors["eta"]), m, delta, se, _verdict(delta, se)))
+            out.append(Verdict(str(g.factors["correction"]), g.factors["eta"], m, delta, se, _verdict(delta, se)))
     return out
 
 

@@ -21,6 +21,7 @@ from dph_async.run_stats import read_result
 # Diagnostics averaged over a run's steps: name -> metrics.jsonl key.
 DIAGNOSTICS = {
     "staleness": "staleness/mean",
+    "eta": "staleness/eta",  # replay.max_staleness=auto: the bound the learner set
     "ess": "policy/ess",
     "clip_frac": "policy/clip_frac",
     "kept_frac": "policy/kept_frac",

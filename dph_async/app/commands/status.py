@@ -21,8 +21,9 @@ HELP = "health and key metrics of a run's processes (replay, learner, actors, sc
 DESCRIPTION = """\
 Read GET /health and /metrics of every long-running process and print a table of those that answer:
 pid, RSS, open files, threads, policy version, throughput (learner tokens/s, actor tokens/s, replay
-ingest), replay occupancy and drops, admission tickets, checkpoints kept, and the restarts of a
-service's gate process (a peer flooding its port) when there were any.
+ingest), the staleness bound eta (with replay.max_staleness=auto, the learner's too, with the mean ESS
+it last decided on), replay occupancy and drops, admission tickets, checkpoints kept, and the
+restarts of a service's gate process (a peer flooding its port) when there were any.
 
 Processes announce their endpoints in <run>/rl/<mode>/endpoints/*.json (serve replay: in
 <output_dir>/endpoints/); give a run directory to read them all, or URLs. Examples:
@@ -79,11 +80,15 @@ def row(r: Reading) -> list[str]:
     notes: list[str] = []
     if (rate := r.value("dph_learner_tokens_per_second")) is not None:
         notes.append(f"{rate:.0f} tok/s, {r.value('dph_learner_checkpoints', 0):.0f} ckpt")
+    if (eta := r.value("dph_learner_staleness_bound")) is not None:  # replay.max_staleness=auto
+        signal = r.value("dph_learner_staleness_signal")
+        notes.append(f"eta {eta:.0f} (auto" + (f", ESS {signal:.3f})" if signal is not None else ")"))
     if (rate := r.value("dph_actor_tokens_per_second")) is not None:
         notes.append(f"{rate:.0f} tok/s, {r.value('dph_actor_groups_sent', 0):.0f} groups")
     if (ingest := r.value("dph_replay_ingest_groups_per_second")) is not None:
         drops = {k: int(v) for k, v in r.by_label("dph_replay_drops_total", "reason").items() if v}
-        notes.append(f"ingest {ingest:.1f} groups/s, holds {r.value('dph_replay_occupancy', 0, what='groups'):.0f}, "
+        notes.append(f"ingest {ingest:.1f} groups/s, eta {r.value('dph_replay_max_staleness', 0):.0f}, "
+                     f"holds {r.value('dph_replay_occupancy', 0, what='groups'):.0f}, "
                      f"tickets {r.value('dph_replay_tickets_granted_total', 0):.0f} granted "
                      f"{r.value('dph_replay_tickets_parked', 0):.0f} parked, drops {drops or 0}")
     refused = {k: int(v) for k, v in r.by_label("dph_replay_rejected_total", "reason").items() if v}

@@ -1,0 +1,355 @@
+"""The learner's recording, `dph-async rerun` and the auto staleness controller, in this process.
+
+The learner loop runs for real (trainer, DeepSpeed, weight server, recording, checkpoints) on a tiny
+model; only its replay is a stand-in that serves synthetic groups, so a test decides how stale their
+behaviour log-probs are. What that proves:
+- the recording reads back exactly what was written, and damage is refused with file and offset;
+- a rerun of the loop's steps is the loop, bit for bit (metrics and weights); a counterfactual with
+  another coefficient trains other weights from the same batches; --diagnose decomposes a step;
+- the controller raises eta while the effective sample size is healthy and the data reaches the
+  bound, and halves it when the data is made stale on purpose, telling the replay each time.
+(The same rerun of a real asynchronous run: tests/test_rerun_run.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, save_tiny_llama
+
+from dph_async.config import RunConfig, load_config
+from dph_async.net import NetSecurity
+from dph_async.protocol import Batch, Completion, ReferenceSample, RolloutGroup, SamplingInfo
+from dph_async.rewards.result import RewardResult
+from learner.recording import RECORDING, BatchRecorder, RecordingError, read_batches, write_run_info
+from learner.staleness_control import StalenessController, StalenessRule
+
+VOCAB = 16  # the tiny model's (conftest.TINY_VLLM_CONFIG)
+LEARNER = ["learner.zero_stage=0", "learner.micro_token_budget=256", "learner.lr=3e-3", "learner.keep_checkpoints=0",
+           "sampling.max_tokens=6", "learner.loss.objective=js_low_var", "learner.loss.coeff=0.1"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+    return save_tiny_llama(tmp_path_factory.mktemp("model"), seed=3)
+
+
+def group(rng: np.random.Generator, seq: int, version: int, logprobs=None) -> RolloutGroup:
+    """4 completions of one prompt; behaviour log-probs from `logprobs(prompt, response)` or random."""
+    prompt = rng.integers(3, VOCAB, size=4).astype(np.int32)
+    comps = []
+    for i in range(4):
+        ids = rng.integers(3, VOCAB, size=int(rng.integers(2, 6))).astype(np.int32)
+        lp = logprobs(prompt, ids) if logprobs else -rng.random(len(ids)).astype(np.float32) - 0.5
+        comps.append(Completion(ids, lp.astype(np.float32), np.full(len(ids), version, np.int32),
+                                RewardResult(float(i % 2), bool(i % 2)), "stop"))
+    return RolloutGroup(0, seq, f"p{seq}", "digits", prompt, comps, SamplingInfo(1.0, 1.0, -1, 6), 0.0, 0.0)
+
+
+def reference(rng: np.random.Generator, i: int) -> ReferenceSample:
+    ids = rng.integers(3, VOCAB, size=3).astype(np.int32)
+    return ReferenceSample(f"r{i}", rng.integers(3, VOCAB, size=4).astype(np.int32), ids,
+                           -rng.random(3).astype(np.float32) - 0.2, 1.0, "pi0")
+
+
+class StandInReplay:
+    """What the loop asks of the replay, serving synthetic groups: each batch's groups made with the
+    tokens' versions `eta` behind the learner (so the data reaches the bound), their behaviour
+    log-probs from `behaviour` (None: random)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.seq, self.eta, self.told = 0, 1, []
+        self.behaviour = None
+
+    def get_batch(self, version: int, num_groups: int, wait_s: float) -> Batch:
+        groups = []
+        for _ in range(num_groups):
+            groups.append(group(self.rng, self.seq, max(0, version - self.eta), self.behaviour))
+            self.seq += 1
+        refs = [reference(self.rng, self.seq * 10 + i) for i in range(2)]
+        return Batch(version, groups, refs, {"stale": version // 3})
+
+    def snapshot(self, path: str, version: int = -1) -> str:
+        return "snapshot"
+
+    def set_staleness(self, eta: int) -> str:
+        self.eta = eta
+        self.told.append(eta)
+        return f"max_staleness -> {eta}"
+
+
+def run_loop(cfg: RunConfig, model_dir: Path, rl_dir: Path, replay: StandInReplay, setup=None):
+    """LearnerLoop.run as the learner process runs it, then the final model, as the launcher saves it."""
+    from dph_async.app.learner_process import build_trainer
+    from learner.loop import LearnerLoop
+    from learner.publish import WeightServer
+
+    rl_dir.mkdir(parents=True, exist_ok=True)
+    trainer, tokenizer = build_trainer(cfg, str(model_dir), None)
+    server = WeightServer("tcp://127.0.0.1:0", NetSecurity(), 32 << 20, "tcp")
+    try:
+        write_run_info(rl_dir, cfg, model_dir)
+        loop = LearnerLoop(cfg, trainer, replay, server, rl_dir)
+        if setup is not None:
+            setup(loop)
+        stats = loop.run(threading.Event())
+        trainer.save_pretrained(str(rl_dir / "final_model"))
+        tokenizer.save_pretrained(str(rl_dir / "final_model"))
+        return stats
+    finally:
+        server.close()
+        trainer.close()
+
+
+# --- The recording -----------------------------------------------------------------------------------
+
+
+def batches(n: int, seed: int = 0) -> list[Batch]:
+    rng = np.random.default_rng(seed)
+    return [Batch(v, [group(rng, 2 * v + i, v) for i in range(2)], [reference(rng, v)], {"stale": v})
+            for v in range(n)]
+
+
+def arrays(b: Batch) -> list[np.ndarray]:
+    items = (*b.groups, *(c for g in b.groups for c in g.completions), *b.reference)
+    return [getattr(item, name) for item in items for name, _ in item.ARRAYS]
+
+
+def same_batch(a: Batch, b: Batch) -> bool:
+    ids = lambda x: (x.version, x.drops, [g.group_id for g in x.groups], [r.sample_id for r in x.reference])  # noqa: E731
+    return ids(a) == ids(b) and all(x.dtype == y.dtype and np.array_equal(x, y)
+                                    for x, y in zip(arrays(a), arrays(b), strict=True))
+
+
+def test_the_recording_reads_back_what_was_written_and_a_resume_keeps_the_steps_before_its_checkpoint(tmp_path):
+    path = tmp_path / RECORDING
+    written = batches(5)
+    recorder = BatchRecorder(path)
+    for b in written:
+        recorder.append(b)
+    recorder.close()
+    got = [b for _, b in read_batches(path)]
+    assert len(got) == 5 and all(same_batch(a, b) for a, b in zip(written, got, strict=True))
+    # Resumed from the checkpoint after step 3: steps 3 and 4 are trained (and recorded) again.
+    BatchRecorder(path, keep=3).close()
+    assert [b.version for _, b in read_batches(path)] == [0, 1, 2]
+    # A file holding fewer steps than the checkpoint (recording was off): it starts anew.
+    BatchRecorder(path, keep=7).close()
+    assert list(read_batches(path)) == []
+
+
+@pytest.mark.parametrize("damage", ["flip", "cut", "magic", "length"])
+def test_a_damaged_recording_is_refused_with_file_and_offset(tmp_path, damage):
+    path = tmp_path / RECORDING
+    recorder = BatchRecorder(path)
+    for b in batches(3):
+        recorder.append(b)
+    recorder.close()
+    offsets = [o for o, _ in read_batches(path)]
+    data = bytearray(path.read_bytes())
+    if damage == "flip":  # a byte inside the second record's payload
+        data[offsets[1] + 40] ^= 0x01
+        expect = f"record at byte {offsets[1]} fails its checksum"
+    elif damage == "cut":  # a write cut short at the end
+        data = data[:offsets[2] + 30]
+        expect = f"record at byte {offsets[2]} cut short"
+    elif damage == "magic":
+        data[0:8] = b"NOTAREC!"
+        expect = "not a batch recording"
+    else:  # a length past the end of the file: refused before anything is read
+        data[offsets[1]:offsets[1] + 8] = (1 << 60).to_bytes(8, "little")
+        expect = f"record at byte {offsets[1]} cut short"
+    path.write_bytes(bytes(data))
+    with pytest.raises(RecordingError) as e:
+        list(read_batches(path))
+    assert str(path) in str(e.value) and expect in str(e.value)
+
+
+def test_a_checksummed_record_that_is_no_batch_is_refused(tmp_path):
+    import struct
+    import zlib
+
+    path = tmp_path / RECORDING
+    payload = struct.pack("<IQ", 1, 3) + b"abc"  # one frame, not a message
+    path.write_bytes(b"DPHREC01" + struct.pack("<QI", len(payload), zlib.crc32(payload)) + payload)
+    with pytest.raises(RecordingError, match=rf"{path}: record at byte 8: not a batch"):
+        list(read_batches(path))
+
+
+# --- Rerun ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def recorded(model_dir, tmp_path_factory) -> Path:
+    """A loop's run of 6 steps, checkpoints every 2, auto staleness on (its decisions are metrics too)."""
+    rl_dir = tmp_path_factory.mktemp("run") / "rl" / "js_low_var"
+    cfg = load_config("default", [*LEARNER, "learner.steps=6", "learner.checkpoint_every=2",
+                                  "replay.max_staleness=auto", "replay.staleness_window=2"])
+    run_loop(cfg, model_dir, rl_dir, StandInReplay())
+    return rl_dir
+
+
+def test_a_rerun_is_the_run_bit_for_bit(recorded, tmp_path):
+    from dph_async.app.rerun import rerun
+
+    report = rerun(recorded, tmp_path / "same", [])
+    assert not report.counterfactual and report.end == 6 and len(report.steps) == 6
+    assert report.metrics_equal, report.first_difference
+    assert [w.what for w in report.weights] == ["checkpoint v2", "checkpoint v4", "checkpoint v6", "final model"]
+    assert all(w.equal and w.distance == 0 for w in report.weights)
+    assert report.bitwise
+    rows = [json.loads(x) for x in (tmp_path / "same" / "metrics.jsonl").read_text().splitlines()]
+    assert {"staleness/eta", "drops/stale", "loss/total"} <= rows[-1].keys()
+    assert "bitwise the run" in (tmp_path / "same" / "report.md").read_text()
+
+
+def test_a_rerun_from_a_checkpoint_until_a_step_is_the_run_there(recorded, tmp_path):
+    from dph_async.app.rerun import rerun
+
+    report = rerun(recorded, tmp_path / "mid", [], start=2, until=4)
+    assert (report.start, report.end, report.stopped) == (2, 4, "--until 4")
+    assert [s.version for s in report.steps] == [3, 4] and report.bitwise
+
+
+def test_a_counterfactual_coefficient_trains_other_weights_from_the_same_batches(recorded, tmp_path):
+    from dph_async.app.rerun import rerun
+
+    out = tmp_path / "cf"
+    report = rerun(recorded, out, ["learner.loss.coeff=2.0"], diagnose=3, top_tokens=5)
+    assert report.counterfactual and report.end == 6
+    # The same batches (reward and batch composition are data, not learner), another learner.
+    assert all("reward/mean" not in s.differing and "batch/fresh_tokens" not in s.differing for s in report.steps)
+    assert any("loss/total" in s.differing for s in report.steps)
+    assert all(not w.equal and w.distance > 0 for w in report.weights)
+    assert (out / "final_model" / "config.json").is_file()
+    assert "Per step: run / counterfactual" in (out / "report.md").read_text()
+    diag = json.loads((out / "diagnose_v3.json").read_text())
+    assert diag["version"] == 3 and [p["part"] for p in diag["parts"]][-1] == "reference"
+    # The contributions are a decomposition: they add up to the gradient's norm.
+    assert sum(p["contribution"] for p in diag["parts"]) == pytest.approx(diag["grad_norm"], rel=1e-6)
+    weights = [t["weight"] for t in diag["top_tokens"]]
+    assert len(weights) == 5 and weights == sorted(weights, reverse=True)
+
+
+def test_a_rerun_refuses_what_it_cannot_do(recorded, tmp_path):
+    from dph_async.app.commands.rerun import override_problem
+    from dph_async.app.rerun import RerunError, rerun
+
+    with pytest.raises(RerunError, match="no checkpoint of version 3"):
+        rerun(recorded, tmp_path / "x", [], start=3)
+    assert "only the learner" in override_problem(["replay.max_staleness=4"])
+    assert "no effect on a rerun" in override_problem(["learner.groups_per_step=8"])
+    assert override_problem(["learner.lr=1e-3", "learner.loss.correction=masked"]) is None
+
+
+# --- Auto staleness -------------------------------------------------------------------------------------
+
+
+def rule(**kw) -> StalenessRule:
+    return StalenessRule(**({"minimum": 1, "maximum": 6, "target": 0.9, "window": 2} | kw))
+
+
+def step(ess: float, staleness: int) -> dict[str, float]:
+    return {"policy/ess": ess, "staleness/max": float(staleness)}
+
+
+def test_the_controller_adds_one_while_healthy_and_reached_and_halves_when_not_healthy():
+    c = StalenessController(rule())
+    assert c.eta == 1
+    decisions = [c.observe(step(0.99, c.eta)) for _ in range(8)]
+    assert [d.eta for d in decisions] == [1, 2, 2, 3, 3, 4, 4, 5]
+    assert [d.change for d in decisions if d.signal is not None] == [1, 1, 1, 1]
+    # Healthy, but the data never got as stale as the bound: the window says nothing about eta.
+    assert c.observe(step(0.99, 2)).signal is None and c.observe(step(0.99, 2)).change == 0 and c.eta == 5
+    # Below the target: halved at the window's end, down to the minimum.
+    c.observe(step(0.5, 5))
+    d = c.observe(step(0.7, 5))
+    assert (d.eta, d.change, d.signal) == (2, -3, pytest.approx(0.6))
+    c.observe(step(0.1, 2))
+    assert c.observe(step(0.1, 2)).eta == 1 and c.eta == 1
+    # Never above the maximum; steps without fresh tokens (no ESS) do not count.
+    c = StalenessController(rule(maximum=2), eta=2)
+    for _ in range(4):
+        c.observe(step(1.0, 2))
+        c.observe({"staleness/max": 2.0})
+    assert c.eta == 2 and c.window == []
+
+
+def test_the_controller_state_survives_a_checkpoint_within_the_limits():
+    c = StalenessController(rule(), eta=4)
+    c.observe(step(0.95, 4))
+    again = StalenessController.from_state(rule(), json.loads(json.dumps(c.state())))
+    assert (again.eta, again.window, again.reached) == (4, [0.95], 4)
+    assert again.observe(step(0.97, 4)).eta == 5 == c.observe(step(0.97, 4)).eta
+    assert StalenessController.from_state(rule(maximum=3), c.state()).eta == 3
+
+
+def behaviour_of(trainer):
+    """Behaviour log-probs of the learner's own current weights (temperature 1): on-policy data."""
+
+    def logprobs(prompt: np.ndarray, response: np.ndarray) -> np.ndarray:
+        ids = torch.from_numpy(np.concatenate([prompt, response]).astype(np.int64))[None]
+        with torch.no_grad():
+            logits = trainer.module(input_ids=ids).logits.float()[0, len(prompt) - 1:-1]
+        return torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None])[:, 0].numpy()
+
+    return logprobs
+
+
+def test_auto_staleness_rises_on_healthy_data_and_falls_when_it_is_made_stale(model_dir, tmp_path):
+    """12 steps on data the learner's own weights made (ESS ~1, at the bound's staleness), then 6 on
+    behaviour log-probs far from them (ESS well below the target): eta climbs 1 -> 4 a step per
+    window, then halves to the minimum; each decision reaches the replay."""
+    cfg = load_config("default", [*LEARNER, "learner.steps=18", "learner.checkpoint_every=0",
+                                  "replay.max_staleness=auto", "replay.staleness_window=3",
+                                  "replay.staleness_target_ess=0.9", "replay.staleness_max=6"])
+    replay = StandInReplay(seed=1)
+    noise = np.random.default_rng(7)
+
+    def setup(loop) -> None:
+        own = behaviour_of(loop.trainer)
+        collect = loop._collect
+
+        def collect_and_steer(stop):
+            # Healthy until version 12, then behaviour policies far from the learner's.
+            stale = loop.trainer.version >= 12
+            replay.behaviour = (lambda p, r: np.minimum(own(p, r) + noise.normal(0, 2.0, len(r)), 0.0)) if stale \
+                else own
+            return collect(stop)
+
+        loop._collect = collect_and_steer
+
+    stats = run_loop(cfg, model_dir, tmp_path / "rl", replay, setup)
+    rows = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    signals = [(int(r["learner/version"]), r["staleness/signal"], int(r["staleness/eta"])) for r in rows
+               if "staleness/signal" in r]
+    assert [eta for _, _, eta in signals] == [2, 3, 4, 5, 2, 1], signals
+    assert all(s >= 0.9 for v, s, _ in signals if v <= 12) and all(s < 0.9 for v, s, _ in signals if v > 12)
+    assert replay.told == [2, 3, 4, 5, 2, 1]
+    assert [(eta, round(s, 6)) for _, eta, s in stats.staleness] == [(eta, round(s, 6)) for _, s, eta in signals]
+    # Admission's data followed the bound: each batch's groups were as stale as the eta in force.
+    assert [int(r["staleness/max"]) for r in rows][:7] == [0, 1, 1, 2, 2, 2, 3]
+
+
+def test_a_resumed_loop_tells_the_replay_its_bound_and_keeps_the_recording_before_its_checkpoint(model_dir, tmp_path):
+    """Killed after its checkpoint at 4 and resumed: the controller's state comes back from the
+    checkpoint, the replay is told its bound, and the recording holds steps 0-3 once."""
+    cfg = load_config("default", [*LEARNER, "learner.steps=6", "learner.checkpoint_every=4",
+                                  "replay.max_staleness=auto", "replay.staleness_window=2"])
+    rl_dir = tmp_path / "rl"
+    first = StandInReplay(seed=2)
+    run_loop(cfg, model_dir, rl_dir, first)
+    resumed = StandInReplay(seed=2)
+    resumed.restore = lambda path: "restored"
+    run_loop(cfg, model_dir, rl_dir, resumed, setup=lambda loop: loop.resume("v4"))
+    assert resumed.told[0] == first.told[1]  # the bound decided at step 4, from the checkpoint
+    assert [b.version for _, b in read_batches(rl_dir / RECORDING)] == list(range(6))
+    assert len((rl_dir / "metrics.jsonl").read_text().splitlines()) == 6
