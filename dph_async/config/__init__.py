@@ -210,7 +210,8 @@ class LearnerConfig(Section):
     # The CPU kernels of the model's linear layers: onednn = oneDNN's products, which use AVX-512
     # where MKL's (torch's float32 default) keep to AVX2 on AMD processors; torch = F.linear as is;
     # auto = onednn for a float32 model trained on the CPU below ZeRO-3 where torch has oneDNN, torch
-    # on a GPU (learner/cpu_gemm.py).
+    # on a GPU (learner/cpu_gemm.py). With onednn the log-prob kernel's CPU path (learner.kernel auto
+    # or torch) runs the LM head's products through oneDNN as well.
     cpu_gemm: Literal["auto", "onednn", "torch"] = "auto"
     loss: LossConfig = Field(default_factory=LossConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
