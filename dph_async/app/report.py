@@ -6,10 +6,6 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 from rich.table import Table
 
 from dph_async.app.evaluate import DIFFICULTY, SplitResult, by_base_difficulty, load_results
@@ -90,7 +86,18 @@ def print_tables(evals: dict[str, dict[str, SplitResult]]) -> None:
         console.print(table)
 
 
+def pyplot():
+    """matplotlib's pyplot, off screen, imported where a plot is drawn (a driver starts Ray without it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_pass_at_k(evals: dict[str, dict[str, SplitResult]], out: Path) -> None:
+    plt = pyplot()
     splits = sorted({s for res in evals.values() for s in res})
     fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 4), squeeze=False)
     for ax, split in zip(axes[0], splits, strict=True):
@@ -110,6 +117,7 @@ def plot_pass_at_k(evals: dict[str, dict[str, SplitResult]], out: Path) -> None:
 def plot_training(curves: dict[str, list[dict[str, float]]], out: Path) -> None:
     keys = [("reward/mean", "reward"), ("policy/entropy", "entropy"), ("loss/divergence_ref", "divergence (ref)"),
             ("staleness/mean", "staleness")]
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.5))
     for ax, (key, title) in zip(axes, keys, strict=True):
         for mode, rows in curves.items():
