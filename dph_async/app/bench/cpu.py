@@ -11,11 +11,14 @@ total busy time comes from /proc/stat, so CPU used by other people's jobs shows 
 A process that exits between two samples loses at most one interval of CPU time.
 
 The same samples keep each process's peak resident set (VmHWM, which the kernel keeps per process):
-`peak_rss` files it under the process's component, so memory per process comes from the same run.
+`peaks` files it under the process's component, so memory per process comes from the same run. The
+peaks of processes already running when the sampler starts (kept from an earlier run) are reset
+first, so that they are this run's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -63,6 +66,13 @@ def _peak_rss(pid: int) -> int | None:
     except OSError:
         return None
     return None  # a kernel thread: no memory of its own
+
+
+def _reset_peak_rss(pid: int) -> None:
+    """Start process `pid`'s VmHWM again from its current resident set (a kernel feature since 4.0;
+    nothing where it is refused)."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 def _machine_busy() -> float:
@@ -118,6 +128,8 @@ class ProcessTreeCPU:
             if (component := self._classify(pid, parents)) is not None:
                 if pid not in self._last:
                     self._base[pid] = cpu if first else 0.0
+                    if first:
+                        _reset_peak_rss(pid)
                 self._last[pid] = (component, cpu)
                 if (peak := _peak_rss(pid)) is not None:
                     self.peaks[pid] = (component, max(peak, self.peaks.get(pid, (component, 0))[1]))
