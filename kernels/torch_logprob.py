@@ -10,15 +10,53 @@ so lse = m + log s and entropy = log s - e/s (both relative to m, which avoids c
 numbers). The backward recomputes each block's logits from the saved lse instead of storing [N, V]:
 
     d/dz_j [g_lp * log p_t + g_H * H] = g_lp (1[j = t] - p_j) - g_H p_j (log p_j + H).
+
+The three products per block (the logits, d hidden, d weight) run through torch (`TORCH`: MKL's
+sgemm on the CPU) or through oneDNN (`ONEDNN`, `impl="onednn"`: the CPU's AVX-512 kernels where it
+has them; the learner takes it where its linear layers run through oneDNN, learner.cpu_gemm).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import partial
+from types import SimpleNamespace
+
 import torch
 from torch import Tensor
 
+from kernels import onednn
+
 # Start of the running max: finite, so that (m_old - m_new) * 0 stays 0 instead of NaN.
 NEG_INIT = -1e30
+
+
+@dataclass(frozen=True)
+class Products:
+    """The float32 products of a block: a b^T into `out`, acc += a b, a^T b into `out`."""
+
+    onednn: bool
+
+    def nt(self, a: Tensor, b: Tensor, out: Tensor) -> None:
+        if self.onednn:
+            out.copy_(onednn.product(a, b))
+        else:
+            torch.mm(a, b.T, out=out)
+
+    def add_nn(self, acc: Tensor, a: Tensor, b: Tensor) -> None:
+        if self.onednn:
+            acc.add_(onednn.product(a, b.T))
+        else:
+            acc.addmm_(a, b)
+
+    def tn(self, a: Tensor, b: Tensor, out: Tensor) -> None:
+        if self.onednn:
+            out.copy_(onednn.product(a.T, b.T))
+        else:
+            torch.mm(a.T, b, out=out)
+
+
+TORCH, ONEDNN = Products(onednn=False), Products(onednn=True)
 
 
 def _block_weight(weight: Tensor, v0: int, v1: int) -> Tensor:
@@ -33,7 +71,8 @@ def _target_hits(targets: Tensor, v0: int, v1: int) -> tuple[Tensor, Tensor]:
 
 
 def forward(
-    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool, block_v: int
+    hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, with_entropy: bool, block_v: int,
+    products: Products = TORCH,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Returns (log p(target) [N] fp32, lse [N] fp32, entropy [N] fp32 or None)."""
     n, v = hidden.shape[0], weight.shape[0]
@@ -47,7 +86,7 @@ def forward(
     for v0 in range(0, v, block_v):
         v1 = min(v0 + block_v, v)
         z = flat[: n * (v1 - v0)].view(n, v1 - v0)
-        torch.mm(x, _block_weight(weight, v0, v1).T, out=z)
+        products.nt(x, _block_weight(weight, v0, v1), z)
         rows, cols = _target_hits(targets, v0, v1)
         z_t[rows] = z[rows, cols]
         m_new = torch.maximum(m, z.amax(dim=1))
@@ -104,6 +143,7 @@ def backward(
     block_v: int,
     need_hidden: bool,
     need_weight: bool,
+    products: Products = TORCH,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Gradients (d hidden, d weight) in the inputs' dtypes; None where not needed."""
     n, v = hidden.shape[0], weight.shape[0]
@@ -118,7 +158,7 @@ def backward(
         v1 = min(v0 + block_v, v)
         w = _block_weight(weight, v0, v1)
         grad = flat[: n * (v1 - v0)].view(n, v1 - v0)
-        torch.mm(x_scaled, w.T, out=grad)
+        products.nt(x_scaled, w, grad)
         grad.sub_(lse[:, None])  # log p
         if g_h is None:
             grad.exp_().mul_(-g_lp[:, None])
@@ -129,12 +169,16 @@ def backward(
         rows, cols = _target_hits(targets, v0, v1)
         grad.index_put_((rows, cols), g_lp[rows], accumulate=True)
         if d_hidden is not None:
-            d_hidden.addmm_(grad, w)
+            products.add_nn(d_hidden, grad, w)
         if d_weight is not None:
             if d_weight.dtype == torch.float32:
-                torch.mm(grad.T, x, out=d_weight[v0:v1])
+                products.tn(grad, x, d_weight[v0:v1])
             else:
                 d_weight[v0:v1] = grad.T @ x
     if d_hidden is not None:
         d_hidden = d_hidden.to(hidden.dtype)
     return d_hidden, d_weight
+
+
+# The implementation `impl="onednn"` names (kernels/fused.py): this path with oneDNN's products.
+onednn_impl = SimpleNamespace(forward=partial(forward, products=ONEDNN), backward=partial(backward, products=ONEDNN))

@@ -22,15 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.onednn import available
+from kernels.onednn import product as _product
+
 CpuGemm = Literal["onednn", "torch"]
 # Multiply-adds (rows x in x out) from which a layer's forward and backward through oneDNN beat
 # MKL's on one core (`dph-async bench gemm`): equal at 128 x 128 x 128, 0.80x at 64 x 128 x 128,
 # 1.17x at 64 x 128 x 336, 1.6-1.9x from 256 rows.
 MIN_MACS = 1 << 21
-
-
-def available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 def resolve(cpu_gemm: CpuGemm | Literal["auto"], *, device: str, zero_stage: int, dtype: torch.dtype) -> CpuGemm:
@@ -46,11 +45,6 @@ def resolve(cpu_gemm: CpuGemm | Literal["auto"], *, device: str, zero_stage: int
         raise ValueError("learner.cpu_gemm=onednn: this torch build has no oneDNN (torch.backends.mkldnn); "
                          "use learner.cpu_gemm=torch")
     return cpu_gemm
-
-
-def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b^T (+ bias) through oneDNN; a and b may be transposed views."""
-    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
 
 
 class _LinearFunction(torch.autograd.Function):

@@ -26,14 +26,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from torch import Tensor
-
 from dph_async.config.loss import LossConfig
-from learner import dpo
-from learner import losses as L
+from dph_async.lazy_import import lazy_module
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from learner.batching import Counts, Unit
+
+# torch loads with the first loss computed, not with the registry (a driver only reads the classes).
+dpo = lazy_module("learner.dpo")
+L = lazy_module("learner.losses")
 
 
 @dataclass

@@ -41,14 +41,20 @@ from learner.losses import PolicyLoss, policy_loss
 from learner.objectives import Objective, make_objective
 from learner.step_record import StepRecord
 
+# Devices on which torch's AdamW has its fused form (one kernel over each tensor).
+FUSED_ADAM_DEVICES = ("cpu", "cuda")
 
-def deepspeed_config(cfg: LearnerConfig, dtype: str) -> dict:
+
+def deepspeed_config(cfg: LearnerConfig, dtype: str, device: str) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         # torch's AdamW: DeepSpeed's FusedAdam would compile an extension first (35-70 s on the CPU).
+        # Its fused form: on the CPU it stepped 52 M parameters in 0.025 s of one core against 0.24 s
+        # for the loop over tensors torch runs there by default (docs/scaling.md, bench scale).
         "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay,
-                                                   "betas": [0.9, 0.999], "torch_adam": True}},
+                                                   "betas": [0.9, 0.999], "torch_adam": True,
+                                                   "fused": device in FUSED_ADAM_DEVICES}},
         "gradient_clipping": cfg.grad_clip,
         "zero_optimization": {"stage": cfg.zero_stage, "stage3_param_persistence_threshold": cfg.zero3_persist_below},
         "bf16": {"enabled": dtype == "bfloat16"},
@@ -96,6 +102,9 @@ class Trainer:
                                          zero_stage=cfg.zero_stage, dtype=torch_dtype)
         if self.cpu_gemm == "onednn":
             cpu_gemm.use_onednn(model)  # before the copies below, which then run through oneDNN too
+        # The LM head's products in the CPU kernel through oneDNN too, where the linear layers' are: over a
+        # 32k vocabulary the head is most of the learner's products (docs/scaling.md, bench scale).
+        self.kernel = "onednn" if self.cpu_gemm == "onednn" and cfg.kernel in ("auto", "torch") else cfg.kernel
         # A frozen copy of pi_0 for objectives with a divergence on fresh tokens (reverse_kl, js, dapo).
         # The KL monitor scores against it too.
         self.reference_model, self.kl_monitor = None, None
@@ -113,7 +122,7 @@ class Trainer:
         if cfg.zero_stage == 3:
             zero3.prepare_model(model)  # after the copy: the frozen reference model stays whole
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=deepspeed_config(cfg, dtype))
+                                               config=deepspeed_config(cfg, dtype, get_accelerator().device_name()))
         if cfg.zero_stage == 3:
             zero3.prepare_engine(self.engine)
         # Under ZeRO-3 with several ranks every forward of the model is a collective (its weights are
@@ -143,7 +152,7 @@ class Trainer:
 
     def _logprobs(self, model: torch.nn.Module, mb: MicroBatch, with_entropy: bool
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return response_logprobs(model, mb, self.temperature, with_entropy=with_entropy, impl=self.cfg.kernel)
+        return response_logprobs(model, mb, self.temperature, with_entropy=with_entropy, impl=self.kernel)
 
     def _critic_update(self, groups: list[Unit], record: StepRecord) -> dict[str, float]:
         """The critic's targets and update (`Critic.update`) on every fresh sequence of the batch,

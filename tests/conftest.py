@@ -1,5 +1,6 @@
 """Fixtures shared across modules.
 
+`private_core_claims`: the session's runs claim cores in a directory of their own.
 `ray_session`: one Ray cluster for the tests that run the processes in-process.
 `small_base`: one warm-started tiny base model with its pre-sampled pools (D_pef, D_exp), made once
 per session and reused by every end-to-end module (they copy it or train from it, never change it).
@@ -105,6 +106,20 @@ def small_config(root: Path, *overrides: str):
     from dph_async.config import load_config
 
     return validate(load_config("default", [*SMALL, f"output_dir={root}", *overrides]), [])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_core_claims(tmp_path_factory) -> Iterator[Path]:
+    """The runs of this session claim cores among themselves only (dph_async/app/core_claims.py): other
+    invocations on the machine would otherwise leave them cores other than the tests expect."""
+    directory = tmp_path_factory.mktemp("core-claims")
+    before = os.environ.get("DPH_CORES_DIR")
+    os.environ["DPH_CORES_DIR"] = str(directory)
+    yield directory
+    if before is None:
+        os.environ.pop("DPH_CORES_DIR", None)
+    else:
+        os.environ["DPH_CORES_DIR"] = before
 
 
 @pytest.fixture(scope="session")

@@ -20,15 +20,17 @@ from dph_async.app.cores import CorePlan, host_cores, offload_threads, pin, plan
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
 
 
-def test_each_actor_gets_its_cores_and_the_learner_the_rest():
+def test_each_actor_gets_its_cores_and_the_learner_its_own_the_rest_left_free():
     assert plan_cores({0, 1}, 1, 1) == CorePlan([[0]], [1])
-    assert plan_cores([7, 3, 5, 1, 2, 4, 6, 0], 2, 2) == CorePlan([[0, 1], [2, 3]], [4, 5, 6, 7])
+    assert plan_cores([7, 3, 5, 1, 2, 4, 6, 0], 2, 2) == CorePlan([[0, 1], [2, 3]], [4])
+    assert plan_cores([7, 3, 5, 1, 2, 4, 6, 0], 2, 2, learner=3) == CorePlan([[0, 1], [2, 3]], [4, 5, 6])
     assert plan_cores({4, 9, 2}, 2, 1) == CorePlan([[2], [4]], [9])
 
 
-def test_no_plan_where_the_learner_would_be_left_no_core_or_no_actor_runs_here():
+def test_no_plan_where_the_cores_are_too_few_or_no_actor_runs_here():
     assert plan_cores({0, 1}, 2, 1) is None
     assert plan_cores({0, 1, 2, 3}, 2, 2) is None
+    assert plan_cores({0, 1, 2}, 1, 1, learner=3) is None
     assert plan_cores({0}, 1, 1) is None
     assert plan_cores({0, 1}, 0, 1) is None
 

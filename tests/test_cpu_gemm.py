@@ -16,6 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dph_async.config import LearnerConfig, LossConfig
 from dph_async.protocol import Batch, Completion, RolloutGroup, SamplingInfo
 from dph_async.rewards.result import RewardResult
+from kernels import onednn
 from learner import cpu_gemm
 from learner.cpu_gemm import OneDNNLinear
 
@@ -138,9 +139,14 @@ def test_a_trainer_on_onednn_takes_torchs_gradients(tmp_path, monkeypatch):
     batch = rollouts(np.random.default_rng())
     want, plain = first_gradients(str(tmp_path), "torch", batch)
     products = counted_products(monkeypatch)
+    head = []
+    real = onednn.product
+    monkeypatch.setattr(onednn, "product", lambda a, b: head.append(b.shape) or real(a, b))
     got, t = first_gradients(str(tmp_path), "auto", batch)
 
     assert t.cpu_gemm == "onednn" and plain.cpu_gemm == "torch"
+    # The LM head's products in the log-prob kernel too (its weight [V, 128] in the forward).
+    assert t.kernel == "onednn" and plain.kernel == "auto" and (V, 128) in head
     # The policy's and the frozen reference's linear layers (js scores fresh tokens against pi_0).
     for model in (t.module, t.reference_model):
         layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]

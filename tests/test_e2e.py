@@ -29,6 +29,7 @@ from dph_async.app import actor_pool, actor_process, launcher, learner_process
 from dph_async.app.actor_pool import POOL_NAMESPACE, holding
 from dph_async.app.actor_process import ActorProcess
 from dph_async.app.cluster import ray_cluster
+from dph_async.app.core_claims import live_claims
 from dph_async.app.cores import host_cores, plan_cores, process_tree
 from dph_async.app.launcher import run_rl
 from dph_async.app.pipeline import StageTimer, prepare
@@ -365,7 +366,7 @@ def test_an_actor_off_the_drivers_node_is_kept_and_reset_from_the_learner(prepar
     assert all(a.weight_loads >= 1 for a in again.actors), again.actors
 
 
-def test_killed_actor_is_restarted_and_run_completes(prepared):
+def test_killed_actor_is_restarted_and_run_completes(prepared, private_core_claims):
     pids: dict[str, int] = {}
     steps_at_kill: list[int] = []
     affinity: dict[str, set[int]] = {}
@@ -440,6 +441,34 @@ def test_killed_actor_is_restarted_and_run_completes(prepared):
         assert zmq_cores and all(cores == set(plan.actors[0]) for cores in zmq_cores), actor_threads
         assert {frozenset(cores) for _, cores in actor_threads} == {frozenset(plan.actors[0]), frozenset(plan.learner)}
         assert result.actors[0].cores == plan.actors[0] and result.actors[0].threads_offloaded > 0
+    assert live_claims(private_core_claims) == []  # the run's cores given back
+
+
+HOLD_EVERY_CORE = """
+import sys, time
+from dph_async.app.core_claims import claim_cores
+from dph_async.app.cores import host_cores
+claim_cores(host_cores(), lambda free: free or None, list)
+print("claimed", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(len(host_cores()) < 2, reason="one core: no run pins, so none shares")
+def test_a_run_whose_cores_another_invocation_claimed_shares_them_and_says_so(prepared, private_core_claims):
+    """Another invocation (a process of its own) holds every core of the host: the run pins nothing
+    rather than pin onto its cores, names its claim, and gives back its own claim-free state."""
+    child = subprocess.Popen([sys.executable, "-c", HOLD_EVERY_CORE], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert child.stdout.readline().strip() == "claimed"
+        result, _ = train(prepared, "shared", "learner.steps=2", "actors.num_actors=1", mode="grpo")
+    finally:
+        child.kill()
+        child.wait(60)
+    assert result.cores == {}
+    assert len(result.cores_shared_with) == 1 and f"pid {child.pid} " in result.cores_shared_with[0]
+    assert live_claims(private_core_claims) == []  # the child's dropped as stale; the run made none
 
 
 def test_two_learner_ranks_train_checkpoint_and_resume(prepared):

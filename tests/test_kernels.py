@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from kernels import default_block_v, fused_logprobs
+from kernels import default_block_v, fused_logprobs, onednn
+from kernels.fused import CPU_BLOCK_BUDGET
 from kernels.reference import reference_with_grads, rel_error
 
 LOGP_ATOL = 5e-5
@@ -67,6 +68,35 @@ def check_against_reference(impl, n, h, v, block_v, dtype, temperature, with_ent
 )
 def test_torch_path_matches_float64_reference(n, h, v, block_v, dtype, temperature, with_entropy):
     check_against_reference("torch", n, h, v, block_v, dtype, temperature, with_entropy, seed=n * v)
+
+
+@pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize(
+    ("n", "h", "v", "block_v", "dtype", "temperature", "with_entropy"),
+    [
+        (33, 16, 1_001, 256, torch.float32, 1.0, True),
+        (48, 32, 1_001, None, torch.float32, 0.6, False),
+        (24, 24, 50_257, 4_096, torch.float32, 1.3, True),
+        (40, 64, 2_048, 512, torch.bfloat16, 1.0, True),  # bf16 inputs: the products still in fp32
+    ],
+)
+def test_onednn_products_match_float64_reference(n, h, v, block_v, dtype, temperature, with_entropy):
+    check_against_reference("onednn", n, h, v, block_v, dtype, temperature, with_entropy, seed=n * v + 1)
+
+
+def test_onednn_path_takes_oneDNNs_products(monkeypatch):
+    """impl="onednn" runs the block products through oneDNN (forward and both gradients), "torch" not."""
+    calls = []
+    real = onednn.product
+    monkeypatch.setattr(onednn, "product", lambda a, b: calls.append(1) or real(a, b))
+    hidden, weight, targets, mask, (g_lp, _) = make_inputs(20, 16, 600, seed=3)
+    for impl, expected in (("torch", 0), ("onednn", 3 * 3 + 3)):  # 3 blocks: 1 forward, 3 backward each
+        calls.clear()
+        logp, _ = fused_logprobs(hidden, weight, targets, mask=mask, impl=impl, block_v=256)
+        (g_lp * logp).sum().backward()
+        assert len(calls) == expected, impl
+    with pytest.raises(ValueError, match="onednn"):
+        fused_logprobs(hidden.to("meta"), weight.to("meta"), targets, mask=mask, impl="onednn")
 
 
 def test_leading_dims_and_single_input_grads():
@@ -149,6 +179,7 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 def test_default_block_v():
     assert default_block_v(4_096, 151_936) == 8_192  # a 128 MiB fp32 block
+    assert default_block_v(1_024, 32_768, CPU_BLOCK_BUDGET) == 2_048  # 8 MiB on the CPU
     assert default_block_v(16, 151_936) == 151_936  # small N: all of V at once
     assert default_block_v(1 << 20, 151_936) == 256  # huge N: the floor
     assert default_block_v(4_096, 1_001) == 1_001

@@ -231,6 +231,18 @@ def test_a_trainer_frozen_with_the_heap_is_garbage_once_thawed(model_dir):
         gc.unfreeze()
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_the_optimizer_is_torchs_fused_adamw_on_the_cpu(model_dir, stage):
+    """One kernel over each tensor, not torch's loop over them: at 52 M parameters 0.025 s of a core
+    against 0.24 s a step. Under ZeRO-1 DeepSpeed's optimizer holds torch's, stepping its flat copy."""
+    t = trainer(model_dir, zero_stage=stage)
+    inner = getattr(t.engine.optimizer, "optimizer", t.engine.optimizer)
+    assert type(inner) is torch.optim.AdamW and inner.defaults["fused"] is True
+    before = [p.detach().clone() for p in t.module.parameters()]
+    t.train_step(batch(6))
+    assert any(not torch.equal(a, p) for a, p in zip(before, t.module.parameters(), strict=True))
+
+
 def test_mini_batches_count_optimizer_steps_and_move_the_ratio(model_dir):
     one = trainer(model_dir, loss={"correction": "decoupled"})
     m = one.train_step(batch(6))

@@ -6,53 +6,21 @@ log-prob kernels (whose vocabulary blocks are then smaller than the vocabulary).
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 
 from dph_async.config import ModelConfig
+from dph_async.tasks.bpe import CHAT_TEMPLATE, build_bpe, corpus
 from dph_async.tasks.dataset import load_prompts, verl_row, write_rows
 from dph_async.tasks.embedded import make_splits
 from dph_async.tasks.tiny_model import build_tiny_llama, save_model
 from kernels import default_block_v
 
 pytestmark = pytest.mark.slow
-
-VOCAB = 32768
-SPECIAL = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def corpus(seed: int, words: int = 400_000) -> list[str]:
-    """Random words over letters, digits and signs: enough distinct pairs for 32k merges."""
-    rng = random.Random(seed)
-    chars = "abcdefghijklmnopqrstuvwxyz0123456789+-="
-    lines, line = [], []
-    for _ in range(words):
-        line.append("".join(rng.choice(chars) for _ in range(rng.randint(2, 9))))
-        if len(line) == 16:
-            lines.append(" ".join(line))
-            line = []
-    return lines
-
-
-def build_bpe(seed: int) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(seed), trainer=trainer)
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                  additional_special_tokens=SPECIAL[3:])
-    out.chat_template = CHAT_TEMPLATE
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ process actor 0 of the next run takes (pre-sampling, evaluation), so one engine 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
@@ -75,8 +76,23 @@ class ActorProcess:
         self._held = True
         self._binding = False
         self._called = time.monotonic()
+        # transformers' lazy module fails an import that another thread has begun (`preload`'s): the
+        # calls that import wait for it.
+        self._importing = threading.Lock()
         if keep_s > 0:
             threading.Thread(target=self._expire, name="actor-expiry", daemon=True).start()
+
+    def preload(self) -> None:
+        """Import vLLM and the engine's modules now, before a run binds this process (a spare started
+        with the cluster: `prestart_actors`)."""
+        with self._importing:
+            import actors.engine
+            import actors.rollout  # noqa: F401
+
+    def _imported(self) -> None:
+        """Wait until a `preload` in another thread has finished its imports."""
+        with self._importing:
+            pass
 
     def take(self, keep_s: float) -> bool:
         """For a driver looking for a kept process: True once, until the process is kept again."""
@@ -107,6 +123,7 @@ class ActorProcess:
         """Join a run; returns whether this process may serve a later run (one whose engine a reset can
         bring back to the run's start: not a mixture sampler's, which holds pi_0 as well)."""
         self._binding = True
+        self._imported()
         try:
             return self._bind(cfg, model_dir, prompts_path, ingest, weights, log_dir, home, learner)
         finally:
@@ -192,6 +209,7 @@ class ActorProcess:
 
     def _engine_of(self, cfg: RunConfig, model_dir: str) -> None:
         """This process's engine on `model_dir`'s weights: built if there is none, else reset to them."""
+        self._imported()
         if self.engine is None:
             self.engine = _online_engine(cfg, model_dir, self.actor_id)
         else:
@@ -245,9 +263,50 @@ def actor_key(cfg: RunConfig, model_dir: Path, actor_id: int) -> tuple:
     return (actor_id, home_node(), cfg.launcher.keep_actors_s > 0, *engine_settings(cfg, model_dir))
 
 
+# Processes started with a local cluster for the first run's actors (`prestart_actors`), by
+# `_spare_key`; the first `new_actor` of the same id and options takes one instead of starting a process.
+_spares: dict[tuple, ray.actor.ActorHandle] = {}
+
+
+def _spare_key(cfg: RunConfig, actor_id: int) -> tuple:
+    """What a spare must match besides the node: the options it was started with."""
+    return actor_id, cfg.launcher.max_actor_restarts, cfg.actors.threads
+
+
+def prestart_actors(cfg: RunConfig) -> None:
+    """Start the processes of the first run's actors now, on the cluster this invocation just started
+    on this host, importing vLLM (about 8 s of a core) while the driver goes on with its own imports
+    and preparation: the first `new_actor` of each id takes one. Not for processes that outlive the
+    invocation (they are named by their engine settings, not known yet) nor for samplers that build
+    no vLLM engine."""
+    if cfg.launcher.keep_actors_s > 0 or sampler(cfg.actors.sampler).engine != "vllm":
+        return
+    for i in range(cfg.actors.num_actors):
+        if _spare_key(cfg, i) not in _spares:
+            spare = _new_process(cfg, i, on_home_node(), {})
+            spare.preload.remote()
+            _spares[_spare_key(cfg, i)] = spare
+
+
+def release_spares() -> None:
+    """End the spares no run took (their imports' memory goes back)."""
+    for handle in _spares.values():
+        with contextlib.suppress(Exception):
+            ray.kill(handle, no_restart=True)
+    _spares.clear()
+
+
 def new_actor(cfg: RunConfig, key: tuple, placement: dict) -> ray.actor.ActorHandle:
-    """A new actor process for `key`. Ray restarts it if it dies (its __init__ runs again, then the run
-    binds it again), on another node if its own is gone."""
+    """A new actor process for `key`, or a spare started with the cluster (`prestart_actors`: spares
+    live on the one node of a local cluster, where `placement` leads too). Ray restarts it if it dies
+    (its __init__ runs again, then the run binds it again), on another node if its own is gone."""
+    naming = new_actor_options(key, cfg.launcher.keep_actors_s)
+    if not naming and (spare := _spares.pop(_spare_key(cfg, key[0]), None)) is not None:
+        return spare
+    return _new_process(cfg, key[0], placement, naming)
+
+
+def _new_process(cfg: RunConfig, actor_id: int, placement: dict, naming: dict) -> ray.actor.ActorHandle:
     keep_s = cfg.launcher.keep_actors_s
     options = dict(num_cpus=1, max_concurrency=4, max_restarts=cfg.launcher.max_actor_restarts, max_task_retries=0)
     if cfg.actors.threads > 1:
@@ -256,7 +315,7 @@ def new_actor(cfg: RunConfig, key: tuple, placement: dict) -> ray.actor.ActorHan
         # default from the process's start (vLLM's CPU attention checks that its plan and its kernel
         # agree). Ray would set 1, from num_cpus.
         options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(cfg.actors.threads)}}
-    return ActorProcess.options(**options, **placement, **new_actor_options(key, keep_s)).remote(key[0], keep_s)
+    return ActorProcess.options(**options, **placement, **naming).remote(actor_id, keep_s)
 
 
 def _then_keep(actor: ray.actor.ActorHandle, key: tuple, keep_s: float, work: ray.ObjectRef) -> None:

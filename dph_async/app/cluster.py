@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import ray
 
 from dph_async.app.actor_pool import release_actors
-from dph_async.app.learner_process import release_learner
+from dph_async.app.actor_process import prestart_actors, release_spares
+from dph_async.app.learner_process import release_learner, start_learner
 from dph_async.app.process_env import cache_dir
 from dph_async.config import RunConfig
 from dph_async.weights_shm import remove_stale as remove_stale_segments
@@ -33,9 +34,12 @@ def _environ(**values: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def ray_cluster(cfg: RunConfig) -> Iterator[None]:
+def ray_cluster(cfg: RunConfig, prestart: bool = False) -> Iterator[None]:
     """A local Ray cluster (or a connection to `launcher.address`), shut down cleanly on exit. Inside
-    one this process already holds, that one is used and left running: its owner shuts it down."""
+    one this process already holds, that one is used and left running: its owner shuts it down.
+    `prestart` (a command that goes on to an RL run): on a local cluster started here, the first run's
+    learner and actor processes start at once and import torch, DeepSpeed and vLLM while the driver
+    goes on (`start_learner`, `prestart_actors`), instead of after its own imports and preparation."""
     owned = not ray.is_initialized()
     lc = cfg.launcher
     if owned:
@@ -57,10 +61,14 @@ def ray_cluster(cfg: RunConfig) -> Iterator[None]:
             with _environ(DPH_CACHE_DIR=str(cache_dir())):
                 ray.init(address=address, num_cpus=cpus, include_dashboard=False, logging_level=logging.ERROR,
                          log_to_driver=False)
+            if prestart:
+                start_learner(cfg)
+                prestart_actors(cfg)
     try:
         yield
     finally:
         release_actors()
+        release_spares()
         release_learner()
         if owned:
             ray.shutdown()

@@ -10,8 +10,9 @@ of its process it does not need onto the learner's cores (`offload_threads`): Ra
 endpoint's and vLLM's idle gloo loops, which wake often and took the loop's core from it.
 
 Only the driver's host is planned, and the driver pins the processes there itself: the learner runs
-there, and an actor elsewhere has no learner to keep apart from. Two invocations on one host would
-pin their processes to the same cores; set `launcher.pin_cores=false` for such runs.
+there, and an actor elsewhere has no learner to keep apart from. A run claims the cores it pins for
+its duration (dph_async/app/core_claims.py): another invocation on the host plans over the cores left,
+and where they are too few it says so and leaves its processes to the OS.
 """
 
 from __future__ import annotations
@@ -35,14 +36,15 @@ def host_cores() -> set[int]:
     return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
 
 
-def plan_cores(cores: Collection[int], actors: int, threads: int) -> CorePlan | None:
-    """`threads` cores apiece for `actors` actors, the rest for the learner; None where no actor runs
-    on the host or no core would be left for the learner (then the OS places every thread)."""
+def plan_cores(cores: Collection[int], actors: int, threads: int, learner: int = 1) -> CorePlan | None:
+    """`threads` cores apiece for `actors` actors and `learner` cores for the learner, the lowest of
+    `cores` first; None where no actor runs on the host or `cores` are too few (then the OS places
+    every thread). Cores beyond those stay free for another invocation on the host (core_claims.py)."""
     ordered = sorted(cores)
     need = actors * threads
-    if actors < 1 or len(ordered) <= need:
+    if actors < 1 or learner < 1 or len(ordered) < need + learner:
         return None
-    return CorePlan([ordered[i * threads:(i + 1) * threads] for i in range(actors)], ordered[need:])
+    return CorePlan([ordered[i * threads:(i + 1) * threads] for i in range(actors)], ordered[need:need + learner])
 
 
 def process_tree(pid: int) -> list[int]:

@@ -13,16 +13,20 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from math import comb
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from actors.engine import SamplingSpec, VLLMEngine
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
 from dph_async.paths import checkpoint_weights, is_learner_checkpoint
 from dph_async.rewards.scorer import make_scorer
 from dph_async.tasks.dataset import PromptRecord, load_prompts
+
+if TYPE_CHECKING:  # torch and the engine load where a model is evaluated: a driver starts Ray without them
+    import torch
+
+    from actors.engine import VLLMEngine
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ def _score(scorer, records: list[PromptRecord], texts: list[list[str]]) -> list[
 
 def evaluate_split(engine: VLLMEngine, scorer, name: str, records: list[PromptRecord], cfg: RunConfig
                    ) -> SplitResult:
+    from actors.engine import SamplingSpec
+
     start = time.time()
     ec, n = cfg.eval, cfg.eval.k_max
     prompts = [r.prompt_ids for r in records]
@@ -116,6 +122,8 @@ def read_weights(source: Path) -> list[tuple[str, torch.Tensor]]:
 def build_engine(cfg: RunConfig, model_dir: Path) -> VLLMEngine:
     """An engine of `model_dir`'s weights for a stage the driver runs in a worker of its own
     (evaluation, pre-sampling), on the learner's threads."""
+    from actors.engine import VLLMEngine
+
     return VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
                       seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads,
                       share_prefill=cfg.actors.share_prefill)
@@ -143,6 +151,8 @@ def evaluate_engine(engine: VLLMEngine, scorer, cfg: RunConfig, test_sets: dict[
     """Evaluate the engine's current weights on every test set, sampling from `seed`."""
     # Unseeded requests sample from the process's generators: reseeded here, the samples depend on the
     # seed and the weights, not on what the engine generated before.
+    import torch
+
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

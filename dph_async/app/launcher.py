@@ -20,7 +20,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dph_async.app.actor_pool import holding, keep, release_actors, take
 from dph_async.app.actor_process import actor_key, new_actor, wait_restarted
+from dph_async.app.core_claims import Claim, claim_cores, release_cores
 from dph_async.app.cores import host_cores, pin, plan_cores
 from dph_async.app.learner_process import LearnerRank, acquire_learner, keep_learner
 from dph_async.app.placement import actor_placement, home_node
@@ -43,24 +44,41 @@ from dph_async.run_stats import ActorStats, LearnerStats, RLResult
 log = logging.getLogger(__name__)
 
 
-def _pin_cores(cfg: RunConfig, pids: dict[str, int], nodes: dict[str, list[tuple[str, str]]]
-               ) -> tuple[dict[str, list[int]], dict[str, int]]:
+@dataclass
+class _Pinning:
+    """Where the processes of the driver's host were pinned, and what the run claimed for that."""
+
+    cores: dict[str, list[int]] = field(default_factory=dict)  # by name ("learner": every rank)
+    local: dict[str, int] = field(default_factory=dict)  # pids of the run's processes on the driver's host
+    claim: Claim | None = None  # released when the run ends (core_claims.py)
+    shared_with: list[str] = field(default_factory=list)  # other invocations' claims, where they left too few
+
+
+def _pin_cores(cfg: RunConfig, pids: dict[str, int], nodes: dict[str, list[tuple[str, str]]]) -> _Pinning:
     """Pin the run's processes on the driver's host (`pids`: actor{i}, learner, learner{r}) to cores of
-    their own (dph_async/app/cores.py). Returns each pinned process's cores by name ("learner": every
-    rank) and the pids of the host's processes; where the plan leaves the OS to place them, those get
-    every core (a kept process may come pinned from an earlier run)."""
+    their own (dph_async/app/cores.py) among those no other invocation on the host has claimed, and
+    claim them. Where the plan leaves the OS to place them (too few cores, or too few left by the
+    others: then the run says with whom it shares), they get every core (a kept process may come
+    pinned from an earlier run)."""
     if not cfg.launcher.pin_cores:
-        return {}, {}
+        return _Pinning()
     home = home_node()
     local = {name: pid for name, pid in pids.items() if not name.startswith("actor") or nodes[name][-1][1] == home}
     actors = [name for name in local if name.startswith("actor")]
-    plan = plan_cores(host_cores(), len(actors), cfg.actors.threads)
+    threads, learner = cfg.actors.threads, max(1, cfg.learner.ranks * cfg.learner.threads)
+    taken = claim_cores(host_cores(), lambda free: plan_cores(free, len(actors), threads, learner),
+                 lambda plan: [c for cores in plan.actors for c in cores] + plan.learner)
+    plan, shared = taken.plan, []
+    if plan is None and taken.others and plan_cores(host_cores(), len(actors), threads, learner) is not None:
+        shared = [c.describe() for c in taken.others]
+        log.warning("cores: other invocations on this host hold the cores this run would pin (%s): it shares "
+                    "them, its processes placed by the OS", "; ".join(shared))
     cores = {} if plan is None else dict(zip(actors, plan.actors, strict=True)) | {"learner": plan.learner}
     for name, pid in local.items():
         pin(pid, cores.get(name) or cores.get("learner") or host_cores())
     if cores:
         log.info("cores: %s", cores)
-    return cores, local
+    return _Pinning(cores, local, taken.claim, shared)
 
 
 def _repin(name: str, pids: dict[str, int], nodes: dict[str, list[tuple[str, str]]], cores: dict[str, list[int]],
@@ -97,8 +115,7 @@ class _Run:
     reusable: list[bool] = field(default_factory=list)
     pids: dict[str, int] = field(default_factory=dict)
     nodes: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
-    cores: dict[str, list[int]] = field(default_factory=dict)
-    local: dict[str, int] = field(default_factory=dict)  # pids of the run's processes on the driver's host
+    pinning: _Pinning = field(default_factory=_Pinning)
     phases: dict[str, float] = field(default_factory=dict)
     follows: dict[ray.ObjectRef, int] = field(default_factory=dict)  # the other ranks' `follow` -> rank
     runs: dict[int, ray.ObjectRef] = field(default_factory=dict)  # each actor's `run`
@@ -108,7 +125,7 @@ class _Run:
         return time.time() - self.start
 
     def spare(self, i: int) -> list[int] | None:
-        return _spare_cores(self.cfg, self.cores, self.local, f"actor{i}")
+        return _spare_cores(self.cfg, self.pinning.cores, self.pinning.local, f"actor{i}")
 
 
 def _launch(cfg: RunConfig, rl_dir: Path, model_dir: Path, prompts_path: Path, reference_path: Path | None,
@@ -151,7 +168,7 @@ def _set_up(run: _Run) -> None:
         ray.get(done)
     run.phases["learner_ready"] = run.since_start()
     ranks = {f"learner{r + 1}": pid for r, pid in enumerate(ray.get(rank_pids))}
-    run.cores, run.local = _pin_cores(run.cfg, run.pids | ranks, run.nodes)
+    run.pinning = _pin_cores(run.cfg, run.pids | ranks, run.nodes)
 
 
 def _restart_actor(run: _Run, i: int, error: RayActorError) -> None:
@@ -165,8 +182,8 @@ def _restart_actor(run: _Run, i: int, error: RayActorError) -> None:
     ray.get(actor.bind.remote(*run.bind_args))
     run.reusable[i] = False  # not kept: Ray's restart budget is per process, and this one spent some
     run.nodes[name].append(ray.get(actor.node.remote()))
-    if name in run.local:  # on the driver's host: pinned again, if it still is
-        _repin(name, run.pids, run.nodes, run.cores, run.local)
+    if name in run.pinning.local:  # on the driver's host: pinned again, if it still is
+        _repin(name, run.pids, run.nodes, run.pinning.cores, run.pinning.local)
 
 
 def _supervise(run: _Run, name: str, read: int, metrics: list[dict[str, float]] | None,
@@ -224,7 +241,7 @@ def _wind_down(run: _Run) -> tuple[list[ActorStats], ReplayStats]:
             ended.add(i)
     replay = ray.get(run.learner.replay_stats.remote())
     ray.get(run.learner.close.remote())
-    for pid in run.local.values():  # every core back to the processes kept for a later stage or run
+    for pid in run.pinning.local.values():  # every core back to the processes kept for a later stage or run
         pin(pid, host_cores())
     with contextlib.suppress(RayActorError, GetTimeoutError):
         ray.get(list(run.follows), timeout=60)
@@ -235,6 +252,14 @@ def _wind_down(run: _Run) -> tuple[list[ActorStats], ReplayStats]:
         ray.kill(handle, no_restart=True)
     keep_learner(cfg, run.learner, run.pg, run.learner_name)
     return actor_stats, replay
+
+
+@contextlib.contextmanager
+def _releasing_cores(run: _Run) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        release_cores(run.pinning.claim)
 
 
 def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_path: Path,
@@ -250,7 +275,8 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
     # Absolute paths: actors on other nodes are handed them (and ask the learner for what they name).
     model_dir, rl_dir, prompts_path = model_dir.resolve(), rl_dir.resolve(), prompts_path.resolve()
     run = _launch(cfg, rl_dir, model_dir, prompts_path, reference_path, resume_tag, start)
-    with holding(run.actors, cfg.launcher.keep_actors_s):  # pooled actors end themselves once we stop calling
+    # Pooled actors end themselves once we stop calling; the cores claimed go back however the run ends.
+    with holding(run.actors, cfg.launcher.keep_actors_s), _releasing_cores(run):
         _set_up(run)
         if on_started:
             on_started(run.pids)
@@ -269,4 +295,4 @@ def run_rl(cfg: RunConfig, name: str, rl_dir: Path, model_dir: Path, prompts_pat
         actor_stats, replay = _wind_down(run)
     run.phases["end"] = run.since_start()
     return RLResult(name, learner_stats, actor_stats, replay, run.restarts, run.phases["end"], str(out), run.pids,
-                    run.phases, run.nodes, run.cores, metrics)
+                    run.phases, run.nodes, run.pinning.cores, run.pinning.shared_with, metrics)

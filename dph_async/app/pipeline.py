@@ -235,7 +235,7 @@ def run_pipeline(cfg: RunConfig, compare: list[str] | None = None) -> dict:
     done = [*evals.values(), *(paths.rl(s.slug) / "result.json" for s in specs)]
     if need_presample:
         done.append(paths.presample / "summary.json")
-    with contextlib.nullcontext() if all(p.is_file() for p in done) else ray_cluster(cfg):
+    with contextlib.nullcontext() if all(p.is_file() for p in done) else ray_cluster(cfg, prestart=True):
         prepared = prepare(cfg, paths, timer, need_presample)
         for spec in specs:
             results[spec.name] = train_mode(cfg, paths, prepared, spec, paths.rl(spec.slug), timer)

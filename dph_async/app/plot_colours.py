@@ -8,6 +8,18 @@ panel is drawn instead.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from types import ModuleType
+
+
+def pyplot() -> ModuleType:
+    """matplotlib's pyplot, off screen, imported where a figure is drawn: a driver starts its Ray
+    cluster without it (tests/test_lazy_import.py)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def colour_map(names: Iterable[str], fixed: Mapping[str, str] | None = None) -> dict[str, str]:

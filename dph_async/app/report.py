@@ -6,20 +6,19 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
 import msgspec
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from matplotlib.figure import Figure
 from rich.table import Table
 
 from dph_async.app.evaluate import DIFFICULTY, SplitResult, by_base_difficulty, load_results
-from dph_async.app.plot_colours import colour_map
+from dph_async.app.plot_colours import colour_map, pyplot
 from dph_async.app.progress import console
 from dph_async.paths import RunPaths
 from dph_async.run_stats import RLResult
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 TABLE_K = (1, 4, 8, 16)
 
@@ -109,14 +108,14 @@ def run_colours(names: Iterable[str]) -> dict[str, str]:
 def _save(fig: Figure, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 def pass_at_k_figure(evals: dict[str, dict[str, SplitResult]], colours: dict[str, str] | None = None) -> Figure:
     """Pass@k against k, a panel per test set, a line per model."""
     colours = colours or run_colours(evals)
     splits = sorted({s for res in evals.values() for s in res})
-    fig, axes = plt.subplots(1, len(splits), figsize=(5 * len(splits), 4), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(splits), figsize=(5 * len(splits), 4), squeeze=False)
     for ax, split in zip(axes[0], splits, strict=True):
         for name, res in evals.items():
             if split in res:
@@ -137,7 +136,7 @@ def training_figure(curves: dict[str, list[dict[str, float]]], colours: dict[str
     """Reward, entropy, divergence and staleness against the learner step, a line per RL run."""
     keys = [("reward/mean", "reward"), ("policy/entropy", "entropy"), ("loss/divergence_ref", "divergence (ref)"),
             ("staleness/mean", "staleness")]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.5))
+    fig, axes = pyplot().subplots(1, len(keys), figsize=(4.5 * len(keys), 3.5))
     for ax, (key, title) in zip(axes, keys, strict=True):
         for mode, rows in curves.items():
             pts = [(r["learner/version"], r[key]) for r in rows if key in r]

@@ -214,7 +214,8 @@ class LearnerConfig(Section):
     # The CPU kernels of the model's linear layers: onednn = oneDNN's products, which use AVX-512
     # where MKL's (torch's float32 default) keep to AVX2 on AMD processors; torch = F.linear as is;
     # auto = onednn for a float32 model trained on the CPU below ZeRO-3 where torch has oneDNN, torch
-    # on a GPU (learner/cpu_gemm.py).
+    # on a GPU (learner/cpu_gemm.py). With onednn the log-prob kernel's CPU path (learner.kernel auto
+    # or torch) runs the LM head's products through oneDNN as well.
     cpu_gemm: Literal["auto", "onednn", "torch"] = "auto"
     loss: LossConfig = Field(default_factory=LossConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
@@ -273,10 +274,12 @@ class LauncherConfig(Section):
     # actors end with the invocation.
     keep_actors_s: float = Field(0.0, ge=0)
     # Pin each RL run's processes on the driver's host: every actor there gets actors.threads cores of
-    # its own, the learner (its ranks, the replay, the weight server) the rest; where that leaves the
-    # learner no core, the OS places them all (dph_async/app/cores.py). An actor's rollout loop, which
-    # sets a small run's pace, then never gives its core to the learner's other threads. Two
-    # invocations on one host would pin to the same cores: set false for such runs.
+    # its own, the learner (its ranks, the replay, the weight server) learner.ranks x learner.threads;
+    # where the cores are too few, the OS places them all (dph_async/app/cores.py). An actor's rollout
+    # loop, which sets a small run's pace, then never gives its core to the learner's other threads.
+    # A run claims the cores it pins until it ends: another invocation on the host pins to the cores
+    # left, or, where too few are left, says with whom it shares and leaves its processes to the OS
+    # (dph_async/app/core_claims.py; the claims live in DPH_CORES_DIR, else the temporary directory).
     pin_cores: bool = True
 
     @field_validator("keep_actors_s")

@@ -90,7 +90,7 @@ def run_sweep(preset: str, overrides: list[str], sweep: Sweep, out: Path, eval_p
     console.print(f"{sweep.kind} sweep: {len(sweep.cells)} cells, {len(sweep.cells) - len(todo)} finished earlier, "
                   f"{len(todo)} to run in {out}")
     timer = StageTimer()
-    with ray_cluster(base):
+    with ray_cluster(base, prestart=bool(todo)):
         prepared = prepare(base, paths, timer, any(s.needs_presampling for s in specs))
         jobs = [EvalJob(prepared.base, paths.eval / "base.json", base.seed)]
         if sweep.kind == "divergence":  # pi_0 again on fresh samples: the per-band table's unbiased row

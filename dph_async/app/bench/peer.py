@@ -19,6 +19,7 @@ the repeats, and the ratio dph-async completions/s / the peer's.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -30,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dph_async.app.bench.cpu import ProcessTreeCPU, cpu_between
+from dph_async.app.bench.cpu import Memory, ProcessTreeCPU, cpu_between
 from dph_async.app.bench.peer_limit import Limit, limit_lines, limit_of
 from dph_async.app.bench.peer_spec import PeerSpec
 from dph_async.config import RunConfig
@@ -56,6 +57,9 @@ class PeerRun:
     reward_mean: float
     cpu_s_per_step: float | None  # every process of the system; None for a peer's result from before it was kept
     detail: dict = field(default_factory=dict)
+    # Peak resident set per process, MiB: the peer's process; dph-async's learner and actor (the
+    # largest process of each) and Ray's processes with the driver's (summed). Empty where not recorded.
+    peak_rss_mb: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -146,14 +150,26 @@ def run_peer(system: str, python: Path, spec_file: Path, prompts_file: Path, out
         startup_s=data["startup_s"], load_avg=tuple(data["load_avg"]), outside_cores=data["outside_cores"],
         reward_mean=sum(s["reward_mean"] for s in win) / len(win),
         cpu_s_per_step=sum(s["cpu_s"] for s in win) / len(win) if "cpu_s" in win[0] else None,
-        detail={k: v for k, v in data.items() if k in ("threads", "loss_type", "prompt_ids_match")},
+        detail={k: v for k, v in data.items() if k in ("threads", "loss_type", "prompt_ids_match",
+                                                       "gradient_checkpointing")},
+        peak_rss_mb={system: data["peak_rss_mb"]} if "peak_rss_mb" in data else {},
     )
+
+
+def _cluster(cfg: RunConfig, prestart: bool = False) -> contextlib.AbstractContextManager:
+    """The Ray cluster this process holds, where it holds one (`bench scale`'s cells share it, and the
+    processes their runs keep), else a cluster of its own for the block (a fresh one per dph-async run,
+    so that each run starts as an invocation does)."""
+    import ray
+
+    from dph_async.app.cluster import ray_cluster
+
+    return contextlib.nullcontext() if ray.is_initialized() else ray_cluster(cfg, prestart=prestart)
 
 
 def run_dph(cfg: RunConfig, out: Path, repeat: int, skip: int) -> PeerRun:
     """One dph-async RL run of `cfg` (skipped if finished), measured as `dph-async bench` measures."""
-    from dph_async.app.bench.pipeline import _run_one, measure
-    from dph_async.app.cluster import ray_cluster
+    from dph_async.app.bench.pipeline import MEMORY_FILE, _run_one, measure
     from dph_async.app.pipeline import StageTimer, prepare
     from dph_async.app.specs import RunSpec
     from dph_async.paths import RunPaths
@@ -161,7 +177,7 @@ def run_dph(cfg: RunConfig, out: Path, repeat: int, skip: int) -> PeerRun:
     name = f"dph-async-{repeat}"
     paths = RunPaths(out)
     load0 = os.getloadavg()[0]
-    with ray_cluster(cfg):
+    with _cluster(cfg, prestart=True):
         prepared = prepare(cfg, paths, StageTimer(), False)
         cpu = _run_one(cfg, paths, prepared, RunSpec.of(cfg), name, StageTimer())
     f = measure(name, cfg, paths.rl(name), skip, cpu)
@@ -175,8 +191,22 @@ def run_dph(cfg: RunConfig, out: Path, repeat: int, skip: int) -> PeerRun:
         detail={"eta": f.eta, "actors": f.actors, "cpu_cores": f.cpu_cores, "learner_phase_s": f.learner_phase_s,
                 "tokens_per_step": f.tokens_per_s * f.step_s, **engine_cpu_per_token(result.actors),
                 "weights": asdict(f.weights), "learner_busy": f.learner_busy, "actors_busy": f.actors_busy,
-                "actor_cpu_s": f.actor_cpu_s, "cores": result.cores},
+                "actor_cpu_s": f.actor_cpu_s, "cores": result.cores,
+                "cores_shared_with": result.cores_shared_with},
+        peak_rss_mb=dph_memory(paths.rl(name) / MEMORY_FILE),
     )
+
+
+def dph_memory(path: Path) -> dict[str, float]:
+    """A dph-async run's peak resident sets (bench/pipeline.py's memory.json): the learner's and an
+    actor's largest process, Ray's processes and the driver summed; empty without the file."""
+    if not path.is_file():
+        return {}
+    memory = {k: Memory(**v) for k, v in json.loads(path.read_text()).items()}
+    out = {name: memory[k].largest_mb for k, name in (("learner", "learner"), ("actors", "actor")) if k in memory}
+    if "ray" in memory:
+        out["Ray and the driver"] = memory["ray"].sum_mb
+    return out
 
 
 def engine_cpu_per_token(actors: list[ActorStats]) -> dict[str, float]:
@@ -222,13 +252,12 @@ def run(cfg: RunConfig, out: Path, repeats: int, skip: int, machine: dict, syste
     """Prepare the workload (the embedded default's warm start, or --model/--data), then run the
     systems `repeats` times in rotating order; write bench.json. `settings`: the KEY=VALUE overrides
     `cfg` was made with, recorded so that runs of one workload under other settings tell apart."""
-    from dph_async.app.cluster import ray_cluster
     from dph_async.app.pipeline import StageTimer, prepare
     from dph_async.paths import RunPaths
 
     out.mkdir(parents=True, exist_ok=True)
     notes = []
-    with ray_cluster(cfg):
+    with _cluster(cfg):
         prepared = prepare(cfg, RunPaths(out), StageTimer(), False)
     peers = out / "peers"
     peers.mkdir(exist_ok=True)
@@ -258,7 +287,7 @@ def run(cfg: RunConfig, out: Path, repeats: int, skip: int, machine: dict, syste
                 systems = [s for s in systems if s != "trl"]
                 continue
             runs.append(run_)
-            log(f"  {system}: {run_.step_s:.3f} s/step, {run_.completions_per_s:.0f} completions/s "
+            log(f"  {system}: {run_.step_s:.3f} s/step, {rate(run_.completions_per_s)} completions/s "
                 f"(load {run_.load_avg[0]:.1f} -> {run_.load_avg[1]:.1f})")
     medians, ratios = summarise(runs)
     res = PeerBench(date=time.strftime("%Y-%m-%d %H:%M %Z"), machine={**machine, "load_avg_end": os.getloadavg()},
@@ -269,6 +298,11 @@ def run(cfg: RunConfig, out: Path, repeats: int, skip: int, machine: dict, syste
                     limit=limit_of(runs, os.cpu_count() or 1), notes=notes)
     (out / "bench.json").write_text(res.to_json())
     return res
+
+
+def rate(per_s: float) -> str:
+    """A rate to three figures below 100 (a large model's completions/s), whole numbers above."""
+    return f"{per_s:.0f}" if per_s >= 100 else f"{per_s:.3g}"
 
 
 def markdown(res: PeerBench) -> str:
@@ -286,16 +320,17 @@ def markdown(res: PeerBench) -> str:
         + (f"; settings given: {', '.join(w['settings'])}." if w.get("settings") else "."), "",
         "## Medians over the repeats", "",
         markdown_table(["system", "s/step", "completions/s", "tokens/s", "dph-async / system"], [
-            [s, f"{m['step_s']:.3f}", f"{m['completions_per_s']:.0f}", f"{m['tokens_per_s']:.0f}",
+            [s, f"{m['step_s']:.3f}", rate(m['completions_per_s']), rate(m['tokens_per_s']),
              f"{res.ratios[s]:.2f}x" if s in res.ratios else "-"] for s, m in res.medians.items()]), "",
         "## Runs", "",
         markdown_table(["system", "repeat", "s/step", "completions/s", "phases (s/step)", "start-up s",
-                        "load avg start -> end", "cores used by others"], [
-            [r.system, str(r.repeat), f"{r.step_s:.3f}", f"{r.completions_per_s:.0f}",
+                        "load avg start -> end", "cores used by others", "peak RSS MiB"], [
+            [r.system, str(r.repeat), f"{r.step_s:.3f}", rate(r.completions_per_s),
              ", ".join(f"{k} {v:.3f}" for k, v in r.phases.items()),
              f"{r.startup_s:.1f}" if r.startup_s is not None else "-",
              f"{r.load_avg[0]:.1f} -> {r.load_avg[1]:.1f}",
-             f"{r.outside_cores:.2f}" if r.outside_cores is not None else "-"] for r in res.runs]), "",
+             f"{r.outside_cores:.2f}" if r.outside_cores is not None else "-",
+             ", ".join(f"{k} {v:.0f}" for k, v in r.peak_rss_mb.items()) or "-"] for r in res.runs]), "",
     ]
     if res.limit is not None:
         lines += limit_lines(res.limit)

@@ -24,6 +24,7 @@ T_START = time.time()  # before the heavy imports: start-up counts them, as it d
 
 import json  # noqa: E402
 import random  # noqa: E402
+import resource  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -121,7 +122,8 @@ def train(spec: PeerSpec, out: Path) -> None:
             steps.append(StepTimes(t5 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, len(texts),
                                    int(mask.sum()), sum(rewards) / len(rewards), time.process_time() - c0))
     out.write_text(json.dumps({"system": "loop", "threads": torch.get_num_threads(),
-                               "startup_s": first_step - T_START, "steps": [asdict(s) for s in steps]}))
+                               "startup_s": first_step - T_START, "steps": [asdict(s) for s in steps],
+                               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ TRL's configuration matches the work: per step `prompts_per_step` prompts x `n` 
 at the temperature over the full vocabulary (top_k=0, top_p=1), at most `max_tokens` new tokens,
 fp32 (bf16=False), AdamW at a constant lr, beta=0 (no reference model), num_iterations=1, rewards
 scaled by the group's std (scale_rewards="group", as the project's GRPO), gradient clipping at
-`grad_clip`. TRL aggregates the loss with its default `loss_type` (recorded in the output: "dapo",
+`grad_clip`, and no gradient checkpointing (GRPOConfig's default is on: it runs every forward again in
+the backward to save activation memory, which these models do not need; neither does the project's
+learner nor the loop). TRL aggregates the loss with its default `loss_type` (recorded in the output: "dapo",
 the token mean over the batch, as the project's token-mean).
 
 Phases per step: generate (TRL's `_generate_single_turn`), reward (`_calculate_rewards`), forward
@@ -24,6 +26,7 @@ import time
 T_START = time.time()
 
 import json  # noqa: E402
+import resource  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -129,7 +132,7 @@ def main() -> None:
         learning_rate=spec["lr"], lr_scheduler_type="constant", weight_decay=spec["weight_decay"],
         max_grad_norm=spec["grad_clip"], beta=0.0, num_iterations=1, scale_rewards="group",
         max_steps=spec["steps"], seed=spec["seed"], logging_steps=10**9, save_strategy="no", report_to="none",
-        disable_tqdm=True,
+        disable_tqdm=True, gradient_checkpointing=False,
     )
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     timer = StepTimer()
@@ -138,8 +141,10 @@ def main() -> None:
     timer.trainer = trainer
     trainer.train()
     out.write_text(json.dumps({"system": "trl", "threads": torch.get_num_threads(), "loss_type": args.loss_type,
+                               "gradient_checkpointing": args.gradient_checkpointing,
                                "prompt_ids_match": same_ids, "startup_s": timer.first_step - T_START,
-                               "steps": timer.steps}))
+                               "steps": timer.steps,
+                               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from dph_async.app.bench.cpu import CpuSample, ProcessTreeCPU, cpu_between
+from dph_async.app.bench.cpu import CpuSample, ProcessTreeCPU, cpu_between, memory_of
 from dph_async.app.bench.figures import RunFigures, WeightSync
 from dph_async.app.bench.timeline import (
     Timeline,
@@ -43,6 +43,7 @@ from dph_async.run_stats import read_result
 # Applied before the user's overrides: a throughput benchmark of the RL loop, not a training run.
 # Checkpoints would add the same pause to both modes; their cost is its own span in the timeline.
 BENCH_DEFAULTS = ("learner.steps=100", "learner.checkpoint_every=0", "logging.wandb_mode=disabled")
+MEMORY_FILE = "memory.json"  # a run's peak resident sets by component (cpu.Memory), beside cpu.json
 
 
 def _mean(xs: list[float]) -> float:
@@ -209,6 +210,7 @@ def _run_one(cfg: RunConfig, paths: RunPaths, prepared, spec: RunSpec, name: str
     with ProcessTreeCPU() as sampler:
         train_mode(cfg, paths, prepared, spec, rl_dir, timer, name=name)
     cpu_file.write_text(json.dumps([asdict(s) for s in sampler.samples]))
+    (rl_dir / MEMORY_FILE).write_text(json.dumps({k: asdict(m) for k, m in memory_of(sampler.peaks).items()}))
     return sampler.samples
 
 
@@ -226,7 +228,7 @@ def run_bench(cfg: RunConfig, out: Path, actor_counts: list[int], skip: int, mac
     paths.config.write_text(dump_config(cfg))
     timer = StageTimer()
     figures: dict[str, RunFigures] = {}
-    with ray_cluster(cfg):
+    with ray_cluster(cfg, prestart=True):
         prepared = prepare(cfg, paths, timer, spec.needs_presampling)
         for name, rcfg in runs.items():
             cpu = _run_one(rcfg, paths, prepared, spec, name, timer)

@@ -14,7 +14,8 @@ Run the same GRPO work (learner.steps steps of learner.groups_per_step prompts x
 completions, the same model, prompts, max tokens, lr and temperature) through:
   dph-async   an RL run of the config (async, actors.num_actors vLLM actors, replay.max_staleness)
   loop        a single-process loop in this repository (HF generate, the project's GRPO loss, AdamW)
-  trl         TRL's GRPOTrainer (use_vllm=False, fp32, beta=0, num_iterations=1), installed on first
+  trl         TRL's GRPOTrainer (use_vllm=False, fp32, beta=0, num_iterations=1, no gradient
+              checkpointing, which GRPOConfig turns on by default), installed on first
               use into its own environment under --cache (about a minute); if that fails, the bench
               says so and reports the others
 Repeats rotate the order of the systems. Reported over each run's steady state (the steps after
@@ -40,7 +41,7 @@ Finished runs are kept: the same command again only redoes the report (--fresh s
 
 examples:
   dph-async bench peer                                  # embedded default, 3 repeats
-  dph-async bench peer --user-case -o runs/bench/peer-user
+  dph-async bench peer --user-case --output runs/bench/peer-user
   dph-async bench peer --model path/to/hf_model --data train.parquet --steps 30
   dph-async bench peer --systems loop trl --repeats 5   # the peers alone
   dph-async bench peer --set replay.max_staleness=2
@@ -48,26 +49,32 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dph_async.app.bench.peer import SYSTEMS
-
     add_output_argument(p, "output directory (default: %(default)s)", out_alias=True, type=Path,
                         default=Path("runs/bench/peer"))
-    p.add_argument("--steps", type=int, default=40, help="steps per run, every system (default: %(default)s)")
-    p.add_argument("--skip", type=int, default=5, help="first steps left out of the steady state "
-                   "(default: %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="runs of every system, order rotating "
                    "(default: %(default)s)")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems "
-                   "(default: all)")
     p.add_argument("--model", help="a Hugging Face causal-LM directory (sets model.path)")
     p.add_argument("--data", help="training prompts: parquet in the verl row format (sets task.data)")
     p.add_argument("--user-case", action="store_true", help="build and benchmark the tiny-Llama user case")
+    add_run_arguments(p, steps=40, skip=5)
+    p.add_argument("--fresh", action="store_true", help="delete earlier runs in --output and measure again")
+
+
+def add_run_arguments(p: argparse.ArgumentParser, steps: int, skip: int) -> None:
+    """What every system's run is (`bench peer`'s and `bench scale`'s): steps, the steady state, which
+    systems, dph-async's preset and overrides, and where TRL's environment lives."""
+    from dph_async.app.bench.peer import SYSTEMS
+
+    p.add_argument("--steps", type=int, default=steps, help="steps per run, every system (default: %(default)s)")
+    p.add_argument("--skip", type=int, default=skip, help="first steps left out of the steady state "
+                   "(default: %(default)s)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems "
+                   "(default: all)")
     p.add_argument("--preset", default="grpo", help="a preset name or a YAML file (default: %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a dotted config override, repeatable; a bare KEY=VALUE anywhere does the same")
     p.add_argument("--cache", type=Path, default=Path(".cache"), help="where TRL's environment is made "
                    "(default: %(default)s)")
-    p.add_argument("--fresh", action="store_true", help="delete earlier runs in --output and measure again")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -104,8 +111,8 @@ def main(args: argparse.Namespace) -> int:
         (args.output / "bench.md").write_text(peer.markdown(res))
         for system, m in res.medians.items():
             ratio = f"; dph-async / {system}: {res.ratios[system]:.2f}x" if system in res.ratios else ""
-            console.print(f"{system}: {m['step_s']:.3f} s/step, {m['completions_per_s']:.0f} completions/s{ratio}",
-                          highlight=False)
+            per_s = peer.rate(m["completions_per_s"])
+            console.print(f"{system}: {m['step_s']:.3f} s/step, {per_s} completions/s{ratio}", highlight=False)
         console.print(f"report: {args.output / 'bench.md'}")
 
     return guarded(work, "finished runs are kept; the same command goes on from there")

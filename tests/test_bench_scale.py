@@ -1,0 +1,197 @@
+"""`dph-async bench scale`: the grid's plan, a cell's record and the refusal of one measured with other
+work, the projection against the scaling model, the report and plot, each process's peak memory, and
+a tiny grid through dph-async's real processes and the loop that resumes without running a finished
+cell again."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from dph_async.app import scaling
+from dph_async.app.bench.cpu import Memory, ProcessTreeCPU, memory_of
+from dph_async.app.bench.peer import PeerBench, PeerRun
+from dph_async.app.bench.scale import (
+    SIZES,
+    CellPlan,
+    GridError,
+    ScaleBench,
+    ScaleCell,
+    Size,
+    SystemFigures,
+    check_recorded,
+    parse_size,
+    plan_grid,
+    projection,
+)
+from dph_async.app.bench.scale_report import markdown, plot
+
+
+def test_the_grid_runs_size_by_size_and_keeps_a_steps_completion_tokens_near_the_budget():
+    plans = plan_grid([SIZES["2m"], SIZES["52m"]], [256, 16, 64], tokens_per_step=1024, n=4)
+    assert [p.key for p in plans] == ["2m-L16", "2m-L64", "2m-L256", "52m-L16", "52m-L64", "52m-L256"]
+    assert [p.prompts_per_step for p in plans[:3]] == [16, 4, 1]
+    assert all(p.n == 4 for p in plans)
+    assert [p.prompts_per_step for p in plan_grid([SIZES["2m"]], [64], 100, 4)] == [1]  # one prompt at least
+    with pytest.raises(GridError, match="length 0"):
+        plan_grid([SIZES["2m"]], [0], 1024, 4)
+
+
+def test_sizes_by_name_or_shape_with_heads_vllm_can_serve():
+    assert parse_size("52m") == Size("52m", 512, 6) and parse_size("52m").heads == 8
+    assert parse_size("160x4").heads == 5 and parse_size("32x2").heads == 1 and parse_size("96x2").heads == 3
+    for bad in ("48x2", "16x2", "512", "512x0", "huge"):
+        with pytest.raises(GridError, match="HIDDENxLAYERS"):
+            parse_size(bad)
+
+
+def _dph_run(step_s: float = 0.5) -> PeerRun:
+    detail = {"cpu_cores": {"learner": 0.8, "actors": 0.9, "ray": 0.05, "outside": 0.3},
+              "weights": {"delay_s": 0.02, "publish_bytes": 8_000_000}}
+    return PeerRun("dph-async", 1, 6, step_s, 64 / step_s, 1024 / step_s, {}, 20.0, (1.0, 1.5), 0.3, 0.0,
+                   0.85, detail, {"learner": 900.0, "actor": 1200.0, "Ray and the driver": 800.0})
+
+
+def _peer_run(system: str, step_s: float, cpu_s: float) -> PeerRun:
+    return PeerRun(system, 1, 6, step_s, 64 / step_s, 1024 / step_s, {}, 5.0, (1.0, 1.2), 0.1, 0.0, cpu_s, {},
+                   {system: 700.0})
+
+
+def _bench(q: int = 4) -> PeerBench:
+    runs = [_dph_run(), _peer_run("trl", 0.9, 1.6), _peer_run("loop", 0.6, 1.1)]
+    return PeerBench("now", {}, {"prompts_per_step": q, "eta": 1}, 2, runs, {}, {"trl": 1.8, "loop": 1.2}, None, [])
+
+
+@pytest.mark.parametrize("q", [4, 1])
+def test_projection_is_the_scaling_model_on_the_cells_costs_against_the_peers_best(q):
+    """One prompt per step (a long cell) cannot be split over actors: at eta 1 one actor works at a time."""
+    rows = projection(_bench(q), (2, 4, 8))
+    costs = scaling.Costs(samples_per_step=64, actor_cpu_s_per_sample=0.9 * 0.5 / 64, learner_cpu_s_per_step=0.4,
+                          weight_latency_s=0.02, sync_latency_s=0.0, other_cores=0.05, grad_bytes=8_000_000)
+    for row in rows:
+        c = row["cores"]
+        by_actors = {n: scaling.samples_per_s(costs, "async", scaling.Layout(
+            n, 1, cores=c, eta=1, groups_per_step=q, inflight_prompts=-(-q // n))) for n in range(1, max(2, c))}
+        assert row["dph-async"] == pytest.approx(max(by_actors.values()))
+        assert by_actors[row["actors"]] == pytest.approx(row["dph-async"])
+        # A peer's best: its completions per step over its CPU-seconds spread on every core.
+        assert row["trl"] == pytest.approx(64 / (1.6 / c)) and row["loop"] == pytest.approx(64 / (1.1 / c))
+    assert [r["cores"] for r in rows] == [2, 4, 8]
+    assert projection(PeerBench("now", {}, {}, 2, [_peer_run("trl", 0.9, 1.6)], {}, {}, None, []), (2,)) == []
+
+
+def _cell(key: str = "2m-L64", length: int = 64, trl_ratio: float = 1.8) -> ScaleCell:
+    systems = {"dph-async": SystemFigures(0.5, 128.0, 8192.0, 0.85, 20.0, {"learner": 900.0, "actor": 1200.0}),
+               "trl": SystemFigures(0.9, 71.1, 4551.0, 1.6, 5.0, {"trl": 700.0})}
+    return ScaleCell(key, key.split("-")[0], 2_120_864, 32, 2, 1, length, 4, 4, 8, 2, "now", 95.0, (1.0, 2.0), 0.3,
+                     systems, {"trl": trl_ratio}, {"learner: training": 0.3, "Ray": 0.02},
+                     {"the busiest actor's thread, as measured": 0.4},
+                     {"trl": {"every part, as measured": 2.1, "the busiest actor's thread, as measured": 2.2}},
+                     projection(_bench(), (2, 4)))
+
+
+def test_a_cells_record_reads_back_and_one_with_other_work_is_refused():
+    cell = _cell()
+    again = ScaleCell.from_json(json.loads(json.dumps(asdict(cell))))
+    assert again == cell
+    plan = CellPlan("2m-L64", SIZES["2m"], 64, 4, 4)
+    check_recorded(again, plan, 2_120_864, steps=8, skip=2)
+    for other in (dict(steps=9, skip=2), dict(steps=8, skip=3)):
+        with pytest.raises(GridError, match="recorded with other work"):
+            check_recorded(again, plan, 2_120_864, **other)
+    with pytest.raises(GridError, match="recorded with other work"):
+        check_recorded(again, CellPlan("2m-L64", SIZES["2m"], 64, 2, 4), 2_120_864, steps=8, skip=2)
+
+
+def test_report_and_plot_carry_every_cell(tmp_path):
+    cells = [_cell("2m-L16", 16, 1.2), _cell("2m-L64", 64, 1.8)]
+    res = ScaleBench("now", {"cpu": "test", "cores": 2, "load_avg": (1, 1, 1), "load_avg_end": (2, 2, 2)},
+                     {"preset": "grpo", "overrides": [], "vocab": 32768, "tokens_per_step": 1024, "n": 4, "steps": 8,
+                      "skip": 2, "systems": ["dph-async", "trl"]}, cells)
+    text = markdown(res)
+    assert "| 2.1 M, 16 | 4 x 4 | 128 | - | 71.1 | 1.20x |" in text  # below 1.5x: not bold
+    assert "| 2.1 M, 64 | 4 x 4 | 128 | - | 71.1 | **1.80x** |" in text
+    assert "| 2.1 M, 64 | 900 | 1200 | - | - | 700 |" in text  # peak memory per process
+    assert "2.10x" in text and "2.20x" in text  # the bounds against TRL
+    rows = projection(_bench(), (2, 4))
+    four = rows[1]
+    assert f"{four['dph-async']:.0f} ({four['actors']} act., {four['dph-async'] / four['trl']:.2f}x)" in text
+    plot(res, tmp_path / "scale.png")
+    assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_processs_peak_memory_is_this_runs_and_kept_by_component():
+    """A process running before the sampler starts (kept from an earlier run) gets its peak reset: its
+    200 MiB of before do not count, its 120 MiB during the run do."""
+    code = ("import sys; b = bytearray(200 * 2**20); del b; print('freed', flush=True); sys.stdin.readline(); "
+            "b = bytearray(120 * 2**20); print('held', flush=True); sys.stdin.readline()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "freed"
+        with ProcessTreeCPU(interval=0.05) as sampler:
+            child.stdin.write("\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "held"
+            sampler.sample()
+        child.communicate("\n", timeout=60)
+    finally:
+        child.kill()
+    component, peak = sampler.peaks[child.pid]
+    assert component == "ray" and 120 * 2**20 <= peak < 190 * 2**20, peak / 2**20
+    mem = memory_of(sampler.peaks)["ray"]
+    assert mem.largest_mb >= 120 and mem.processes >= 2  # this process and the child
+    assert mem.sum_mb == pytest.approx(sum(b for _, b in sampler.peaks.values()) / 2**20)
+    assert memory_of({1: ("learner", 2**20), 2: ("learner", 3 * 2**20), 3: ("actors", 2**21)}) == {
+        "actors": Memory(2.0, 2.0, 1), "learner": Memory(3.0, 4.0, 2)}
+
+
+def _scale(out: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dph_async.app.cli", "bench", "scale", "--out", str(out), "--sizes", "32x1",
+           "--vocab", "512", "--tokens-per-step", "16", "--n", "2", "--steps", "4", "--skip", "1",
+           "--systems", "dph-async", "loop", "--set", "actors.compile=false", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_a_tiny_grid_writes_its_report_and_runs_only_the_cells_not_finished(tmp_path):
+    """Through the command: two cells of dph-async's real processes and the loop; the same command
+    again runs no cell; a grown grid runs only its new cell; other work in a finished cell is refused."""
+    out = tmp_path / "scale"
+    first = _scale(out, "--lengths", "4", "8")
+    assert "cell 1/2: 32x1-L4" in first.stdout and "cell 2/2: 32x1-L8" in first.stdout
+    res = json.loads((out / "bench.json").read_text())
+    assert [c["key"] for c in res["cells"]] == ["32x1-L4", "32x1-L8"]
+    for cell in res["cells"]:
+        assert set(cell["systems"]) == {"dph-async", "loop"} and set(cell["ratios"]) == {"loop"}
+        dph = cell["systems"]["dph-async"]
+        # Every completion as long as the cell asks: a random model over 512 tokens seldom ends one sooner.
+        assert dph["tokens_per_s"] / dph["completions_per_s"] == pytest.approx(cell["length"], rel=0.3)
+        assert cell["prompts_per_step"] == max(1, 16 // (2 * cell["length"])) and cell["params"] > 0
+        assert {"learner", "actor", "Ray and the driver"} <= set(dph["peak_rss_mb"])
+        assert cell["systems"]["loop"]["peak_rss_mb"]["loop"] > 100
+        assert cell["parts"] and cell["projection"][0]["cores"] == 2
+    text = (out / "bench.md").read_text()
+    assert all(f"| {res['cells'][0]['params'] / 1e6:.1f} M, {n} |" in text for n in (4, 8))
+    assert (out / "scale.png").read_bytes()[:4] == b"\x89PNG"
+    stamps = {c: (out / "cells" / c / "cell.json").stat().st_mtime_ns for c in ("32x1-L4", "32x1-L8")}
+
+    again = _scale(out, "--lengths", "4", "8")
+    assert "cell " not in again.stdout
+    grown = _scale(out, "--lengths", "4", "8", "12")
+    assert "cell 3/3: 32x1-L12" in grown.stdout and "cell 1/3" not in grown.stdout
+    assert {c: (out / "cells" / c / "cell.json").stat().st_mtime_ns for c in stamps} == stamps
+    assert [c["key"] for c in json.loads((out / "bench.json").read_text())["cells"]] == [
+        "32x1-L4", "32x1-L8", "32x1-L12"]
+
+    cmd = [sys.executable, "-m", "dph_async.app.cli", "bench", "scale", "--out", str(out), "--sizes", "32x1",
+           "--vocab", "512", "--tokens-per-step", "16", "--n", "2", "--steps", "5", "--skip", "1",
+           "--systems", "dph-async", "loop", "--lengths", "4"]
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
+    assert refused.returncode == 2 and "32x1-L4 is recorded with other work" in refused.stderr
