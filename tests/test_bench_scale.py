@@ -156,7 +156,7 @@ def _scale(out: Path, *args: str) -> subprocess.CompletedProcess:
            "--systems", "dph-async", "loop", "--set", "actors.compile=false", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return proc  # the progress log is on stderr, as every command's
 
 
 @pytest.mark.slow
@@ -165,7 +165,7 @@ def test_a_tiny_grid_writes_its_report_and_runs_only_the_cells_not_finished(tmp_
     again runs no cell; a grown grid runs only its new cell; other work in a finished cell is refused."""
     out = tmp_path / "scale"
     first = _scale(out, "--lengths", "4", "8")
-    assert "cell 1/2: 32x1-L4" in first.stdout and "cell 2/2: 32x1-L8" in first.stdout
+    assert "cell 1/2: 32x1-L4" in first.stderr and "cell 2/2: 32x1-L8" in first.stderr
     res = json.loads((out / "bench.json").read_text())
     assert [c["key"] for c in res["cells"]] == ["32x1-L4", "32x1-L8"]
     for cell in res["cells"]:
@@ -183,9 +183,9 @@ def test_a_tiny_grid_writes_its_report_and_runs_only_the_cells_not_finished(tmp_
     stamps = {c: (out / "cells" / c / "cell.json").stat().st_mtime_ns for c in ("32x1-L4", "32x1-L8")}
 
     again = _scale(out, "--lengths", "4", "8")
-    assert "cell " not in again.stdout
+    assert "cell " not in again.stderr
     grown = _scale(out, "--lengths", "4", "8", "12")
-    assert "cell 3/3: 32x1-L12" in grown.stdout and "cell 1/3" not in grown.stdout
+    assert "cell 3/3: 32x1-L12" in grown.stderr and "cell 1/3" not in grown.stderr
     assert {c: (out / "cells" / c / "cell.json").stat().st_mtime_ns for c in stamps} == stamps
     assert [c["key"] for c in json.loads((out / "bench.json").read_text())["cells"]] == [
         "32x1-L4", "32x1-L8", "32x1-L12"]
