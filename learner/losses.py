@@ -4,7 +4,7 @@ Small pure functions on torch tensors. Per-token tensors are [B, T], padded, wit
 (bool or 0/1 float; True = a generated token). Log-probs are natural logs at the sampling temperature:
   logp       log pi_theta(y_t)   the learner's, with grad
   logp_mu    log pi_mu(y_t)      behaviour: recorded by the actor that sampled y_t
-  logp_prox  log pi_prox(y_t)    proximal: the learner's weights at the start of the step, no grad
+  logp_prox  log pi_prox(y_t)    proximal: the learner's weights at the start of the batch, no grad
   logp_ref   log pi_0(y_t)       stored with a preserved reference sample, or from a frozen model
 Every loss is a quantity to minimise. Inputs in bf16 or fp16 are computed in fp32 (`upcast`).
 Which terms a training mode combines, and with what weights, is `learner/objectives.py`;
@@ -100,6 +100,11 @@ def ppo_clip(
     return loss, clipped & ~dual, dual
 
 
+def _within_cap(w: Tensor, cap: float) -> Tensor:
+    """1 where 1/cap <= w <= cap, else 0 (in w's dtype)."""
+    return ((w >= 1.0 / cap) & (w <= cap)).to(w.dtype)
+
+
 def correction_weights(log_w: Tensor, mask: Tensor, cfg: LossConfig) -> tuple[Tensor, Tensor]:
     """The off-policy correction's per-token weight and keep mask, from log w = log(pi_prox / pi_mu)
     (C = cfg.is_cap; g = exp(mean_t log w), a sequence's geometric-mean weight):
@@ -112,25 +117,27 @@ def correction_weights(log_w: Tensor, mask: Tensor, cfg: LossConfig) -> tuple[Te
         areal_sequence  g on every token          keep g <= C        (AReaL's sequence-level rule)
 
     Dropped tokens get weight 0 and stay in the caller's denominator (AReaL divides by every token).
+    The caps compare the weights themselves, w <= C, as AReaL does: log w <= log C differs by one ulp
+    where exp rounds a log-weight just above log C to exactly C.
     Returns (weight, keep), both [B, T] and detached; keep is float 0/1 and already includes `mask`.
     """
     mask = mask.to(log_w.dtype)
-    c, bound = cfg.is_cap, math.log(cfg.is_cap)
-    seq_log_w = (log_w * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    c = cfg.is_cap
+    w = log_w.exp()
+    g = ((log_w * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).exp()
     ones = torch.ones_like(log_w)
     if cfg.correction == "behavior":
         weight, keep = ones, ones
     elif cfg.correction == "decoupled":
-        weight, keep = log_w.exp().clamp(max=c), ones
+        weight, keep = w.clamp(max=c), ones
     elif cfg.correction == "masked" and cfg.mask_level == "token":
-        weight, keep = log_w.exp(), (log_w.abs() <= bound).to(log_w.dtype)
+        weight, keep = w, _within_cap(w, c)
     elif cfg.correction == "masked":
-        weight, keep = log_w.exp().clamp(max=c), (seq_log_w.abs() <= bound).to(log_w.dtype).expand_as(log_w)
+        weight, keep = w.clamp(max=c), _within_cap(g, c).expand_as(log_w)
     elif cfg.correction == "areal":
-        weight, keep = log_w.exp(), (log_w <= bound).to(log_w.dtype)
+        weight, keep = w, (w <= c).to(log_w.dtype)
     elif cfg.correction == "areal_sequence":
-        weight = seq_log_w.exp().expand_as(log_w)
-        keep = (seq_log_w <= bound).to(log_w.dtype).expand_as(log_w)
+        weight, keep = g.expand_as(log_w), (g <= c).to(log_w.dtype).expand_as(log_w)
     else:
         raise ValueError(f"unknown correction {cfg.correction!r}")
     return weight.detach(), (keep * mask).detach()

@@ -62,7 +62,8 @@ class Objective:
     # D_fresh against a frozen copy of pi_0 held by the learner.
     uses_reference_model: ClassVar[bool] = False
     # The reference implementation's coefficient (script default or headline row), and the values
-    # `dph-async ablate divergence` tries by default (the seed's ranges).
+    # `dph-async ablate divergence` tries by default (the ends of the seed's README range, except
+    # where a subclass says otherwise).
     default_coeff: ClassVar[float] = 0.0
     sweep_coeffs: ClassVar[tuple[float, ...]] = ()
     # The loss couples the sequences of a unit (a DPO pair): a unit is never split across rows or
@@ -148,7 +149,8 @@ class ReverseKL(Objective):
 
     name = "reverse_kl"
     uses_reference_model = True
-    default_coeff = 0.01  # kl_loss_coef
+    default_coeff = 0.01  # kl_loss_coef; README range 0.01-0.05
+    # 0.1 is above the seed's range: the coefficient docs/ablations.md measured against the DPH modes.
     sweep_coeffs = (0.01, 0.1)
 
     def fresh_divergence(self, logp: Tensor, logp_ref: Tensor) -> Tensor:

@@ -151,7 +151,7 @@ def test_each_processs_peak_memory_is_this_runs_and_kept_by_component():
 
 
 def _scale(out: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "dph_async.app.cli", "bench", "scale", "--out", str(out), "--sizes", "32x1",
+    cmd = [sys.executable, "-m", "dph_async.app.cli", "bench", "scale", "-o", str(out), "--sizes", "32x1",
            "--vocab", "512", "--tokens-per-step", "16", "--n", "2", "--steps", "4", "--skip", "1",
            "--systems", "dph-async", "loop", "--set", "actors.compile=false", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
@@ -190,7 +190,7 @@ def test_a_tiny_grid_writes_its_report_and_runs_only_the_cells_not_finished(tmp_
     assert [c["key"] for c in json.loads((out / "bench.json").read_text())["cells"]] == [
         "32x1-L4", "32x1-L8", "32x1-L12"]
 
-    cmd = [sys.executable, "-m", "dph_async.app.cli", "bench", "scale", "--out", str(out), "--sizes", "32x1",
+    cmd = [sys.executable, "-m", "dph_async.app.cli", "bench", "scale", "-o", str(out), "--sizes", "32x1",
            "--vocab", "512", "--tokens-per-step", "16", "--n", "2", "--steps", "5", "--skip", "1",
            "--systems", "dph-async", "loop", "--lengths", "4"]
     refused = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])

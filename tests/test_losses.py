@@ -390,6 +390,26 @@ def test_areal_rule_zeroes_tokens_above_the_cap_and_keeps_them_in_the_denominato
     torch.testing.assert_close(agg, areal.loss.sum() / mask.sum())
 
 
+@pytest.mark.parametrize(("correction", "level"), [
+    ("areal", "token"), ("areal_sequence", "token"), ("masked", "token"), ("masked", "sequence"),
+])
+def test_cap_keeps_a_weight_exactly_equal_to_it(correction, level):
+    """AReaL keeps a token when exp(log w) <= C. The log-weight one ulp above log 2 rounds to w = 2.0
+    exactly under exp, so it is kept at C = 2 (a comparison of log w with log C drops it); the next
+    weight that exp rounds above C is dropped. One token per row, so the sequence rules see the same w."""
+    cap = 2.0
+    at = torch.nextafter(torch.tensor(math.log(cap), dtype=F64), torch.tensor(1.0, dtype=F64))
+    assert at.exp().item() == cap and at.item() > math.log(cap)
+    above = at
+    while above.exp().item() <= cap:
+        above = torch.nextafter(above, torch.tensor(1.0, dtype=F64))
+    log_w = torch.stack([at, above]).unsqueeze(1)
+    weight, keep = L.correction_weights(log_w, torch.ones_like(log_w, dtype=torch.bool),
+                                        cfg(correction=correction, mask_level=level, is_cap=cap))
+    assert keep.flatten().tolist() == [1.0, 0.0]
+    assert weight[0, 0].item() == cap
+
+
 @pytest.mark.parametrize("name", ["forward", "js_low_var", "js_reference_half", "js_online_half", "reverse_kl"])
 def test_half_precision_inputs_are_computed_in_fp32(name):
     """bf16 log-probs: the divergence of the rounded inputs, computed in fp32, not in bf16."""

@@ -70,7 +70,7 @@ def test_the_run_steered_eta_and_told_the_replay(rl_dir):
 
 def test_a_rerun_of_an_async_run_is_the_run_bit_for_bit(rl_dir, tmp_path):
     out = tmp_path / "same"
-    proc = rerun(rl_dir, "--out", str(out))
+    proc = rerun(rl_dir, "-o", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["bitwise"] and not report["counterfactual"], report["verdict"]
@@ -81,7 +81,7 @@ def test_a_rerun_of_an_async_run_is_the_run_bit_for_bit(rl_dir, tmp_path):
 
 def test_a_counterfactual_coefficient_trains_other_weights_on_the_same_batches(rl_dir, tmp_path):
     out = tmp_path / "coeff"
-    proc = rerun(rl_dir, "learner.loss.coeff=1.0", "--out", str(out), "--diagnose", "4")
+    proc = rerun(rl_dir, "learner.loss.coeff=1.0", "-o", str(out), "--diagnose", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["counterfactual"] and not report["bitwise"]

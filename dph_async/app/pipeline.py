@@ -31,8 +31,9 @@ from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config
 from dph_async.paths import RunPaths, checkpoint_dir, final_model, is_learner_checkpoint
 from dph_async.run_stats import RLResult, read_result, write_result
+from dph_async.tasks.catalog import make_splits
 from dph_async.tasks.dataset import verl_row, write_rows
-from dph_async.tasks.embedded import ALPHABET, make_splits
+from dph_async.tasks.embedded import ALPHABET
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,9 @@ def _evaluate_task(cfg: RunConfig, engine_dir: str, jobs: list[EvalJob], test_se
 
 
 def prepare_embedded(cfg: RunConfig, paths: RunPaths, timer: StageTimer) -> dict[str, Path]:
-    """Write the embedded task's datasets and warm-start the tiny model into pi_0 (skipped if done)."""
-    splits = make_splits(cfg.seed, cfg.task.num_train, cfg.task.num_test)
+    """Write the embedded task's (`task.name`) datasets and warm-start the tiny model into pi_0
+    (skipped if done)."""
+    splits = make_splits(cfg.task.name, cfg.seed, cfg.task.num_train, cfg.task.num_test)
     files = {}
     for name in ("train", "test", "ood_test"):
         rows = [verl_row(p.prompt, p.data_source, p.ground_truth, i, name) for i, p in enumerate(splits[name])]

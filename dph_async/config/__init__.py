@@ -49,9 +49,18 @@ class TaskConfig(Section):
     # with a reference pool, every prompt otherwise, as the DPH-RL scripts do); d_exp = the prompts
     # pre-sampling left for exploration (GRPO on D_exp is the control for the DPH objectives).
     prompts: Literal["auto", "all", "d_exp"] = "auto"
+    # Which embedded task runs without task.data (dph_async/tasks/catalog.py): embedded, sums of
+    # five-digit sets; digit_sets, the same rules on seven-digit sets that every split shares.
+    name: Literal["embedded", "digit_sets"] = "embedded"
     # Embedded task sizes.
     num_train: int = Field(400, ge=8)
     num_test: int = Field(200, ge=8)
+
+    @model_validator(mode="after")
+    def _name_is_for_embedded_tasks(self) -> TaskConfig:
+        if self.data is not None and self.name != "embedded":
+            raise ValueError(f"task.name ({self.name}) selects an embedded task; it does not apply with task.data")
+        return self
 
 
 class WarmStartConfig(Section):

@@ -33,13 +33,13 @@ def _solutions(digits: str, target: int, op: str) -> list[str]:
     ds = [int(c) for c in digits]
     if op == "-":
         return [f"{a}-{b}" for a, b in itertools.permutations(ds, 2) if a - b == target]
-    return ["+".join(map(str, c)) for r in range(2, NUM_DIGITS + 1)
+    return ["+".join(map(str, c)) for r in range(2, len(ds) + 1)
             for c in itertools.permutations(ds, r) if sum(c) == target]
 
 
 @dataclass(frozen=True)
 class Problem:
-    digits: str  # five distinct digits 1-9, sorted
+    digits: str  # distinct digits 1-9, sorted (NUM_DIGITS of them in this task)
     target: int
     op: str  # "+" or "-"
 
@@ -87,15 +87,21 @@ def score(response: str, ground_truth: Any, extra_info: dict) -> RewardResult:
     return RewardResult(score=float(ok), correct=ok, format_ok=fmt)
 
 
+def problems_of(digits: str, op: str) -> list[Problem]:
+    """Every problem of one digit set under one rule: one per reachable target, in target order."""
+    ds = [int(c) for c in digits]
+    targets = {a - b for a, b in itertools.permutations(ds, 2) if a > b} if op == "-" else {
+        sum(c) for r in range(2, len(ds) + 1) for c in itertools.combinations(ds, r)}
+    return [Problem(digits, t, op) for t in sorted(targets)]
+
+
+def digit_sets(size: int) -> list[str]:
+    """Every set of `size` distinct digits 1-9, as sorted strings."""
+    return ["".join(c) for c in itertools.combinations("123456789", size)]
+
+
 def _all_problems(op: str) -> list[Problem]:
-    problems = []
-    for combo in itertools.combinations("123456789", NUM_DIGITS):
-        digits = "".join(combo)
-        ds = [int(c) for c in digits]
-        targets = {a - b for a, b in itertools.permutations(ds, 2) if a > b} if op == "-" else {
-            sum(c) for r in range(2, NUM_DIGITS + 1) for c in itertools.combinations(ds, r)}
-        problems.extend(Problem(digits, t, op) for t in sorted(targets))
-    return problems
+    return [p for digits in digit_sets(NUM_DIGITS) for p in problems_of(digits, op)]
 
 
 def make_splits(seed: int, num_train: int, num_test: int) -> dict[str, list[Problem]]:

@@ -8,6 +8,7 @@ learner initialisation of its random state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import get_args
 
@@ -66,13 +67,56 @@ def divergence_sweep(specs: list[str], coeffs: list[float] | None, seeds: list[i
         else:
             variants = [spec]
         for v in variants:
-            factors = {"mode": v.objective if v.prompts == "auto" else f"{v.objective}@{v.prompts}",
-                       "coeff": v.effective_coeff}
-            cells += [Cell(f"{v.slug}-seed{seed}", v.name, factors, seed, v.name, (f"seed={seed}",))
+            cells += [Cell(f"{v.slug}-seed{seed}", v.name, _mode_factors(v), seed, v.name, (f"seed={seed}",))
                       for seed in seeds]
     return Sweep("divergence", cells, x="mode", panel=None)
 
 
+def _mode_factors(spec: RunSpec) -> dict[str, str | int | float]:
+    return {"mode": spec.objective if spec.prompts == "auto" else f"{spec.objective}@{spec.prompts}",
+            "coeff": spec.effective_coeff}
+
+
+def share_ratio(share: float) -> float:
+    """replay.reference_ratio (reference samples per fresh sample) for a share of the batch."""
+    return share / (1.0 - share)
+
+
+def ladder(spec: RunSpec, multipliers: list[float]) -> list[RunSpec]:
+    """The spec at each multiple of its objective's reference coefficient (6 significant digits, so
+    that 0.2 x 3 is 0.6); a spec with a coefficient of its own, or an objective without one, as given."""
+    objective = spec.objective_class()
+    if spec.coeff is not None or not objective.has_divergence():
+        return [spec]
+    return [replace(spec, coeff=float(f"{objective.default_coeff * m:.6g}")) for m in multipliers]
+
+
+def frontier_sweep(specs: list[str], multipliers: list[float], seeds: list[int], base_ratio: float,
+                   shares: Sequence[float] = (), share_specs: Sequence[str] = ()) -> Sweep:
+    """Each run spec over a ladder of coefficients (multiples of its reference one) x seeds, at the
+    base config's reference share; plus each of `share_specs` at every share of the batch in `shares`
+    (replay.reference_ratio = share / (1 - share)). Factor `share`: the reference samples' share of a
+    batch (0 for an objective without a reference pool). Seed-major: a sweep stopped early holds whole
+    frontiers on its first seeds."""
+    if any(not 0 < s < 1 for s in shares):
+        raise ValueError(f"a share of the batch must lie in (0, 1), got {list(shares)}")
+    if any(m <= 0 for m in multipliers):
+        raise ValueError(f"ladder multipliers must be > 0, got {multipliers}")
+    base_share = round(base_ratio / (1.0 + base_ratio), 3)
+    runs: list[tuple[str, str, RunSpec, dict, tuple[str, ...]]] = []  # (key stem, group, spec, factors, overrides)
+    for v in (v for text in specs for v in ladder(RunSpec.parse(text), multipliers)):
+        runs.append((v.slug, v.name, v, {**_mode_factors(v), "share": base_share if v.uses_pool else 0.0}, ()))
+    for text in share_specs:
+        spec = RunSpec.parse(text)
+        if not spec.uses_pool:
+            raise ValueError(f"{text}: a share of the batch applies to objectives with a reference pool")
+        for share in shares:
+            tag = f"share{100 * share:g}"
+            runs.append((f"{spec.slug}-{tag}", f"{spec.name} {tag}", spec, {**_mode_factors(spec), "share": share},
+                         (f"replay.reference_ratio={share_ratio(share):.6g}",)))
+    cells = [Cell(f"{stem}-seed{seed}", group, factors, seed, spec.name, (f"seed={seed}", *extra))
+             for seed in seeds for stem, group, spec, factors, extra in runs]
+    return Sweep("frontier", cells, x="coeff", panel=None)
 
 
 def samplers_sweep(samplers: list[str], seeds: list[int], mode: str) -> Sweep:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dph_async.app.commands.common import add_config_arguments, add_output_argument, fail, guarded
 from dph_async.app.progress import console
-from dph_async.config import load_config
+from dph_async.config import RunConfig, load_config
 
 # Applied before the user's overrides: cells cheap enough for a grid on a small machine (docs/ablations.md).
 SWEEP_DEFAULTS = ("learner.steps=100", "eval.max_prompts=100", "logging.wandb_mode=disabled")
@@ -29,10 +29,12 @@ def add_common_arguments(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--report-only", action="store_true", help="only rewrite the summary from the finished cells")
 
 
-def run(args: argparse.Namespace, make_sweep: Callable[[str], object]) -> int:
-    """Build the sweep (make_sweep gets the base config's run spec), run it, write the report."""
+def run(args: argparse.Namespace, make_sweep: Callable[[str, RunConfig], object], defaults: tuple[str, ...] = ()
+        ) -> int:
+    """Build the sweep (make_sweep gets the base config's run spec and the config), run it, write the
+    report. `defaults`: overrides of the sweep's own, before the user's."""
     flags = {"learner.steps": args.steps, "model.path": args.model, "task.data": args.data}
-    overrides = [*SWEEP_DEFAULTS, *args.overrides, f"output_dir={args.output}",
+    overrides = [*SWEEP_DEFAULTS, *defaults, *args.overrides, f"output_dir={args.output}",
                  *(f"{k}={v}" for k, v in flags.items() if v is not None)]
     cfg = load_config(args.preset, overrides)
     # The run specs (torch), the sweep (Ray) and the report (matplotlib): here, so --help stays fast.
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace, make_sweep: Callable[[str], object]) -> int:
     if args.eval_points < 1:
         return fail(f"--eval-points must be >= 1 (got {args.eval_points})")
     try:
-        sweep = make_sweep(RunSpec.of(cfg).name)
+        sweep = make_sweep(RunSpec.of(cfg).name, cfg)
     except ValueError as e:
         return fail(str(e))
 

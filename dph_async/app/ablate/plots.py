@@ -4,6 +4,7 @@ curves.png      training reward against fresh samples consumed (top) and wall ti
 pass_at_k.png   Pass@1 (dashed) and Pass@k_max (solid) per test split at the evaluated versions
 staleness.png   share of consumed groups by staleness
 summary.png     final reward, Pass@k_max, ESS and mismatch KL (k3) per group, with standard errors
+frontier.png    (frontier sweeps) Pass@k_max against Pass@1 per objective over its coefficient
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from dph_async.app.ablate import frontier
 from dph_async.app.ablate.results import Group
+from dph_async.app.evaluate import SplitResult
 from dph_async.app.plot_colours import colour_map
 
 
@@ -143,3 +146,40 @@ def plot_summary(groups: list[Group], x: str, panel: str | None, k_max: int, spl
         ax.set(title=title)
         ax.grid(alpha=0.3)
     _save(fig, out)
+
+
+def plot_frontier(groups: list[Group], splits: list[str], k: int, base: dict[str, SplitResult], out: Path) -> None:
+    """Pass@k against Pass@1 of the final models, one panel per test split: one line per objective
+    through its coefficient ladder (each point labelled with its coefficient), the other shares of
+    the batch as open squares in the objective's colour (labelled with the share), pi_0 as a star;
+    error bars are standard errors over seeds on both axes."""
+    modes = frontier.lines(groups)
+    colour = colour_map(modes)
+    fig, axes = plt.subplots(1, len(splits), figsize=(6.5 * len(splits), 5), squeeze=False)
+    for ax, split in zip(axes[0], splits, strict=True):
+        p1, pk = f"{split}/pass@1", f"{split}/pass@{k}"
+        for mode, members in modes.items():
+            have = [g for g in members if p1 in g.metrics and pk in g.metrics]
+            _errorbar(ax, have, p1, pk, colour[mode], mode, fmt="-o")
+            for g in have:
+                ax.annotate(f"{g.factors['coeff']:g}", (100 * g.metrics[p1].mean, 100 * g.metrics[pk].mean),
+                            textcoords="offset points", xytext=(4, 4), fontsize=7, color=colour[mode])
+        for g in (g for g in groups if not frontier.is_ladder(g) and p1 in g.metrics and pk in g.metrics):
+            _errorbar(ax, [g], p1, pk, colour.get(str(g.factors["mode"]), "k"), None, fmt="s", mfc="none")
+            ax.annotate(f"{g.factors['coeff']:g}, {100 * float(g.factors['share']):.0f}%",
+                        (100 * g.metrics[p1].mean, 100 * g.metrics[pk].mean), textcoords="offset points",
+                        xytext=(4, -10), fontsize=7)
+        if split in base:
+            ax.plot(100 * base[split].pass_at_k[1], 100 * base[split].pass_at_k[k], "k*", ms=12, label="π₀")
+        ax.set(title=f"{split}: Pass@{k} against Pass@1 (final models)", xlabel="Pass@1 (%)",
+               ylabel=f"Pass@{k} (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    _save(fig, out)
+
+
+def _errorbar(ax: plt.Axes, groups: list[Group], x: str, y: str, colour: str, label: str | None, **kw) -> None:
+    ax.errorbar([100 * g.metrics[x].mean for g in groups], [100 * g.metrics[y].mean for g in groups],
+                xerr=[100 * (g.metrics[x].se or 0.0) for g in groups],
+                yerr=[100 * (g.metrics[y].se or 0.0) for g in groups],
+                color=colour, label=label, capsize=2, ms=4, **kw)

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dph_async.app.ablate import plots
+from dph_async.app.ablate import frontier, plots
 from dph_async.app.ablate.results import Group, Stat, load_cell, split_metrics, summarize
 from dph_async.app.evaluate import DIFFICULTY, SplitResult, difficulty_of, load_results
 from dph_async.app.report import TABLE_K, markdown_table
@@ -125,6 +125,19 @@ def staleness_verdicts(groups: list[Group], metrics: list[str]) -> list[Verdict]
     return out
 
 
+def frontier_section(groups: list[Group], comparisons: list[frontier.Comparison], splits: list[str]) -> list[str]:
+    """The frontier's tables, one per test split (frontier.py has the comparisons' definitions)."""
+    k = comparisons[0].k
+    md = [f"## Frontier: Pass@{k} against Pass@1", "",
+          f"Final models, % (distinct: correct answers per prompt), mean ± standard error over seeds; share: "
+          f"the reference samples' share of a batch. Differences with sqrt(se_1^2 + se_2^2). "
+          f"`{frontier.RIVAL} P@{k} at this P@1`: the {frontier.RIVAL} frontier interpolated linearly at the "
+          f"row's Pass@1 (- outside its range); above / below: beyond two standard errors, else level.", ""]
+    for split in splits:
+        md += [f"### {split}", "", frontier.table(groups, [c for c in comparisons if c.split == split]), ""]
+    return md
+
+
 def write_summary(out: Path) -> list[Group]:
     """Summarise the finished cells of the sweep described by out/sweep.json; write the report."""
     meta = json.loads((out / "sweep.json").read_text())
@@ -143,6 +156,10 @@ def write_summary(out: Path) -> list[Group]:
     plots.plot_pass_at_k(groups, panel, plots_dir / "pass_at_k.png")
     plots.plot_staleness(groups, panel, plots_dir / "staleness.png")
     plots.plot_summary(groups, x, panel, k_max, splits[0], plots_dir / "summary.png")
+    comparisons = []
+    if kind == "frontier":
+        plots.plot_frontier(groups, splits, k_max, base, plots_dir / "frontier.png")
+        comparisons = [c for split in splits for c in frontier.compare(groups, split, k_max)]
 
     md = [f"# {kind} sweep: {out.name}", "",
           f"{len(cells)} of {len(meta['cells'])} cells finished, in {len(groups)} groups; mean ± standard error "
@@ -173,10 +190,13 @@ def write_summary(out: Path) -> list[Group]:
                       "pi_0's row is the draw that sorted the prompts, so its 'rarely' and 'never' figures "
                       "hold by construction (100 and 0 at Pass@16): compare the runs with each other."), "",
                    *difficulty_tables(groups, split, k_max, base, redraw)]
+    if comparisons:
+        md += frontier_section(groups, comparisons, splits)
     if any(c.resumed for c in cells):
         md += ["Resumed after an interruption (their wall-clock curves hold the pause): "
                + ", ".join(c.cell.key for c in cells if c.resumed), ""]
-    md += ["Plots: `plots/curves.png`, `plots/pass_at_k.png`, `plots/staleness.png`, `plots/summary.png`.", ""]
+    md += ["Plots: `plots/curves.png`, `plots/pass_at_k.png`, `plots/staleness.png`, `plots/summary.png`"
+           + (", `plots/frontier.png`." if comparisons else "."), ""]
     (out / "summary.md").write_text("\n".join(md))
     summary = {
         "kind": kind,
@@ -189,6 +209,7 @@ def write_summary(out: Path) -> list[Group]:
                               "splits": {s: asdict(r) for s, r in e.splits.items()}} for e in c.evals]}
                   for c in cells],
         "verdicts": [asdict(v) for v in verdicts],
+        "frontier": [asdict(c) for c in comparisons],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return groups

@@ -3,7 +3,7 @@
     <out>/config.yaml          the base config (a rerun with a different one is refused)
     <out>/sweep.json           the cells of the latest invocation
     <out>/base_model, data/, presample/, eval/base.json     shared by every cell
-    <out>/eval/base_redraw.json   pi_0 on other samples (divergence sweeps: the per-band table)
+    <out>/eval/base_redraw.json   pi_0 on other samples (divergence and frontier sweeps: the per-band table)
     <out>/rl/<cell>/           the cell's RL run (pipeline.train_mode), eval/v<version>.json, cell.json
 
 A cell is finished when its cell.json exists: a rerun skips it, so an interrupted sweep goes on
@@ -93,7 +93,7 @@ def run_sweep(preset: str, overrides: list[str], sweep: Sweep, out: Path, eval_p
     with ray_cluster(base, prestart=bool(todo)):
         prepared = prepare(base, paths, timer, any(s.needs_presampling for s in specs))
         jobs = [EvalJob(prepared.base, paths.eval / "base.json", base.seed)]
-        if sweep.kind == "divergence":  # pi_0 again on fresh samples: the per-band table's unbiased row
+        if sweep.kind in ("divergence", "frontier"):  # pi_0 again on fresh samples: the per-band table's unbiased row
             jobs.append(EvalJob(prepared.base, paths.eval / "base_redraw.json", base.seed + 1))
         if todo:
             start_learner(base)  # the first cell's learner imports beside pi_0's evaluation

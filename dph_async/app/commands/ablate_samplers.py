@@ -35,4 +35,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from dph_async.app.ablate.cells import samplers_sweep
 
-    return run(args, lambda mode: samplers_sweep(args.samplers, args.seeds, mode))
+    return run(args, lambda mode, _cfg: samplers_sweep(args.samplers, args.seeds, mode))

@@ -55,4 +55,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from dph_async.app.ablate.cells import staleness_sweep
 
-    return run(args, lambda mode: staleness_sweep(args.etas, args.corrections, args.seeds, mode))
+    return run(args, lambda mode, _cfg: staleness_sweep(args.etas, args.corrections, args.seeds, mode))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dph_async.app.commands.common import add_config_arguments, fail
+from dph_async.app.commands.common import add_config_arguments, add_output_argument, fail
 
 NAME = "rerun"
 HELP = "re-train a run's learner on its recorded batches: check it is the run bit for bit, or train a counterfactual"
@@ -24,7 +24,7 @@ final_model/), and reports its metrics beside the run's and the distance of its 
 run's. --diagnose STEP also writes, before that step trains, each group's contribution to the norm of
 the step's gradient and the tokens of largest importance weight (diagnose_vSTEP.json).
 
-Output in --out (default RUN_DIR/rerun/<overrides or "same">): report.md, report.json, metrics.jsonl.
+Output in -o/--output (default RUN_DIR/rerun/<overrides or "same">): report.md, report.json, metrics.jsonl.
 
 examples:
   dph-async rerun runs/default/rl/js_low_var                       # is it bitwise the run?
@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--until", type=int, metavar="STEP", help="stop once the learner reaches this version")
     p.add_argument("--diagnose", type=int, metavar="STEP", help="diagnose the step taken at this version")
     p.add_argument("--top-tokens", type=int, default=20, help="tokens listed by --diagnose (default: %(default)s)")
-    p.add_argument("--out", "-o", type=Path, help="output directory (default: RUN_DIR/rerun/<label>)")
+    add_output_argument(p, "output directory (default: RUN_DIR/rerun/<label>)", type=Path)
 
 
 def override_problem(overrides: list[str]) -> str | None:
@@ -90,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
         rl_dir = run_directory(args.run_dir)
     except FileNotFoundError as e:
         return fail(str(e))
-    out = args.out or rl_dir / "rerun" / _label(args.overrides)
+    out = args.output or rl_dir / "rerun" / _label(args.overrides)
     # torch, DeepSpeed and the trainer: here, so that --help stays fast.
     from transformers.utils import logging as hf_logging
 
