@@ -5,7 +5,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	.venv/bin/dph-async run --compare grpo@d_exp,js_low_var,reverse_kl:0.1
+	.venv/bin/dph-async run --compare grpo@d_exp,js_low_var:200,reverse_kl:0.1 replay.reference_ratio=0.333
 
 test: setup
 	.venv/bin/python -m pytest
