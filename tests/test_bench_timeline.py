@@ -158,7 +158,9 @@ def test_process_tree_cpu_files_processes_under_their_ray_actor():
     # Each burner stops at its CPU target; a sampling interval may miss the tail of a short-lived one.
     assert 0.5 <= last["learner"] <= 1.2
     assert 0.15 <= last["ray"] <= 1.0
-    assert "actors" not in last
+    # Nothing filed under the actors: an idle actor process another test's Ray cluster keeps under
+    # this process may be seen, at no CPU.
+    assert last.get("actors", 0.0) < 0.05
 
 
 def test_weight_delays_run_from_publish_to_each_actors_next_load():
