@@ -145,7 +145,8 @@ def test_each_processs_peak_memory_is_this_runs_and_kept_by_component():
     assert component == "ray" and 120 * 2**20 <= peak < 190 * 2**20, peak / 2**20
     mem = memory_of(sampler.peaks)["ray"]
     assert mem.largest_mb >= 120 and mem.processes >= 2  # this process and the child
-    assert mem.sum_mb == pytest.approx(sum(b for _, b in sampler.peaks.values()) / 2**20)
+    # Only the "ray" processes: another test's Ray cluster may keep titled processes under this one.
+    assert mem.sum_mb == pytest.approx(sum(b for c, b in sampler.peaks.values() if c == "ray") / 2**20)
     assert memory_of({1: ("learner", 2**20), 2: ("learner", 3 * 2**20), 3: ("actors", 2**21)}) == {
         "actors": Memory(2.0, 2.0, 1), "learner": Memory(3.0, 4.0, 2)}
 

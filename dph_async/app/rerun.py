@@ -18,10 +18,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dph_async.app.rerun_report import HEADLINE, RerunReport, StepComparison, WeightCheck, write_report
 from dph_async.config import RunConfig, dump_config, load_config
 from dph_async.errors import UserError
 from dph_async.paths import checkpoint_dir, checkpoint_weights, final_model, is_learner_checkpoint
@@ -33,63 +34,8 @@ if TYPE_CHECKING:
 
 # Metrics two executions of the same steps may disagree on: the clock's (time/* too).
 WALL_CLOCK = ("learner/step_seconds", "learner/tokens_per_s")
-# What a counterfactual's report puts side by side per step (all metrics are in the two metrics.jsonl).
-HEADLINE = ("loss/total", "policy/entropy", "policy/ess", "policy/clip_frac", "policy/mismatch_kl_k3",
-            "policy/is_weight_max")
-
-
 class RerunError(UserError):
     """The run cannot be re-executed as asked (no recording, no checkpoint there, the recording starts later)."""
-
-
-@dataclass
-class WeightCheck:
-    """The rerun's weights against the run's at one point."""
-
-    what: str  # "checkpoint v4", "final model"
-    version: int
-    equal: bool  # every tensor bitwise equal
-    distance: float  # |w - w_run| / |w_run| over all tensors
-    max_abs: float  # the largest |w - w_run| of any element
-
-
-@dataclass
-class StepComparison:
-    version: int  # after the step
-    differing: list[str]  # metrics whose value is not the run's, bit for bit (and keys only one has)
-    run: dict[str, float]  # the headline metrics, as the run logged them
-    rerun: dict[str, float]
-
-
-@dataclass
-class RerunReport:
-    run_dir: str
-    out: str
-    overrides: list[str]
-    counterfactual: bool  # the learner's config differs from the run's
-    start: int  # the version it started from
-    end: int  # the version it reached
-    stopped: str  # why it stopped there
-    steps: list[StepComparison] = field(default_factory=list)
-    weights: list[WeightCheck] = field(default_factory=list)
-
-    @property
-    def metrics_equal(self) -> bool:
-        return all(not s.differing for s in self.steps)
-
-    @property
-    def first_difference(self) -> StepComparison | None:
-        return next((s for s in self.steps if s.differing), None)
-
-    @property
-    def differs(self) -> bool:
-        """Some compared metric or weight is not the run's."""
-        return not self.metrics_equal or any(not w.equal for w in self.weights)
-
-    @property
-    def bitwise(self) -> bool:
-        """Every compared step's metrics and every compared weight the run's, bit for bit."""
-        return bool(self.steps) and self.metrics_equal and bool(self.weights) and all(w.equal for w in self.weights)
 
 
 def _comparable(m: dict[str, float]) -> dict[str, float]:
@@ -259,8 +205,6 @@ class Rerun:
 def rerun(rl_dir: Path, out: Path, overrides: list[str], *, start: int = 0, until: int | None = None,
           diagnose: int | None = None, top_tokens: int = 20) -> RerunReport:
     """Re-execute the recorded run in `rl_dir` (module docstring); the report is also written to `out`."""
-    from dph_async.app.rerun_report import write_report
-
     job = Rerun(rl_dir, out, overrides, start)
     try:
         report = job.run(until, diagnose, top_tokens)

@@ -1,13 +1,67 @@
-"""A rerun's report: report.json (everything compared) and report.md (the verdict and the tables)."""
+"""A rerun's report: what was compared (`RerunReport`), written as report.json (everything) and
+report.md (the verdict and the tables)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dph_async.app.report import markdown_table
-from dph_async.app.rerun import HEADLINE, RerunReport
+
+# What a counterfactual's report puts side by side per step (all metrics are in the two metrics.jsonl).
+HEADLINE = ("loss/total", "policy/entropy", "policy/ess", "policy/clip_frac", "policy/mismatch_kl_k3",
+            "policy/is_weight_max")
+
+
+@dataclass
+class WeightCheck:
+    """The rerun's weights against the run's at one point."""
+
+    what: str  # "checkpoint v4", "final model"
+    version: int
+    equal: bool  # every tensor bitwise equal
+    distance: float  # |w - w_run| / |w_run| over all tensors
+    max_abs: float  # the largest |w - w_run| of any element
+
+
+@dataclass
+class StepComparison:
+    version: int  # after the step
+    differing: list[str]  # metrics whose value is not the run's, bit for bit (and keys only one has)
+    run: dict[str, float]  # the headline metrics, as the run logged them
+    rerun: dict[str, float]
+
+
+@dataclass
+class RerunReport:
+    run_dir: str
+    out: str
+    overrides: list[str]
+    counterfactual: bool  # the learner's config differs from the run's
+    start: int  # the version it started from
+    end: int  # the version it reached
+    stopped: str  # why it stopped there
+    steps: list[StepComparison] = field(default_factory=list)
+    weights: list[WeightCheck] = field(default_factory=list)
+
+    @property
+    def metrics_equal(self) -> bool:
+        return all(not s.differing for s in self.steps)
+
+    @property
+    def first_difference(self) -> StepComparison | None:
+        return next((s for s in self.steps if s.differing), None)
+
+    @property
+    def differs(self) -> bool:
+        """Some compared metric or weight is not the run's."""
+        return not self.metrics_equal or any(not w.equal for w in self.weights)
+
+    @property
+    def bitwise(self) -> bool:
+        """Every compared step's metrics and every compared weight the run's, bit for bit."""
+        return bool(self.steps) and self.metrics_equal and bool(self.weights) and all(w.equal for w in self.weights)
 
 
 def verdict(report: RerunReport) -> str:
