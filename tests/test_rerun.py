@@ -25,6 +25,7 @@ from conftest import ROOT, save_tiny_llama
 
 from dph_async.config import RunConfig, load_config
 from dph_async.net import NetSecurity
+from dph_async.paths import checkpoint_dir
 from dph_async.protocol import Batch, Completion, ReferenceSample, RolloutGroup, SamplingInfo
 from dph_async.rewards.result import RewardResult
 from learner.recording import RECORDING, BatchRecorder, RecordingError, read_batches, write_run_info
@@ -348,8 +349,12 @@ def test_a_resumed_loop_tells_the_replay_its_bound_and_keeps_the_recording_befor
     first = StandInReplay(seed=2)
     run_loop(cfg, model_dir, rl_dir, first)
     resumed = StandInReplay(seed=2)
-    resumed.restore = lambda path: "restored"
+    restored: list[str] = []
+    resumed.restore = lambda path: restored.append(path) or "restored"
     run_loop(cfg, model_dir, rl_dir, resumed, setup=lambda loop: loop.resume("v4"))
+    # The replay goes back to its snapshot of that checkpoint (an end-to-end resume one step past a
+    # checkpoint cannot tell: the replay serves that step again as its pending batch).
+    assert restored == [str((checkpoint_dir(rl_dir) / "v4" / "replay").resolve())]
     assert resumed.told[0] == first.told[1]  # the bound decided at step 4, from the checkpoint
     assert [b.version for _, b in read_batches(rl_dir / RECORDING)] == list(range(6))
     assert len((rl_dir / "metrics.jsonl").read_text().splitlines()) == 6
