@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dph_async.app.plot_colours import pyplot
 from dph_async.samplers import SAMPLERS, sampler
 
 
@@ -145,11 +146,7 @@ def simulate(cfg: BanditConfig, log_ref: Tensor | None = None,
 
 def write(result: BanditResult, out: Path) -> list[Path]:
     """bandit.json (config, rewards, curves) and bandit_gap.png (V* - V per update, log scale)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out.mkdir(parents=True, exist_ok=True)
     data = asdict(result)
     data["config"]["samplers"] = list(result.config.samplers)

@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dph_async.app.plot_colours import colour_map
+from dph_async.app.plot_colours import colour_map, pyplot
 from dph_async.config import RunConfig
 
 RSS_TOLERANCE = 0.05
@@ -276,11 +276,7 @@ def markdown(result: SoakResult) -> str:
 
 
 def plot(result: SoakResult, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     samples = result.samples
     t = [s.t / 60 for s in samples]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))

@@ -7,6 +7,7 @@ from pathlib import Path
 from dph_async.app.bench.peer import rate
 from dph_async.app.bench.peer_limit import TARGET
 from dph_async.app.bench.scale import ScaleBench, ScaleCell
+from dph_async.app.plot_colours import pyplot
 from dph_async.app.report import markdown_table
 
 PEERS = ("trl", "loop")
@@ -127,11 +128,7 @@ def markdown(res: ScaleBench) -> str:
 
 def plot(res: ScaleBench, out: Path) -> None:
     """scale.png: dph-async / TRL (and / the loop) per cell, and every system's completions/s."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     sizes = list(dict.fromkeys(c.size for c in res.cells))
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, size in enumerate(sizes):
