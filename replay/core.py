@@ -79,6 +79,7 @@ class ReplayCore:
         self.wal = wal
         # eta: fixed, or with replay.max_staleness=auto steered by the learner (`set_max_staleness`).
         self.max_staleness = cfg.initial_staleness
+        self.graces: list[tuple[int, int]] = []  # (last version, eta): see set_max_staleness
         self.admission = Admission(self.max_staleness, groups_per_batch, cfg.admission)
         self.metrics = ReplayMetrics()
         self.store = FreshStore()
@@ -164,9 +165,12 @@ class ReplayCore:
         return ResumeInfo(actor_id, watermark, above, self.version)
 
     def set_max_staleness(self, eta: int) -> str:
-        """The learner's new bound (replay.max_staleness=auto): admission grants by it from now on and
-        the next batch drops what it makes stale. Not logged: after a restart the bound is the lower
-        limit until the learner's next decision says it again."""
+        """The learner's new bound (replay.max_staleness=auto): admission grants by it from now on. A
+        lower bound spares what was admitted under the higher one: a ticket granted at basis w <= v
+        (this version) is consumed by batch w + before, so until batch v + before the expiry keeps
+        `before` (a grace) and the groups the actors made under it are trained on, not dropped.
+        Neither is logged: after a restart the bound is the lower limit, with no grace, until the
+        learner's next decision says it again."""
         cfg = self.cfg
         if not cfg.auto_staleness:
             raise ValueError(f"the bound is fixed (replay.max_staleness={cfg.max_staleness}); only auto is steered")
@@ -175,7 +179,14 @@ class ReplayCore:
                              f"[{cfg.staleness_min}, {cfg.staleness_max}]")
         before, self.max_staleness = self.max_staleness, eta
         self.admission.max_staleness = eta
+        if eta < before:
+            self.graces.append((self.version + before, before))
         return f"max_staleness {before} -> {eta}"
+
+    def expiry_bound(self, version: int) -> int:
+        """The staleness a batch of `version` may use: eta, or a grace's higher bound while it lasts."""
+        self.graces = [(until, eta) for until, eta in self.graces if version <= until]
+        return max([self.max_staleness] + [eta for _, eta in self.graces])
 
     # ----------------------------------------------------------------------------- batches
 
@@ -217,8 +228,9 @@ class ReplayCore:
         they all fit; the request's deadline still bounds the wait (an actor that died holding them)."""
         if not self.cfg.admission:
             return False
-        coming = self.admission.last_chance(req.version)
-        oldest = req.version - self.max_staleness
+        bound = self.expiry_bound(req.version)
+        coming = self.admission.last_chance(req.version, bound)
+        oldest = req.version - bound
         return coming > 0 and self.store.unserved_up_to(oldest) + coming <= req.num_groups
 
     def _reference_due(self, samples: int) -> int:
@@ -263,7 +275,7 @@ class ReplayCore:
         self.pending = None
 
     def _expire(self) -> None:
-        for entry in self.store.expire(self.version - self.max_staleness):
+        for entry in self.store.expire(self.version - self.expiry_bound(self.version)):
             self._dropped(entry, "stale_reused" if entry.served else "stale")
 
     def _dropped(self, entry: Entry, reason: str) -> None:

@@ -73,9 +73,10 @@ class Admission:
     def held(self, actor: int) -> int:
         return sum(n for _, n in self.in_flight.get(actor, ()))
 
-    def last_chance(self, batch_version: int) -> int:
-        """Tickets in flight whose groups a batch of `batch_version` is the last one allowed to use."""
-        return self.by_version.get(batch_version - self.max_staleness, 0)
+    def last_chance(self, batch_version: int, bound: int) -> int:
+        """Tickets in flight whose groups a batch of `batch_version` is the last one allowed to use,
+        under the staleness `bound` it expires by (eta, or a grace's: ReplayCore.expiry_bound)."""
+        return self.by_version.get(batch_version - bound, 0)
 
     def _add(self, actor: int, basis: int, n: int) -> None:
         chunks = self.in_flight.setdefault(actor, deque())

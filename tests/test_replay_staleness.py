@@ -155,7 +155,7 @@ def test_a_group_finished_out_of_order_uses_the_ticket_of_its_own_version():
     for seq in range(4, 7):
         deliver(0, seq, version=1)
     deliver(1, 1, version=1)  # actor 1's second prompt finished first
-    assert core.admission.last_chance(1) == 1
+    assert core.admission.last_chance(1, bound=1) == 1
     assert core.serve(req, final=False) is None  # four here, but the version-0 group is on its way
     deliver(1, 0, version=0)
     batch = core.serve(req, final=False)
@@ -172,7 +172,7 @@ def test_tickets_an_actor_no_longer_counts_are_taken_from_its_newest_grant():
     core.version = 1
     assert core.tickets(TicketRequest(0, 2, 2, weights_version=1)).granted == 2
     assert core.tickets(TicketRequest(0, 0, outstanding=2, weights_version=1)).granted == 0
-    assert (core.admission.last_chance(1), core.admission.last_chance(2)) == (2, 0)
+    assert (core.admission.last_chance(1, bound=1), core.admission.last_chance(2, bound=1)) == (2, 0)
 
 
 def test_steady_workload_over_sockets_has_no_drops(ipc):
@@ -226,12 +226,19 @@ def test_an_auto_bound_starts_at_its_minimum_and_admission_and_expiry_follow_wha
     core.ingest([synthetic_group(0, i, n=2, tokens=3, version=0) for i in range(2 * b)])
     # At version 3 the version-0 groups are within eta = 3: served.
     assert len(core.request(BatchRequest(3, b, 0.0, request_id=1)).groups) == b
-    # The learner lowers the bound: the next batch drops what it makes stale, counted by reason.
+    # The learner lowers the bound: admission grants by it at once, but the groups admitted under
+    # eta = 3 keep it until batch 3 + 3 (the grace), so they are trained on, not dropped.
     core.set_max_staleness(1)
-    batch = core.request(BatchRequest(3, b, 0.0, request_id=2))
-    assert batch.groups == [] and batch.drops == {"stale": b}
     held = core.admitted + core.admission.in_flight_total
-    assert core.admission.capacity(3, core.admitted) == (1 + 3 + 1) * b - held == 8
+    assert core.admission.capacity(3, core.admitted) == (1 + 3 + 1) * b - held == 4
+    core.ingest([synthetic_group(0, i, n=2, tokens=3, version=0) for i in range(2 * b, 4 * b)])
+    batch = core.request(BatchRequest(3, b, 0.0, request_id=2))
+    assert [g.min_version for g in batch.groups] == [0] * b and batch.drops == {}
+    assert core.expiry_bound(6) == 3
+    # Past the grace the lower bound holds: version-0 groups at version 7 are dropped as stale.
+    batch = core.request(BatchRequest(7, b, 0.0, request_id=3))
+    assert batch.groups == [] and batch.drops == {"stale": 2 * b} and core.graces == []
+    assert core.expiry_bound(7) == 1
 
 
 def test_a_bound_is_set_only_under_auto_and_within_its_limits():

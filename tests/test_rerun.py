@@ -262,20 +262,33 @@ def step(ess: float, staleness: int) -> dict[str, float]:
     return {"policy/ess": ess, "staleness/max": float(staleness)}
 
 
-def test_the_controller_adds_one_while_healthy_and_reached_and_halves_when_not_healthy():
-    c = StalenessController(rule())
+def test_the_controller_doubles_until_a_window_is_unhealthy_then_halves_waits_and_adds_one():
+    c = StalenessController(rule(maximum=8))
     assert c.eta == 1
     decisions = [c.observe(step(0.99, c.eta)) for _ in range(8)]
-    assert [d.eta for d in decisions] == [1, 2, 2, 3, 3, 4, 4, 5]
-    assert [d.change for d in decisions if d.signal is not None] == [1, 1, 1, 1]
+    assert [d.eta for d in decisions] == [1, 2, 2, 4, 4, 8, 8, 8]  # slow start: doubled, to the maximum
+    assert [d.change for d in decisions if d.signal is not None] == [1, 2, 4, 0]
     # Healthy, but the data never got as stale as the bound: the window says nothing about eta.
-    assert c.observe(step(0.99, 2)).signal is None and c.observe(step(0.99, 2)).change == 0 and c.eta == 5
-    # Below the target: halved at the window's end, down to the minimum.
-    c.observe(step(0.5, 5))
-    d = c.observe(step(0.7, 5))
-    assert (d.eta, d.change, d.signal) == (2, -3, pytest.approx(0.6))
-    c.observe(step(0.1, 2))
-    assert c.observe(step(0.1, 2)).eta == 1 and c.eta == 1
+    assert c.observe(step(0.99, 2)).signal is None and c.observe(step(0.99, 2)).change == 0 and c.eta == 8
+    # Below the target: halved at the window's end; slow start is over.
+    c.observe(step(0.5, 8))
+    d = c.observe(step(0.7, 8))
+    assert (d.eta, d.change, d.signal, c.slow_start, c.hold) == (4, -4, pytest.approx(0.6), False, 8)
+    # The groups admitted under eta = 8 are consumed during the next 8 steps: no window counts them.
+    assert all(c.observe(step(0.1, 8)).signal is None for _ in range(8)) and c.window == [] and c.eta == 4
+    # Then healthy at the new bound: one more, not twice as many.
+    c.observe(step(0.99, 4))
+    assert c.observe(step(0.99, 4)).change == 1 and c.eta == 5
+    c.observe(step(0.1, 5))
+    assert c.observe(step(0.1, 5)).eta == 2 and c.hold == 5
+    for _ in range(5 + 1):
+        c.observe(step(0.1, 2))
+    assert c.observe(step(0.1, 2)).eta == 1 and c.hold == 2
+    # At the minimum an unhealthy window changes nothing and starts no wait.
+    for _ in range(2):
+        c.observe(step(0.1, 1))
+    c.observe(step(0.1, 1))
+    assert c.observe(step(0.1, 1)).change == 0 and (c.eta, c.hold) == (1, 0)
     # Never above the maximum; steps without fresh tokens (no ESS) do not count.
     c = StalenessController(rule(maximum=2), eta=2)
     for _ in range(4):
@@ -288,9 +301,16 @@ def test_the_controller_state_survives_a_checkpoint_within_the_limits():
     c = StalenessController(rule(), eta=4)
     c.observe(step(0.95, 4))
     again = StalenessController.from_state(rule(), json.loads(json.dumps(c.state())))
-    assert (again.eta, again.window, again.reached) == (4, [0.95], 4)
-    assert again.observe(step(0.97, 4)).eta == 5 == c.observe(step(0.97, 4)).eta
+    assert (again.eta, again.window, again.reached, again.slow_start, again.hold) == (4, [0.95], 4, True, 0)
+    assert again.observe(step(0.97, 4)).eta == 6 == c.observe(step(0.97, 4)).eta
     assert StalenessController.from_state(rule(maximum=3), c.state()).eta == 3
+    c.observe(step(0.1, 6))
+    c.observe(step(0.1, 6))
+    again = StalenessController.from_state(rule(), json.loads(json.dumps(c.state())))
+    assert (again.eta, again.slow_start, again.hold) == (3, False, 6)
+    # A checkpoint from before slow start and the wait existed: additive increase, no wait.
+    old = StalenessController.from_state(rule(), {"eta": 2, "window": [], "reached": 0})
+    assert (old.slow_start, old.hold) == (False, 0)
 
 
 def behaviour_of(trainer):
@@ -306,10 +326,11 @@ def behaviour_of(trainer):
 
 
 def test_auto_staleness_rises_on_healthy_data_and_falls_when_it_is_made_stale(model_dir, tmp_path):
-    """12 steps on data the learner's own weights made (ESS ~1, at the bound's staleness), then 6 on
-    behaviour log-probs far from them (ESS well below the target): eta climbs 1 -> 4 a step per
-    window, then halves to the minimum; each decision reaches the replay."""
-    cfg = load_config("default", [*LEARNER, "learner.steps=18", "learner.checkpoint_every=0",
+    """12 steps on data the learner's own weights made (ESS ~1, at the bound's staleness), then 12 on
+    behaviour log-probs far from them (ESS well below the target): eta doubles 1 -> 6 (the maximum)
+    a window at a time, then halves, waits out the 6 steps of data admitted under 6, and halves to
+    the minimum; each decision reaches the replay."""
+    cfg = load_config("default", [*LEARNER, "learner.steps=24", "learner.checkpoint_every=0",
                                   "replay.max_staleness=auto", "replay.staleness_window=3",
                                   "replay.staleness_target_ess=0.9", "replay.staleness_max=6"])
     replay = StandInReplay(seed=1)
@@ -332,12 +353,13 @@ def test_auto_staleness_rises_on_healthy_data_and_falls_when_it_is_made_stale(mo
     rows = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     signals = [(int(r["learner/version"]), r["staleness/signal"], int(r["staleness/eta"])) for r in rows
                if "staleness/signal" in r]
-    assert [eta for _, _, eta in signals] == [2, 3, 4, 5, 2, 1], signals
+    assert [(v, eta) for v, _, eta in signals] == [(3, 2), (6, 4), (9, 6), (12, 6), (15, 3), (24, 1)], signals
     assert all(s >= 0.9 for v, s, _ in signals if v <= 12) and all(s < 0.9 for v, s, _ in signals if v > 12)
-    assert replay.told == [2, 3, 4, 5, 2, 1]
-    assert [(eta, round(s, 6)) for _, eta, s in stats.staleness] == [(eta, round(s, 6)) for _, s, eta in signals]
+    assert replay.told == [2, 4, 6, 6, 3, 1]
+    changes = [(int(r["staleness/eta"]), round(r["staleness/signal"], 6)) for r in rows if r.get("staleness/change")]
+    assert [(eta, round(s, 6)) for _, eta, s in stats.staleness] == changes and len(changes) == 5
     # Admission's data followed the bound: each batch's groups were as stale as the eta in force.
-    assert [int(r["staleness/max"]) for r in rows][:7] == [0, 1, 1, 2, 2, 2, 3]
+    assert [int(r["staleness/max"]) for r in rows][:7] == [0, 1, 1, 2, 2, 2, 4], rows
 
 
 def test_a_resumed_loop_tells_the_replay_its_bound_and_keeps_the_recording_before_its_checkpoint(model_dir, tmp_path):
