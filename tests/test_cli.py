@@ -4,13 +4,16 @@ that takes overrides, and every user error as one `error:` line with exit status
 from __future__ import annotations
 
 import json
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from dph_async.app import commands
 from dph_async.app.cli import build_parser, main
+from dph_async.app.commands import COMMANDS, command_module
 from dph_async.tasks.dataset import verl_row, write_rows
 
 A, B = "learner.lr=1e-4", "task.test_data.dev=dev.parquet"
@@ -152,6 +155,27 @@ def test_a_command_line_loads_only_its_own_commands_options(argv):
             "print(sorted(m for m in ('torch', 'vllm', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_table_of_commands_lists_exactly_the_command_modules():
+    """Adding a command module without its line in COMMANDS (or a line without its module) fails here."""
+    modules = {m.name for m in pkgutil.iter_modules(commands.__path__)} - {"common"}
+    assert {name.replace(" ", "_") for name in COMMANDS} == modules
+    for name in COMMANDS:
+        mod = command_module(name)
+        assert callable(mod.add_arguments) and callable(mod.main) and mod.DESCRIPTION.strip(), name
+        # The help line lives in the table only.
+        assert not hasattr(mod, "HELP") and not hasattr(mod, "NAME"), name
+
+
+def test_the_top_level_help_imports_no_command():
+    code = ("import sys; from dph_async.app.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m.startswith('dph_async.app.commands.')), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stderr.strip() == "['dph_async.app.commands.common']"
+    listed = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("    ")}
+    assert {name.split()[0] for name in COMMANDS} <= listed
 
 
 def test_a_staleness_sweep_takes_auto_beside_integer_etas():

@@ -1,4 +1,5 @@
-"""The `dph-async` command: one parser per command module of dph_async/app/commands, and the dispatch.
+"""The `dph-async` command: the commands of dph_async/app/commands (its table, COMMANDS), their
+parsers, and the dispatch. A command line imports only the module of the command it names.
 
 Dotted `KEY=VALUE` config overrides may stand anywhere among a command's options (`CommandParser`).
 A user's mistake (`UserError`: a bad key, file or data source) ends as one `error: ...` line on
@@ -8,26 +9,15 @@ stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
 import re
 import sys
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
 from dph_async import __version__
-from dph_async.app import commands
+from dph_async.app.commands import COMMANDS, command_module
 from dph_async.app.commands.common import fail
 from dph_async.errors import UserError
-
-
-def command_modules() -> list[ModuleType]:
-    """The modules of dph_async/app/commands that define a command (NAME), by name: adding a command is
-    adding a file there."""
-    mods = [importlib.import_module(f"{commands.__name__}.{m.name}") for m in pkgutil.iter_modules(commands.__path__)]
-    return sorted((m for m in mods if hasattr(m, "NAME")), key=lambda m: m.NAME)
-
 
 # A dotted config override: `learner.lr=1e-4`, `task.test_data.dev=dev.parquet`, `mode=sync`.
 OVERRIDE = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*=")
@@ -118,9 +108,10 @@ def _command_words(argv: list[str]) -> list[str]:
 
 
 def build_parser(argv: list[str] | None = None) -> CommandParser:
-    """The whole command line. Given `argv`, only the commands it names get their options: a command's
-    `add_arguments` may import what its options list (presets, samplers), and a long-lived service
-    started from this command line should not carry every other command's imports."""
+    """The whole command line. Given `argv`, only the commands it names are imported and get their
+    options and --help text; the others are a name and a help line from COMMANDS. So `dph-async --help`
+    imports no command, and a long-lived service started from this command line carries no other
+    command's imports (presets, samplers, torch). Without `argv`, every command is imported."""
     named = None if argv is None else _command_words(argv)
     parser = CommandParser(
         prog="dph-async",
@@ -137,12 +128,12 @@ def build_parser(argv: list[str] | None = None) -> CommandParser:
     groups: dict[str, argparse._SubParsersAction] = {}
     parsers: dict[str, CommandParser] = {}
     text = {"formatter_class": argparse.RawDescriptionHelpFormatter}
-    modules = command_modules()
-    names = {mod.NAME for mod in modules}
-    for mod in modules:
-        words = mod.NAME.split()
+    for name, help_line in sorted(COMMANDS.items()):  # a group's own command ("bench") before its subcommands
+        words = name.split()
+        mod = command_module(name) if named is None or named[:len(words)] == words else None
+        description = mod.DESCRIPTION if mod is not None else None
         if len(words) == 1:
-            sub = parsers[words[0]] = parser.add_subcommand(top, words[0], help=mod.HELP, description=mod.DESCRIPTION,
+            sub = parsers[words[0]] = parser.add_subcommand(top, words[0], help=help_line, description=description,
                                                             **text)
         else:
             if words[0] not in groups:
@@ -150,12 +141,12 @@ def build_parser(argv: list[str] | None = None) -> CommandParser:
                 group = parsers.get(words[0]) or parser.add_subcommand(top, words[0], help=f"{words[0]} subcommands")
                 parsers[words[0]] = group
                 groups[words[0]] = group.add_subparsers(dest="subcommand", metavar="SUBCOMMAND",
-                                                        required=words[0] not in names)
-            sub = parsers[words[0]].add_subcommand(groups[words[0]], words[1], help=mod.HELP,
-                                                   description=mod.DESCRIPTION, **text)
-        if named is None or named[:len(words)] == words:
+                                                        required=words[0] not in COMMANDS)
+            sub = parsers[words[0]].add_subcommand(groups[words[0]], words[1], help=help_line,
+                                                   description=description, **text)
+        if mod is not None:
             mod.add_arguments(sub)
-        sub.set_defaults(_main=mod.main)
+        sub.set_defaults(_command=name)
     return parser
 
 
@@ -163,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:
-        return int(args._main(args) or 0)
+        return int(command_module(args._command).main(args) or 0)
     except UserError as e:
         # Raised in a Ray worker, it arrives wrapped; the wrapper keeps the original as `cause`.
         cause = getattr(e, "cause", None)

@@ -8,8 +8,6 @@ from pathlib import Path
 from dph_async.app.ablate.command import add_common_arguments, run
 from dph_async.app.commands.common import fail
 
-NAME = "ablate divergence"
-HELP = "sweep training objectives x their coefficients x seeds; the DPH-RL paper's table on your task"
 DESCRIPTION = """\
 A grid of RL runs that differ only in their objective (learner/objectives.py), its coefficient and
 the prompts it trains on, each with several seeds, all from the same base model pi_0. A run is

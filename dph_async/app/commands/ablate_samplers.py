@@ -7,8 +7,6 @@ import argparse
 from dph_async.app.ablate.command import add_common_arguments, run
 from dph_async.samplers import SAMPLERS
 
-NAME = "ablate samplers"
-HELP = "sweep the DPO samplers (online, ref, gshf, mixp) x seeds; the samplers seed's comparison on your task"
 DESCRIPTION = """\
 A grid of online-DPO runs (the `dpo` preset unless --preset says otherwise) that differ only in
 actors.sampler, the distribution the actors sample from: online (pi_theta), ref (the frozen pi_0),

@@ -6,8 +6,6 @@ import argparse
 
 from dph_async.app.ablate.command import add_common_arguments, run
 
-NAME = "ablate staleness"
-HELP = "sweep the staleness bound eta x off-policy correction x seeds; reward, Pass@k, IS diagnostics"
 DESCRIPTION = """\
 A grid of RL runs that differ only in replay.max_staleness (eta: how many learner versions old a
 group may be when it is consumed; eta = 0 is synchronous RL; auto: the learner steers it, see

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from dph_async.app.commands.common import add_output_argument, fail
 
-NAME = "analyze"
-HELP = "weight analysis: singular spectra and principal angles of top-k subspaces, base against trained"
 DESCRIPTION = """\
 Compare every weight matrix (attention q/k/v/o, MLP gate/up/down, embeddings, LM head) of one or more
 trained checkpoints with the base model's, using float64 SVDs:

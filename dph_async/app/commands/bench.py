@@ -10,8 +10,6 @@ from dph_async.app.commands.common import add_output_argument, fail, guarded
 from dph_async.app.progress import console
 from dph_async.config import load_config
 
-NAME = "bench"
-HELP = "RL throughput: the same work in sync and async mode, busy timelines, weight sync, scaling"
 DESCRIPTION = """\
 Benchmark the RL pipeline on a workload: the embedded default, or --model/--data. Both runs start
 from the same base model and do the same work (learner.steps x learner.groups_per_step prompts x

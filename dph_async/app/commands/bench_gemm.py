@@ -10,8 +10,6 @@ from pathlib import Path
 
 from dph_async.app.commands.common import add_output_argument, fail, write_cells
 
-NAME = "bench gemm"
-HELP = "the learner's linear layers: oneDNN (learner.cpu_gemm) against torch's F.linear"
 DESCRIPTION = """\
 Forward and backward of one linear layer (y = x W^T, then dx and dW: 6 x rows x in x out
 floating-point operations) through oneDNN, as `learner.cpu_gemm=onednn` runs the learner's, against

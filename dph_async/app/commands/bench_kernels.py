@@ -14,8 +14,6 @@ from rich.table import Table
 
 from dph_async.app.commands.common import add_output_argument, fail
 
-NAME = "bench kernels"
-HELP = "peak memory and time of the fused log-prob kernels against the naive path"
 DESCRIPTION = """\
 Forward + backward of log p(target) = log_softmax(hidden @ weight.T)[target] at N tokens, hidden size
 H and vocabulary V: the fused torch path (vocabulary blocks, online log-sum-exp, recomputing backward)

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from dph_async.app.commands.common import add_output_argument, fail, guarded
 
-NAME = "bench peer"
-HELP = "the same GRPO work through dph-async, an in-repo single-process loop and TRL's GRPOTrainer"
 DESCRIPTION = """\
 Run the same GRPO work (learner.steps steps of learner.groups_per_step prompts x sampling.n
 completions, the same model, prompts, max tokens, lr and temperature) through:

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from dph_async.app.commands.common import add_output_argument, fail, guarded
 
-NAME = "bench scale"
-HELP = "dph-async against TRL's GRPOTrainer and the in-repo loop over a grid of model sizes x completion lengths"
 DESCRIPTION = """\
 The comparison of `bench peer` in every cell of a grid: model sizes (random-init Llamas over a 32k
 byte-level BPE vocabulary made here: 2m = hidden 32 x 2 layers, 12m = 160 x 4, 52m = 512 x 6, or

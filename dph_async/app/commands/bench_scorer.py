@@ -9,8 +9,6 @@ from pathlib import Path
 
 from dph_async.app.commands.common import add_output_argument, write_cells
 
-NAME = "bench scorer"
-HELP = "scorer throughput and latency percentiles: local pool against the HTTP service"
 DESCRIPTION = """\
 Requests/s and call-latency percentiles of scoring SQL (the local fixture) and math (math-verify)
 responses at several numbers of concurrent callers (one request per call), plus one caller sending

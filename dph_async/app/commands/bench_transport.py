@@ -14,8 +14,6 @@ from rich.table import Table
 
 from dph_async.app.commands.common import add_output_argument
 
-NAME = "bench transport"
-HELP = "rollout transport bandwidth: protocol vs bare ZeroMQ vs pickle queues, and replay ops/s"
 DESCRIPTION = """\
 Groups/s and GB/s of rollout groups (n completions x T tokens of token ids, log-probs and versions)
 between two processes over ipc:// and tcp://127.0.0.1: the wire protocol (encode, send, receive,

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from dph_async.app.commands.common import add_output_argument, fail, guarded
 
-NAME = "bench weights"
-HELP = "weight sync: publish -> loaded in a vLLM actor, per stage, against memcpy"
 DESCRIPTION = """\
 Make a model of >= 100 M parameters (random init, a Llama config; kept in --models for the next
 run), publish versions of it through the learner's weight servers, and load each into a vLLM actor

@@ -1,5 +1,5 @@
 """What the command modules share: the config arguments, error lines, Ctrl-C, a bench's table of cells
-(not a command: no NAME)."""
+(not a command: no line in COMMANDS)."""
 
 from __future__ import annotations
 

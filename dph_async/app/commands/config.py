@@ -7,8 +7,6 @@ import argparse
 from dph_async.app.commands.common import add_config_arguments
 from dph_async.config import dump_config, load_config, presets
 
-NAME = "config"
-HELP = "print the resolved config (preset + overrides) as YAML, or list the presets"
 DESCRIPTION = """\
 Print the config a run would use: a preset (default: the embedded CPU default) with dotted overrides
 applied and validated, exactly as `dph-async run` would see it. A wrong key or value is reported with

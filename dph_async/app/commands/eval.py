@@ -8,8 +8,6 @@ from pathlib import Path
 from dph_async.app.commands.common import add_config_arguments, add_output_argument
 from dph_async.config import load_config
 
-NAME = "eval"
-HELP = "evaluate a model: greedy accuracy, unbiased Pass@k (k = 1..eval.k_max), distinct correct answers"
 DESCRIPTION = """\
 Evaluate one model on one or more test sets (parquet in the verl row format). For each prompt: one
 greedy answer, and eval.k_max samples at eval.temperature, scored by the reward registered for the

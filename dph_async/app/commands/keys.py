@@ -6,8 +6,6 @@ import argparse
 
 from dph_async.app.commands.common import fail
 
-NAME = "keys"
-HELP = "create CURVE keys so services can listen beyond 127.0.0.1"
 DESCRIPTION = """\
 Create a key directory: the service key pair, one client key pair, and authorized/ holding the
 client public keys the services accept. Point every process at it with net.curve_keys=DIR (or

@@ -6,8 +6,6 @@ import argparse
 import json
 import logging
 
-NAME = "pool"
-HELP = "list (or end) the actor processes a Ray cluster keeps for later runs"
 DESCRIPTION = """\
 With launcher.keep_actors_s=N on a cluster that outlives its drivers (launcher.address), an actor
 process stays on the cluster after `dph-async run` ends, for the next invocation with the same

@@ -9,8 +9,6 @@ from dph_async.app.commands.common import add_config_arguments, add_output_argum
 from dph_async.app.progress import console
 from dph_async.config import load_config
 
-NAME = "presample"
-HELP = "sample pi_0 k times per prompt; write the reference pool (D_pef) and the RL set (D_exp)"
 DESCRIPTION = """\
 Pre-sampling, the first stage of DPH-RL, on its own. The base model answers every training prompt k
 times (presample.k). Prompts it always solves (presample.min_correct of k, default all) form D_pef:

@@ -11,8 +11,6 @@ from dph_async.app.commands.common import add_output_argument, fail
 if TYPE_CHECKING:
     from dph_async.config import RunConfig
 
-NAME = "recover"
-HELP = "SVD recovery: put the base's top-k singular directions/values back into a trained model, evaluate ID and OOD"
 DESCRIPTION = """\
 The recovery experiment of "RL heals OOD forgetting in SFT": every selected weight matrix of TRAINED
 gets its top-k singular part replaced by BASE's, and each recovered model is written as a Hugging Face

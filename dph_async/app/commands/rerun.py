@@ -7,8 +7,6 @@ from pathlib import Path
 
 from dph_async.app.commands.common import add_config_arguments, add_output_argument, fail
 
-NAME = "rerun"
-HELP = "re-train a run's learner on its recorded batches: check it is the run bit for bit, or train a counterfactual"
 DESCRIPTION = """\
 Every RL run records the batches its learner trained on (rl/<mode>/batches.rec). `rerun` builds the
 learner as the run built it (its config, model, seed and threads), starts from pi_0 (or --from a

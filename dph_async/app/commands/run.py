@@ -7,8 +7,6 @@ import argparse
 from dph_async.app.commands.common import add_config_arguments, add_output_argument, guarded
 from dph_async.config import load_config
 
-NAME = "run"
-HELP = "warm start, pre-sample, train with asynchronous DPH-RL, evaluate and report"
 DESCRIPTION = """\
 Run the whole DPH-RL pipeline. With no arguments it uses the embedded default, made locally from a
 seed (a procedural digit task with an out-of-domain rule variant, a character tokenizer, a tiny

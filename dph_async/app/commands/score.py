@@ -15,8 +15,6 @@ from rich.table import Table
 from dph_async.app.commands.common import add_config_arguments, add_output_argument
 from dph_async.config import load_config
 
-NAME = "score"
-HELP = "score a file of responses (JSONL or parquet) and print a summary"
 DESCRIPTION = """\
 Score responses with the rewards registered for their data_source, in sandboxed worker processes
 (or on scorer services when rewards.scorer_urls is set), and print per-source accuracy, mean score,

@@ -12,8 +12,6 @@ from pathlib import Path
 from dph_async.app.commands.common import add_config_arguments, fail
 from dph_async.config import load_config
 
-NAME = "serve replay"
-HELP = "run the replay service (rollout ingest for actors, batches for the learner)"
 DESCRIPTION = """\
 Run the replay service in this process: actors send rollout groups to the ingest endpoint, the
 learner asks the batch endpoint for batches (docs/data_plane.md). Settings come from the config (a

@@ -11,8 +11,6 @@ from dph_async.app.commands.common import add_config_arguments, fail
 from dph_async.config import load_config
 from dph_async.rewards.wire import TOKEN_ENV
 
-NAME = "serve scorer"
-HELP = "serve rewards over HTTP (a worker pool behind POST /v1/score)"
 DESCRIPTION = """\
 Serve the verifiable rewards over HTTP, so actors on other machines can score with
 `rewards.scorer_urls=[http://HOST:PORT]`. Endpoints: POST /v1/score, GET /health, GET /metrics

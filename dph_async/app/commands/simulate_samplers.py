@@ -8,8 +8,6 @@ from pathlib import Path
 
 from dph_async.app.commands.common import add_output_argument
 
-NAME = "simulate samplers"
-HELP = "tabular bandit: how fast DPO converges with each pair sampler (ref, online, gshf, mixp)"
 DESCRIPTION = """\
 Train a tabular policy with DPO from pairs drawn by each sampler and plot the gap to the optimal
 KL-regularised value, V* - V(pi), per update (the samplers seed's numerical simulation; formulas in

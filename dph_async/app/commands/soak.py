@@ -9,8 +9,6 @@ from dph_async.app.commands.common import add_config_arguments, add_output_argum
 from dph_async.app.progress import console
 from dph_async.config import load_config
 
-NAME = "soak"
-HELP = "train continuously for N minutes, sampling RSS, fds, threads, /dev/shm, WAL and throughput"
 DESCRIPTION = """\
 Run the default workload (or a preset with overrides) as one long RL run, the data cycled, until
 --minutes after the first learner step. Every --interval-s it samples each process's RSS, open file

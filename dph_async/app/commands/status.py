@@ -16,8 +16,6 @@ from dph_async.app.endpoints import TIMEOUT_S, Reading, find_endpoints, scrape
 from dph_async.app.progress import console as progress_console
 from dph_async.app.run_outcome import RLOutcome, RunOutcome, finished_rl, finished_run
 
-NAME = "status"
-HELP = "health and key metrics of a run's processes (replay, learner, actors, scorers), or a finished run's result"
 DESCRIPTION = """\
 Read GET /health and /metrics of every long-running process and print a table of those that answer:
 pid, RSS, open files, threads, policy version, throughput (learner tokens/s, actor tokens/s, replay
