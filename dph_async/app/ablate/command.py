@@ -7,8 +7,11 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from dph_async.app.ablate.report import write_summary
+from dph_async.app.ablate.sweep import run_sweep
 from dph_async.app.commands.common import add_config_arguments, add_output_argument, fail, guarded
 from dph_async.app.progress import console
+from dph_async.app.specs import RunSpec
 from dph_async.config import RunConfig, load_config
 
 # Applied before the user's overrides: cells cheap enough for a grid on a small machine (docs/ablations.md).
@@ -37,10 +40,6 @@ def run(args: argparse.Namespace, make_sweep: Callable[[str, RunConfig], object]
     overrides = [*SWEEP_DEFAULTS, *defaults, *args.overrides, f"output_dir={args.output}",
                  *(f"{k}={v}" for k, v in flags.items() if v is not None)]
     cfg = load_config(args.preset, overrides)
-    # The run specs (torch), the sweep (Ray) and the report (matplotlib): here, so --help stays fast.
-    from dph_async.app.ablate.report import write_summary
-    from dph_async.app.ablate.sweep import run_sweep
-    from dph_async.app.specs import RunSpec
 
     if args.eval_points < 1:
         return fail(f"--eval-points must be >= 1 (got {args.eval_points})")

@@ -26,10 +26,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
+from safetensors.torch import save_file
 
 from dph_async.app.analyze.svd import REPLACEMENTS, SVD, Replacement, replace_top_k, svd64
 from dph_async.app.analyze.weights import Checkpoint, MatrixInfo, WeightReader, common_matrices
-from dph_async.app.evaluate import SplitResult, load_results
+from dph_async.app.cluster import ray_cluster
+from dph_async.app.evaluate import EvalJob, SplitResult, load_results
+from dph_async.app.pipeline import evaluate_models
 from dph_async.app.progress import console, progress
 from dph_async.app.report import comparison_rows, difficulty_rows, markdown_table, plot_pass_at_k, tables_by_test_set
 from dph_async.config import RunConfig
@@ -51,7 +54,6 @@ class Recovery:
 @dataclass
 class RecoveryRecord:
     """What one recovered model is: its replacement, and how much of the update trained - base remains."""
-
     name: str
     what: str
     k: int
@@ -90,8 +92,6 @@ def top_svds(base: WeightReader, trained: WeightReader, matrices: list[MatrixInf
 def write_recovered(base: WeightReader, trained: WeightReader, svds: dict[str, tuple[SVD, SVD]], rec: Recovery,
                     out: Path) -> RecoveryRecord:
     """The trained model with rec applied to every matrix in `svds`, as a Hugging Face directory."""
-    from safetensors.torch import save_file
-
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(trained.ckpt.path, tmp, ignore=shutil.ignore_patterns(*WEIGHT_FILES, "*.safetensors"))
@@ -127,10 +127,6 @@ class RecoveryResult:
 def run_recovery(cfg: RunConfig, base: Path, trained: Path, tests: dict[str, Path], out: Path,
                  recoveries: list[Recovery], types: list[str] | None, keep_models: bool = True) -> RecoveryResult:
     """Build, evaluate and report every recovery (skipping what a previous run finished)."""
-    from dph_async.app.cluster import ray_cluster
-    from dph_async.app.evaluate import EvalJob
-    from dph_async.app.pipeline import evaluate_models
-
     for name, path in (("BASE", base), ("TRAINED", trained)):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{name} {path}: not a Hugging Face model directory (no config.json); the "

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from dph_async.paths import (
     MODEL_STATES,
@@ -73,7 +74,6 @@ def type_rank(type_: str) -> tuple[int, str]:
 @dataclass(frozen=True)
 class Checkpoint:
     """One set of weights to compare with the base: a Hugging Face directory or a learner checkpoint."""
-
     label: str
     path: Path
     deepspeed: bool = False
@@ -132,7 +132,6 @@ def default_out(paths: list[Path], kind: str) -> Path:
 
 class WeightReader:
     """The 2-D floating-point tensors of one checkpoint, read one at a time (safetensors lazily)."""
-
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
         self._stack = ExitStack()
@@ -141,8 +140,6 @@ class WeightReader:
         if ckpt.deepspeed:
             self._add(checkpoint_weights(path))
         elif (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
-            from safetensors import safe_open
-
             index = path / "model.safetensors.index.json"
             files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
                      else ["model.safetensors"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dph_async.app.ablate.cells import divergence_sweep, frontier_sweep
 from dph_async.app.ablate.command import add_common_arguments, run
 from dph_async.app.commands.common import fail
 
@@ -67,8 +68,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dph_async.app.ablate.cells import divergence_sweep, frontier_sweep
-
     if not args.frontier:
         if args.shares or args.share_runs:
             return fail("--shares and --share-runs belong to --frontier")

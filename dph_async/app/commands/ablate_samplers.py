@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from dph_async.app.ablate.cells import samplers_sweep
 from dph_async.app.ablate.command import add_common_arguments, run
 from dph_async.samplers import SAMPLERS
 
@@ -31,6 +32,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dph_async.app.ablate.cells import samplers_sweep
-
     return run(args, lambda mode, _cfg: samplers_sweep(args.samplers, args.seeds, mode))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from dph_async.app.ablate.cells import staleness_sweep
 from dph_async.app.ablate.command import add_common_arguments, run
 
 DESCRIPTION = """\
@@ -51,6 +52,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dph_async.app.ablate.cells import staleness_sweep
-
     return run(args, lambda mode, _cfg: staleness_sweep(args.etas, args.corrections, args.seeds, mode))

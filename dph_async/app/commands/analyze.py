@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
+from dph_async.app.analyze.drift import analyze
+from dph_async.app.analyze.report import write_analysis
+from dph_async.app.analyze.weights import default_out, expand
 from dph_async.app.commands.common import add_output_argument, fail
+from dph_async.app.progress import console
 
 DESCRIPTION = """\
 Compare every weight matrix (attention q/k/v/o, MLP gate/up/down, embeddings, LM head) of one or more
@@ -43,13 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
-
-    from dph_async.app.analyze.drift import analyze
-    from dph_async.app.analyze.report import write_analysis
-    from dph_async.app.analyze.weights import default_out, expand
-    from dph_async.app.progress import console
-
     torch.set_num_threads(max(1, args.threads))
     try:
         base = expand(args.base)

@@ -6,6 +6,9 @@ import argparse
 import shutil
 from pathlib import Path
 
+from dph_async.app.bench.pipeline import BENCH_DEFAULTS, run_bench
+from dph_async.app.bench.pipeline_report import write_report
+from dph_async.app.bench.transport import machine
 from dph_async.app.commands.common import add_output_argument, fail, guarded
 from dph_async.app.progress import console
 from dph_async.config import load_config
@@ -63,11 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    # The pipeline under test (Ray, torch, vLLM): here, not at the top, so that --help stays fast.
-    from dph_async.app.bench.pipeline import BENCH_DEFAULTS, run_bench
-    from dph_async.app.bench.pipeline_report import write_report
-    from dph_async.app.bench.transport import machine
-
     flags = {"learner.steps": args.steps, "model.path": args.model, "task.data": args.data}
     cfg = load_config(args.preset, [*BENCH_DEFAULTS, *args.overrides, f"output_dir={args.output}",
                                     *(f"{k}={v}" for k, v in flags.items() if v is not None)])

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
+from dph_async.app.bench import peer
+from dph_async.app.bench.pipeline import BENCH_DEFAULTS
+from dph_async.app.bench.transport import machine
 from dph_async.app.commands.common import add_output_argument, fail, guarded
+from dph_async.app.pipeline import validate
+from dph_async.app.progress import console
+from dph_async.config import load_config
 
 DESCRIPTION = """\
 Run the same GRPO work (learner.steps steps of learner.groups_per_step prompts x sampling.n
@@ -61,12 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_run_arguments(p: argparse.ArgumentParser, steps: int, skip: int) -> None:
     """What every system's run is (`bench peer`'s and `bench scale`'s): steps, the steady state, which
     systems, dph-async's preset and overrides, and where TRL's environment lives."""
-    from dph_async.app.bench.peer import SYSTEMS
 
     p.add_argument("--steps", type=int, default=steps, help="steps per run, every system (default: %(default)s)")
     p.add_argument("--skip", type=int, default=skip, help="first steps left out of the steady state "
                    "(default: %(default)s)")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="which systems "
+    p.add_argument("--systems", nargs="+", choices=peer.SYSTEMS, default=list(peer.SYSTEMS), help="which systems "
                    "(default: all)")
     p.add_argument("--preset", default="grpo", help="a preset name or a YAML file (default: %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -76,14 +82,6 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int, skip: int) -> None
 
 
 def main(args: argparse.Namespace) -> int:
-    import shutil
-
-    from dph_async.app.bench import peer
-    from dph_async.app.bench.pipeline import BENCH_DEFAULTS
-    from dph_async.app.bench.transport import machine
-    from dph_async.app.progress import console
-    from dph_async.config import load_config
-
     if args.user_case and (args.model or args.data):
         return fail("--user-case builds its own model and data: leave out --model/--data")
     if args.steps <= args.skip:
@@ -93,8 +91,6 @@ def main(args: argparse.Namespace) -> int:
             shutil.rmtree(args.output / sub, ignore_errors=True)
 
     def work() -> None:
-        from dph_async.app.pipeline import validate
-
         model, data, extra = args.model, args.data, []
         if args.user_case:
             with console.status("user case: writing the prompts and training the tiny Llama briefly"):

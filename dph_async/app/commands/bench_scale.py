@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
+from dph_async.app.bench import scale, scale_report
+from dph_async.app.bench.peer import rate
+from dph_async.app.bench.transport import machine
+from dph_async.app.commands.bench_peer import add_run_arguments
 from dph_async.app.commands.common import add_output_argument, fail, guarded
+from dph_async.app.progress import console
+from dph_async.tasks.bpe import VOCAB
 
 DESCRIPTION = """\
 The comparison of `bench peer` in every cell of a grid: model sizes (random-init Llamas over a 32k
@@ -30,9 +37,6 @@ examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dph_async.app.commands.bench_peer import add_run_arguments
-    from dph_async.tasks.bpe import VOCAB
-
     add_output_argument(p, "output directory (default: %(default)s)", out_alias=True, type=Path,
                         default=Path("runs/bench/scale"))
     p.add_argument("--sizes", nargs="+", default=["2m", "12m", "52m"], help="model sizes: 2m, 12m, 52m or "
@@ -48,13 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import shutil
-
-    from dph_async.app.bench import scale, scale_report
-    from dph_async.app.bench.peer import rate
-    from dph_async.app.bench.transport import machine
-    from dph_async.app.progress import console
-
     try:
         sizes = [scale.parse_size(s) for s in args.sizes]
         scale.plan_grid(sizes, args.lengths, args.tokens_per_step, args.n)

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from dph_async.app.bench import scorer as bench
 from dph_async.app.commands.common import add_output_argument, write_cells
 
 DESCRIPTION = """\
@@ -36,9 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    # httpx, numpy and the reward pool: here, not at the top, so that --help stays fast.
-    from dph_async.app.bench import scorer as bench
-
     meta = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "command": "dph-async " + " ".join(sys.argv[1:]),
             "machine": bench.machine(), "workers": args.workers}
     cells = bench.run(args.workers, args.concurrency, args.batch, args.seconds, args.timeout_s,

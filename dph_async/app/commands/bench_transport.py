@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from dph_async.app.bench import transport as bench
 from dph_async.app.commands.common import add_output_argument
 
 DESCRIPTION = """\
@@ -74,7 +75,7 @@ TRANSPORT_COLUMNS = ("n x T", "MiB/group", "via", "zmq GB/s", "protocol GB/s", "
                      "pickle lists GB/s", "protocol/lists", "memcpy GB/s")
 
 
-def _transport(args: argparse.Namespace, bench, console: Console) -> dict:
+def _transport(args: argparse.Namespace, console: Console) -> dict:
     """Rollout groups between two processes: the protocol against bare ZeroMQ, pickle and memcpy."""
 
     def progress(cell: bench.Cell) -> None:
@@ -113,7 +114,7 @@ def _transport(args: argparse.Namespace, bench, console: Console) -> dict:
     return out
 
 
-def _ingest(args: argparse.Namespace, bench, console: Console) -> list[dict]:
+def _ingest(args: argparse.Namespace, console: Console) -> list[dict]:
     """The whole ingest path into a replay process, with and without its gate and write-ahead log."""
     rows: list[dict] = []
     for tokens in args.ingest_tokens:
@@ -134,7 +135,7 @@ def _ingest(args: argparse.Namespace, bench, console: Console) -> list[dict]:
     return rows
 
 
-def _replay(args: argparse.Namespace, bench, console: Console) -> list[dict]:
+def _replay(args: argparse.Namespace, console: Console) -> list[dict]:
     """The replay's own insert and sample rates in-process, with and without its write-ahead log."""
     rows = [bench.bench_replay(args.replay_held, args.replay_batch, args.replay_seconds)]
     with tempfile.TemporaryDirectory(prefix="dph-bench-wal-") as wal:
@@ -150,9 +151,6 @@ def _replay(args: argparse.Namespace, bench, console: Console) -> list[dict]:
 
 
 def main(args: argparse.Namespace) -> int:
-    # numpy, ZeroMQ and the replay: here, not at the top, so that --help stays fast.
-    from dph_async.app.bench import transport as bench
-
     console = Console()
     if not console.is_terminal:  # a log file: wide enough for the tables
         console = Console(width=240)
@@ -161,11 +159,11 @@ def main(args: argparse.Namespace) -> int:
         "machine": bench.machine(),
         "args": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")},
     }
-    result |= _transport(args, bench, console)
+    result |= _transport(args, console)
     if args.ingest_tokens:
-        result["ingest"] = _ingest(args, bench, console)
+        result["ingest"] = _ingest(args, console)
     if args.replay_held:
-        result["replay"] = _replay(args, bench, console)
+        result["replay"] = _replay(args, console)
     result["machine"]["load_avg_after"] = list(os.getloadavg())
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2))

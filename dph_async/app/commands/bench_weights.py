@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dph_async.app.bench import weights as bench
+from dph_async.app.bench.transport import machine
 from dph_async.app.commands.common import add_output_argument, fail, guarded
+from dph_async.app.progress import console
 
 DESCRIPTION = """\
 Make a model of >= 100 M parameters (random init, a Llama config; kept in --models for the next
@@ -44,10 +47,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dph_async.app.bench import weights as bench
-    from dph_async.app.bench.transport import machine
-    from dph_async.app.progress import console
-
     if args.hidden % 64:
         return fail("--hidden must be a multiple of 64 (heads of 64)")
     shape = bench.ModelShape(hidden=args.hidden, layers=args.layers, heads=args.hidden // 64,

@@ -6,6 +6,9 @@ import argparse
 from pathlib import Path
 
 from dph_async.app.commands.common import add_config_arguments, add_output_argument
+from dph_async.app.evaluate import evaluate
+from dph_async.app.inputs import check_datasets, check_model_dir
+from dph_async.app.report import print_tables
 from dph_async.config import load_config
 
 DESCRIPTION = """\
@@ -36,14 +39,9 @@ def main(args: argparse.Namespace) -> int:
     for item in args.data:
         name, _, path = item.rpartition("=")
         tests[name or Path(path).stem] = Path(path)
-    # pyarrow, for the checks: here, so that every other command (a service too) starts without it.
-    from dph_async.app.inputs import check_datasets, check_model_dir
 
     model = check_model_dir(args.model, "--model")
     check_datasets({f"--data {name}": path for name, path in tests.items()}, cfg.rewards)
-    # These pull torch, vLLM and matplotlib: here, not at the top, so that --help stays fast.
-    from dph_async.app.evaluate import evaluate
-    from dph_async.app.report import print_tables
 
     results = evaluate(cfg, model, tests, Path(args.output) if args.output else None)
     print_tables({model.name: results})

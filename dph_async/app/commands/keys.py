@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from dph_async.app.commands.common import fail
+from dph_async.net import generate_keys
 
 DESCRIPTION = """\
 Create a key directory: the service key pair, one client key pair, and authorized/ holding the
@@ -21,9 +22,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    # ZeroMQ: here, not at the top, so that --help stays fast.
-    from dph_async.net import generate_keys
-
     try:
         keys = generate_keys(args.directory)
     except FileExistsError as e:

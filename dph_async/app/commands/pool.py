@@ -6,6 +6,12 @@ import argparse
 import json
 import logging
 
+import ray
+from rich.console import Console
+from rich.table import Table
+
+from dph_async.app.actor_pool import describe_pool, end_idle
+
 DESCRIPTION = """\
 With launcher.keep_actors_s=N on a cluster that outlives its drivers (launcher.address), an actor
 process stays on the cluster after `dph-async run` ends, for the next invocation with the same
@@ -27,13 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    # Ray: here, not at the top, so that --help stays fast.
-    import ray
-    from rich.console import Console
-    from rich.table import Table
-
-    from dph_async.app.actor_pool import describe_pool, end_idle
-
     ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
     try:
         rows = describe_pool()

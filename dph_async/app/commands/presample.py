@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from dph_async.app.commands.common import add_config_arguments, add_output_argument
+from dph_async.app.inputs import check_datasets, check_model_dir
 from dph_async.app.progress import console
 from dph_async.config import load_config
 
@@ -33,12 +34,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, [*args.overrides, f"model.path={args.model}", f"task.data={args.data}"])
-    # pyarrow, for the checks: here, so that every other command (a service too) starts without it.
-    from dph_async.app.inputs import check_datasets, check_model_dir
 
     model = check_model_dir(args.model, "--model")
     check_datasets({"--data": args.data}, cfg.rewards)
-    # torch, transformers and vLLM: here, not at the top, so that --help stays fast.
+    # Heavy (torch and transformers, ~5 s): imported once the inputs are checked, so that a wrong --model
+    # or --data is one line at once.
     from dph_async.app.presample import presample
 
     s = presample(cfg, model, Path(args.data), Path(args.output))

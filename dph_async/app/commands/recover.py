@@ -6,7 +6,17 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
+from dph_async.app.analyze.recover import Recovery, run_recovery
+from dph_async.app.analyze.svd import REPLACEMENTS
+from dph_async.app.analyze.weights import default_out, run_dir_of
 from dph_async.app.commands.common import add_output_argument, fail
+from dph_async.app.pipeline import StageTimer, prepare
+from dph_async.app.progress import console
+from dph_async.app.report import print_tables
+from dph_async.config import ConfigError, load_config
+from dph_async.paths import RunPaths
 
 if TYPE_CHECKING:
     from dph_async.config import RunConfig
@@ -57,15 +67,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
-
-    from dph_async.app.analyze.recover import Recovery, run_recovery
-    from dph_async.app.analyze.svd import REPLACEMENTS
-    from dph_async.app.analyze.weights import default_out, run_dir_of
-    from dph_async.app.progress import console
-    from dph_async.app.report import print_tables
-    from dph_async.config import ConfigError, load_config
-
     what = [w.strip() for w in args.replace.split(",") if w.strip()]
     if not what or any(w not in REPLACEMENTS for w in what):
         return fail(f"--replace {args.replace!r}: choose from {', '.join(REPLACEMENTS)}")
@@ -101,8 +102,6 @@ def main(args: argparse.Namespace) -> int:
 def resolve_test_sets(cfg: RunConfig, run: Path | None, data: list[str] | None) -> dict[str, Path]:
     """--data if given; else the run's test sets (the embedded default's in_domain and ood splits, or
     task.test_data)."""
-    from dph_async.config import ConfigError
-
     if data:
         tests = {}
         for item in data:
@@ -111,8 +110,6 @@ def resolve_test_sets(cfg: RunConfig, run: Path | None, data: list[str] | None) 
     elif cfg.model.path is None:
         if run is None:
             raise ConfigError("no run directory holds TRAINED: give --run DIR or --data NAME=PATH")
-        from dph_async.app.pipeline import StageTimer, prepare
-        from dph_async.paths import RunPaths
 
         paths = RunPaths(run)
         if not (paths.base_model / "config.json").is_file():

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from transformers.utils import logging as hf_logging
+
 from dph_async.app.commands.common import add_config_arguments, add_output_argument, fail
+from dph_async.app.progress import console
+from dph_async.app.rerun import rerun
+from dph_async.app.rerun_report import verdict
+from learner.recording import RUN_INFO, RecordingError
 
 DESCRIPTION = """\
 Every RL run records the batches its learner trained on (rl/<mode>/batches.rec). `rerun` builds the
@@ -58,8 +64,6 @@ def override_problem(overrides: list[str]) -> str | None:
 
 def run_directory(path: Path) -> Path:
     """`path` itself if it is a recorded RL run, else its one recorded mode under rl/."""
-    from learner.recording import RUN_INFO
-
     if (path / RUN_INFO).is_file():
         return path
     modes = sorted(p.parent for p in path.glob(f"rl/*/{RUN_INFO}"))
@@ -89,13 +93,6 @@ def main(args: argparse.Namespace) -> int:
     except FileNotFoundError as e:
         return fail(str(e))
     out = args.output or rl_dir / "rerun" / _label(args.overrides)
-    # torch, DeepSpeed and the trainer: here, so that --help stays fast.
-    from transformers.utils import logging as hf_logging
-
-    from dph_async.app.progress import console
-    from dph_async.app.rerun import rerun
-    from dph_async.app.rerun_report import verdict
-    from learner.recording import RecordingError
 
     hf_logging.disable_progress_bar()  # the command's output is its verdict
     try:

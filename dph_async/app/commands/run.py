@@ -46,7 +46,8 @@ def main(args: argparse.Namespace) -> int:
     flags = {"output_dir": args.output, "model.path": args.model, "task.data": args.data}
     cfg = load_config(args.preset, [*args.overrides, *(f"{k}={v}" for k, v in flags.items() if v)])
     compare = [m.strip() for m in args.compare.split(",") if m.strip()] if args.compare else None
-    # The pipeline imports Ray: here, not at the top, so that --help and the other commands stay fast.
+    # Heavy (Ray and the pipeline, ~1 s): imported once the config is valid, so that `run --help` and a
+    # config error come back at once.
     from dph_async.app.pipeline import run_pipeline
 
     return guarded(lambda: run_pipeline(cfg, compare), "processes stopped; run the same command again to resume")

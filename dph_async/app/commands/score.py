@@ -14,6 +14,8 @@ from rich.table import Table
 
 from dph_async.app.commands.common import add_config_arguments, add_output_argument
 from dph_async.config import load_config
+from dph_async.rewards.batch_file import read_requests, scorer_failures, summarize
+from dph_async.rewards.scorer import make_scorer
 
 DESCRIPTION = """\
 Score responses with the rewards registered for their data_source, in sandboxed worker processes
@@ -37,9 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.overrides).rewards
-    # numpy, httpx and the reward modules: here, not at the top, so that --help stays fast.
-    from dph_async.rewards.batch_file import read_requests, scorer_failures, summarize
-    from dph_async.rewards.scorer import make_scorer
 
     requests = read_requests(args.file)
     start = time.perf_counter()

@@ -11,6 +11,14 @@ from pathlib import Path
 
 from dph_async.app.commands.common import add_config_arguments, fail
 from dph_async.config import load_config
+from dph_async.net import CONTROL_TOKEN_FILE, InsecureBindError, NetSecurity, control_token
+from dph_async.tasks.model_limits import replay_config
+from dph_async.telemetry import start_endpoint
+from replay.reference_pool import ReferencePoolError
+from replay.service import ReplayService
+from replay.state import ReplayStateError
+from replay.telemetry import ReplayCollector, replay_health
+from replay.wal import WalFormatError
 
 DESCRIPTION = """\
 Run the replay service in this process: actors send rollout groups to the ingest endpoint, the
@@ -59,15 +67,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.overrides)
-    # The replay service pulls ZeroMQ, numpy and pyarrow: here, not at the top, so that --help stays fast.
-    from dph_async.net import CONTROL_TOKEN_FILE, InsecureBindError, NetSecurity, control_token
-    from dph_async.tasks.model_limits import replay_config
-    from dph_async.telemetry import start_endpoint
-    from replay.reference_pool import ReferencePoolError
-    from replay.service import ReplayService
-    from replay.state import ReplayStateError
-    from replay.telemetry import ReplayCollector, replay_health
-    from replay.wal import WalFormatError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     wal_dir = args.wal_dir

@@ -9,6 +9,8 @@ import sys
 
 from dph_async.app.commands.common import add_config_arguments, fail
 from dph_async.config import load_config
+from dph_async.rewards.service import ServiceSettings, make_app
+from dph_async.rewards.service_http import bind, serve
 from dph_async.rewards.wire import TOKEN_ENV
 
 DESCRIPTION = """\
@@ -64,9 +66,6 @@ def main(args: argparse.Namespace) -> int:
     if not _loopback(args.host) and token is None and not args.insecure:
         return fail(f"binding {args.host} exposes the scorer beyond this machine; set {TOKEN_ENV} (a shared token) "
                     "or pass --insecure")
-    # FastAPI and uvicorn: here, not at the top, so that --help stays fast.
-    from dph_async.rewards.service import ServiceSettings, make_app
-    from dph_async.rewards.service_http import bind, serve
 
     settings = ServiceSettings(max_queued_bytes=int(args.max_queued_mb * 2**20),
                                max_body_bytes=int(args.max_body_mb * 2**20), max_items=args.max_items,

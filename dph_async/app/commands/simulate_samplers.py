@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 from dph_async.app.commands.common import add_output_argument
+from dph_async.app.progress import progress
+from dph_async.app.sampler_bandit import BanditConfig, simulate, write
+from dph_async.samplers import SAMPLERS
 
 DESCRIPTION = """\
 Train a tabular policy with DPO from pairs drawn by each sampler and plot the gap to the optimal
@@ -20,9 +23,6 @@ dph_async/app/sampler_bandit.py). Writes bandit.json and bandit_gap.png to --out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dph_async.app.sampler_bandit import BanditConfig
-    from dph_async.samplers import SAMPLERS
-
     d = BanditConfig()
     parser.add_argument("--actions", type=int, default=d.actions, help="K (default: %(default)s)")
     parser.add_argument("--beta", type=float, default=d.beta, help="DPO's beta (default: %(default)s)")
@@ -37,9 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dph_async.app.progress import progress
-    from dph_async.app.sampler_bandit import BanditConfig, simulate, write
-
     if args.actions < 2 or args.beta <= 0 or args.lr <= 0 or args.updates < 1 or args.empirical_pairs < 0:
         print("error: need --actions >= 2, --beta > 0, --lr > 0, --updates >= 1, --empirical-pairs >= 0",
               file=sys.stderr)

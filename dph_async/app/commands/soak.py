@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dph_async.app.commands.common import add_config_arguments, add_output_argument, fail
 from dph_async.app.progress import console
+from dph_async.app.soak import run_soak, write_report
 from dph_async.config import load_config
 
 DESCRIPTION = """\
@@ -52,8 +53,6 @@ def main(args: argparse.Namespace) -> int:
         return fail("--minutes and --interval-s must be positive")
     output = [f"output_dir={args.output}"] if args.output else []
     cfg = load_config(args.preset, [*SOAK_DEFAULTS, *args.overrides, *output])
-    # The soak runs the pipeline under Ray: here, not at the top, so that --help stays fast.
-    from dph_async.app.soak import run_soak, write_report
 
     warmup = args.warmup_s if args.warmup_s is not None else max(args.interval_s, args.minutes * 60 / 5)
 

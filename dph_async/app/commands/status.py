@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from datetime import datetime
 from pathlib import Path
 
@@ -161,8 +162,6 @@ def live_table(readings: list[Reading], done: dict[str, RLOutcome], console: Con
 
 
 def main(args: argparse.Namespace) -> int:
-    import json
-
     try:
         endpoints = find_endpoints(args.targets)
     except FileNotFoundError as e:
