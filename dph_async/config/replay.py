@@ -14,8 +14,9 @@ class ReplayConfig(Section):
     # eta: a group is used only while (learner version - oldest token version) <= max_staleness.
     # auto: the learner steers eta within [staleness_min, staleness_max], starting at the minimum, by
     # the effective sample size of its importance weights: every `staleness_window` steps, halved if
-    # the window's mean ESS is below `staleness_target_ess`, else raised by one if the window's data
-    # reached the bound (learner/staleness_control.py; docs/decisions.md says why).
+    # the window's mean ESS is below `staleness_target_ess`, else, if the window's data reached the
+    # bound, doubled until the first halving and raised by one after it. A lowered bound spares the
+    # groups admitted under the higher one (learner/staleness_control.py; docs/decisions.md says why).
     max_staleness: int | Literal["auto"] = 1
     staleness_min: int = Field(1, ge=0)
     staleness_max: int = Field(8, ge=0)
