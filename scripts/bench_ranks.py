@@ -24,13 +24,19 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from dph_async.config import load_config
+from dph_async.protocol import Batch, Completion, ReferenceSample, RolloutGroup, SamplingInfo
+from dph_async.rewards.result import RewardResult
+from dph_async.tasks.embedded import ALPHABET
+from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer, save_model
+from learner.data_parallel import Rendezvous
+from learner.objectives import make_objective
+from learner.trainer import Trainer, follow
 
 
 def synthetic_batch(cfg, vocab: int, seed: int = 0):
-    from dph_async.protocol import Batch, Completion, ReferenceSample, RolloutGroup, SamplingInfo
-    from dph_async.rewards.result import RewardResult
-    from learner.objectives import make_objective
-
     rng = np.random.default_rng(seed)
     n, longest, groups = cfg.sampling.n, cfg.sampling.max_tokens, []
     for g in range(cfg.learner.groups_per_step):
@@ -54,12 +60,6 @@ def synthetic_batch(cfg, vocab: int, seed: int = 0):
 
 def rank_main(rank: int, world: int, store: str, model_dir: str, overrides: list[str], steps: int, warmup: int,
               out: str) -> None:
-    import torch
-
-    from dph_async.config import load_config
-    from learner.data_parallel import Rendezvous
-    from learner.trainer import Trainer, follow
-
     cfg = load_config("default", [*overrides, f"learner.ranks={world}"])
     torch.set_num_threads(cfg.learner.threads)
     rdv = Rendezvous(rank, world, store) if world > 1 else None
@@ -116,11 +116,8 @@ def main() -> None:
     p.add_argument("-o", "--output", "--out", dest="out", type=Path)
     p.add_argument("overrides", nargs="*", help="dotted config overrides (learner.*, sampling.*, model.*)")
     args = p.parse_args()
+    # Before the ranks start: DeepSpeed, imported when a rank builds its Trainer, reads it.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
-
-    from dph_async.config import load_config
-    from dph_async.tasks.embedded import ALPHABET
-    from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer, save_model
 
     cfg = load_config("default", args.overrides)
     tok = build_tokenizer(ALPHABET)

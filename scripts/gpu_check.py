@@ -32,11 +32,15 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import triton
+import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import fused_logprobs
+from dph_async.config.loss import LossConfig
+from kernels import default_block_v, fused_logprobs
 from kernels.reference import naive_logprobs, reference_with_grads, rel_error
+from learner import losses as L
 
 GIB = 1 << 30
 # Liger-Kernel's published peak memory at N = 8,192 (Qwen-size V and H, bf16), for the record beside ours.
@@ -116,8 +120,6 @@ def _sync(device: str) -> None:
 
 def _median_ms(fn: Callable[[], object], device: str, tiny: bool) -> float:
     if device == "cuda":
-        import triton.testing
-
         return float(triton.testing.do_bench(fn, warmup=100, rep=600, return_mode="median"))
     times = []
     for _ in range(3 if tiny else 5):
@@ -204,8 +206,9 @@ CANDIDATE_TILES = [(64, 128, 64, 4, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 
 
 def sweep_tiles(report: Report, device: str, tiny: bool, g: torch.Generator) -> None:
     """Forward and backward of the Triton kernel, separately, per candidate tile at N = 8,192, bf16."""
+    # Defines the Triton kernels, so only here, after main's TRITON_INTERPRET check: Triton takes its
+    # interpreter or the GPU when they are defined (kernels/fused.py imports it as late).
     from kernels import triton_logprob as tk
-    from kernels.fused import default_block_v
 
     n, h, v = (100, 72, 1_500) if tiny else (8_192, 4_096, 151_936)
     hidden, weight, targets, grad, rows, ref_logp, ref_dh = _cost_inputs(n, h, v, torch.bfloat16, device, g)
@@ -236,9 +239,6 @@ def sweep_tiles(report: Report, device: str, tiny: bool, g: torch.Generator) -> 
 
 
 def _loss_cases() -> dict[str, Callable[[dict], torch.Tensor]]:
-    from dph_async.config.loss import LossConfig
-    from learner import losses as L
-
     def policy(correction: str, mask_level: str = "token") -> Callable[[dict], torch.Tensor]:
         cfg = LossConfig(correction=correction, mask_level=mask_level)
 
@@ -301,13 +301,9 @@ def check_losses(report: Report, device: str, g: torch.Generator) -> None:
 
 
 def _device_info(device: str) -> dict:
-    import triton
-
     info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "device": device, "interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
     if device == "cuda":
-        import triton.testing
-
         props = torch.cuda.get_device_properties(0)
         info.update(name=props.name, capability=f"{props.major}.{props.minor}",
                     multiprocessors=props.multi_processor_count, memory_gib=round(props.total_memory / GIB, 1))

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from learner.cpu_gemm import onednn_linear
 
@@ -37,8 +38,6 @@ class Cell:
 
 def model_shapes(model_dir: Path) -> list[tuple[int, int]]:
     """The distinct (in, out) of a Hugging Face model's linear layers, from its config alone."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     return sorted({(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)})

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 import statistics
@@ -31,11 +32,20 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import ray
+
 from dph_async.app.bench.cpu import Memory, ProcessTreeCPU, cpu_between
 from dph_async.app.bench.peer_limit import Limit, limit_lines, limit_of
 from dph_async.app.bench.peer_spec import PeerSpec
-from dph_async.config import RunConfig
+from dph_async.app.bench.pipeline import MEMORY_FILE, _run_one, measure
+from dph_async.app.cluster import ray_cluster
+from dph_async.app.pipeline import StageTimer, prepare, prepare_embedded
+from dph_async.app.report import markdown_table
+from dph_async.app.specs import RunSpec
+from dph_async.config import RunConfig, load_config
+from dph_async.paths import RunPaths
 from dph_async.run_stats import ActorStats, read_result
+from dph_async.tasks.dataset import load_prompts
 
 SYSTEMS = ("dph-async", "loop", "trl")
 TRL_PACKAGES = ("transformers==5.23.0", "trl==1.16.0", "datasets==5.2.0", "accelerate==1.15.0")
@@ -89,17 +99,16 @@ def spec_of(cfg: RunConfig, model: Path, data: Path) -> PeerSpec:
 
 def ensure_trl(cache: Path, log) -> tuple[Path | None, str]:
     """The Python of TRL's environment (made on first use), or None and why not."""
-    import torch
-
+    torch_version = importlib.metadata.version("torch")  # this environment's torch, for TRL's to match
     venv = cache / "peer-trl"
-    key = hashlib.sha256(" ".join((torch.__version__, *TRL_PACKAGES)).encode()).hexdigest()[:12]
+    key = hashlib.sha256(" ".join((torch_version, *TRL_PACKAGES)).encode()).hexdigest()[:12]
     python, stamp = venv / "bin" / "python", venv / f".ready-{key}"
     if stamp.is_file():
         return python, ""
-    log(f"installing TRL into {venv} (once; about a minute): torch=={torch.__version__}, {', '.join(TRL_PACKAGES)}")
+    log(f"installing TRL into {venv} (once; about a minute): torch=={torch_version}, {', '.join(TRL_PACKAGES)}")
     out = cache / "peer-trl-install.log"
     steps = [[sys.executable, "-m", "venv", str(venv)],
-             [str(python), "-m", "pip", "install", f"torch=={torch.__version__}"],
+             [str(python), "-m", "pip", "install", f"torch=={torch_version}"],
              [str(python), "-m", "pip", "install", *TRL_PACKAGES]]
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -160,20 +169,11 @@ def _cluster(cfg: RunConfig, prestart: bool = False) -> contextlib.AbstractConte
     """The Ray cluster this process holds, where it holds one (`bench scale`'s cells share it, and the
     processes their runs keep), else a cluster of its own for the block (a fresh one per dph-async run,
     so that each run starts as an invocation does)."""
-    import ray
-
-    from dph_async.app.cluster import ray_cluster
-
     return contextlib.nullcontext() if ray.is_initialized() else ray_cluster(cfg, prestart=prestart)
 
 
 def run_dph(cfg: RunConfig, out: Path, repeat: int, skip: int) -> PeerRun:
     """One dph-async RL run of `cfg` (skipped if finished), measured as `dph-async bench` measures."""
-    from dph_async.app.bench.pipeline import MEMORY_FILE, _run_one, measure
-    from dph_async.app.pipeline import StageTimer, prepare
-    from dph_async.app.specs import RunSpec
-    from dph_async.paths import RunPaths
-
     name = f"dph-async-{repeat}"
     paths = RunPaths(out)
     load0 = os.getloadavg()[0]
@@ -221,9 +221,9 @@ def engine_cpu_per_token(actors: list[ActorStats]) -> dict[str, float]:
 
 def write_inputs(cfg: RunConfig, model: Path, data: Path, out: Path) -> tuple[Path, Path]:
     """The peers' spec and their prompts (token ids as the project encodes them, and what scores them)."""
+    # heavy (transformers, and torch with it: ~3 s): the options of `bench peer` and `bench scale` import
+    # this module (SYSTEMS), so their --help would wait for it; only a run gets here
     from transformers import AutoTokenizer
-
-    from dph_async.tasks.dataset import load_prompts
 
     spec = spec_of(cfg, model, data)
     prompts = load_prompts(data, AutoTokenizer.from_pretrained(model), spec.max_prompt_tokens)
@@ -252,9 +252,6 @@ def run(cfg: RunConfig, out: Path, repeats: int, skip: int, machine: dict, syste
     """Prepare the workload (the embedded default's warm start, or --model/--data), then run the
     systems `repeats` times in rotating order; write bench.json. `settings`: the KEY=VALUE overrides
     `cfg` was made with, recorded so that runs of one workload under other settings tell apart."""
-    from dph_async.app.pipeline import StageTimer, prepare
-    from dph_async.paths import RunPaths
-
     out.mkdir(parents=True, exist_ok=True)
     notes = []
     with _cluster(cfg):
@@ -306,8 +303,6 @@ def rate(per_s: float) -> str:
 
 
 def markdown(res: PeerBench) -> str:
-    from dph_async.app.report import markdown_table
-
     w = res.workload
     lines = [
         f"# dph-async bench peer ({res.date})", "",
@@ -346,10 +341,6 @@ def make_user_case(out: Path, seed: int) -> tuple[Path, Path]:
     """The user's case of issue-style reports: a tiny HF Llama (4 layers, hidden 128, fp32, the
     16-id character tokenizer), briefly trained so that it answers in a few tokens, and verl-format
     parquet prompts: the embedded task's files and warm start, made as `dph-async run` makes them."""
-    from dph_async.app.pipeline import StageTimer, prepare_embedded
-    from dph_async.config import load_config
-    from dph_async.paths import RunPaths
-
     cfg = load_config("default", ["model.tiny_layers=4", "warmstart.steps=300", f"seed={seed}"])
     paths = RunPaths(out)
     files = prepare_embedded(cfg, paths, StageTimer())

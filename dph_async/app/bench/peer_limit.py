@@ -34,6 +34,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from dph_async.app.report import markdown_table
+
 TARGET = 1.5  # dph-async / a single-process trainer, completions/s
 TRAINING = ("forward", "loss", "backward", "optimizer")  # the learner's phases that do the arithmetic
 
@@ -120,8 +122,6 @@ def limit_of(runs: list, cores: int) -> Limit | None:
 
 def limit_lines(lim: Limit) -> list[str]:
     """The limit as a report section (markdown)."""
-    from dph_async.app.report import markdown_table
-
     total = sum(lim.parts.values())
     peers = list(lim.peers.items())
     return [

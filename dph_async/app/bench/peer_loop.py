@@ -30,8 +30,13 @@ from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from dph_async.app.bench.peer_spec import PeerSpec  # noqa: E402
+from dph_async.config import LossConfig, RewardConfig  # noqa: E402
+from dph_async.rewards.scorer import make_scorer  # noqa: E402
+from dph_async.tasks.dataset import load_prompts  # noqa: E402
+from learner.losses import aggregate, grpo_advantages, policy_loss  # noqa: E402
 
 
 @dataclass
@@ -66,13 +71,6 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
 
 
 def train(spec: PeerSpec, out: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dph_async.config import LossConfig, RewardConfig
-    from dph_async.rewards.scorer import make_scorer
-    from dph_async.tasks.dataset import load_prompts
-    from learner.losses import aggregate, grpo_advantages, policy_loss
-
     torch.manual_seed(spec.seed)
     tok = AutoTokenizer.from_pretrained(spec.model)
     model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.float32)

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from dph_async.app import scaling
 from dph_async.app.bench.cpu import CpuSample, ProcessTreeCPU, cpu_between, memory_of
 from dph_async.app.bench.figures import RunFigures, WeightSync
 from dph_async.app.bench.timeline import (
@@ -35,8 +37,10 @@ from dph_async.app.bench.timeline import (
     steady_window,
     weight_delays,
 )
+from dph_async.app.cluster import ray_cluster
+from dph_async.app.pipeline import StageTimer, prepare, train_mode, validate
 from dph_async.app.specs import RunSpec
-from dph_async.config import RunConfig
+from dph_async.config import RunConfig, dump_config
 from dph_async.paths import RunPaths
 from dph_async.run_stats import read_result
 
@@ -178,8 +182,6 @@ def plan(cfg: RunConfig, actor_counts: list[int], repeats: int = 1) -> dict[str,
     """The runs of a benchmark in the order they run: sync and async at the configured actors, repeated
     with the order alternating (so a drift in others' load on the machine falls on both modes), then
     async at the other actor counts."""
-    from dph_async.app.pipeline import validate
-
     n = cfg.actors.num_actors
     order = [(name, name.split("-")[0], n) for i, pair in enumerate(pair_names(repeats))
              for name in (pair if i % 2 == 0 else pair[::-1])]
@@ -197,10 +199,6 @@ def plan(cfg: RunConfig, actor_counts: list[int], repeats: int = 1) -> dict[str,
 
 def _run_one(cfg: RunConfig, paths: RunPaths, prepared, spec: RunSpec, name: str, timer) -> list[CpuSample] | None:
     """Train one benchmark run (skipped if finished) and return its CPU samples (None if not recorded)."""
-    import shutil
-
-    from dph_async.app.pipeline import train_mode
-
     rl_dir = paths.rl(name)
     cpu_file = rl_dir / "cpu.json"
     if (rl_dir / "result.json").is_file():
@@ -217,10 +215,6 @@ def _run_one(cfg: RunConfig, paths: RunPaths, prepared, spec: RunSpec, name: str
 def run_bench(cfg: RunConfig, out: Path, actor_counts: list[int], skip: int, machine: dict,
               repeats: int = 1) -> BenchResult:
     """Run (or resume: finished runs are kept) the benchmark in `out`; write bench.json."""
-    from dph_async.app.cluster import ray_cluster
-    from dph_async.app.pipeline import StageTimer, prepare
-    from dph_async.config import dump_config
-
     spec = RunSpec.of(cfg)
     runs = plan(cfg, actor_counts, repeats)
     paths = RunPaths(out)
@@ -253,8 +247,6 @@ def run_bench(cfg: RunConfig, out: Path, actor_counts: list[int], skip: int, mac
 def scaling_model(figures: dict[str, RunFigures], cores: int) -> dict | None:
     """The scaling model fitted on the sync run that others' jobs disturbed least, checked against
     every run, and its projections."""
-    from dph_async.app import scaling
-
     syncs = [f for f in figures.values() if f.mode == "sync" and f.cpu_cores is not None]
     if not syncs:
         return None

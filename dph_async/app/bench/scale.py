@@ -33,10 +33,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dph_async.app.bench.peer import PeerBench
-from dph_async.config import RunConfig
+from transformers import AutoTokenizer
+
+from dph_async.app import scaling
+from dph_async.app.bench import peer
+from dph_async.app.bench.pipeline import BENCH_DEFAULTS
+from dph_async.app.cluster import ray_cluster
+from dph_async.app.pipeline import validate
+from dph_async.config import ModelConfig, RunConfig, load_config
 from dph_async.errors import UserError
-from dph_async.tasks.bpe import VOCAB
+from dph_async.tasks.bpe import VOCAB, build_bpe
+from dph_async.tasks.dataset import verl_row, write_rows
+from dph_async.tasks.embedded import make_splits
+from dph_async.tasks.tiny_model import build_tiny_llama, save_model
 
 PROMPT_TOKENS = 16  # the embedded task's prompts in the chat template: 8 BPE tokens, room to spare
 MAX_POSITIONS = 2048  # the models' max_position_embeddings: any length a grid asks for up to that
@@ -164,14 +173,6 @@ class Inputs:
 def make_inputs(root: Path, sizes: Sequence[Size], seed: int, log: Callable[[str], None], vocab: int = VOCAB) -> Inputs:
     """The tokenizer (a BPE of `vocab` tokens), the prompts and a model per size under `root` (what is
     there already is kept)."""
-    from transformers import AutoTokenizer
-
-    from dph_async.config import ModelConfig
-    from dph_async.tasks.bpe import build_bpe
-    from dph_async.tasks.dataset import verl_row, write_rows
-    from dph_async.tasks.embedded import make_splits
-    from dph_async.tasks.tiny_model import build_tiny_llama, save_model
-
     tok_dir, train = root / "tokenizer", root / "train.parquet"
     if not (tok_dir / "tokenizer.json").is_file():
         log(f"building the BPE tokenizer of {vocab} tokens")
@@ -200,10 +201,6 @@ def cell_config(preset: str, overrides: Sequence[str], plan: CellPlan, inputs: I
                 longest: int) -> RunConfig:
     """The cell's run config. model.max_model_len is the grid's longest length's (not the cell's), so
     that every cell of a size fits one engine."""
-    from dph_async.app.bench.pipeline import BENCH_DEFAULTS
-    from dph_async.app.pipeline import validate
-    from dph_async.config import load_config
-
     work = [f"model.path={inputs.models[plan.size.name]}", f"task.data={inputs.train}",
             f"sampling.max_tokens={plan.length}", f"sampling.n={plan.n}",
             f"learner.groups_per_step={plan.prompts_per_step}", f"model.max_model_len={PROMPT_TOKENS + longest}",
@@ -211,13 +208,11 @@ def cell_config(preset: str, overrides: Sequence[str], plan: CellPlan, inputs: I
     return validate(load_config(preset, [*BENCH_DEFAULTS, *GRID_DEFAULTS, *overrides, *work]), [])
 
 
-def projection(res: PeerBench, cores: Sequence[int]) -> list[dict[str, float]]:
+def projection(res: peer.PeerBench, cores: Sequence[int]) -> list[dict[str, float]]:
     """dph-async's completions/s on `cores` cores by the scaling model (dph_async/app/scaling.py), with
     its costs from this cell's run and the best number of actors (1 to cores - 1, batches split
     evenly where the prompts allow), against each peer's best on those cores: its CPU-seconds per step
     spread over every core without loss (a bound in the peer's favour). Empty without the figures."""
-    from dph_async.app import scaling
-
     dph = next((r for r in res.runs if r.system == "dph-async"), None)
     if dph is None or not dph.detail.get("cpu_cores"):
         return []
@@ -242,7 +237,7 @@ def projection(res: PeerBench, cores: Sequence[int]) -> list[dict[str, float]]:
     return rows
 
 
-def summarise_cell(plan: CellPlan, params: int, res: PeerBench, steps: int, skip: int, wall_s: float,
+def summarise_cell(plan: CellPlan, params: int, res: peer.PeerBench, steps: int, skip: int, wall_s: float,
                    load_avg: tuple[float, float]) -> ScaleCell:
     systems = {r.system: SystemFigures(r.step_s, r.completions_per_s, r.tokens_per_s, r.cpu_s_per_step, r.startup_s,
                                        r.peak_rss_mb) for r in res.runs}
@@ -271,12 +266,6 @@ def run_grid(sizes: Sequence[Size], lengths: Sequence[int], out: Path, *, preset
              tokens_per_step: int, n: int, steps: int, skip: int, systems: list[str], cache: Path, machine: dict,
              vocab: int = VOCAB, seed: int = 0, log: Callable[[str], None] = print) -> ScaleBench:
     """Run the grid's unfinished cells in `out` and write bench.json; return every cell's figures."""
-    from dph_async.app.bench import peer
-    from dph_async.app.bench.pipeline import BENCH_DEFAULTS
-    from dph_async.app.cluster import ray_cluster
-    from dph_async.app.pipeline import validate
-    from dph_async.config import load_config
-
     plans = plan_grid(sizes, lengths, tokens_per_step, n)
     settings = {"preset": preset, "overrides": list(overrides), "vocab": vocab, "tokens_per_step": tokens_per_step,
                 "n": n, "steps": steps, "skip": skip, "systems": list(systems)}

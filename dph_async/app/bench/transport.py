@@ -34,11 +34,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgpack
 import numpy as np
 import zmq
 
-from dph_async.protocol import Completion, RolloutGroup, SamplingInfo, decode, encode
+from dph_async.config.replay import ReplayConfig
+from dph_async.net import NetSecurity
+from dph_async.protocol import BatchRequest, Completion, RolloutGroup, SamplingInfo, decode, encode
+from dph_async.replay_client import ReplayClient, RolloutSender
 from dph_async.rewards.result import RewardResult
+from replay.core import ReplayCore
+from replay.service import ReplayService
+from replay.wal import WriteAheadLog
 
 HWM = 64  # messages queued per socket: bounds memory at the largest shapes, same for both modes
 
@@ -298,11 +305,6 @@ def bench_replay(held: int, batch: int, seconds: float, wal_dir: str | None = No
 
     Small groups (8 x 16 tokens): the store's cost is per group, not per byte; the arrays are
     shared so 100k groups fit in memory. Validation reads every array, so it is per byte."""
-    from dph_async.config.replay import ReplayConfig
-    from dph_async.protocol import BatchRequest
-    from replay.core import ReplayCore
-    from replay.wal import WriteAheadLog
-
     template = synthetic_group(0, 0, n=8, tokens=16)
     core = ReplayCore(
         ReplayConfig(max_staleness=10**6, admission=False, wal_dir=None, max_version_lead=10**6, max_store_mb=1e9),
@@ -349,10 +351,6 @@ def bench_replay(held: int, batch: int, seconds: float, wal_dir: str | None = No
 
 
 def _replay_process(ingest: str, batch: str, wal_dir: str | None, token: bytes, gate: bool) -> None:
-    from dph_async.config.replay import ReplayConfig
-    from dph_async.net import NetSecurity
-    from replay.service import ReplayService
-
     cfg = ReplayConfig(max_staleness=10**6, admission=False, max_group_mb=1024, max_store_mb=1e9)
     security = NetSecurity(gate=gate, gate_memory_mb=4096)
     ReplayService(cfg, ingest, batch, 64, wal_dir=wal_dir, control_token=token, security=security).serve_forever()
@@ -362,8 +360,6 @@ def bench_ingest(n: int, tokens: int, count: int, prompt_tokens: int, wal: bool,
     """The whole ingest path: RolloutSender here -> the replay service in another process (through
     its gate process when `gate`; decode, validation, write-ahead log when `wal`, acknowledgement),
     until every group is acknowledged."""
-    from dph_async.replay_client import ReplayClient, RolloutSender
-
     tmp = tempfile.mkdtemp(prefix="dph-bench-ingest-")
     ingest, batch = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
     token = secrets.token_bytes(32)  # to shut it down: only the control identity may
@@ -401,8 +397,6 @@ def bench_ingest(n: int, tokens: int, count: int, prompt_tokens: int, wal: bool,
 
 def machine() -> dict:
     """What the figures were measured on: lscpu's model name and core count, load, versions."""
-    import msgpack
-
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
     fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
     return {

@@ -40,6 +40,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from actors.engine import VLLMEngine
+from actors.weights import WeightClient
+from dph_async.app.report import markdown_table
+from dph_async.net import NetSecurity
+from dph_async.tasks.embedded import ALPHABET
+from dph_async.tasks.tiny_model import build_tokenizer
+from learner.publish import WeightServer
 
 
 @dataclass(frozen=True)
@@ -95,12 +105,6 @@ def make_model(shape: ModelShape, out: Path) -> Path:
     (skipped if `out` already holds it)."""
     if (out / "config.json").is_file():
         return out
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from dph_async.tasks.embedded import ALPHABET
-    from dph_async.tasks.tiny_model import build_tokenizer
-
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
                          num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
@@ -124,10 +128,6 @@ def memcpy(dest: list[np.ndarray], arrays: list[np.ndarray]) -> tuple[float, flo
 def actor_main(model_dir: str, addrs: dict[str, str], conn, cpu_gemm: str) -> None:
     """The actor (a child process): for each ("load", version, variant) from `conn`, wait for that
     version on the variant's server, read, verify and load it, and answer with the stage times."""
-    from actors.engine import VLLMEngine
-    from actors.weights import WeightClient
-    from dph_async.net import NetSecurity
-
     engine = VLLMEngine(model_dir, max_model_len=64, cpu_gemm=cpu_gemm)
     # transport="shm" and "tcp": a variant that silently took the other transport would be misreported.
     clients = {t: WeightClient(addr, NetSecurity(), actor_id=0, transport=t) for t, addr in addrs.items()}
@@ -188,12 +188,6 @@ def run(shape: ModelShape, model_root: Path, rounds: int, bucket_mb: float, mach
         on_round=None, cpu_gemm: str = "onednn") -> WeightsBench:
     """Publish `rounds` versions (after WARMUP warm-ups per variant, left out), split between the
     variants; return every round's stage times and the medians."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from dph_async.net import NetSecurity
-    from learner.publish import WeightServer
-
     model_dir = make_model(shape, model_root / shape.name)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = sum(p.numel() for p in model.parameters())
@@ -250,8 +244,6 @@ def run(shape: ModelShape, model_root: Path, rounds: int, bucket_mb: float, mach
 
 
 def markdown(res: WeightsBench) -> str:
-    from dph_async.app.report import markdown_table
-
     m, mem = res.model, res.memcpy_gb_per_s
     rows = [[path, f"{s['memcpy']:.2f}", *(f"{s[k]:.2f}" for k in STAGES), f"{s['actor_of_memcpy']:.0%}",
              f"{s['publish_to_loaded_of_memcpy']:.0%}"] for path, s in res.summary.items()]
