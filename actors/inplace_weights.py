@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,6 @@ Signature = tuple[tuple[str, tuple[int, ...]], ...]
 
 def _processable(layer: nn.Module) -> bool:
     """Unquantized, not tensor-parallel: the layouts this plan knows."""
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
     method = getattr(layer, "quant_method", None)
     return (method is None or isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod))) \
         and getattr(layer, "tp_size", 1) == 1

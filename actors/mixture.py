@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.engine import ForwardClock, Sample, SamplingSpec
+from actors.sampling import ForwardClock, Sample, SamplingSpec
 from dph_async.samplers import sampler as sampler_named
 
 
@@ -61,8 +62,6 @@ class MixtureEngine:
 
     def __init__(self, model_dir: str, sampler: str, *, dtype: str = "float32", seed: int = 0, threads: int = 1,
                  version: int = 0, eos_id: int | None = None) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         torch.set_num_threads(threads)
         self.sampler = sampler_named(sampler)  # an unknown sampler fails here
         torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32

@@ -20,8 +20,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from actors.engine import Engine, Sample, SamplingSpec
 from actors.faults import Faults
+from actors.sampling import Engine, Sample, SamplingSpec
 from actors.weights import WeightClient, WeightFetchError
 from dph_async.config import RunConfig
 from dph_async.protocol import Completion, RolloutGroup, SamplingInfo

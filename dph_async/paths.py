@@ -70,11 +70,11 @@ def is_learner_checkpoint(directory: Path) -> bool:
 
 def checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
     """The model's whole weights (on the CPU) in the learner checkpoint `directory`."""
-    import torch
+    import torch  # heavy (about 1.5 s): every command imports this module; reading a checkpoint alone needs it
 
     if (directory / MODEL_STATES).is_file():
         return torch.load(directory / MODEL_STATES, map_location="cpu", weights_only=True, mmap=True)["module"]
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # heavy: ZeRO-3's only
 
     # Detached: DeepSpeed hands back tensors that require grad, which numpy() and analysis refuse.
     weights = get_fp32_state_dict_from_zero_checkpoint(str(directory.parent), tag=directory.name)

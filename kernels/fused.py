@@ -46,7 +46,7 @@ def _implementation(impl: str, device: torch.device) -> ModuleType | SimpleNames
             raise ValueError(
                 "impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported"
             )
-        from kernels import triton_logprob
+        from kernels import triton_logprob  # heavy and optional (triton): a CUDA device's (or the interpreter's)
 
         return triton_logprob
     raise ValueError(f"impl must be 'auto', 'torch', 'onednn' or 'triton', not {impl!r}")

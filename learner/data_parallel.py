@@ -231,7 +231,7 @@ def _from_rows(rows: torch.Tensor) -> tuple[PolicyLoss, torch.Tensor, torch.Tens
 def init_distributed(rendezvous: Rendezvous | None = None) -> Ranks:
     """Join the learner's process group (a single rank's, on an in-memory store, without a
     rendezvous) and, with several ranks, the control group."""
-    import deepspeed
+    import deepspeed  # heavy: a trainer's (learner/trainer.py), which calls this; the rendezvous needs none
 
     rank, world = (rendezvous.rank, rendezvous.world) if rendezvous else (0, 1)
     gpu = torch.cuda.is_available()

@@ -82,8 +82,9 @@ class Trainer:
     def __init__(self, model_dir: str, cfg: LearnerConfig, *, temperature: float, dtype: str, pad_id: int,
                  max_response_tokens: int, seed: int = 0, rendezvous: Rendezvous | None = None) -> None:
         """`rendezvous`: this rank's place among `cfg.ranks` ranks; None for a single rank."""
-        import deepspeed
-        from deepspeed.accelerator import get_accelerator
+        # heavy (DeepSpeed): imported where a trainer is built, once its process has set the environment
+        # DeepSpeed reads at import (dph_async/app/learner_trainer.py); the learner's other users need none
+        import deepspeed.accelerator
 
         self.objective: Objective = make_objective(cfg.loss)
         if cfg.critic.enabled and self.objective.whole_units:
@@ -98,7 +99,7 @@ class Trainer:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
         self.vocab = model.get_input_embeddings().num_embeddings  # ids at or past it cannot be trained on
         self.guard = StepGuard(cfg.max_skipped_steps)
-        self.cpu_gemm = cpu_gemm.resolve(cfg.cpu_gemm, device=get_accelerator().device_name(),
+        self.cpu_gemm = cpu_gemm.resolve(cfg.cpu_gemm, device=deepspeed.accelerator.get_accelerator().device_name(),
                                          zero_stage=cfg.zero_stage, dtype=torch_dtype)
         if self.cpu_gemm == "onednn":
             cpu_gemm.use_onednn(model)  # before the copies below, which then run through oneDNN too
@@ -122,7 +123,8 @@ class Trainer:
         if cfg.zero_stage == 3:
             zero3.prepare_model(model)  # after the copy: the frozen reference model stays whole
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=deepspeed_config(cfg, dtype, get_accelerator().device_name()))
+                                               config=deepspeed_config(cfg, dtype,
+                                                                               deepspeed.accelerator.get_accelerator().device_name()))
         if cfg.zero_stage == 3:
             zero3.prepare_engine(self.engine)
         # Under ZeRO-3 with several ranks every forward of the model is a collective (its weights are

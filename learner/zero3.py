@@ -57,7 +57,7 @@ def prepare_model(model: torch.nn.Module) -> None:
     """Before `deepspeed.initialize` with ZeRO-3: give `model` (a Hugging Face causal LM) the
     `FusedHead` that `learner.logprobs.response_logprobs` calls. It has no parameters, so the state
     dict, the published weights and the saved model do not change."""
-    import deepspeed
+    import deepspeed  # heavy: a ZeRO-3 trainer's, already loaded by it (learner/trainer.py)
 
     model.add_module(HEAD, FusedHead())
     deepspeed.zero.register_external_parameter(getattr(model, HEAD), model.get_output_embeddings().weight)
@@ -81,7 +81,7 @@ def full_state_dict(model: torch.nn.Module, keep: bool = True) -> dict[str, Tens
     `keep=False` takes part in the gathers and copies nothing (another rank keeps the weights)."""
     if not any(partitioned(p) for p in model.parameters()):
         return model.state_dict() if keep else {}
-    import deepspeed
+    import deepspeed  # heavy: a ZeRO-3 trainer's, already loaded by it (learner/trainer.py)
 
     copies: dict[int, Tensor] = {}
     out: dict[str, Tensor] = {}

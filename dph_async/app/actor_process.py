@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import ray
@@ -20,6 +21,7 @@ from actors.telemetry import ActorCollector, actor_health
 from dph_async import net
 from dph_async.app.actor_pool import engine_settings, holding, keep, new_actor_options, release_actors, take
 from dph_async.app.cores import offload_threads
+from dph_async.app.evaluate import EvalJob, evaluate_jobs
 from dph_async.app.placement import actor_placement, home_node, on_home_node
 from dph_async.app.process_env import log_to_file
 from dph_async.config import RunConfig
@@ -32,8 +34,17 @@ from dph_async.tasks.dataset import load_prompts
 from dph_async.telemetry import start_endpoint
 
 if TYPE_CHECKING:
-    from dph_async.app.evaluate import EvalJob
     from dph_async.app.model_shipping import Shipment
+
+
+def _worker_side() -> ModuleType:
+    """The half of an actor process that needs torch (dph_async/app/actor_worker.py), imported on
+    first use in the process's Ray worker."""
+    # heavy (torch, transformers: about 3 CPU-s): the driver imports this module to start the
+    # processes and never loads them
+    from dph_async.app import actor_worker
+
+    return actor_worker
 
 
 def _actor_endpoint(cfg: RunConfig, worker, rl_dir: Path):
@@ -86,8 +97,7 @@ class ActorProcess:
         """Import vLLM and the engine's modules now, before a run binds this process (a spare started
         with the cluster: `prestart_actors`)."""
         with self._importing:
-            import actors.engine
-            import actors.rollout  # noqa: F401
+            _worker_side().vllm_engine()
 
     def _imported(self) -> None:
         """Wait until a `preload` in another thread has finished its imports."""
@@ -132,12 +142,9 @@ class ActorProcess:
     def _bind(self, cfg: RunConfig, model_dir: str, prompts_path: str, ingest: str, weights: str, log_dir: str,
               home: str, learner: tuple[str, str]) -> bool:
         log_to_file(Path(log_dir) / f"actor{self.actor_id}.log")
-        # vLLM and torch, in this Ray worker only: the driver never loads the engine.
-        from actors.rollout import RolloutWorker
-        from actors.weights import WeightClient
-
+        w = _worker_side()
         actor_id, security = self.actor_id, net.NetSecurity.from_config(cfg.net)
-        weight_client = WeightClient(weights, security, actor_id, transport=cfg.learner.weight_transport)
+        weight_client = w.WeightClient(weights, security, actor_id, transport=cfg.learner.weight_transport)
         at_home = home_node() == home
         if self.engine is None:
             prompts = self._build_engine(cfg, model_dir, prompts_path, weight_client, at_home, learner)
@@ -146,7 +153,7 @@ class ActorProcess:
             prompts = _prompts(cfg, prompts_path, self.engine)
         else:
             prompts = self._restart_from_learner(cfg, prompts_path, weight_client, learner)
-        self.worker = RolloutWorker(actor_id, cfg, self.engine, prompts, RolloutSender(ingest, actor_id, security),
+        self.worker = w.RolloutWorker(actor_id, cfg, self.engine, prompts, RolloutSender(ingest, actor_id, security),
                                     weight_client, make_scorer(cfg.rewards))
         self.endpoint = _actor_endpoint(cfg, self.worker, Path(log_dir).parent)
         return not sampler(cfg.actors.sampler).uses_reference
@@ -155,10 +162,8 @@ class ActorProcess:
                               learner: tuple[str, str]) -> list:
         """Off the driver's node: back to what a new engine here starts from (model_shipping.py), the
         learner's newest weights, and the prompts it ships; return those prompts."""
-        from dph_async.app.model_shipping import first_weights
-
         shipment = _shipment(learner, prompts_path)
-        ready = first_weights(weight_client)
+        ready = _worker_side().first_weights(weight_client)
         with weight_client.tensors(ready) as named:
             self.engine.restart(named, ready.version)
         with tempfile.TemporaryDirectory(prefix=f"dph-actor{self.actor_id}-") as local:
@@ -169,8 +174,7 @@ class ActorProcess:
     def _build_engine(self, cfg: RunConfig, model_dir: str, prompts_path: str, weight_client, at_home: bool,
                       learner: tuple[str, str]) -> list:
         """Build the engine (self.engine); return the run's prompts, read while a shipped copy exists."""
-        from dph_async.app.model_shipping import materialize
-
+        w = _worker_side()
         actor_id, version, chosen = self.actor_id, 0, sampler(cfg.actors.sampler)
         with tempfile.TemporaryDirectory(prefix=f"dph-actor{actor_id}-") as local:  # gone once loaded
             if not at_home:
@@ -178,20 +182,19 @@ class ActorProcess:
                     raise RuntimeError(f"actors.sampler={chosen.name} mixes in pi_0, which only the "
                                        "driver's node holds: run these actors on that node")
                 shipment = _shipment(learner, prompts_path)
-                model, prompts_file, version = materialize(shipment, weight_client, Path(local))
+                model, prompts_file, version = w.materialize(shipment, weight_client, Path(local))
                 model_dir, prompts_path = str(model), str(prompts_file)
             if chosen.engine == "vllm":
-                self.engine = _online_engine(cfg, model_dir, actor_id, version)
+                self.engine = w.online_engine(cfg, model_dir, actor_id, version)
             else:  # pi_ref is the model the actor starts from: pi_0
-                from actors.mixture import MixtureEngine
-
-                self.engine = MixtureEngine(model_dir, chosen.name, dtype=cfg.model.dtype,
+                self.engine = w.MixtureEngine(model_dir, chosen.name, dtype=cfg.model.dtype,
                                             seed=cfg.seed + 1000 * actor_id, threads=cfg.actors.threads)
             return _prompts(cfg, prompts_path, self.engine)
 
     def presample(self, cfg: RunConfig, model_dir: str, train: str, out_dir: str) -> None:
         """Pre-sample pi_0 (dph_async/app/presample.py) with this process's engine, built here if it has
         none: the RL run that takes the process next starts on an engine already built."""
+        # heavy (torch, transformers, vLLM): pre-sampling's, in this Ray worker only
         from dph_async.app.presample import presample
 
         log_to_file(Path(out_dir) / "presample.log")
@@ -201,8 +204,6 @@ class ActorProcess:
     def evaluate(self, cfg: RunConfig, model_dir: str, jobs: list[EvalJob], test_sets: dict[str, str]) -> None:
         """Evaluate `jobs` (dph_async/app/evaluate.py) with this process's engine, reset to `model_dir`'s
         weights first, or built here if it has none (as for `presample`)."""
-        from dph_async.app.evaluate import evaluate_jobs
-
         log_to_file(jobs[0].out.with_suffix(".log"))
         self._engine_of(cfg, model_dir)
         evaluate_jobs(cfg, Path(model_dir), jobs, {k: Path(v) for k, v in test_sets.items()}, engine=self.engine)
@@ -211,7 +212,7 @@ class ActorProcess:
         """This process's engine on `model_dir`'s weights: built if there is none, else reset to them."""
         self._imported()
         if self.engine is None:
-            self.engine = _online_engine(cfg, model_dir, self.actor_id)
+            self.engine = _worker_side().online_engine(cfg, model_dir, self.actor_id)
         else:
             self.engine.reset(model_dir)
 
@@ -245,16 +246,6 @@ class ActorProcess:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-def _online_engine(cfg: RunConfig, model_dir: str, actor_id: int, version: int = 0):
-    """Actor `actor_id`'s vLLM engine of `model_dir`'s weights (an online sampler's)."""
-    from actors.engine import VLLMEngine
-
-    return VLLMEngine(model_dir, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                      seed=cfg.seed + 1000 * actor_id, kv_cache_gib=cfg.actors.kv_cache_gib,
-                      threads=cfg.actors.threads, version=version, cpu_gemm=cfg.actors.cpu_gemm,
-                      compile_model=cfg.actors.compile, share_prefill=cfg.actors.share_prefill)
 
 
 def actor_key(cfg: RunConfig, model_dir: Path, actor_id: int) -> tuple:

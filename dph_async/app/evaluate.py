@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from actors.sampling import SamplingSpec
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
 from dph_async.paths import checkpoint_weights, is_learner_checkpoint
@@ -78,8 +79,6 @@ def _score(scorer, records: list[PromptRecord], texts: list[list[str]]) -> list[
 
 def evaluate_split(engine: VLLMEngine, scorer, name: str, records: list[PromptRecord], cfg: RunConfig
                    ) -> SplitResult:
-    from actors.engine import SamplingSpec
-
     start = time.time()
     ec, n = cfg.eval, cfg.eval.k_max
     prompts = [r.prompt_ids for r in records]
@@ -109,6 +108,8 @@ def evaluate_split(engine: VLLMEngine, scorer, name: str, records: list[PromptRe
 def read_weights(source: Path) -> list[tuple[str, torch.Tensor]]:
     """The named tensors of a Hugging Face model directory (its safetensors files) or of a learner
     checkpoint: the names the engine's loaders take."""
+    # heavy (torch, with safetensors' loader): a worker's, where an engine runs; the driver imports this
+    # module for its results and jobs
     from safetensors.torch import load_file
 
     if is_learner_checkpoint(source):
@@ -122,6 +123,7 @@ def read_weights(source: Path) -> list[tuple[str, torch.Tensor]]:
 def build_engine(cfg: RunConfig, model_dir: Path) -> VLLMEngine:
     """An engine of `model_dir`'s weights for a stage the driver runs in a worker of its own
     (evaluation, pre-sampling), on the learner's threads."""
+    # heavy (vLLM, about 8 CPU-s): only a process that runs the engine loads it, never the driver
     from actors.engine import VLLMEngine
 
     return VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
@@ -151,7 +153,7 @@ def evaluate_engine(engine: VLLMEngine, scorer, cfg: RunConfig, test_sets: dict[
     """Evaluate the engine's current weights on every test set, sampling from `seed`."""
     # Unseeded requests sample from the process's generators: reseeded here, the samples depend on the
     # seed and the weights, not on what the engine generated before.
-    import torch
+    import torch  # heavy (about 1.5 s): loaded already where an engine runs, never by the driver
 
     random.seed(seed)
     np.random.seed(seed)

@@ -13,6 +13,7 @@ import shutil
 import threading
 import uuid
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import ray
@@ -49,35 +50,29 @@ def _learner_endpoints(cfg: RunConfig, loop, replay, rl_dir: Path) -> list:
     return [e for e in endpoints if e is not None]
 
 
-def import_trainer() -> None:
-    """Import what building a trainer needs: torch, transformers and DeepSpeed, which reads
-    TORCH_EXTENSIONS_DIR (where its compiled ops are) when imported."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("DPH_CACHE_DIR", ".cache"))
-                                                        / "torch_extensions"))
-    import deepspeed  # noqa: F401
-    from transformers import AutoTokenizer  # noqa: F401
+def _worker_side() -> ModuleType:
+    """The half of a learner process that needs torch but no trainer (the weight server, the
+    rendezvous: dph_async/app/learner_worker.py), imported on first use in its Ray worker."""
+    # heavy (torch, about 1.5 CPU-s): the driver imports this module to start the processes and never loads it
+    from dph_async.app import learner_worker
 
-    import learner.loop
-    import learner.trainer  # noqa: F401
+    return learner_worker
+
+
+def _trainer_side() -> ModuleType:
+    """The trainer's half of a learner process (dph_async/app/learner_trainer.py), imported when it
+    builds its trainer: after `bind`, which the actors wait for, or ahead of its run (`preload`)."""
+    # heavy (transformers, DeepSpeed: about 4 CPU-s more): the learner's trainer only, never the driver's
+    from dph_async.app import learner_trainer
+
+    return learner_trainer
 
 
 def build_trainer(cfg: RunConfig, model_dir: str, rendezvous: Rendezvous | None
-                   ) -> tuple[Trainer, PreTrainedTokenizerBase]:
+                  ) -> tuple[Trainer, PreTrainedTokenizerBase]:
     """The learner's trainer (model, DeepSpeed engine) as rank `rendezvous.rank` (None: the only
-    rank), and the model's tokenizer."""
-    import_trainer()
-    import torch
-    from transformers import AutoTokenizer
-
-    from learner.trainer import Trainer
-
-    torch.set_num_threads(cfg.learner.threads)
-    torch.manual_seed(cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    trainer = Trainer(model_dir, cfg.learner, temperature=cfg.sampling.temperature, dtype=cfg.model.dtype,
-                      pad_id=pad, max_response_tokens=cfg.sampling.max_tokens, seed=cfg.seed, rendezvous=rendezvous)
-    return trainer, tokenizer
+    rank), and the model's tokenizer: learner_trainer.build_trainer, in the calling process."""
+    return _trainer_side().build_trainer(cfg, model_dir, rendezvous)
 
 
 @ray.remote
@@ -99,9 +94,11 @@ class LearnerProcess:
     def preload(self) -> None:
         """Import what a run's trainer needs now, before any run binds this process (`start_learner`)."""
         with self._importing:
-            import_trainer()
+            _worker_side()
+            _trainer_side()
             # The first ZeRO engine's build imports DeepSpeed's Muon optimizer, to check whether ours is
-            # one ZeRO supports, and with it torch's compiler: about 2 s, spent here instead.
+            # one ZeRO supports, and with it torch's compiler: about 2 s, spent here instead (ZeRO's
+            # optimizers alone import it, so learner_trainer.py, which a stage-0 learner imports too, does not).
             import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 
     def bind(self, cfg: RunConfig, model_dir: str, rl_dir: str, reference_path: str | None,
@@ -110,10 +107,8 @@ class LearnerProcess:
         engines built) while `setup` builds the trainer: the two slowest parts of start-up overlap.
         Returns where actors connect (`addresses`)."""
         log_to_file(Path(rl_dir) / "logs" / "learner.log")
-        # torch (the weight server's tensors), in this Ray worker only: the driver never loads it.
         with self._importing:
-            from learner.data_parallel import Rendezvous, private_dir
-            from learner.publish import WeightServer
+            w = _worker_side()
 
         self.cfg, self.model_dir, self.resume_tag = cfg, model_dir, resume_tag
         self.security = net.NetSecurity.from_config(cfg.net)
@@ -125,13 +120,13 @@ class LearnerProcess:
                                     reference_path=reference_path, wal_dir=wal, security=self.security,
                                     seed=cfg.seed, data_dir=rl_dir)
         self.replay.start_in_thread()
-        self.server = WeightServer(bind_address(cfg), self.security, int(cfg.learner.weight_bucket_mb * 2**20),
+        self.server = w.WeightServer(bind_address(cfg), self.security, int(cfg.learner.weight_bucket_mb * 2**20),
                                    cfg.learner.weight_transport)
         self._stop = threading.Event()
         self.endpoints, self.loop = [], None
         # Where the other learner ranks meet this one (all ranks share the driver's node).
         ranks = cfg.learner.ranks
-        self.rendezvous = Rendezvous(0, ranks, str(private_dir() / "store")) if ranks > 1 else None
+        self.rendezvous = w.Rendezvous(0, ranks, str(w.private_dir() / "store")) if ranks > 1 else None
         return self.addresses()
 
     def rendezvous_store(self) -> str | None:
@@ -142,22 +137,19 @@ class LearnerProcess:
         """Build the trainer (model, DeepSpeed engine) and the learner loop; resume if asked. With
         several ranks, returns once the others have joined (they are set up at the same time)."""
         with self._importing:
-            import_trainer()
-        from learner.loop import LearnerLoop
-        from learner.recording import write_run_info
-
+            t = _trainer_side()
         cfg = self.cfg
-        trainer, self.tokenizer = build_trainer(cfg, self.model_dir, self.rendezvous)
+        trainer, self.tokenizer = t.build_trainer(cfg, self.model_dir, self.rendezvous)
         # The learner alone holds the control token (or, with CURVE, the control key): actors cannot
         # take batches or send commands. It takes them on the replay's local socket, in this process.
         # Snapshots go under rl_dir, the replay's data directory.
         client = self.replay.local_client()
         try:
-            self.loop = LearnerLoop(cfg, trainer, client, self.server, self.rl_dir)
+            self.loop = t.LearnerLoop(cfg, trainer, client, self.server, self.rl_dir)
         except BaseException:
             client.close()  # the replay's context would wait for it at close
             raise
-        write_run_info(self.rl_dir, cfg, self.model_dir)  # what `dph-async rerun` builds the trainer from
+        t.write_run_info(self.rl_dir, cfg, self.model_dir)  # what `dph-async rerun` builds the trainer from
         if self.resume_tag:
             self.loop.resume(self.resume_tag)
         self.loop.publish()  # actors on other nodes build their engines from these weights
@@ -175,9 +167,7 @@ class LearnerProcess:
 
     def shipment(self, prompts_path: str) -> Shipment:
         """The model's files other than weights, and the prompts, for an actor on another node."""
-        from dph_async.app.model_shipping import pack
-
-        return pack(Path(self.model_dir), Path(prompts_path))
+        return _worker_side().pack(Path(self.model_dir), Path(prompts_path))
 
     def run(self) -> LearnerStats:
         return self.loop.run(self._stop)
@@ -217,10 +207,7 @@ class LearnerProcess:
         self.loop = self.tokenizer = self.rendezvous = None
         self.endpoints = []
         thaw_heap()
-        import torch
-
-        if torch.cuda.is_available():  # an idle kept process must not hold GPU memory an engine could use
-            torch.cuda.empty_cache()
+        _worker_side().empty_gpu_cache()
 
 
 def freeze_heap() -> None:
@@ -251,9 +238,7 @@ class LearnerRank:
         self.cfg, self.model_dir, self.rl_dir, self.rank, self.store = cfg, model_dir, Path(rl_dir), rank, store
 
     def setup(self) -> None:
-        from learner.data_parallel import Rendezvous
-
-        rdv = Rendezvous(self.rank, self.cfg.learner.ranks, self.store)
+        rdv = _worker_side().Rendezvous(self.rank, self.cfg.learner.ranks, self.store)
         self.trainer, _ = build_trainer(self.cfg, self.model_dir, rdv)
         freeze_heap()
 
@@ -262,9 +247,7 @@ class LearnerRank:
 
     def follow(self) -> int:
         """Batches trained, once rank 0 says stop."""
-        from learner.trainer import follow
-
-        return follow(self.trainer, checkpoint_dir(self.rl_dir))
+        return _trainer_side().follow(self.trainer, checkpoint_dir(self.rl_dir))
 
 
 

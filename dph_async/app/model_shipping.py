@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from safetensors.torch import save_file
+
 from actors.weights import WeightClient, WeightServerSilent
 from dph_async.protocol import WeightsReady
 
@@ -66,8 +68,6 @@ def first_weights(client: WeightClient, timeout_s: float = 300.0) -> WeightsRead
 def materialize(shipment: Shipment, weights: WeightClient, dest: Path) -> tuple[Path, Path, int]:
     """Write the shipment and the newest published weights under `dest`.
     Returns (model directory, prompts file, weights version)."""
-    from safetensors.torch import save_file
-
     model_dir = dest / "model"
     for rel, data in shipment.model_files.items():
         path = model_dir / rel

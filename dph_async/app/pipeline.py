@@ -33,7 +33,6 @@ from dph_async.paths import RunPaths, checkpoint_dir, final_model, is_learner_ch
 from dph_async.run_stats import RLResult, read_result, write_result
 from dph_async.tasks.catalog import make_splits
 from dph_async.tasks.dataset import verl_row, write_rows
-from dph_async.tasks.embedded import ALPHABET
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +80,7 @@ def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
 # when the stage ends.
 @ray.remote(max_calls=1)
 def _presample_task(cfg: RunConfig, model_dir: str, train: str, out_dir: str) -> dict:
-    # torch and vLLM, in the Ray worker that runs the engine: the driver never loads them for it.
+    # heavy (torch, transformers, vLLM): in the Ray worker that runs the engine; the driver never loads them
     from dph_async.app.presample import presample
 
     log_to_file(Path(out_dir) / "presample.log")
@@ -103,17 +102,13 @@ def prepare_embedded(cfg: RunConfig, paths: RunPaths, timer: StageTimer) -> dict
         rows = [verl_row(p.prompt, p.data_source, p.ground_truth, i, name) for i, p in enumerate(splits[name])]
         files[name] = write_rows(rows, paths.data / f"{name}.parquet")
     if not (paths.base_model / "config.json").is_file():
-        import torch
-
-        from dph_async.app.warmstart import warm_start
-        from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer
+        # heavy (torch, transformers: about 3 CPU-s): only a pipeline that warm-starts its model loads
+        # them in the driver; a validated config starts its Ray cluster without (tests/test_lazy_import.py)
+        from dph_async.app.warmstart import warm_start_tiny
 
         start = time.time()
-        torch.set_num_threads(max(1, cfg.learner.threads * 2))
-        tok = build_tokenizer(ALPHABET)
-        model = build_tiny_llama(cfg.model, len(tok), cfg.seed)
         tmp = paths.root / "base_model.partial"
-        losses = warm_start(model, tok, splits["warmstart"], cfg, tmp)
+        losses = warm_start_tiny(cfg, splits["warmstart"], tmp)
         (tmp / "warmstart_loss.json").write_text(json.dumps(losses))
         tmp.rename(paths.base_model)
         timer.add("warm start", start)
@@ -291,7 +286,7 @@ class WandbStream:
         lc = self.cfg.logging
         if lc.wandb_mode != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
-            import wandb
+            import wandb  # heavy and optional: only a run that logs to wandb loads it
 
             name = f"{lc.run_name or self.paths.root.name}-{self.mode}"
             self.run = wandb.init(project=lc.wandb_project, name=name, id=name.replace("/", "-"), resume="allow",

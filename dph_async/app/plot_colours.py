@@ -14,10 +14,10 @@ from types import ModuleType
 def pyplot() -> ModuleType:
     """matplotlib's pyplot, off screen, imported where a figure is drawn: a driver starts its Ray
     cluster without it (tests/test_lazy_import.py)."""
-    import matplotlib
+    import matplotlib  # heavy: a figure's only
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the off-screen backend
 
     return plt
 

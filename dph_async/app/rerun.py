@@ -11,6 +11,9 @@ With the run's own config the rerun must be the run: every metric but the wall-c
 weight equal bit for bit (on the machine that ran it, with the same build). With changed learner
 settings it is a counterfactual: another learner on exactly the same data, its metrics beside the
 run's and the distance of its weights from the run's at every comparison point.
+
+torch, transformers and DeepSpeed load with this module: the `rerun` command imports it when it runs,
+not when the command line is parsed.
 """
 
 from __future__ import annotations
@@ -22,14 +25,20 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+from safetensors.torch import load_file
+
+from dph_async.app.learner_trainer import build_trainer
 from dph_async.app.rerun_report import HEADLINE, RerunReport, StepComparison, WeightCheck, write_report
 from dph_async.config import RunConfig, dump_config, load_config
 from dph_async.errors import UserError
 from dph_async.paths import checkpoint_dir, checkpoint_weights, final_model, is_learner_checkpoint
+from learner.loop import finish_metrics
+from learner.recording import read_batches, read_run_info
+from learner.staleness_control import StalenessController, StalenessRule
+from learner.step_diagnosis import diagnose_step
 
 if TYPE_CHECKING:
-    import torch
-
     from dph_async.protocol import Batch
 
 # Metrics two executions of the same steps may disagree on: the clock's (time/* too).
@@ -63,8 +72,6 @@ def _headline(m: dict[str, float]) -> dict[str, float]:
 def compare_weights(what: str, version: int, ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]
                     ) -> WeightCheck:
     """`theirs` may hold fewer tensors (a saved model leaves out tied ones); each must be in `ours`."""
-    import torch
-
     missing = sorted(set(theirs) - set(ours))
     if missing:
         raise RerunError(f"{what}: tensors {missing[:5]} are not in the rerun's model (another architecture?)")
@@ -81,8 +88,6 @@ def compare_weights(what: str, version: int, ours: dict[str, torch.Tensor], thei
 
 def saved_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     """The tensors of a Hugging Face directory's safetensors files."""
-    from safetensors.torch import load_file
-
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise RerunError(f"{model_dir}: no safetensors files")
@@ -96,8 +101,6 @@ def _run_metrics(rl_dir: Path) -> list[dict[str, float]]:
 
 def _batches(path: Path, start: int) -> Iterator[Batch]:
     """The recorded batches from version `start` on, each checked to follow the one before."""
-    from learner.recording import read_batches
-
     expected = start
     for offset, batch in read_batches(path):
         if batch.version < start:
@@ -112,8 +115,6 @@ def _batches(path: Path, start: int) -> Iterator[Batch]:
 
 def _learner_config(rl_dir: Path, overrides: list[str]) -> tuple[RunConfig, bool]:
     """The run's learner config with `overrides`, and whether they changed it."""
-    from learner.recording import read_run_info
-
     info = read_run_info(rl_dir)
     original = load_config(str(info.config))
     cfg = load_config(str(info.config), overrides)
@@ -127,10 +128,6 @@ class Rerun:
     """One re-execution: the trainer, the controller of auto staleness, and what is compared."""
 
     def __init__(self, rl_dir: Path, out: Path, overrides: list[str], start: int) -> None:
-        from dph_async.app.learner_process import build_trainer
-        from learner.recording import read_run_info
-        from learner.staleness_control import StalenessController, StalenessRule
-
         self.rl_dir, self.out = rl_dir, out
         self.info = read_run_info(rl_dir)
         if not self.info.recording.is_file():
@@ -154,9 +151,6 @@ class Rerun:
                 self.staleness = StalenessController.from_state(self.staleness.rule, state["staleness"])
 
     def run(self, until: int | None, diagnose: int | None, top_tokens: int) -> RerunReport:
-        from learner.loop import finish_metrics
-        from learner.step_diagnosis import diagnose_step
-
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "learner_config.yaml").write_text(dump_config(self.cfg))
         original = _run_metrics(self.rl_dir)

@@ -29,14 +29,21 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dph_async.app.cluster import ray_cluster
+from dph_async.app.endpoints import find_endpoints, scrape
+from dph_async.app.launcher import run_rl
+from dph_async.app.pipeline import StageTimer, prepare, validate
 from dph_async.app.plot_colours import colour_map, pyplot
+from dph_async.app.specs import RunSpec
 from dph_async.config import RunConfig
+from dph_async.paths import RunPaths, checkpoint_dir, endpoints_dir
 
 RSS_TOLERANCE = 0.05
 THROUGHPUT_TOLERANCE = 0.10
@@ -140,9 +147,6 @@ def gate_processes(pid: int) -> dict[str, ProcessSample]:
 
 def take_sample(t: float, rl_dir: Path, cfg: RunConfig) -> Sample:
     """One sample of every announced process and of the run directory."""
-    from dph_async.app.endpoints import find_endpoints, scrape
-    from dph_async.paths import checkpoint_dir, endpoints_dir
-
     readings = [scrape(ep) for ep in find_endpoints([str(rl_dir)])] if endpoints_dir(rl_dir).is_dir() else []
     processes, pids = {}, set()
     learner_version = learner_tokens = actor_tokens = gate_restarts = 0.0
@@ -366,20 +370,12 @@ class Sampler:
 
 def run_soak(cfg: RunConfig, minutes: float, interval_s: float, warmup_s: float, on_sample=None) -> SoakResult:
     """Prepare (cached in cfg.output_dir), then RL until `minutes` after its first step; sample; judge."""
-    from dph_async.app.cluster import ray_cluster
-    from dph_async.app.launcher import run_rl
-    from dph_async.app.pipeline import StageTimer, prepare, validate
-    from dph_async.app.specs import RunSpec
-    from dph_async.paths import RunPaths
-
     spec = RunSpec.of(cfg)
     cfg = validate(cfg, [spec])
     paths = RunPaths(Path(cfg.output_dir))
     paths.root.mkdir(parents=True, exist_ok=True)
     rl_dir = paths.root / "soak" / "rl"
     if rl_dir.exists():
-        import shutil
-
         shutil.rmtree(rl_dir)  # every soak starts its RL afresh (the prepared base model is reused)
     mcfg = spec.apply(cfg)
     sampler = Sampler(rl_dir, mcfg, minutes, interval_s, on_sample)

@@ -19,7 +19,8 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
-from dph_async.tasks.embedded import Problem
+from dph_async.tasks.embedded import ALPHABET, Problem
+from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer
 
 
 def _wrong_answer(p: Problem, rng: random.Random) -> str:
@@ -79,3 +80,12 @@ def warm_start(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, problems: 
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     return losses
+
+
+def warm_start_tiny(cfg: RunConfig, problems: list[Problem], out: Path) -> list[float]:
+    """pi_0 of the embedded task: the tiny Llama of `cfg.model` (dph_async/tasks/tiny_model.py) on the
+    task's alphabet, warm-started on `problems` (`warm_start`) into `out`; returns the losses."""
+    torch.set_num_threads(max(1, cfg.learner.threads * 2))
+    tok = build_tokenizer(ALPHABET)
+    model = build_tiny_llama(cfg.model, len(tok), cfg.seed)
+    return warm_start(model, tok, problems, cfg, out)

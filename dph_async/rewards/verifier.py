@@ -126,6 +126,7 @@ class LocalVLLMVerifier:
         if not cfg.model:
             raise ValueError("rewards.verifier.model must name a model directory for backend=vllm")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # heavy (vLLM, about 8 CPU-s): this backend's only; every scorer imports this module
         from vllm import LLM, SamplingParams
 
         self._llm = LLM(model=cfg.model, enforce_eager=True)

@@ -32,6 +32,7 @@ def corpus(seed: int, words: int = 400_000) -> list[str]:
 def build_bpe(seed: int, vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     """A byte-level BPE of `vocab` tokens (pad, BOS, EOS at ids 0, 1, 2) with CHAT_TEMPLATE; about
     12 s of one core at 32k."""
+    # heavy (transformers, seconds): the command line reads VOCAB from this module without them
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -1,0 +1,23 @@
+"""The half of a learner process (dph_async/app/learner_process.py) that needs torch but no trainer:
+the weight server and the ranks' rendezvous, which `bind` opens before the actors start, and the
+model shipped to actors on other nodes. The process imports this module first, in its Ray worker:
+`bind` returns without the trainer's slower imports (transformers, DeepSpeed: learner_trainer.py),
+which `setup` makes while the actors build their engines. The driver never imports it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dph_async.app.model_shipping import pack
+from learner.data_parallel import Rendezvous, private_dir
+from learner.publish import WeightServer
+
+# What the learner's processes open a run's services from.
+__all__ = ["Rendezvous", "WeightServer", "empty_gpu_cache", "pack", "private_dir"]
+
+
+def empty_gpu_cache() -> None:
+    """Hand the GPU's cached blocks back: an idle kept process must not hold memory an engine could use."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
