@@ -5,10 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
-from dph_async.app.analyze.drift import analyze
-from dph_async.app.analyze.report import write_analysis
 from dph_async.app.analyze.weights import default_out, expand
 from dph_async.app.commands.common import add_output_argument, fail
 from dph_async.app.progress import console
@@ -49,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # heavy (torch: about 2 s): on running, so that --help is quick
+    import torch
+
+    from dph_async.app.analyze.drift import analyze
+    from dph_async.app.analyze.report import write_analysis
     torch.set_num_threads(max(1, args.threads))
     try:
         base = expand(args.base)

@@ -8,12 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from dph_async.app.bench import gemm as bench
 from dph_async.app.bench.kernels import machine
 from dph_async.app.commands.common import add_output_argument, fail, write_cells
-from learner import cpu_gemm
 
 DESCRIPTION = """\
 Forward and backward of one linear layer (y = x W^T, then dx and dW: 6 x rows x in x out
@@ -52,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # heavy (torch, transformers: about 4 s): on running, so that --help is quick
+    import torch
+
+    from dph_async.app.bench import gemm as bench
+    from learner import cpu_gemm
     if not cpu_gemm.available():
         return fail("this torch build has no oneDNN (torch.backends.mkldnn): nothing to compare", 1)
     if args.model is not None and not (args.model / "config.json").is_file():

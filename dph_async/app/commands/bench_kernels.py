@@ -9,11 +9,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from dph_async.app.bench import kernels as bench
 from dph_async.app.commands.common import add_output_argument, fail
 
 DESCRIPTION = """\
@@ -82,6 +80,10 @@ def _gpu_table(gpu: dict, device: str, console: Console) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # heavy (torch: about 2 s): on running, so that --help is quick
+    import torch
+
+    from dph_async.app.bench import kernels as bench
     console = Console()
     need = bench.naive_bytes_estimate(args.n, args.hidden, args.vocab)
     free = bench.available_memory()

@@ -6,7 +6,6 @@ import argparse
 import shutil
 from pathlib import Path
 
-from dph_async.app.bench import scale, scale_report
 from dph_async.app.bench.peer import rate
 from dph_async.app.bench.transport import machine
 from dph_async.app.commands.bench_peer import add_run_arguments
@@ -52,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # heavy (torch, transformers: about 4 s): on running, so that --help is quick
+    from dph_async.app.bench import scale, scale_report
     try:
         sizes = [scale.parse_size(s) for s in args.sizes]
         scale.plan_grid(sizes, args.lengths, args.tokens_per_step, args.n)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dph_async.app.bench import weights as bench
 from dph_async.app.bench.transport import machine
 from dph_async.app.commands.common import add_output_argument, fail, guarded
 from dph_async.app.progress import console
@@ -47,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    # heavy (vLLM, torch, transformers: about 7 s): on running, so that --help is quick
+    from dph_async.app.bench import weights as bench
     if args.hidden % 64:
         return fail("--hidden must be a multiple of 64 (heads of 64)")
     shape = bench.ModelShape(hidden=args.hidden, layers=args.layers, heads=args.hidden // 64,

@@ -5,11 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from transformers.utils import logging as hf_logging
-
 from dph_async.app.commands.common import add_config_arguments, add_output_argument, fail
 from dph_async.app.progress import console
-from dph_async.app.rerun import rerun
 from dph_async.app.rerun_report import verdict
 from learner.recording import RUN_INFO, RecordingError
 
@@ -80,6 +77,10 @@ def _label(overrides: list[str]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    # heavy (torch, transformers, DeepSpeed: about 4 s): on running, so that --help is quick
+    from transformers.utils import logging as hf_logging
+
+    from dph_async.app.rerun import rerun
     if args.preset != "default":
         return fail("--preset: a rerun takes the run's own config; give learner overrides instead")
     if (problem := override_problem(args.overrides)) is not None:
