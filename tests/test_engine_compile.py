@@ -21,7 +21,8 @@ from conftest import run_child, save_tiny_llama
 CHILD = """
 import json, sys
 from transformers import AutoModelForCausalLM
-from actors.engine import SamplingSpec, VLLMEngine
+from actors.engine import VLLMEngine
+from actors.sampling import SamplingSpec
 
 def main():
     out, a, b = sys.argv[1:]

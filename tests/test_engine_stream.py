@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 CHILD = """
 import json, sys
-from actors.engine import SamplingSpec, VLLMEngine, count_at_least
+from actors.engine import VLLMEngine, count_at_least
+from actors.sampling import SamplingSpec
 
 def finished(engine):
     done = {}

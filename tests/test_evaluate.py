@@ -19,7 +19,7 @@ import torch
 from conftest import SMALL, small_config
 from transformers import AutoModelForCausalLM
 
-from actors.engine import Sample, SamplingSpec
+from actors.sampling import Sample, SamplingSpec
 from dph_async.app.evaluate import evaluate_split, pass_at_k
 from dph_async.app.presample import d_pef_prompts
 from dph_async.config import RunConfig

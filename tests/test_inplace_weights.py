@@ -32,7 +32,8 @@ from dataclasses import replace
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
-from actors.engine import SamplingSpec, VLLMEngine
+from actors.engine import VLLMEngine
+from actors.sampling import SamplingSpec
 from actors.weights import WeightClient
 from dph_async.net import NetSecurity
 from learner.publish import WeightServer

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from actors.engine import SamplingSpec
 from actors.mixture import MixtureEngine
+from actors.sampling import SamplingSpec
 from dph_async import protocol as P
 from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
 from dph_async.rewards.result import RewardResult

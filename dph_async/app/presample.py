@@ -23,7 +23,8 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from actors.engine import Sample, SamplingSpec, VLLMEngine
+from actors.engine import VLLMEngine
+from actors.sampling import Sample, SamplingSpec
 from dph_async.app.evaluate import build_engine
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
