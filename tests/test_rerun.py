@@ -89,7 +89,7 @@ class StandInReplay:
 
 def run_loop(cfg: RunConfig, model_dir: Path, rl_dir: Path, replay: StandInReplay, setup=None):
     """LearnerLoop.run as the learner process runs it, then the final model, as the launcher saves it."""
-    from dph_async.app.learner_process import build_trainer
+    from dph_async.app.learner_trainer import build_trainer
     from learner.loop import LearnerLoop
     from learner.publish import WeightServer
 

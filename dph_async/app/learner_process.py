@@ -35,11 +35,7 @@ from replay.service import ReplayService
 from replay.telemetry import ReplayCollector, replay_health
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
     from dph_async.app.model_shipping import Shipment
-    from learner.data_parallel import Rendezvous
-    from learner.trainer import Trainer
 
 
 def _learner_endpoints(cfg: RunConfig, loop, replay, rl_dir: Path) -> list:
@@ -66,13 +62,6 @@ def _trainer_side() -> ModuleType:
     from dph_async.app import learner_trainer
 
     return learner_trainer
-
-
-def build_trainer(cfg: RunConfig, model_dir: str, rendezvous: Rendezvous | None
-                  ) -> tuple[Trainer, PreTrainedTokenizerBase]:
-    """The learner's trainer (model, DeepSpeed engine) as rank `rendezvous.rank` (None: the only
-    rank), and the model's tokenizer: learner_trainer.build_trainer, in the calling process."""
-    return _trainer_side().build_trainer(cfg, model_dir, rendezvous)
 
 
 @ray.remote
@@ -239,7 +228,7 @@ class LearnerRank:
 
     def setup(self) -> None:
         rdv = _worker_side().Rendezvous(self.rank, self.cfg.learner.ranks, self.store)
-        self.trainer, _ = build_trainer(self.cfg, self.model_dir, rdv)
+        self.trainer, _ = _trainer_side().build_trainer(self.cfg, self.model_dir, rdv)
         freeze_heap()
 
     def pid(self) -> int:

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 # Metrics two executions of the same steps may disagree on: the clock's (time/* too).
 WALL_CLOCK = ("learner/step_seconds", "learner/tokens_per_s")
+
+
 class RerunError(UserError):
     """The run cannot be re-executed as asked (no recording, no checkpoint there, the recording starts later)."""
 
