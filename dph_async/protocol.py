@@ -130,6 +130,8 @@ def storage_dtype(tag: str) -> np.dtype:
 
 
 MAX_WAIT_S = 3600.0
+# A duration a message reports (not a wait it asks for): finite, not negative, under 30 years.
+MAX_SECONDS = 1e9
 
 
 def _check_wait(wait_s: float) -> None:
@@ -446,7 +448,10 @@ class BatchRequest(Message):
 
 class Batch(Message, eq=False):
     """Fresh groups plus reference samples for one learner step. drops: groups dropped (by reason)
-    since the previous batch, so the learner can log them with this step."""
+    since the previous batch, so the learner can log them with this step. waited_s: how long the
+    replay held the request for want of groups; cycle_s: the time from its previous answer to this
+    request (the learner's step as the replay saw it). Together they say what fraction of its time the
+    learner spent waiting for data, the signal that raises replay.max_staleness=auto."""
 
     MAX_BYTES: ClassVar[int] = 64 * 1024 * MiB
 
@@ -455,14 +460,25 @@ class Batch(Message, eq=False):
     reference: Annotated[list[ReferenceSample], msgspec.Meta(max_length=MAX_ITEMS)]
     drops: dict[str, int]
     request_id: int = 0
+    waited_s: float = 0.0
+    cycle_s: float = 0.0
 
     @property
     def num_samples(self) -> int:
         return sum(len(g.completions) for g in self.groups)
 
+    @property
+    def data_wait(self) -> float:
+        """The fraction of the learner's time between batches spent waiting for this one's groups."""
+        total = self.waited_s + self.cycle_s
+        return self.waited_s / total if total > 0 else 0.0
+
     def validate(self) -> None:
         _validate_each("groups", self.groups)
         _validate_each("reference", self.reference)
+        for name, seconds in (("waited_s", self.waited_s), ("cycle_s", self.cycle_s)):
+            if not 0 <= seconds <= MAX_SECONDS:  # NaN fails too
+                raise ValueError(f"{name} {seconds} outside [0, {MAX_SECONDS:.0f}]")
 
 
 class WeightsQuery(Message):

@@ -26,8 +26,9 @@ class LearnerStats:
     checkpoint_seconds: float = 0.0
     drops: dict[str, int] = field(default_factory=dict)
     timeline: list[Span] = field(default_factory=list)
-    # The bound's changes under replay.max_staleness=auto: (wall time, new eta, the window's mean ESS).
-    staleness: list[tuple[float, int, float]] = field(default_factory=list)
+    # The bound's changes under replay.max_staleness=auto: (wall time, new eta, the window's mean ESS,
+    # the window's mean data wait).
+    staleness: list[tuple[float, int, float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -94,7 +95,7 @@ def write_result(result: RLResult, rl_dir: Path) -> None:
     """result.json (without the per-step metrics, which metrics.jsonl holds) and timeline.json (the
     processes' busy/wait spans, which benchmarks read, and the staleness bound's changes)."""
     timeline = {"learner": result.learner.timeline, "actors": [a.timeline for a in result.actors],
-                "staleness": result.learner.staleness}  # replay.max_staleness=auto: (time, eta, ESS)
+                "staleness": result.learner.staleness}  # replay.max_staleness=auto: (time, eta, ESS, wait)
     (rl_dir / "timeline.json").write_bytes(msgspec.json.encode(timeline))
     data = msgspec.to_builtins(result)
     del data["metrics"]

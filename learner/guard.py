@@ -18,6 +18,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import torch
 
@@ -79,7 +80,7 @@ def screen(batch: Batch, vocab: int) -> tuple[Batch, dict[str, str]]:
         return batch, removed
     log.error("learner: took %d records out of batch %d: %s", len(removed), batch.version,
               "; ".join(f"{k}: {v}" for k, v in list(removed.items())[:5]))
-    return Batch(batch.version, groups, reference, batch.drops, batch.request_id), removed
+    return msgspec.structs.replace(batch, groups=groups, reference=reference), removed
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:

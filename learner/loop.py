@@ -35,9 +35,11 @@ log = logging.getLogger(__name__)
 
 
 def finish_metrics(m: dict[str, float], batch: Batch, staleness: StalenessController | None) -> Decision | None:
-    """A step's metrics past the trainer's own: the replay's drops as the batch reported them and, with
-    replay.max_staleness=auto, the controller's decision. The loop and a rerun log the same."""
+    """A step's metrics past the trainer's own: the replay's drops and the learner's wait for data as
+    the batch reported them and, with replay.max_staleness=auto, the controller's decision. The loop
+    and a rerun log the same."""
     m.update({f"drops/{k}": float(v) for k, v in batch.drops.items()})
+    m["learner/data_wait"] = batch.data_wait
     if staleness is None:
         return None
     decision = staleness.observe(m)
@@ -85,15 +87,21 @@ class LearnerLoop:
         want = self.cfg.learner.groups_per_step
         groups: list[RolloutGroup] = []
         reference: list[ReferenceSample] = []
+        waited_s = cycle_s = 0.0
         start = time.time()
         while len(groups) < want and not stop.is_set():
             got = self.replay.get_batch(self.trainer.version, want - len(groups), wait_s=1.0)
             groups += got.groups
             reference += got.reference
+            waited_s += got.waited_s
+            cycle_s += got.cycle_s
             for reason, n in got.drops.items():
                 self.stats.drops[reason] = self.stats.drops.get(reason, 0) + n
         self.stats.wait_seconds += self._span(start, "wait")
-        return Batch(self.trainer.version, groups, reference, dict(self.stats.drops)) if len(groups) == want else None
+        if len(groups) < want:
+            return None
+        drops = dict(self.stats.drops)
+        return Batch(self.trainer.version, groups, reference, drops, waited_s=waited_s, cycle_s=cycle_s)
 
     def checkpoint(self) -> Path:
         """Write model + optimizer + version, and the replay's snapshot, under checkpoint_dir/v{version}."""
@@ -157,9 +165,9 @@ class LearnerLoop:
             return
         self.replay.set_staleness(decision.eta)
         if decision.change:
-            self.stats.staleness.append((time.time(), decision.eta, decision.signal))
-            log.info("staleness bound %d -> %d (mean ESS %.4f)", decision.eta - decision.change, decision.eta,
-                     decision.signal)
+            self.stats.staleness.append((time.time(), decision.eta, decision.signal, decision.wait or 0.0))
+            log.info("staleness bound %d -> %d (mean ESS %.4f, data wait %.3f)", decision.eta - decision.change,
+                     decision.eta, decision.signal, decision.wait or 0.0)
 
     def _record(self, batch: Batch) -> float:
         """Append the batch to the recording; the seconds it took (0 with recording off)."""

@@ -32,7 +32,9 @@ class LearnerCollector(Collector):
         self.loop = loop
         self._totals = {key: 0.0 for key, _, _ in TOTALS}
         self._last: dict[str, float] = {}
-        self._signal: float | None = None  # replay.max_staleness=auto: the last window's mean ESS
+        # replay.max_staleness=auto: the last window's mean ESS and mean data wait
+        self._signal: float | None = None
+        self._wait: float | None = None
         self._lock = threading.Lock()
         loop.listeners.append(self._observe)
 
@@ -42,13 +44,14 @@ class LearnerCollector(Collector):
                 self._totals[key] += m.get(key, 0.0)
             self._last = m
             self._signal = m.get("staleness/signal", self._signal)
+            self._wait = m.get("staleness/wait", self._wait)
 
-    def _snapshot(self) -> tuple[dict[str, float], dict[str, float], float | None]:
+    def _snapshot(self) -> tuple[dict[str, float], dict[str, float], float | None, float | None]:
         with self._lock:
-            return dict(self._totals), self._last, self._signal
+            return dict(self._totals), self._last, self._signal, self._wait
 
     def collect(self) -> Iterator[Metric]:
-        totals, last, signal = self._snapshot()
+        totals, last, signal, wait = self._snapshot()
         stats = self.loop.stats
         yield GaugeMetricFamily("dph_learner_version", "Optimizer steps applied", value=self.loop.trainer.version)
         yield CounterMetricFamily("dph_learner_steps", "Steps taken by this process", value=stats.steps)
@@ -66,6 +69,9 @@ class LearnerCollector(Collector):
         if signal is not None:
             yield GaugeMetricFamily("dph_learner_staleness_signal", "Mean ESS of the last window of the "
                                     "staleness controller", value=signal)
+        if wait is not None:
+            yield GaugeMetricFamily("dph_learner_staleness_wait", "Mean fraction of the learner's time spent "
+                                    "waiting for data over the last window of the staleness controller", value=wait)
         seconds = CounterMetricFamily("dph_learner_seconds", "Time spent, by activity", labels=["what"])
         for what in ("train", "wait", "publish", "checkpoint"):
             seconds.add_metric([what], getattr(stats, f"{what}_seconds"))

@@ -122,6 +122,8 @@ class _Parked:
     request: BatchRequest | TicketRequest
     deadline: float
     sock: zmq.Socket | None = None  # where a batch request came from (the batch or the local socket)
+    arrived: float = 0.0  # time.monotonic() when the request came (a batch's waited_s)
+    cycle_s: float = 0.0  # a batch request's time since the previous batch was answered
 
 
 class ReplayService:
@@ -186,6 +188,7 @@ class ReplayService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._parked_batch: _Parked | None = None
+        self._last_batch_sent: float | None = None  # time.monotonic() of the latest batch answer
         # Ticket requests waiting for capacity, oldest first, keyed by (connection, actor id): a
         # repeated request replaces its predecessor, and no connection holds more than its share.
         self._parked_tickets: dict[tuple[bytes, int], _Parked] = {}
@@ -408,16 +411,24 @@ class ReplayService:
                 self._send(sock, peer, ErrorReply(f"{what} needs the control identity", "unauthorized"))
             elif isinstance(msg, BatchRequest):
                 self._parked_batch = None  # a new request (or a retry) replaces a parked one
+                now = time.monotonic()
+                cycle_s = 0.0 if self._last_batch_sent is None else now - self._last_batch_sent
                 before = self.core.version
                 batch = self.core.request(msg)
                 if self.core.version > before:
                     self._release_outdated_tickets()
                 if batch is None:
-                    self._parked_batch = _Parked(peer, msg, time.monotonic() + msg.wait_s, sock)
+                    self._parked_batch = _Parked(peer, msg, now + msg.wait_s, sock, now, cycle_s)
                 else:
-                    self._send(sock, peer, batch)
+                    self._send_batch(sock, peer, batch, 0.0, cycle_s)
             else:
                 self._send(sock, peer, self._control(msg))
+
+    def _send_batch(self, sock: zmq.Socket, peer: bytes, batch: Batch, waited_s: float, cycle_s: float) -> None:
+        """Answer a batch request, with how long it waited and the learner's time since the last answer."""
+        batch.waited_s, batch.cycle_s = waited_s, cycle_s
+        self._send(sock, peer, batch)
+        self._last_batch_sent = time.monotonic()
 
     def _control(self, msg: Control) -> ControlReply:
         if msg.command == "shutdown":
@@ -460,7 +471,7 @@ class ReplayService:
             batch = self.core.serve(parked.request, final=now >= parked.deadline)
             if batch is not None:
                 self._parked_batch = None
-                self._send(parked.sock, parked.peer, batch)
+                self._send_batch(parked.sock, parked.peer, batch, now - parked.arrived, parked.cycle_s)
         # Each check is O(1) and the parked requests are bounded (replay.max_parked), so a crowd of
         # them costs little; with no capacity left, only the expired ones are looked at.
         open_capacity = self.core.admission.capacity(self.core.version, self.core.admitted) > 0

@@ -48,10 +48,13 @@ def test_screen_takes_out_exactly_the_unusable_records():
     bad_ref = ReferenceSample("r1", np.arange(3, 6, dtype=np.int32), np.arange(4, 6, dtype=np.int32),
                               np.array([-1.0, np.nan], np.float32), 1.0, "t")
     batch.reference = [ok_ref, bad_ref]
+    batch.request_id, batch.waited_s, batch.cycle_s = 7, 0.25, 1.5
     clean, removed = screen(batch, V)
     assert sorted(removed) == ["0/1", "0/3", "0/4", "r1"]
     assert "reward nan" in removed["0/1"] and "outside the vocabulary" in removed["0/3"]
     assert [x.seq for x in clean.groups] == [0, 2, 5] and [r.sample_id for r in clean.reference] == ["r0"]
+    # The rest of the batch as it came: what the learner logs with the step and steers staleness by.
+    assert (clean.version, clean.drops, clean.request_id, clean.waited_s, clean.cycle_s) == (0, {}, 7, 0.25, 1.5)
     same, none = screen(_batch(HEALTHY), V)
     assert none == {} and len(same.groups) == 2
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import pickle
+import re
 import typing
 from typing import Annotated, Literal
 
@@ -60,6 +61,8 @@ def strategy(hint, name: str = "", array_specs: dict | None = None) -> st.Search
         return message(hint)
     if name == "wait_s":
         return st.floats(0, P.MAX_WAIT_S)
+    if name in ("waited_s", "cycle_s"):
+        return st.floats(0, P.MAX_SECONDS)
     return {
         bool: st.booleans(),
         int: st.integers(0, 2**31 - 1) | st.integers(-(2**63), 2**64 - 1),
@@ -359,6 +362,11 @@ def test_encode_refuses_what_would_not_decode():
         P.encode(P.SamplingInfo(1.0, 1.0, -1, 4))
     with pytest.raises(P.ProtocolError, match="BatchRequest: wait_s nan"):
         P.encode(P.BatchRequest(0, 1, float("nan")))
+    for bad in (float("nan"), -0.5, float("inf")):  # a duration the learner would steer eta by
+        with pytest.raises(P.ProtocolError, match=re.escape(f"Batch: cycle_s {bad} outside")):
+            P.encode(P.Batch(0, [], [], {}, cycle_s=bad))
+    with pytest.raises(P.ProtocolError, match=re.escape("Batch: waited_s -1.0 outside")):
+        P.encode(P.Batch(0, [], [], {}, waited_s=-1.0))
 
 
 def test_nothing_is_unpickled(monkeypatch):

@@ -90,19 +90,28 @@ def test_bad_input_is_answered_counted_and_loses_nothing(service):
 
 
 def test_a_batch_request_waits_then_returns_what_there_is(service):
+    """...and each answer says how long it was held for want of groups (waited_s) and how long the
+    learner took since the previous answer (cycle_s): what makes auto staleness grow."""
     client = control_client(service)
     t0 = time.monotonic()
-    assert client.get_batch(0, 4, wait_s=0.3).groups == []
-    assert 0.25 < time.monotonic() - t0 < 3
+    first = client.get_batch(0, 4, wait_s=0.3)
+    assert first.groups == [] and (first.cycle_s, first.data_wait) == (0.0, 1.0)  # nothing answered before
+    assert 0.25 < time.monotonic() - t0 < 3 and 0.25 < first.waited_s <= time.monotonic() - t0
     sender = RolloutSender(service.ingest_endpoint, 1)
     sender.send(synthetic_group(1, 0))
     sender.flush(5)
-    assert [g.group_id for g in client.get_batch(0, 4, wait_s=0.3).groups] == [(1, 0)]
+    t1 = time.monotonic()
+    second = client.get_batch(0, 4, wait_s=0.3)
+    assert [g.group_id for g in second.groups] == [(1, 0)]
+    assert 0 < second.cycle_s < t1 - t0 and 0.25 < second.waited_s < 3
     for i in range(1, 5):
         sender.send(synthetic_group(1, i))
+    sender.flush(5)
+    time.sleep(0.2)  # the learner's "step"
     t0 = time.monotonic()
-    assert len(client.get_batch(0, 4, wait_s=30).groups) == 4  # a full batch does not wait
-    assert time.monotonic() - t0 < 10
+    full = client.get_batch(0, 4, wait_s=30)
+    assert len(full.groups) == 4 and full.waited_s == 0.0  # a full batch does not wait
+    assert time.monotonic() - t0 < 10 and full.cycle_s >= 0.2 and full.data_wait == 0.0
     sender.close()
     client.close()
 

@@ -76,7 +76,8 @@ class StandInReplay:
             groups.append(group(self.rng, self.seq, max(0, version - self.eta), self.behaviour))
             self.seq += 1
         refs = [reference(self.rng, self.seq * 10 + i) for i in range(2)]
-        return Batch(version, groups, refs, {"stale": version // 3})
+        # A learner that waits a third of its time for data, so a healthy bound may grow.
+        return Batch(version, groups, refs, {"stale": version // 3}, waited_s=0.05, cycle_s=0.1)
 
     def snapshot(self, path: str, version: int = -1) -> str:
         return "snapshot"
@@ -255,11 +256,12 @@ def test_a_rerun_refuses_what_it_cannot_do(recorded, tmp_path):
 
 
 def rule(**kw) -> StalenessRule:
-    return StalenessRule(**({"minimum": 1, "maximum": 6, "target": 0.9, "window": 2} | kw))
+    return StalenessRule(**({"minimum": 1, "maximum": 6, "target": 0.9, "window": 2, "min_wait": 0.05} | kw))
 
 
-def step(ess: float, staleness: int) -> dict[str, float]:
-    return {"policy/ess": ess, "staleness/max": float(staleness)}
+def step(ess: float, staleness: int, wait: float = 0.2) -> dict[str, float]:
+    """One step's metrics: its ESS, the staleness its data reached, the fraction it waited for data."""
+    return {"policy/ess": ess, "staleness/max": float(staleness), "learner/data_wait": wait}
 
 
 def test_the_controller_doubles_until_a_window_is_unhealthy_then_halves_waits_and_adds_one():
@@ -297,20 +299,48 @@ def test_the_controller_doubles_until_a_window_is_unhealthy_then_halves_waits_an
     assert c.eta == 2 and c.window == []
 
 
+def test_the_controller_raises_the_bound_only_while_the_learner_waits_for_data():
+    """Healthy data as stale as the bound, but a learner that no longer waits: a higher bound would buy
+    nothing, so eta stays; a window that waited (its mean at least min_wait) raises it again."""
+    c = StalenessController(rule(maximum=8))
+    c.observe(step(0.99, 1, wait=0.3))
+    assert c.observe(step(0.99, 1, wait=0.3)).eta == 2
+    for _ in range(3):
+        c.observe(step(0.99, 2, wait=0.0))
+        d = c.observe(step(0.99, 2, wait=0.09))  # window mean 0.045 < 0.05
+        assert (d.eta, d.change, d.wait) == (2, 0, pytest.approx(0.045))
+    assert d.metrics()["staleness/wait"] == pytest.approx(0.045)
+    c.observe(step(0.99, 2, wait=0.0))
+    assert c.observe(step(0.99, 2, wait=0.1)).eta == 4  # mean 0.05: still slow start, doubled
+    # Waiting, but the data stayed fresher than the bound: the actors, not the bound, are the limit.
+    c.observe(step(0.99, 3, wait=0.5))
+    assert c.observe(step(0.99, 3, wait=0.5)).change == 0 and c.eta == 4
+    # Unhealthy data lowers the bound whether or not the learner waits.
+    c.observe(step(0.5, 4, wait=0.0))
+    assert c.observe(step(0.5, 4, wait=0.0)).eta == 2
+    # Steps without fresh tokens carry no wait into the window either.
+    c = StalenessController(rule(), eta=2)
+    c.observe({"staleness/max": 2.0, "learner/data_wait": 0.9})
+    assert c.waits == [] and c.window == []
+
+
 def test_the_controller_state_survives_a_checkpoint_within_the_limits():
     c = StalenessController(rule(), eta=4)
-    c.observe(step(0.95, 4))
+    c.observe(step(0.95, 4, wait=0.07))
     again = StalenessController.from_state(rule(), json.loads(json.dumps(c.state())))
     assert (again.eta, again.window, again.reached, again.slow_start, again.hold) == (4, [0.95], 4, True, 0)
+    assert again.waits == [0.07]
     assert again.observe(step(0.97, 4)).eta == 6 == c.observe(step(0.97, 4)).eta
     assert StalenessController.from_state(rule(maximum=3), c.state()).eta == 3
     c.observe(step(0.1, 6))
     c.observe(step(0.1, 6))
     again = StalenessController.from_state(rule(), json.loads(json.dumps(c.state())))
     assert (again.eta, again.slow_start, again.hold) == (3, False, 6)
-    # A checkpoint from before slow start and the wait existed: additive increase, no wait.
-    old = StalenessController.from_state(rule(), {"eta": 2, "window": [], "reached": 0})
-    assert (old.slow_start, old.hold) == (False, 0)
+    # A checkpoint from before slow start, the hold and the data wait existed: additive increase, no
+    # hold, and the window's steps so far count as not waiting.
+    old = StalenessController.from_state(rule(), {"eta": 2, "window": [0.99], "reached": 2})
+    assert (old.slow_start, old.hold, old.waits) == (False, 0, [0.0])
+    assert old.observe(step(0.99, 2, wait=0.08)).eta == 2  # window mean wait 0.04 < 0.05
 
 
 def behaviour_of(trainer):
@@ -356,8 +386,10 @@ def test_auto_staleness_rises_on_healthy_data_and_falls_when_it_is_made_stale(mo
     assert [(v, eta) for v, _, eta in signals] == [(3, 2), (6, 4), (9, 6), (12, 6), (15, 3), (24, 1)], signals
     assert all(s >= 0.9 for v, s, _ in signals if v <= 12) and all(s < 0.9 for v, s, _ in signals if v > 12)
     assert replay.told == [2, 4, 6, 6, 3, 1]
+    assert all(r["learner/data_wait"] == pytest.approx(1 / 3) for r in rows)  # as the batches reported it
     changes = [(int(r["staleness/eta"]), round(r["staleness/signal"], 6)) for r in rows if r.get("staleness/change")]
-    assert [(eta, round(s, 6)) for _, eta, s in stats.staleness] == changes and len(changes) == 5
+    assert [(eta, round(s, 6)) for _, eta, s, _ in stats.staleness] == changes and len(changes) == 5
+    assert all(wait == pytest.approx(1 / 3) for *_, wait in stats.staleness)
     # Admission's data followed the bound: each batch's groups were as stale as the eta in force.
     assert [int(r["staleness/max"]) for r in rows][:7] == [0, 1, 1, 2, 2, 2, 4], rows
 

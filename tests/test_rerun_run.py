@@ -64,8 +64,9 @@ def test_the_run_steered_eta_and_told_the_replay(rl_dir):
         assert r["staleness/max"] <= bound
         bound = int(r["staleness/eta"])
     timeline = json.loads((rl_dir / "timeline.json").read_text())
-    changes = [(eta, signal) for _, eta, signal in timeline["staleness"]]
-    assert changes == [(int(r["staleness/eta"]), r["staleness/signal"]) for r in decided if r["staleness/change"]]
+    changes = [(eta, signal, wait) for _, eta, signal, wait in timeline["staleness"]]
+    assert changes == [(int(r["staleness/eta"]), r["staleness/signal"], r["staleness/wait"]) for r in decided
+                       if r["staleness/change"]]
 
 
 def test_a_rerun_of_an_async_run_is_the_run_bit_for_bit(rl_dir, tmp_path):

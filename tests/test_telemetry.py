@@ -164,7 +164,8 @@ def test_learner_metrics_move_with_steps(tmp_path):
         assert scrape(ep).value("dph_learner_fresh_tokens_total") == 0
         assert "eta" not in row(scrape(ep))[-1]  # a fixed bound: the replay's row says it
         # replay.max_staleness=auto: the bound every step, the controller's signal at a window's end.
-        auto = [{"staleness/eta": 2.0, "staleness/signal": 0.97, "staleness/change": 1.0}, {"staleness/eta": 2.0}]
+        auto = [{"staleness/eta": 2.0, "staleness/signal": 0.97, "staleness/change": 1.0, "staleness/wait": 0.04},
+                {"staleness/eta": 2.0}]
         for v in (1, 2):
             _log(loop, v, **{"batch/fresh_tokens": 100.0 * v, "batch/scorer_failed": 1.0,
                              "learner/tokens_per_s": 500.0 + v, **auto[v - 1]})
@@ -180,7 +181,7 @@ def test_learner_metrics_move_with_steps(tmp_path):
         assert r.value("dph_weights_gate_restarts_total") == 3 and r.value("dph_weights_replies_dropped_total") == 5
         assert "[red]gate restarted 3x" in row(r)[-1]  # `dph-async status` flags a flooded port
         assert r.value("dph_learner_staleness_bound") == 2 and r.value("dph_learner_staleness_signal") == 0.97
-        assert "eta 2 (auto, ESS 0.970)" in row(r)[-1]
+        assert r.value("dph_learner_staleness_wait") == 0.04 and "eta 2 (auto, ESS 0.970, wait 0.040)" in row(r)[-1]
         assert r.value("dph_weights_gate_memory_megabytes", what="limit") == 4 and "short" not in row(r)[-1]
         for actor in range(3):  # (2 x 3 + 4) buckets of 0.5 MB: more than the gate's 4 MB
             loop.server.gate_load.saw(actor, 2**19)

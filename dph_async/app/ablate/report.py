@@ -36,9 +36,9 @@ def _split_columns(splits: list[str], ks: list[int]) -> list[Column]:
 def staleness_columns(splits: list[str], k_max: int) -> list[Column]:
     return [Column("train reward", "reward"), *_split_columns(splits, [1, k_max]),
             Column("staleness", "staleness", digits=2), Column("eta (auto, mean)", "eta", digits=2),
-            Column("ESS", "ess"), Column("clip frac", "clip_frac"),
+            Column("ESS", "ess"), Column("data wait", "data_wait"), Column("clip frac", "clip_frac"),
             Column("kept frac", "kept_frac"), Column("mismatch KL k3", "mismatch_kl_k3", digits=4),
-            Column("dropped", "dropped", digits=0), Column("wall s", "wall_s", digits=0)]
+            Column("dropped", "dropped", digits=0), Column("wall s", "wall_s", digits=2)]
 
 
 def divergence_columns(splits: list[str], k_max: int) -> list[Column]:

@@ -21,7 +21,7 @@ DESCRIPTION = """\
 Read GET /health and /metrics of every long-running process and print a table of those that answer:
 pid, RSS, open files, threads, policy version, throughput (learner tokens/s, actor tokens/s, replay
 ingest), the staleness bound eta (with replay.max_staleness=auto, the learner's too, with the mean ESS
-it last decided on), replay occupancy and drops, admission tickets, checkpoints kept, and the
+and data wait it last decided on), replay occupancy and drops, admission tickets, checkpoints kept, and the
 restarts of a service's gate process (a peer flooding its port) when there were any.
 
 Processes announce their endpoints in <run>/rl/<mode>/endpoints/*.json (serve replay: in
@@ -80,8 +80,9 @@ def row(r: Reading) -> list[str]:
     if (rate := r.value("dph_learner_tokens_per_second")) is not None:
         notes.append(f"{rate:.0f} tok/s, {r.value('dph_learner_checkpoints', 0):.0f} ckpt")
     if (eta := r.value("dph_learner_staleness_bound")) is not None:  # replay.max_staleness=auto
-        signal = r.value("dph_learner_staleness_signal")
-        notes.append(f"eta {eta:.0f} (auto" + (f", ESS {signal:.3f})" if signal is not None else ")"))
+        signal, wait = r.value("dph_learner_staleness_signal"), r.value("dph_learner_staleness_wait")
+        notes.append(f"eta {eta:.0f} (auto" + (f", ESS {signal:.3f}" if signal is not None else "")
+                     + (f", wait {wait:.3f}" if wait is not None else "") + ")")
     if (rate := r.value("dph_actor_tokens_per_second")) is not None:
         notes.append(f"{rate:.0f} tok/s, {r.value('dph_actor_groups_sent', 0):.0f} groups")
     if (ingest := r.value("dph_replay_ingest_groups_per_second")) is not None:
