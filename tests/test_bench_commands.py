@@ -116,3 +116,26 @@ def test_gemm_bench_json(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:  # argparse names the bad shape
         main(["bench", "gemm", "--shapes", "32x48"])
     assert exit_.value.code == 2 and "'32x48': a shape is IN:OUT" in capsys.readouterr().err
+
+
+def test_every_benchmark_records_the_machine_the_same_way():
+    """One description of the machine for every `bench` command: the CPU model as /proc/cpuinfo names
+    it, the core count, the load, the versions; torch's and the GPU's only where torch is loaded."""
+    import os
+    import subprocess
+    import sys
+
+    from dph_async.app.bench.machine import machine
+
+    m = machine()
+    with open("/proc/cpuinfo") as f:
+        models = {line.split(":", 1)[1].strip() for line in f if line.startswith("model name")}
+    assert m["cpu"] in models and m["cores"] == os.cpu_count() and len(m["load_avg"]) == 3
+    assert {"python", "numpy", "pyzmq", "libzmq", "msgpack"} <= set(m)
+    assert ("torch" in m) == ("torch" in sys.modules)
+    code = "import json; from dph_async.app.bench.machine import machine; print(json.dumps(machine()))"
+    bare = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert "torch" not in bare and "gpu" not in bare  # no torch import for a benchmark without it
+    code = "import torch, json; from dph_async.app.bench.machine import machine; print(json.dumps(machine()))"
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert loaded["torch"] and "gpu" in loaded

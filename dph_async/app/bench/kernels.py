@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -219,22 +218,6 @@ def bench_gpu(args: argparse.Namespace, dtype: str) -> dict:
         "memory_ratio_vs_naive": triton["peak_extra_bytes"] / naive["peak_extra_bytes"],
         "time_ratio_vs_compiled": triton["time_median_s"] / compiled["time_median_s"],
         "memory_ratio_vs_compiled": triton["peak_extra_bytes"] / compiled["peak_extra_bytes"],
-    }
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 

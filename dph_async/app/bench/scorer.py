@@ -11,8 +11,6 @@ in its own process, on loopback.
 from __future__ import annotations
 
 import itertools
-import os
-import platform
 import socket
 import subprocess
 import sys
@@ -126,20 +124,6 @@ def scorer_service(workers: int, timeout_s: float, db_root: Path) -> Iterator[st
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def machine() -> dict[str, str]:
-    info = {"python": platform.python_version(), "cores": str(os.cpu_count())}
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in lscpu.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("Model name", "CPU(s)", "Thread(s) per core"):
-                info[key.strip()] = value.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    info["load average (1, 5, 15 min) at start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return info
 
 
 def run(workers: int, concurrency: list[int], batch: int, seconds: float, timeout_s: float,

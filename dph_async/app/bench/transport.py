@@ -24,17 +24,13 @@ makes the groups; the data-plane tests use it too.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import platform
 import secrets
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgpack
 import numpy as np
 import zmq
 
@@ -395,17 +391,3 @@ def bench_ingest(n: int, tokens: int, count: int, prompt_tokens: int, wal: bool,
     }
 
 
-def machine() -> dict:
-    """What the figures were measured on: lscpu's model name and core count, load, versions."""
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    return {
-        "cpu": fields.get("Model name", platform.processor()).strip(),
-        "cores": os.cpu_count(),
-        "load_avg": os.getloadavg(),
-        "python": platform.python_version(),
-        "pyzmq": zmq.__version__,
-        "libzmq": zmq.zmq_version(),
-        "msgpack": ".".join(map(str, msgpack.version)),
-        "numpy": np.__version__,
-    }

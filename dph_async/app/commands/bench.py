@@ -6,9 +6,9 @@ import argparse
 import shutil
 from pathlib import Path
 
+from dph_async.app.bench.machine import machine
 from dph_async.app.bench.pipeline import BENCH_DEFAULTS, run_bench
 from dph_async.app.bench.pipeline_report import write_report
-from dph_async.app.bench.transport import machine
 from dph_async.app.commands.common import add_output_argument, fail, guarded
 from dph_async.app.progress import console
 from dph_async.config import load_config

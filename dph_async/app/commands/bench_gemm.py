@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from dph_async.app.bench.kernels import machine
+from dph_async.app.bench.machine import machine
 from dph_async.app.commands.common import add_output_argument, fail, write_cells
 
 DESCRIPTION = """\
@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     shapes = bench.model_shapes(args.model) if args.model is not None else args.shapes
     meta = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "command": "dph-async " + " ".join(sys.argv[1:]),
-            "machine": {**machine(), "load_avg": os.getloadavg()}, "threads": args.threads}
+            "machine": machine(), "threads": args.threads}
 
     def show(c: bench.Cell) -> None:
         print(f"  {c.n_in} x {c.n_out}, {c.rows} rows: torch {c.torch_gflops:.0f}, oneDNN {c.onednn_gflops:.0f} "

@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from dph_async.app.bench.machine import machine
 from dph_async.app.commands.common import add_output_argument, fail
 
 DESCRIPTION = """\
@@ -105,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
     console.print(f"N={args.n} H={args.hidden} V={args.vocab} {args.dtype}, {args.rounds} rounds x {args.iters}")
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": bench.machine(),
+        "machine": machine(),
         "shape": {"n": args.n, "hidden": args.hidden, "vocab": args.vocab, "dtype": args.dtype,
                   "block_v": args.block_v},
         "cpu": bench.bench_cpu(args, on_run=report),

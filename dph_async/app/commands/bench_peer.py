@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 from dph_async.app.bench import peer
+from dph_async.app.bench.machine import machine
 from dph_async.app.bench.pipeline import BENCH_DEFAULTS
-from dph_async.app.bench.transport import machine
 from dph_async.app.commands.common import add_output_argument, fail, guarded
 from dph_async.app.pipeline import validate
 from dph_async.app.progress import console

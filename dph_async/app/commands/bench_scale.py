@@ -6,8 +6,8 @@ import argparse
 import shutil
 from pathlib import Path
 
+from dph_async.app.bench.machine import machine
 from dph_async.app.bench.peer import rate
-from dph_async.app.bench.transport import machine
 from dph_async.app.commands.bench_peer import add_run_arguments
 from dph_async.app.commands.common import add_output_argument, fail, guarded
 from dph_async.app.progress import console

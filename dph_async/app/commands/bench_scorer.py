@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from dph_async.app.bench import scorer as bench
+from dph_async.app.bench.machine import machine
 from dph_async.app.commands.common import add_output_argument, write_cells
 
 DESCRIPTION = """\
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "command": "dph-async " + " ".join(sys.argv[1:]),
-            "machine": bench.machine(), "workers": args.workers}
+            "machine": machine(), "workers": args.workers}
     cells = bench.run(args.workers, args.concurrency, args.batch, args.seconds, args.timeout_s,
                       args.backends, args.workloads)
     return write_cells(args.output, meta, cells, bench.markdown(cells))

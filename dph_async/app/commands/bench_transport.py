@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dph_async.app.bench import transport as bench
+from dph_async.app.bench.machine import machine
 from dph_async.app.commands.common import add_output_argument
 
 DESCRIPTION = """\
@@ -156,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
         console = Console(width=240)
     result: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "machine": bench.machine(),
+        "machine": machine(),
         "args": {k: str(v) for k, v in vars(args).items() if not k.startswith("_")},
     }
     result |= _transport(args, console)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dph_async.app.bench.transport import machine
+from dph_async.app.bench.machine import machine
 from dph_async.app.commands.common import add_output_argument, fail, guarded
 from dph_async.app.progress import console
 
