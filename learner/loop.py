@@ -39,7 +39,8 @@ def finish_metrics(m: dict[str, float], batch: Batch, staleness: StalenessContro
     the batch reported them and, with replay.max_staleness=auto, the controller's decision. The loop
     and a rerun log the same."""
     m.update({f"drops/{k}": float(v) for k, v in batch.drops.items()})
-    m["learner/data_wait"] = batch.data_wait
+    # A clock's figure (time/: a resumed run's differs), but the batch's own: a rerun logs the run's.
+    m["time/data_wait"] = batch.data_wait
     if staleness is None:
         return None
     decision = staleness.observe(m)

@@ -6,7 +6,7 @@ allowed to start. Once the learner no longer waits, a higher bound buys nothing 
 (the learner's off-policy estimate degrades, and with it the held-out reward: docs/ablations.md).
 So the bound grows only while the learner waits, and falls when the data grows unhealthy.
 
-What it buys: the fraction of the learner's time spent waiting for its batch (`learner/data_wait`,
+What it buys: the fraction of the learner's time spent waiting for its batch (`time/data_wait`,
 timed by the replay and carried in the batch, so a rerun sees the run's figures). What it costs:
 the normalised effective sample size of the importance weights w = pi_prox / pi_mu over a batch's
 fresh tokens, (sum w)^2 / (n sum w^2) (`policy/ess`, learner/diagnostics.py): 1 when the data is
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from dph_async.config.replay import ReplayConfig
 
 SIGNAL = "policy/ess"
-WAIT = "learner/data_wait"
+WAIT = "time/data_wait"
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,9 @@ def test_a_rerun_is_the_run_bit_for_bit(recorded, tmp_path):
     assert report.bitwise
     rows = [json.loads(x) for x in (tmp_path / "same" / "metrics.jsonl").read_text().splitlines()]
     assert {"staleness/eta", "drops/stale", "loss/total"} <= rows[-1].keys()
+    # A clock's figure, yet the rerun's own: the batches carry the replay's timings (auto steers by it).
+    run = [json.loads(x) for x in (recorded / "metrics.jsonl").read_text().splitlines()]
+    assert [r["time/data_wait"] for r in rows] == [r["time/data_wait"] for r in run] != [0.0] * 6
     assert "bitwise the run" in (tmp_path / "same" / "report.md").read_text()
 
 
@@ -261,7 +264,7 @@ def rule(**kw) -> StalenessRule:
 
 def step(ess: float, staleness: int, wait: float = 0.2) -> dict[str, float]:
     """One step's metrics: its ESS, the staleness its data reached, the fraction it waited for data."""
-    return {"policy/ess": ess, "staleness/max": float(staleness), "learner/data_wait": wait}
+    return {"policy/ess": ess, "staleness/max": float(staleness), "time/data_wait": wait}
 
 
 def test_the_controller_doubles_until_a_window_is_unhealthy_then_halves_waits_and_adds_one():
@@ -320,7 +323,7 @@ def test_the_controller_raises_the_bound_only_while_the_learner_waits_for_data()
     assert c.observe(step(0.5, 4, wait=0.0)).eta == 2
     # Steps without fresh tokens carry no wait into the window either.
     c = StalenessController(rule(), eta=2)
-    c.observe({"staleness/max": 2.0, "learner/data_wait": 0.9})
+    c.observe({"staleness/max": 2.0, "time/data_wait": 0.9})
     assert c.waits == [] and c.window == []
 
 
@@ -386,7 +389,7 @@ def test_auto_staleness_rises_on_healthy_data_and_falls_when_it_is_made_stale(mo
     assert [(v, eta) for v, _, eta in signals] == [(3, 2), (6, 4), (9, 6), (12, 6), (15, 3), (24, 1)], signals
     assert all(s >= 0.9 for v, s, _ in signals if v <= 12) and all(s < 0.9 for v, s, _ in signals if v > 12)
     assert replay.told == [2, 4, 6, 6, 3, 1]
-    assert all(r["learner/data_wait"] == pytest.approx(1 / 3) for r in rows)  # as the batches reported it
+    assert all(r["time/data_wait"] == pytest.approx(1 / 3) for r in rows)  # as the batches reported it
     changes = [(int(r["staleness/eta"]), round(r["staleness/signal"], 6)) for r in rows if r.get("staleness/change")]
     assert [(eta, round(s, 6)) for _, eta, s, _ in stats.staleness] == changes and len(changes) == 5
     assert all(wait == pytest.approx(1 / 3) for *_, wait in stats.staleness)

@@ -23,7 +23,7 @@ DIAGNOSTICS = {
     "staleness": "staleness/mean",
     "eta": "staleness/eta",  # replay.max_staleness=auto: the bound the learner set
     "ess": "policy/ess",
-    "data_wait": "learner/data_wait",  # the fraction of the learner's time spent waiting for data
+    "data_wait": "time/data_wait",  # the fraction of the learner's time spent waiting for data
     "clip_frac": "policy/clip_frac",
     "kept_frac": "policy/kept_frac",
     "is_weight_max": "policy/is_weight_max",
