@@ -18,8 +18,9 @@ class ReplayConfig(Section):
     # learner waited for data at least `staleness_min_wait` of its time and the window's data reached
     # the bound; a bound that keeps nobody waiting only costs freshness. A lowered bound spares the
     # groups admitted under the higher one (learner/staleness_control.py; docs/decisions.md says why).
-    # The target 0.93: held-out reward held at mean ESS 0.95 and was lost at 0.88-0.89 (digit sets
-    # eta = 2 and 3; docs/ablations.md, Staleness that steers itself).
+    # The target 0.93: held-out reward fell at mean ESS 0.84-0.89 (digit sets eta = 3 and 4, the
+    # embedded task's eta = 8) and held or fell 3 points at 0.95 (docs/ablations.md, Staleness that
+    # steers itself).
     max_staleness: int | Literal["auto"] = 1
     staleness_min: int = Field(1, ge=0)
     staleness_max: int = Field(8, ge=0)

@@ -21,8 +21,8 @@ DESCRIPTION = """\
 Read GET /health and /metrics of every long-running process and print a table of those that answer:
 pid, RSS, open files, threads, policy version, throughput (learner tokens/s, actor tokens/s, replay
 ingest), the staleness bound eta (with replay.max_staleness=auto, the learner's too, with the mean ESS
-and data wait it last decided on), replay occupancy and drops, admission tickets, checkpoints kept, and the
-restarts of a service's gate process (a peer flooding its port) when there were any.
+and data wait it last decided on), replay occupancy and drops, admission tickets, checkpoints kept,
+and the restarts of a service's gate process (a peer flooding its port) when there were any.
 
 Processes announce their endpoints in <run>/rl/<mode>/endpoints/*.json (serve replay: in
 <output_dir>/endpoints/); give a run directory to read them all, or URLs. Examples:
