@@ -15,6 +15,7 @@ The learner trains on exactly the token ids the actor generated.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Literal
@@ -187,10 +188,22 @@ def group_sequences(groups: list[RolloutGroup], use_std: bool, eps: float, filte
     return units, filtered, failed
 
 
-def prepare(batch: Batch, *, use_std: bool, eps: float, filter_zero_spread: bool) -> PreparedBatch:
+def prepare(batch: Batch, *, use_std: bool, eps: float, filter_zero_spread: bool,
+            reference_pg_share: float = 0.0) -> PreparedBatch:
+    """The batch as the updates take it. With `reference_pg_share` p, the first k reference samples
+    get advantage +1, marking them for the policy gradient of the official script's mixed
+    micro-batches (`losses.reference_pg`): k = floor(p n + u) with u the fractional part of the
+    version times the golden ratio, so the share is p over steps without a random number a rerun
+    would have to repeat."""
     groups, filtered, failed = group_sequences(batch.groups, use_std, eps, filter_zero_spread)
     reference = [Sequence(r.prompt_ids, r.response_ids, r.ref_logprobs) for r in batch.reference if len(r.response_ids)]
+    as_pg = math.floor(reference_pg_share * len(reference) + (batch.version * _GOLDEN) % 1.0)
+    for s in reference[:as_pg]:
+        s.advantage = 1.0
     return PreparedBatch(groups, reference, filtered, failed)
+
+
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
 def pack(units: list[Unit], kind: Kind, token_budget: int, pad_id: int, share_prompts: bool = True,

@@ -302,6 +302,20 @@ def reverse_kl(logp: Tensor, logp_ref: Tensor) -> Tensor:
     return k3(logp_ref - logp)
 
 
+def reference_pg(logp: Tensor, logp_ref: Tensor, clip_low: float, clip_high: float) -> Tensor:
+    """The official DPH-RL script's accident, on reference tokens it trains as policy gradient: a
+    preserved sample is a group of one, so its GRPO advantage is its reward, +1, and its PPO ratio is
+    taken against its stored pi_0 log-probs. Per token, u = pi_theta / pi_0:
+
+        l = -min(u, clip(u, 1 - eps_low, 1 + eps_high)) = -min(u, 1 + eps_high)
+
+    (PPO's clip at A = +1; the dual clip acts only on A < 0). d/d logp = -u below 1 + eps_high, 0
+    above: supervised learning of pi_0's sample until pi_theta exceeds pi_0 by the clip."""
+    logp, logp_ref = upcast(logp, logp_ref)
+    ones = torch.ones_like(logp)
+    return ppo_clip(log_ratio(logp, logp_ref).exp(), ones, clip_low, clip_high, None)[0]
+
+
 # --- Aggregation ------------------------------------------------------------
 
 

@@ -69,11 +69,13 @@ class Objective:
     # The loss couples the sequences of a unit (a DPO pair): a unit is never split across rows or
     # micro-batches.
     whole_units: ClassVar[bool] = False
+    # Trains nothing on its pool unless learner.loss.reference_pg_share > 0 (`dpef_pg`).
+    needs_pg_share: ClassVar[bool] = False
 
     @classmethod
     def has_divergence(cls) -> bool:
         """Whether the objective has a coefficient to set (a divergence term)."""
-        return cls.uses_pool or cls.uses_reference_model
+        return (cls.uses_pool and not cls.needs_pg_share) or cls.uses_reference_model
 
     def __init__(self, cfg: LossConfig) -> None:
         self.cfg = cfg
@@ -121,13 +123,27 @@ class Objective:
         w = counts.fresh_weight
         return Share(w * total, parts)
 
-    def reference_share(self, logp: Tensor, logp_ref: Tensor, mask: Tensor, counts: Counts, norm: float) -> Share:
-        """n_r / (n_f + n_r) * eta * D_ref for one micro-batch of reference samples."""
+    def reference_share(self, logp: Tensor, logp_ref: Tensor, mask: Tensor, counts: Counts, norm: float,
+                        as_pg: Tensor | None = None) -> Share:
+        """n_r / (n_f + n_r) * (eta * D_ref + PG_ref) for one micro-batch of reference samples.
+
+        as_pg [B]: the samples trained as the official script's mixed micro-batches train them
+        (`losses.reference_pg`, weight 1 like a fresh sample's PG) instead of by the divergence; both
+        parts keep the whole reference denominator, so their shares add up to the reference part."""
         lc = self.cfg
         count = counts.reference_denominator(lc.aggregation)
-        div = L.aggregate(self.reference_divergence(logp, logp_ref), mask, lc.aggregation, norm, count=count)
         w = counts.reference_weight
-        return Share(w * self.coeff * div, {"divergence_ref": div.detach()})
+        mask = mask.bool()
+        on_pg = mask & (mask.new_zeros(mask.shape[0]) if as_pg is None else as_pg > 0)[:, None]
+        div = L.aggregate(self.reference_divergence(logp, logp_ref), mask & ~on_pg, lc.aggregation, norm, count=count)
+        parts = {"divergence_ref": div.detach()}
+        total = self.coeff * div
+        if lc.reference_pg_share:
+            pg = L.aggregate(L.reference_pg(logp, logp_ref, lc.clip_low, lc.clip_high), on_pg, lc.aggregation,
+                             norm, count=count)
+            total = total + pg
+            parts["pg_ref"] = pg.detach()
+        return Share(w * total, parts)
 
 
 OBJECTIVES: dict[str, type[Objective]] = {}
@@ -286,6 +302,19 @@ class DPORevKL(DPO):
     def pair_loss(self, h: Tensor, reward_margin: Tensor) -> Tensor:
         return dpo.rev_kl_loss(h, self.coeff, reward_margin)
 
+
+@register
+class DpefPG(Objective):
+    """The control of the official script's accident: GRPO on fresh samples plus only the policy
+    gradient at A = +1 against pi_0 on `learner.loss.reference_pg_share` of the reference samples
+    (`losses.reference_pg`), no divergence: a replay of pi_0's correct samples."""
+
+    name = "dpef_pg"
+    uses_pool = True
+    needs_pg_share = True
+
+    def reference_divergence(self, logp: Tensor, logp_ref: Tensor) -> Tensor:
+        return logp.new_zeros(logp.shape)
 
 
 class UnknownObjective(ValueError):

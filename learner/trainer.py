@@ -237,7 +237,8 @@ class Trainer:
         start = time.perf_counter()
         logp, _ = self._logprobs(self.module, mb, with_entropy=False)
         start = record.time("forward", start)
-        share = self.objective.reference_share(logp, mb.old_logprobs, mb.mask, mini.counts, self.norm)
+        share = self.objective.reference_share(logp, mb.old_logprobs, mb.mask, mini.counts, self.norm,
+                                               as_pg=mb.advantages)
         record.add_parts(share.parts)
         record.time("loss", start)
         return share.loss
@@ -316,7 +317,8 @@ class Trainer:
         lc = self.loss_cfg
         reference = batch.reference if self.objective.uses_pool else []
         p = prepare(Batch(batch.version, batch.groups, reference, batch.drops), use_std=lc.use_std,
-                    eps=lc.adv_eps, filter_zero_spread=lc.filter_zero_spread)
+                    eps=lc.adv_eps, filter_zero_spread=lc.filter_zero_spread,
+                    reference_pg_share=lc.reference_pg_share)
         p.groups, p.skipped_groups = self.objective.form_units(p.groups)
         return p
 

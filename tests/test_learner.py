@@ -359,3 +359,26 @@ def test_a_batch_without_pairs_still_advances_the_version(model_dir):
     rng = np.random.default_rng(13)
     m = t.train_step(Batch(0, [group(i, [1.0, 1.0, 1.0], rng) for i in range(3)], [], {}))
     assert t.version == 1 and m["batch/skipped_groups"] == 3 and m["learner/optimizer_steps"] == 0
+
+
+def test_as_run_trains_the_marked_reference_samples_by_policy_gradient_alone(model_dir):
+    """With every reference sample marked (share 1), DPH-JS as run and its control dpef_pg take the
+    same gradient: the divergence then acts on no sample. Unmarked (share 0) the gradient differs."""
+    rng = np.random.default_rng(3)
+    refs = [ReferenceSample(f"r{i}", rng.integers(1, 20, 3).astype(np.int32), rng.integers(1, 20, 4).astype(np.int32),
+                            -rng.random(4).astype(np.float32) - 0.5, 1.0, "test") for i in range(3)]
+
+    def grads(objective: str, share: float) -> tuple[list[torch.Tensor], dict[str, float]]:
+        t = trainer(model_dir, loss={"objective": objective, "coeff": 0.5, "reference_pg_share": share})
+        seen = recording_gradients(t)
+        b = batch(5)
+        m = t.train_step(Batch(0, b.groups, refs, {}))
+        return seen[0], m
+
+    as_run, m_as_run = grads("js_low_var", 1.0)
+    control, _ = grads("dpef_pg", 1.0)
+    written, m_written = grads("js_low_var", 0.0)
+    for x, y in zip(as_run, control, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-7, rtol=1e-5)
+    assert any(float((x - y).abs().max()) > 1e-4 for x, y in zip(as_run, written, strict=True))
+    assert m_as_run["loss/pg_ref"] < 0 and "loss/pg_ref" not in m_written

@@ -3,6 +3,7 @@ the DPH-RL objective as the reference implementation weights it (float64)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -26,6 +27,8 @@ EXPECTED = {
     "dpo": (False, True, None, None),
     "ipo": (False, True, None, None),
     "dpo_rev_kl": (False, True, None, None),
+    # the official script's accident as a control: PG on a share of the pool, no divergence
+    "dpef_pg": (True, False, lambda a, b: torch.zeros_like(a), None),
 }
 
 
@@ -34,7 +37,7 @@ def test_every_objective_is_registered_once_with_its_needs():
     for name, (pool, model, _, _) in EXPECTED.items():
         cls = objective_class(name)
         assert cls.name == name and cls.uses_pool == pool and cls.uses_reference_model == model
-        assert cls.has_divergence() == (pool or model)
+        assert cls.has_divergence() == ((pool and not cls.needs_pg_share) or model)
         assert (cls.default_coeff > 0) == cls.has_divergence()
         assert all(c > 0 for c in cls.sweep_coeffs) and bool(cls.sweep_coeffs) == cls.has_divergence()
 
@@ -125,3 +128,109 @@ def test_which_objectives_may_skip_zero_advantage_tokens():
     assert not make_objective(LossConfig(objective="forward")).needs_every_fresh_token()
     assert make_objective(LossConfig(objective="grpo", entropy_coeff=0.01)).needs_every_fresh_token()
     assert make_objective(LossConfig(objective="reverse_kl")).needs_every_fresh_token()
+
+
+# --- As run: the official script's reference samples trained as policy gradient ---------------------
+
+
+def test_reference_pg_is_ppo_at_advantage_one_against_pi0_in_float64():
+    """-min(u, clip(u, 1 - eps_low, 1 + eps_high)) = -min(u, 1 + eps_high), gradient -u below the
+    clip and 0 above, on fresh random log-probs (float64 closed form by hand, not through ppo_clip)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    logp_ref = -torch.rand(200, generator=g, dtype=F64) * 5
+    logp = (logp_ref + torch.randn(200, generator=g, dtype=F64) * 0.4).requires_grad_(True)
+    loss = L.reference_pg(logp, logp_ref, 0.2, 0.28)
+    u = (logp.detach() - logp_ref).exp()
+    torch.testing.assert_close(loss.detach(), -torch.minimum(u, torch.full_like(u, 1.28)), atol=1e-12, rtol=0)
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, torch.where(u < 1.28, -u, torch.zeros_like(u)), atol=1e-12, rtol=0)
+    assert bool((u < 0.8).any()) and bool((u > 1.28).any())  # both sides of the clip were exercised
+
+
+def _as_run_case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    b, t = 7, 5
+    logp_ref = -torch.rand(b, t, generator=g, dtype=F64) * 3
+    logp = logp_ref + 0.5 * torch.randn(b, t, generator=g, dtype=F64)
+    mask = torch.rand(b, t, generator=g) > 0.2
+    as_pg = (torch.rand(b, generator=g) > 0.5).to(F64)
+    counts = Counts(n_fresh=9, fresh_tokens=40, n_reference=b + 3, reference_tokens=int(mask.sum()) + 11)
+    return logp, logp_ref, mask, as_pg, counts
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_as_run_reference_share_splits_samples_between_the_divergence_and_pg(seed):
+    """w * [eta * sum_{div tokens} f(u) + sum_{pg tokens} -min(u, 1 + eps_high)] / (reference tokens),
+    in float64 with numpy's own arithmetic, the two parts over disjoint samples."""
+    logp, logp_ref, mask, as_pg, counts = _as_run_case(seed)
+    eta = 0.2
+    obj = make_objective(LossConfig(objective="js_low_var", coeff=eta, reference_pg_share=0.4))
+    share = obj.reference_share(logp, logp_ref, mask, counts, 5.0, as_pg=as_pg)
+    u = (logp - logp_ref).exp().numpy()
+    f = u * np.log(u) - (u + 1) * np.log((u + 1) / 2)
+    pg_rows = as_pg.numpy()[:, None] > 0
+    m = mask.numpy()
+    want = (eta * (f * (m & ~pg_rows)).sum() - (np.minimum(u, 1.28) * (m & pg_rows)).sum()) / counts.reference_tokens
+    want *= counts.n_reference / (counts.n_fresh + counts.n_reference)
+    assert abs(float(share.loss) - want) < 1e-12
+    assert set(share.parts) == {"divergence_ref", "pg_ref"}
+    # the control: the same PG term, no divergence
+    ctl = make_objective(LossConfig(objective="dpef_pg", reference_pg_share=0.4))
+    got = ctl.reference_share(logp, logp_ref, mask, counts, 5.0, as_pg=as_pg).loss
+    want_ctl = -(np.minimum(u, 1.28) * (m & pg_rows)).sum() / counts.reference_tokens
+    assert abs(float(got) - want_ctl * counts.n_reference / (counts.n_fresh + counts.n_reference)) < 1e-12
+
+
+def test_without_a_share_the_reference_part_is_the_divergence_alone():
+    logp, logp_ref, mask, as_pg, counts = _as_run_case(5)
+    obj = make_objective(LossConfig(objective="forward", coeff=0.05))
+    plain = obj.reference_share(logp, logp_ref, mask, counts, 5.0)
+    marked = obj.reference_share(logp, logp_ref, mask, counts, 5.0, as_pg=torch.zeros_like(as_pg))
+    assert torch.equal(plain.loss, marked.loss) and set(plain.parts) == {"divergence_ref"}
+    want = 0.05 * L.aggregate(L.forward_kl(logp, logp_ref), mask, "token-mean", count=counts.reference_tokens)
+    torch.testing.assert_close(plain.loss, counts.reference_weight * want, atol=1e-12, rtol=0)
+
+
+def test_prepare_marks_the_share_of_reference_samples_over_steps():
+    """floor(p n + frac(v g)) samples a batch: exactly p over steps, never more than one off per batch."""
+    from dph_async.protocol import Batch, ReferenceSample
+    from learner.batching import prepare
+
+    def ref(i: int) -> ReferenceSample:
+        ids = np.array([1, 2, 3], dtype=np.int32)
+        return ReferenceSample(f"s{i}", ids, ids, np.full(3, -0.5, dtype=np.float32), 1.0, "test")
+
+    n, p, steps = 6, 0.375, 400
+    marked = []
+    for v in range(steps):
+        batch = prepare(Batch(v, [], [ref(i) for i in range(n)], {}), use_std=True, eps=1e-6,
+                        filter_zero_spread=False, reference_pg_share=p)
+        flags = [s.advantage for s in batch.reference]
+        k = int(sum(flags))
+        assert flags == [1.0] * k + [0.0] * (n - k) and abs(k - p * n) < 1
+        marked.append(k)
+    assert abs(sum(marked) / (steps * n) - p) < 2 / (steps * n)
+    plain = prepare(Batch(3, [], [ref(i) for i in range(n)], {}), use_std=True, eps=1e-6, filter_zero_spread=False)
+    assert all(s.advantage == 0.0 for s in plain.reference)
+
+
+def test_official_share_from_the_scripts_layout():
+    from learner.as_run import official_pg_share
+
+    # 8 GPUs: 288 a rank, rank 7 holds 32 rollouts + 256 preserved; its first mini-batch of 128 mixes
+    # 32 with 96 of them. 16 GPUs: rank 14 holds 32 + 112, its first mini-batch of 64 mixes 32 + 32.
+    assert official_pg_share() == 96 / 256
+    assert official_pg_share(ranks=16) == 32 / 256
+    # a chunk boundary that falls between mini-batches mixes none
+    assert official_pg_share(n_fresh=2016 + 128, n_reference=160) == 0.0
+    with pytest.raises(ValueError, match="ranks"):
+        official_pg_share(ranks=7)
+
+
+def test_as_run_presets_use_the_official_share():
+    from dph_async.config import load_config
+    from learner.as_run import official_pg_share
+
+    for preset, objective in (("js_low_var_as_run", "js_low_var"), ("dpef_pg", "dpef_pg")):
+        loss = load_config(preset).learner.loss
+        assert loss.objective == objective and loss.reference_pg_share == official_pg_share()

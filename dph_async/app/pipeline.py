@@ -54,8 +54,14 @@ def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
                           "bias the importance weights (see docs/decisions.md)")
     if s.n < 2:
         raise ConfigError("sampling.n must be >= 2: GRPO advantages compare completions of the same prompt")
+    pg_share = cfg.learner.loss.reference_pg_share
     for spec in specs:
-        if spec.objective_class().whole_units and cfg.learner.critic.enabled:
+        objective = spec.objective_class()
+        if objective.needs_pg_share and not pg_share:
+            raise ConfigError(f"learner.loss.reference_pg_share: objective {spec.objective!r} trains its reference "
+                              "samples only by that share's policy gradient; set it > 0 (e.g. 0.375, "
+                              "docs/losses.md, As run)")
+        if objective.whole_units and cfg.learner.critic.enabled:
             raise ConfigError(f"learner.critic.enabled: objective {spec.objective!r} trains on pairs, with no "
                               "per-token advantage for a critic to give")
     if cfg.mode == "sync":

@@ -44,6 +44,12 @@ class LossConfig(Section):
     # `js` only: share of fresh micro-batches that get the online half in the reference (its default
     # 1/10); here every fresh token gets it with weight coeff x this share, the same expectation.
     js_online_fraction: float = Field(0.1, ge=0, le=1)
+    # The official script as run (docs/losses.md, "As run"): this share of each batch's reference
+    # samples is trained as policy gradient at advantage +1 against pi_0's log-probs, instead of the
+    # divergence, as its mixed micro-batches do (learner/as_run.py gives the share of its settings).
+    # 0 is the method as written; objectives without reference samples ignore it. `dpef_pg` trains
+    # only that term (no divergence): the control.
+    reference_pg_share: float = Field(0.0, ge=0, le=1)
 
     aggregation: Aggregation = "token-mean"
     # Constant for `seq-sum-norm` (Dr. GRPO uses the maximum response length); None means sampling.max_tokens.
