@@ -6,12 +6,14 @@ and the table rows that carry them. The sweep itself runs in tests/test_ablate.p
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
 from dph_async.app.ablate import frontier
 from dph_async.app.ablate.cells import Cell, frontier_sweep, share_ratio
 from dph_async.app.ablate.results import CellResult, Group, Stat
+from dph_async.app.ablate.stats import t_two_sided_p
 from dph_async.config import ConfigError
 
 
@@ -73,13 +75,31 @@ def test_interpolation_between_the_nearest_bracketing_points():
     assert frontier.interpolate(points[:1], 0.40).mean == pytest.approx(0.95)
 
 
-def test_differences_combine_standard_errors_and_call_two_of_them():
+def test_differences_combine_standard_errors_and_test_at_welchs_df():
     d = frontier.difference(s(0.86, 0.018), s(0.83, 0.015))
     assert d.delta == pytest.approx(0.03) and d.se == pytest.approx(math.sqrt(0.018**2 + 0.015**2))
-    assert d.verdict == "level"
-    assert frontier.difference(s(0.90, 0.01), s(0.85, 0.01)).verdict == "above"  # 0.05 > 2 x 0.0141
+    # Welch-Satterthwaite with 3 seeds a side: (v1 + v2)^2 / (v1^2 / 2 + v2^2 / 2)
+    v1, v2 = 0.018**2, 0.015**2
+    assert d.df == pytest.approx((v1 + v2) ** 2 / (v1**2 / 2 + v2**2 / 2)) and d.verdict == "level"
+    # 0.05 is 3.5 se at df 4: above; 2.5 se at df 4 is not (p 0.066), though it is beyond two se
+    assert frontier.difference(s(0.90, 0.01), s(0.85, 0.01)).verdict == "above"
     assert frontier.difference(s(0.80, 0.01), s(0.85, 0.01)).verdict == "below"
+    assert frontier.difference(s(0.8854, 0.01), s(0.85, 0.01)).verdict == "level"
     assert frontier.difference(s(0.80, None), s(0.85, 0.01)).verdict == "one seed: no standard error"
+
+
+def test_groups_with_the_same_seeds_are_compared_paired():
+    a = group("a", "forward", 1.0, 0.1, s(0.5, 0.05), s(0.9, 0.05))
+    b = group("b", "grpo@d_exp", 0.0, 0.0, s(0.4, 0.05), s(0.8, 0.05))
+    # seed effects shared by both groups cancel in the paired difference
+    a.by_seed["in_domain/pass@1"] = {0: 0.45, 1: 0.50, 2: 0.58}
+    b.by_seed["in_domain/pass@1"] = {0: 0.36, 1: 0.40, 2: 0.47}
+    d = frontier.versus(a, b, "in_domain/pass@1")
+    diffs = [0.09, 0.10, 0.11]
+    assert d.paired and d.df == 2 and d.delta == pytest.approx(0.10)
+    assert d.se == pytest.approx(statistics.stdev(diffs) / math.sqrt(3))
+    b.by_seed["in_domain/pass@1"] = {0: 0.36, 1: 0.40, 5: 0.47}  # other seeds: Welch on the means
+    assert not frontier.versus(a, b, "in_domain/pass@1").paired
 
 
 def group(name: str, mode: str, coeff: float, share: float, p1: Stat, p16: Stat, seeds: int = 3) -> Group:
@@ -109,13 +129,29 @@ def test_each_group_against_the_control_and_the_rival_frontier():
     js = out["js_low_var:2"]
     assert js.rival_at_pass1.mean == pytest.approx(0.946)
     assert js.vs_rival.delta == pytest.approx(0.90 - 0.946) and js.vs_rival.verdict == "below"
+    # Every Pass@1's error carried through the chord's slope b = -0.4 (t = 0.6 from x_a = 0.40)
+    b, t = -0.4, 0.6
+    var = 0.01**2 * (1 + (1 - t) ** 2 + t**2 + b * b * (1 + (1 - t) ** 2 + t**2))
+    assert js.vs_rival.se == pytest.approx(math.sqrt(var))
     assert out["js_low_var:20"].rival_at_pass1 is None  # Pass@1 0.38: outside reverse KL's 0.40-0.50
     assert out["reverse_kl:1"].rival_at_pass1 is None  # the rival is not compared with itself
     assert out["js_low_var:2 share50"].vs_rival.verdict == "level"  # 0.95 against 0.95
 
+    text = frontier.table(groups, list(out.values()))
+    lines = text.splitlines()
     rows = {line.split("|")[2].strip() + " " + line.split("|")[3].strip(): line
-            for line in frontier.table(groups, list(out.values())).splitlines()[2:]}
+            for line in lines[2:] if line.startswith("|")}
+    # the family: Pass@16 against the control (5 groups) and against the rival (3 with a chord)
+    assert lines[-1] == "Holm over this table's 8 comparisons (P@16 against grpo@d_exp and against reverse_kl)."
     cols = [c.strip() for c in rows["2 11%"].strip("|").split("|")]
+    p = t_two_sided_p(js.vs_rival.delta / js.vs_rival.se, js.vs_rival.df)
+    assert 0.001 < p < 0.05
     assert cols == ["js_low_var", "2", "11%", "3", "46.0 ± 1.0", "90.0 ± 1.0", "2.50 ± 0.10",
-                    "-2.0 ± 2.1", "7.0 ± 1.8", "94.6 ± 0.7", "-4.6 ± 1.2", "below"]
+                    "-2.0 ± 2.1", "7.0 ± 1.8", "94.6 ± 0.7", "-4.6 ± 1.3", "below", f"{p:.3f}",
+                    "below"]
+    # Holm steps down through the family: five p-values under 0.008 go first, then this one (0.0166)
+    # meets 0.05 / 3; with a ninth, weaker comparison in the family it would not
+    family = [c.vs_control[1] for c in out.values() if c.vs_control] + [c.vs_rival for c in out.values() if c.vs_rival]
+    ps = sorted(d.p for d in family)
+    assert ps.index(p) == 5 and p <= 0.05 / 3 and p > 0.05 / 4
     assert rows["2 50%"].rstrip(" |").endswith("level")

@@ -130,9 +130,11 @@ def frontier_section(groups: list[Group], comparisons: list[frontier.Comparison]
     k = comparisons[0].k
     md = [f"## Frontier: Pass@{k} against Pass@1", "",
           f"Final models, % (distinct: correct answers per prompt), mean ± standard error over seeds; share: "
-          f"the reference samples' share of a batch. Differences with sqrt(se_1^2 + se_2^2). "
-          f"`{frontier.RIVAL} P@{k} at this P@1`: the {frontier.RIVAL} frontier interpolated linearly at the "
-          f"row's Pass@1 (- outside its range); above / below: beyond two standard errors, else level.", ""]
+          f"the reference samples' share of a batch. Differences to the control paired by seed where the "
+          f"seeds match, else Welch. `{frontier.RIVAL} P@{k} at this P@1`: the {frontier.RIVAL} frontier "
+          f"interpolated linearly at the row's Pass@1 (- outside its range), every Pass@1's error carried "
+          f"into the difference; above / below: p < 0.05 by Student's t at the difference's df, and again "
+          f"after Holm's adjustment over the table (dph_async/app/ablate/frontier.py).", ""]
     for split in splits:
         md += [f"### {split}", "", frontier.table(groups, [c for c in comparisons if c.split == split]), ""]
     return md

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dph_async.app.ablate.cells import Cell
@@ -137,6 +137,8 @@ class Group:
     factors: dict[str, str | int | float]
     cells: list[CellResult]
     metrics: dict[str, Stat]
+    # metric -> seed -> the cell's value: what a comparison paired by seed takes.
+    by_seed: dict[str, dict[int, float]] = field(default_factory=dict)
 
 
 def summarize(cells: list[CellResult]) -> list[Group]:
@@ -148,5 +150,6 @@ def summarize(cells: list[CellResult]) -> list[Group]:
     for name, members in by_group.items():
         per_cell = [cell_metrics(c) for c in members]
         keys = [k for k in per_cell[0] if all(k in m for m in per_cell)]
-        groups.append(Group(name, members[0].cell.factors, members, {k: stat([m[k] for m in per_cell]) for k in keys}))
+        groups.append(Group(name, members[0].cell.factors, members, {k: stat([m[k] for m in per_cell]) for k in keys},
+                            {k: {c.cell.seed: m[k] for c, m in zip(members, per_cell, strict=True)} for k in keys}))
     return groups
