@@ -180,6 +180,14 @@ class LearnerLoop:
         self.recorder.append(batch)
         return time.perf_counter() - start
 
+    def _pad(self, seconds: float, stop: threading.Event) -> float:
+        """Idle `seconds` (learner.min_step_seconds' remainder) unless stopped; the seconds idled."""
+        if seconds <= 0:
+            return 0.0
+        start = time.time()
+        stop.wait(seconds)
+        return self._span(start, "padding")
+
     def run(self, stop: threading.Event) -> LearnerStats:
         lc = self.cfg.learner
         if self.server.latest != self.trainer.version:  # the launcher publishes before actors start
@@ -192,8 +200,10 @@ class LearnerLoop:
                 record_s = self._record(batch)
                 start = time.time()
                 m = self.trainer.train_step(batch)
-                self.stats.train_seconds += self._span(start, "train")
+                train_s = self._span(start, "train")
+                self.stats.train_seconds += train_s
                 self.stats.steps += 1
+                m["time/padding"] = self._pad(lc.min_step_seconds - train_s, stop)
                 if self.trainer.version % lc.sync_every == 0 or self.trainer.version == lc.steps:
                     self.publish()
                 m["time/wall"] = time.time()

@@ -214,6 +214,12 @@ class LearnerConfig(Section):
     # the run, or train a counterfactual learner on the same data. It holds what the replay's log
     # holds (every group once, plus the reference samples drawn), and is never pruned.
     record_batches: bool = True
+    # An emulation of a slower learner on hardware of its own (a cluster's): each step lasts at
+    # least this many seconds, the learner idling the rest after training and before it publishes,
+    # while the actors keep generating. So generation runs ahead of training and the staleness
+    # bound binds on a host where it would not (docs/ablations.md); the idle time is logged as
+    # time/padding. 0 = off. The batches, and so a rerun, are what they would be on that learner.
+    min_step_seconds: float = Field(0.0, ge=0)
     threads: int = Field(1, ge=1)
     # Data-parallel DeepSpeed ranks, one process each (a core, or a device, apiece): each batch is
     # split over them with the batch's own denominators, so R ranks take the step one would. Rank 0

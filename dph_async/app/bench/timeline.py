@@ -1,7 +1,8 @@
 """Arithmetic on an RL run's timeline: who was busy when, per step, and the ideal overlap.
 
 An RL run writes `timeline.json`: for the learner and for each actor, wall-clock spans (start, end,
-what). Learner spans are "wait" (for a batch), "train", "publish" and "checkpoint"; actor spans are
+what). Learner spans are "wait" (for a batch), "train", "padding" (the rest of a step that
+learner.min_step_seconds holds: an emulated slower learner), "publish" and "checkpoint"; actor spans are
 "submit" (handing a prompt's request to the engine), "generate" (engine steps), "score", "send" (a
 group to the replay), "weights" (fetch, verify and load new weights), "query" (asking the weight
 server for a newer version), "tickets" (asking for admission while the engine has work) and "wait"
@@ -24,10 +25,10 @@ from pathlib import Path
 OTHER = "other"
 # Learner span kinds that make up the training phase of a step (the rest of a sync step is
 # generation: the learner waits while the actors load weights, generate and score).
-TRAIN_PHASE = ("train", "publish", "checkpoint")
+TRAIN_PHASE = ("train", "padding", "publish", "checkpoint")
 # Where spans overlap, the moment counts as the first of these (work before waiting).
-PRIORITY = ("train", "generate", "submit", "score", "send", "weights", "query", "tickets", "publish", "checkpoint",
-            "wait")
+PRIORITY = ("train", "padding", "generate", "submit", "score", "send", "weights", "query", "tickets", "publish",
+            "checkpoint", "wait")
 
 
 @dataclass(frozen=True)
