@@ -5,6 +5,7 @@ of dph-async's real processes beside the loop."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import statistics
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 import torch
 from conftest import SMALL, copy_base
 
-from dph_async.app.bench.peer import PeerRun, ensure_trl, markdown, summarise
+from dph_async.app.bench.peer import PeerRun, ensure_trl, intervals, markdown, summarise
 from dph_async.app.bench.peer import run as run_peer_bench
 from dph_async.app.bench.peer_limit import limit_lines, limit_of, parts_of
 from dph_async.app.bench.peer_loop import completion_mask, response_logprobs
@@ -74,6 +75,15 @@ def test_summary_takes_medians_and_the_ratio_of_medians():
     assert medians["dph-async"]["phase generate"] == 0.25
     assert medians["loop"]["step_s"] == pytest.approx(0.25)
     assert ratios == {"loop": pytest.approx(256 / 533.5), "trl": pytest.approx(0.5)}
+
+
+def test_ratio_intervals_pair_the_runs_of_one_repeat():
+    # repeat 3's dph-async run has no loop partner; trl's single pair gives no interval
+    runs = [_run("dph-async", 1, 0.5, 256), _run("dph-async", 2, 0.4, 320), _run("dph-async", 3, 0.9, 142),
+            _run("loop", 1, 0.2, 640), _run("loop", 2, 0.3, 400), _run("trl", 1, 0.25, 512)]
+    ci = intervals(runs)
+    assert set(ci) == {"loop"} and ci["loop"].n == 2
+    assert ci["loop"].ratio == pytest.approx(math.sqrt(256 / 640 * 320 / 400))
 
 
 def _dph_detail(rng: random.Random) -> dict:

@@ -13,8 +13,8 @@ import pytest
 from dph_async.app.ablate import frontier
 from dph_async.app.ablate.cells import Cell, frontier_sweep, share_ratio
 from dph_async.app.ablate.results import CellResult, Group, Stat
-from dph_async.app.ablate.stats import t_two_sided_p
 from dph_async.config import ConfigError
+from dph_async.stats import t_two_sided_p
 
 
 def test_ladder_multiplies_each_reference_coefficient_and_keeps_given_ones():

@@ -1,4 +1,4 @@
-"""The sweep's statistics (dph_async/app/ablate/stats.py) against textbook values and their formulas."""
+"""The statistics of sweeps and benchmarks (dph_async/stats.py) against textbook values and their formulas."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from dph_async.app.ablate.stats import Difference, betainc, holm, paired, t_critical, t_two_sided_p, welch
+from dph_async.stats import Difference, betainc, holm, paired, ratio_interval, t_critical, t_two_sided_p, welch
 
 
 @pytest.mark.parametrize(("df", "crit"), [(1, 12.7062), (2, 4.3027), (4, 2.7764), (10, 2.2281), (30, 2.0423),
@@ -52,3 +52,19 @@ def test_holm_steps_down_and_stops_at_the_first_kept_hypothesis():
     # sorted 0.001 <= 0.05/4, 0.013 <= 0.05/3, 0.03 > 0.05/2: stop; 0.04 kept although < 0.05
     assert holm([0.03, 0.001, None, 0.04, 0.013]) == [False, True, False, False, True]
     assert holm([0.2, 0.3]) == [False, False] and holm([]) == []
+
+
+def test_a_ratio_interval_from_runs_made_side_by_side():
+    # a drift that slows both systems alike cancels in the pairs: the ratio is 1.5 in every repeat
+    pairs = [(1.5 * r, r) for r in (1000.0, 800.0, 1200.0, 900.0, 1100.0)]
+    ci = ratio_interval(pairs)
+    assert ci.n == 5 and ci.ratio == pytest.approx(1.5) and ci.low == pytest.approx(1.5) == ci.high
+    rng = random.Random(3)
+    pairs = [(1.2 * math.exp(rng.gauss(0, 0.05)), 1.0) for _ in range(6)]
+    ci = ratio_interval(pairs)
+    logs = [math.log(a / b) for a, b in pairs]
+    mean, sd = sum(logs) / 6, math.sqrt(sum((x - sum(logs) / 6) ** 2 for x in logs) / 5)
+    half = 2.5706 * sd / math.sqrt(6)  # t at df 5
+    assert ci.ratio == pytest.approx(math.exp(mean)) and ci.low == pytest.approx(math.exp(mean - half), rel=1e-4)
+    assert ci.high == pytest.approx(math.exp(mean + half), rel=1e-4) and ci.low < ci.ratio < ci.high
+    assert ratio_interval([(2.0, 1.0)]) is None

@@ -2,7 +2,7 @@
 
 A frontier is one objective's groups at the sweep's base share of reference samples, ordered by
 coefficient: each point is (Pass@1, Pass@k) of the final models, mean ± standard error over seeds.
-Two comparisons (dph_async/app/ablate/stats.py has the tests):
+Two comparisons (dph_async/stats.py has the tests):
 
 - against the control (GRPO on D_exp): Pass@1 and Pass@k of every group minus the control's, paired
   by seed where both have the same seeds (same pi_0, same prompts), else Welch;
@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dph_async.app.ablate.results import Group, Stat
-from dph_async.app.ablate.stats import Difference, holm, paired, welch
 from dph_async.app.report import markdown_table
+from dph_async.stats import Difference, holm, paired, welch
 
 CONTROL = "grpo@d_exp"
 RIVAL = "reverse_kl"

@@ -45,6 +45,7 @@ from dph_async.app.specs import RunSpec
 from dph_async.config import RunConfig, load_config
 from dph_async.paths import RunPaths
 from dph_async.run_stats import ActorStats, read_result
+from dph_async.stats import RatioInterval, ratio_interval
 from dph_async.tasks.dataset import load_prompts
 
 SYSTEMS = ("dph-async", "loop", "trl")
@@ -83,6 +84,8 @@ class PeerBench:
     ratios: dict[str, float]  # peer -> dph-async completions/s / the peer's (medians)
     limit: Limit | None  # what dph-async's CPU-seconds per step allow against each peer (None without one)
     notes: list[str]
+    # peer -> the ratio from each repeat's two runs (made in one rotation) with its 95% interval
+    intervals: dict[str, RatioInterval] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -247,6 +250,19 @@ def summarise(runs: list[PeerRun]) -> tuple[dict[str, dict[str, float]], dict[st
     return medians, ratios
 
 
+def intervals(runs: list[PeerRun]) -> dict[str, RatioInterval]:
+    """dph-async against each peer, paired within a repeat (the runs of one rotation ran one after
+    the other, so they share the machine's drift), as a geometric mean with its 95% interval."""
+    by = {(r.system, r.repeat): r.completions_per_s for r in runs}
+    out = {}
+    for peer in ("loop", "trl"):
+        pairs = [(by[("dph-async", k)], v) for (s, k), v in by.items() if s == peer and ("dph-async", k) in by]
+        ci = ratio_interval(pairs)
+        if ci is not None:
+            out[peer] = ci
+    return out
+
+
 def run(cfg: RunConfig, out: Path, repeats: int, skip: int, machine: dict, systems: list[str], cache: Path,
         log=print, settings: Sequence[str] = ()) -> PeerBench:
     """Prepare the workload (the embedded default's warm start, or --model/--data), then run the
@@ -292,7 +308,7 @@ def run(cfg: RunConfig, out: Path, repeats: int, skip: int, machine: dict, syste
                               "objective": cfg.learner.loss.objective, "actors": cfg.actors.num_actors,
                               "settings": list(settings)},
                     skip=skip, runs=runs, medians=medians, ratios=ratios,
-                    limit=limit_of(runs, os.cpu_count() or 1), notes=notes)
+                    limit=limit_of(runs, os.cpu_count() or 1), notes=notes, intervals=intervals(runs))
     (out / "bench.json").write_text(res.to_json())
     return res
 
@@ -314,9 +330,11 @@ def markdown(res: PeerBench) -> str:
         f"{w['actors']} actors, eta {w['eta']}"
         + (f"; settings given: {', '.join(w['settings'])}." if w.get("settings") else "."), "",
         "## Medians over the repeats", "",
-        markdown_table(["system", "s/step", "completions/s", "tokens/s", "dph-async / system"], [
+        markdown_table(["system", "s/step", "completions/s", "tokens/s", "dph-async / system (medians)",
+                        "per repeat: geometric mean (95% interval)"], [
             [s, f"{m['step_s']:.3f}", rate(m['completions_per_s']), rate(m['tokens_per_s']),
-             f"{res.ratios[s]:.2f}x" if s in res.ratios else "-"] for s, m in res.medians.items()]), "",
+             f"{res.ratios[s]:.2f}x" if s in res.ratios else "-",
+             res.intervals[s].fmt() if s in res.intervals else "-"] for s, m in res.medians.items()]), "",
         "## Runs", "",
         markdown_table(["system", "repeat", "s/step", "completions/s", "phases (s/step)", "start-up s",
                         "load avg start -> end", "cores used by others", "peak RSS MiB"], [

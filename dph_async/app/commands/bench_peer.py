@@ -45,7 +45,7 @@ Output in --output: bench.json, bench.md, rl/ (dph-async's runs), peers/ (the pe
 Finished runs are kept: the same command again only redoes the report (--fresh starts over).
 
 examples:
-  dph-async bench peer                                  # embedded default, 3 repeats
+  dph-async bench peer                                  # embedded default, 5 repeats
   dph-async bench peer --user-case --output runs/bench/peer-user
   dph-async bench peer --model path/to/hf_model --data train.parquet --steps 30
   dph-async bench peer --systems loop trl --repeats 5   # the peers alone
@@ -56,7 +56,7 @@ examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_output_argument(p, "output directory (default: %(default)s)", out_alias=True, type=Path,
                         default=Path("runs/bench/peer"))
-    p.add_argument("--repeats", type=int, default=3, help="runs of every system, order rotating "
+    p.add_argument("--repeats", type=int, default=5, help="runs of every system, order rotating "
                    "(default: %(default)s)")
     p.add_argument("--model", help="a Hugging Face causal-LM directory (sets model.path)")
     p.add_argument("--data", help="training prompts: parquet in the verl row format (sets task.data)")
@@ -105,6 +105,8 @@ def main(args: argparse.Namespace) -> int:
         (args.output / "bench.md").write_text(peer.markdown(res))
         for system, m in res.medians.items():
             ratio = f"; dph-async / {system}: {res.ratios[system]:.2f}x" if system in res.ratios else ""
+            if system in res.intervals:
+                ratio += f", per repeat {res.intervals[system].fmt()}"
             per_s = peer.rate(m["completions_per_s"])
             console.print(f"{system}: {m['step_s']:.3f} s/step, {per_s} completions/s{ratio}", highlight=False)
         console.print(f"report: {args.output / 'bench.md'}")

@@ -1,6 +1,7 @@
-"""Differences between groups of seeds, tested as a reviewer would: Student's t at the real degrees
-of freedom, paired by seed where two groups share pi_0 and data order, Holm's adjustment over a
-table's comparisons.
+"""The statistics of sweeps and benchmarks, as a reviewer would test them: differences between groups
+of seeds by Student's t at the real degrees of freedom, paired by seed where two groups share pi_0
+and data order, Holm's adjustment over a table's comparisons; ratios of rates from runs made side by
+side, with their interval (`ratio_interval`).
 
 - Paired (the same seeds on both sides: a sweep's cells of one seed start from the same pi_0 and
   draw the same prompts): d_s = a_s - b_s, se = sd(d) / sqrt(n), df = n - 1.
@@ -115,3 +116,28 @@ def holm(ps: list[float | None], alpha: float = ALPHA) -> list[bool]:
             break
         out[i] = True
     return out
+
+
+@dataclass(frozen=True)
+class RatioInterval:
+    """A ratio of rates measured in n pairs of runs: the geometric mean of the pairs' ratios and its
+    (1 - alpha) interval, exp(mean log r +- t_{n-1} sd / sqrt(n)). Pairs, because two runs side by
+    side share the machine's drift, which a ratio of separate medians does not cancel."""
+
+    ratio: float
+    low: float
+    high: float
+    n: int
+
+    def fmt(self) -> str:
+        return f"{self.ratio:.2f}x ({self.low:.2f}-{self.high:.2f}, n {self.n})"
+
+
+def ratio_interval(pairs: list[tuple[float, float]], alpha: float = ALPHA) -> RatioInterval | None:
+    """pairs: (a, b) rates of runs made side by side; the interval of a / b. None under two pairs."""
+    logs = [math.log(a / b) for a, b in pairs if a > 0 and b > 0]
+    if len(logs) < 2:
+        return None
+    n = len(logs)
+    mean, half = statistics.fmean(logs), t_critical(n - 1, alpha) * statistics.stdev(logs) / math.sqrt(n)
+    return RatioInterval(math.exp(mean), math.exp(mean - half), math.exp(mean + half), n)
