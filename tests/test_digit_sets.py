@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 from collections import Counter
 from pathlib import Path
@@ -114,3 +115,22 @@ def test_task_name_selects_the_datasets_a_run_writes(tmp_path: Path):
         assert [r.messages[-1]["content"] for r in rows] == [p.prompt for p in want[name]]
         assert [r.ground_truth for r in rows] == [p.ground_truth for p in want[name]]
     assert json.loads((tmp_path / "base_model" / "config.json").read_text())["vocab_size"] == 16
+
+
+@pytest.mark.parametrize("name", ["embedded", "digit_sets"])
+def test_the_warm_start_can_keep_a_share_of_the_ood_rule(name):
+    """Below 1, the warm start keeps that share of its OOD problems (rounded up) and every in-domain
+    one, in order; the test splits do not change, and the same seed keeps the same problems."""
+    from dph_async.tasks.catalog import make_splits
+
+    seed = random.randrange(1000)
+    full = make_splits(name, seed, 200, 50)
+    part = make_splits(name, seed, 200, 50, ood_warm_share=0.1)
+    ood_full = [p for p in full["warmstart"] if p.op == "-"]
+    ood_part = [p for p in part["warmstart"] if p.op == "-"]
+    assert len(ood_part) == math.ceil(0.1 * len(ood_full)) > 0
+    assert [p for p in part["warmstart"] if p.op == "+"] == [p for p in full["warmstart"] if p.op == "+"]
+    assert set(ood_part) < set(ood_full)
+    assert [p for p in full["warmstart"] if p in set(part["warmstart"])] == part["warmstart"]  # order kept
+    assert all(part[k] == full[k] for k in ("train", "test", "ood_test"))
+    assert make_splits(name, seed, 200, 50, ood_warm_share=0.1) == part

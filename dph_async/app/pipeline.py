@@ -102,7 +102,7 @@ def _evaluate_task(cfg: RunConfig, engine_dir: str, jobs: list[EvalJob], test_se
 def prepare_embedded(cfg: RunConfig, paths: RunPaths, timer: StageTimer) -> dict[str, Path]:
     """Write the embedded task's (`task.name`) datasets and warm-start the tiny model into pi_0
     (skipped if done)."""
-    splits = make_splits(cfg.task.name, cfg.seed, cfg.task.num_train, cfg.task.num_test)
+    splits = make_splits(cfg.task.name, cfg.seed, cfg.task.num_train, cfg.task.num_test, cfg.task.ood_warm_share)
     files = {}
     for name in ("train", "test", "ood_test"):
         rows = [verl_row(p.prompt, p.data_source, p.ground_truth, i, name) for i, p in enumerate(splits[name])]
