@@ -67,9 +67,12 @@ def main(args: argparse.Namespace) -> int:
         return fail(f"binding {args.host} exposes the scorer beyond this machine; set {TOKEN_ENV} (a shared token) "
                     "or pass --insecure")
 
-    settings = ServiceSettings(max_queued_bytes=int(args.max_queued_mb * 2**20),
-                               max_body_bytes=int(args.max_body_mb * 2**20), max_items=args.max_items,
-                               max_budget_s=args.max_budget_s, body_timeout_s=args.body_timeout_s, token=token)
+    try:
+        settings = ServiceSettings(max_queued_bytes=int(args.max_queued_mb * 2**20),
+                                   max_body_bytes=int(args.max_body_mb * 2**20), max_items=args.max_items,
+                                   max_budget_s=args.max_budget_s, body_timeout_s=args.body_timeout_s, token=token)
+    except ValueError as e:
+        return fail(f"--max-queued-mb / --max-body-mb: {e}")
     app = make_app(cfg, settings)  # loads the reward plugins: a broken one stops the service before it listens
     try:
         sock = bind(args.host, args.port)
@@ -77,5 +80,5 @@ def main(args: argparse.Namespace) -> int:
         return fail(f"cannot bind {args.host}:{args.port}: {e}")
     port = sock.getsockname()[1]
     print(f"scorer: {cfg.workers} workers, http://{args.host}:{port}", file=sys.stderr, flush=True)
-    serve(app, sock, header_timeout_s=args.header_timeout_s)
+    serve(app, sock, header_timeout_s=args.header_timeout_s, token=token)
     return 0
