@@ -34,13 +34,13 @@ _BUSY = b'{"error": "overloaded", "detail": "every connection for anonymous clie
 
 class TimedH11Protocol(H11Protocol):
     header_timeout_s = HEADER_TIMEOUT_S
-    connections: ClassVar[Connections]  # of one server: each serve() makes its own subclass
+    admission: ClassVar[Connections]  # of one server: each server() makes its own subclass
     token: ClassVar[str | None] = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
-        self._ticket = self.connections.open(close=transport.close)
+        self._ticket = self.admission.open(close=transport.close)
         if self._ticket is None:  # every connection is serving a request
             transport.close()
             return
@@ -51,7 +51,7 @@ class TimedH11Protocol(H11Protocol):
     async def _admitted(self, app, scope, receive, send) -> None:
         """Run `app` for a request this connection may be served for; else 503 and close."""
         trusted = authorized(self.token, dict(scope["headers"]).get(b"authorization"))
-        if self._ticket is not None and self.connections.serve(self._ticket, trusted):
+        if self._ticket is not None and self.admission.serve(self._ticket, trusted):
             await app(scope, receive, send)
             return
         await send({"type": "http.response.start", "status": 503,
@@ -81,14 +81,14 @@ class TimedH11Protocol(H11Protocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if self._ticket is not None:
-            self.connections.idle(self._ticket)
+            self.admission.idle(self._ticket)
         if not self.transport.is_closing():
             self._arm()  # the next request on this connection gets the same time for its headers
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         if self._ticket is not None:
-            self.connections.close(self._ticket)
+            self.admission.close(self._ticket)
         super().connection_lost(exc)
 
 
@@ -106,7 +106,7 @@ def server(app: FastAPI, header_timeout_s: float = HEADER_TIMEOUT_S, max_connect
     """A uvicorn server for `app` with these limits (run it with `.run(sockets=[sock])`). token: what a
     request's "Authorization: Bearer" carries to use the `reserved` connections."""
     protocol = type("Protocol", (TimedH11Protocol,), {"header_timeout_s": header_timeout_s, "token": token,
-                                                     "connections": Connections(max_connections, reserved)})
+                                                     "admission": Connections(max_connections, reserved)})
     # No limit_concurrency: uvicorn's answers 503 to everyone, the run's own clients too, once the
     # connections reach it; the protocol's admission holds the connections instead.
     config = uvicorn.Config(app, http=protocol, log_level="warning", timeout_keep_alive=5)
