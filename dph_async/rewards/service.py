@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
@@ -257,7 +257,7 @@ def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> Fast
         return {"status": "ok", "workers": cfg.workers, "in_flight": state["in_flight"],
                 "queued_bytes": admission.held, "restarts": pool.restarts, "timeout_s": cfg.timeout_s}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # the schema then says text/plain, as Prometheus's is
     async def metrics_text() -> Response:
         return Response(exposition.text(), media_type=CONTENT_TYPE_LATEST)
 
