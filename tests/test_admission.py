@@ -98,5 +98,5 @@ def test_a_token_file_that_is_not_one_is_refused_naming_it(tmp_path, kind):
         os.mkfifo(path)  # a reader that opened it for reading would wait for a writer for ever
     else:
         path.write_text({"short": "abcd", "not_hex": "zz" * 32, "huge": "ab" * 4096}[kind])
-    with pytest.raises(ValueError, match="access.token"):
+    with pytest.raises(ValueError, match=r"access\.token"):
         read_secret(path)

@@ -467,7 +467,7 @@ class _Counting(Collector):
 
 
 def test_a_scrape_burst_renders_the_metrics_at_most_once_per_interval(tmp_path):
-    """Eight scrapers (each from an address of its own, within the per-address cap) in a loop: every
+    """Eight scrapers (fewer than the anonymous slots, each from an address of its own) in a loop: every
     scrape is answered, and the numbers are collected at most once per RENDER_INTERVAL_S, not per scrape."""
     counting = _Counting()
     endpoint = start_endpoint("burst", [counting], dict, NetConfig(), 0, tmp_path / "endpoints")
