@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import threading
 import time
 import weakref
@@ -256,12 +257,16 @@ def control_token(directory: str | os.PathLike) -> bytes:
     """The replay's control token kept in `directory` (created, readable by its owner only, if
     absent): whoever starts the replay makes it, the learner's client reads it, actors never get it.
     Kept in a file so a restarted replay keeps the token its learner holds."""
-    path = Path(directory) / CONTROL_TOKEN_FILE
+    return secret_file(Path(directory) / CONTROL_TOKEN_FILE)
+
+
+def secret_file(path: Path) -> bytes:
+    """The random token kept in `path`, made (readable by its owner only) if absent."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         # Written whole under a private name, then linked into place: a reader never sees it half
         # written, and of two processes starting at once the first link wins and both read it.
-        tmp = path.with_name(f".{CONTROL_TOKEN_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_bytes(32).hex())
@@ -271,8 +276,32 @@ def control_token(directory: str | os.PathLike) -> bytes:
             pass
         finally:
             tmp.unlink()
-    text = path.read_text().strip()
+    token = read_secret(path)
+    if token is None:
+        raise FileNotFoundError(f"{path}: token file vanished as it was made")
+    return token
+
+
+SECRET_MAX_BYTES = 4096
+
+
+def read_secret(path: Path) -> bytes | None:
+    """The token in `path`, or None when there is none. The file must be a regular file (a symlink,
+    a FIFO or a device is refused, never followed or waited on) of hex digits."""
     try:
-        return bytes.fromhex(text)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ValueError(f"{path}: not a token file ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        text = f.read(SECRET_MAX_BYTES + 1)
+    try:
+        token = bytes.fromhex(text.decode("ascii").strip()) if len(text) <= SECRET_MAX_BYTES else b""
     except ValueError:
-        raise ValueError(f"{path}: not a control token (hex digits expected); remove it to make a new one") from None
+        token = b""
+    if len(token) < 16:  # an empty or short token would let anyone guess it
+        raise ValueError(f"{path}: not a token (at least 32 hex digits expected); remove it to make a new one")
+    return token

@@ -10,15 +10,18 @@
 Every long-running process (replay, learner, actors, scorer) serves one; `dph-async status` reads them.
 The endpoint binds loopback by default and lets the OS choose the port; the announce file says which.
 It only answers GETs of those two paths: no body is read, a request's line and headers are bounded by
-the standard library (64 KiB, 100 headers), a connection has `CLIENT_TIMEOUT_S` in all to send them (a
-deadline for the whole request, not for each read), at most `MAX_CLIENTS` connections are served at
-once and at most `MAX_PER_CLIENT` of them from one address (more are closed unanswered). /metrics is
-rendered at most once per `RENDER_INTERVAL_S` (`CachedExposition`): a scrape loop costs the process
-bytes sent, not collections of its numbers.
+the standard library (64 KiB, 100 headers), and a connection has `CLIENT_TIMEOUT_S` in all to send them
+(a deadline for the whole request, not for each read). Connections are admitted as `dph_async.admission`
+says: at most `MAX_CLIENTS` open, a new one closing the one that has waited longest for its headers
+when all are taken, and `RESERVED` of them kept for requests carrying the run's access token
+(`ACCESS_TOKEN_FILE` beside the announce files, which `dph-async status` sends); anonymous requests
+beyond the rest get 503. /metrics is rendered at most once per `RENDER_INTERVAL_S`
+(`CachedExposition`): a scrape loop costs the process bytes sent, not collections of its numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -26,7 +29,6 @@ import os
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -35,11 +37,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dph_async.admission import Connections, Ticket, authorized
 from dph_async.config import NetConfig
+from dph_async.net import read_secret, secret_file
 
 CLIENT_TIMEOUT_S = 5.0
 MAX_CLIENTS = 16
-MAX_PER_CLIENT = 4
+RESERVED = 4
+# Beside the announce files; grants nothing but the reserved connections of read-only endpoints.
+ACCESS_TOKEN_FILE = "access.token"
 RENDER_INTERVAL_S = 1.0
 
 
@@ -106,41 +112,39 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
-        self._lock = threading.Lock()
-        self._served = 0
-        self._per_client: Counter[str] = Counter()
+        self.connections = Connections(MAX_CLIENTS, RESERVED)
+        self.tickets: dict[socket.socket, Ticket] = {}  # by the connection's socket, for its handler
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.address_family = family
         super().__init__(address, handler)
 
     def process_request(self, request, client_address) -> None:  # type: ignore[override]
-        host = client_address[0]
-        with self._lock:  # too many at once, or from this address: close, do not queue
-            admitted = self._served < MAX_CLIENTS and self._per_client[host] < MAX_PER_CLIENT
-            if admitted:
-                self._served += 1
-                self._per_client[host] += 1
-        if not admitted:
+        ticket = self.connections.open(close=lambda: _shut(request))
+        if ticket is None:  # every slot is serving a request: close, do not queue
             self.shutdown_request(request)
             return
+        self.tickets[request] = ticket
         super().process_request(request, client_address)
 
     def process_request_thread(self, request, client_address) -> None:  # type: ignore[override]
         try:
             super().process_request_thread(request, client_address)
         finally:
-            with self._lock:
-                self._served -= 1
-                self._per_client[client_address[0]] -= 1
-                if not self._per_client[client_address[0]]:
-                    del self._per_client[client_address[0]]
+            self.connections.close(self.tickets.pop(request))
+
+
+def _shut(sock: socket.socket) -> None:
+    """End a connection from another thread: its handler's read returns at once, and it closes."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 class MetricsEndpoint:
     """An HTTP server thread answering /health (JSON from `health()`) and /metrics (from `registry`)."""
 
     def __init__(self, name: str, registry: CollectorRegistry, health: Callable[[], dict],
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
+        """token: what a request's "Authorization: Bearer" must carry to use the reserved connections."""
         self.name = name
         self.announced: Path | None = None  # the file announce() wrote
         exposition = CachedExposition(registry)
@@ -152,7 +156,11 @@ class MetricsEndpoint:
                 self.rfile = io.BufferedReader(_DeadlineReader(self.connection, time.monotonic() + CLIENT_TIMEOUT_S))
 
             def do_GET(self) -> None:
-                if self.path == "/metrics":
+                trusted = authorized(token, self.headers.get("Authorization"))
+                if not server.connections.serve(server.tickets[self.request], trusted):
+                    self.close_connection = True
+                    self._reply(503, b"too many requests being served; retry\n", "text/plain")
+                elif self.path == "/metrics":
                     self._reply(200, exposition.text(), CONTENT_TYPE_LATEST)
                 elif self.path == "/health":
                     try:
@@ -174,7 +182,7 @@ class MetricsEndpoint:
             def log_message(self, *args: object) -> None:  # no line per scrape
                 pass
 
-        self._server = _Server((host, port), Handler)
+        self._server = server = _Server((host, port), Handler)
         bound_host, bound_port = self._server.server_address[:2]
         self.url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
         self._thread = threading.Thread(target=self._server.serve_forever, name=f"metrics-{name}", daemon=True)
@@ -198,13 +206,25 @@ class MetricsEndpoint:
 def start_endpoint(name: str, collectors: list[Collector], health: Callable[[], dict], net: NetConfig,
                    offset: int, directory: Path) -> MetricsEndpoint | None:
     """Serve a process's metrics as `net` says (None when `net.metrics` is off) and announce the URL in
-    `directory`. Port: the OS's choice when `net.metrics_port` is 0, else metrics_port + offset."""
+    `directory`, beside the run's access token (made by the first endpoint). Port: the OS's choice when
+    `net.metrics_port` is 0, else metrics_port + offset."""
     if not net.metrics:
         return None
     registry = process_registry()
     for collector in collectors:
         registry.register(collector)
     port = 0 if net.metrics_port == 0 else net.metrics_port + offset
-    endpoint = MetricsEndpoint(name, registry, health, net.metrics_host, port)
+    token = secret_file(directory / ACCESS_TOKEN_FILE).hex()
+    endpoint = MetricsEndpoint(name, registry, health, net.metrics_host, port, token)
     endpoint.announce(directory)
     return endpoint
+
+
+def access_token(directory: Path) -> str | None:
+    """The access token of the endpoints announced in `directory`, for a reader such as `status`; None
+    when there is none or it is not one (the reader is then served as anyone else)."""
+    try:
+        token = read_secret(directory / ACCESS_TOKEN_FILE)
+    except (OSError, ValueError):
+        return None
+    return None if token is None else token.hex()

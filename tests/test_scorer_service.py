@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import socket
@@ -14,13 +15,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.requests import ClientDisconnect, Request
 
 from dph_async.config.rewards import RewardConfig
 from dph_async.rewards.client import ScorerClient
 from dph_async.rewards.fixtures import build_sql_fixture
 from dph_async.rewards.registry import UnknownDataSource
 from dph_async.rewards.scorer import make_scorer
-from dph_async.rewards.service import ServiceSettings, make_app
+from dph_async.rewards.service import ServiceSettings, _Admission, _read_body, make_app
 from dph_async.rewards.worker import ScoreRequest
 
 HANGS = {"data_source": "math", "response": r"\boxed{9^{9^{9^{9}}}}", "ground_truth": "5"}
@@ -51,7 +53,7 @@ def cfg(fixture_dir):
 
 @pytest.fixture(scope="module")
 def client(cfg):
-    app = make_app(cfg, ServiceSettings(max_queued_bytes=4000, max_body_bytes=2**20, max_items=8, max_budget_s=30))
+    app = make_app(cfg, ServiceSettings(max_queued_bytes=4000, max_body_bytes=2000, max_items=8, max_budget_s=30))
     with TestClient(app) as c:
         yield c
 
@@ -73,12 +75,9 @@ def test_refusals_are_clear_http_errors(client):
     assert client.post("/v1/score", content=b"{not json").status_code == 400
     missing = client.post("/v1/score", json={"requests": [{"data_source": "countdown"}]})
     assert missing.status_code == 400 and "response" in missing.json()["detail"]
-    assert client.post("/v1/score", content=b"x" * (2**20 + 1)).status_code == 413
+    assert client.post("/v1/score", content=b"x" * 2001).status_code == 413
     too_many = client.post("/v1/score", json={"requests": [item(i) for i in range(9)]})
     assert too_many.status_code == 413 and "9 requests" in too_many.json()["detail"]
-    # Admission counts bytes: a 5 kB body does not fit the 4 kB the service admits at once.
-    overloaded = client.post("/v1/score", json={"requests": [{**item(1), "response": "y" * 5000}]})
-    assert overloaded.status_code == 503 and overloaded.headers["Retry-After"] == "1"
     health = client.get("/health").json()
     assert health["in_flight"] == 0 and health["queued_bytes"] == 0
 
@@ -127,7 +126,7 @@ def _asgi_scope(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> d
 def test_a_cancelled_upload_gives_its_reservation_back(cfg):
     """The request's task cancelled mid-upload (a server shutting down does this): its admitted bytes
     are given back, as for any other end of the request."""
-    app = make_app(cfg, ServiceSettings(max_queued_bytes=1000))
+    app = make_app(cfg, ServiceSettings(max_queued_bytes=1000, max_body_bytes=500))
 
     async def queued_bytes() -> float:
         sent: list[bytes] = []
@@ -154,15 +153,73 @@ def test_a_cancelled_upload_gives_its_reservation_back(cfg):
         async def send(message: dict) -> None:
             pass
 
-        upload = asyncio.create_task(app(_asgi_scope("POST", "/v1/score", [(b"content-length", b"900")]),
+        upload = asyncio.create_task(app(_asgi_scope("POST", "/v1/score", [(b"content-length", b"400")]),
                                          receive, send))
-        await started.wait()  # admitted by its Content-Length, and reading
+        await started.wait()  # its first byte admitted, and reading
         upload.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await upload
         return await queued_bytes()
 
     assert asyncio.run(cancelled_upload()) == 0
+
+
+CHUNKS = [b'{"requests": [', b'{"data_source": "countdown", "response": "1"}', b"]}"]
+
+
+async def _upload(style: str, ending: str, admission: _Admission, settings: ServiceSettings) -> list[int]:
+    """One upload of CHUNKS through `_read_body`, sent with a Content-Length or chunked, completed or
+    hung up after its second chunk: what the service holds after each chunk, then after the request."""
+    headers = [(b"content-length", str(len(b"".join(CHUNKS))).encode())] if style == "content-length" else []
+    held: list[int] = []
+    messages = [{"type": "http.request", "body": chunk, "more_body": True} for chunk in CHUNKS]
+    messages[-1]["more_body"] = False
+    if ending == "hung up":
+        messages[-1] = {"type": "http.disconnect"}
+
+    async def receive() -> dict:
+        held.append(admission.held)  # what the chunks before this one hold
+        return messages.pop(0)
+
+    with admission.reservation() as reservation, contextlib.suppress(ClientDisconnect):
+        await _read_body(Request(_asgi_scope("POST", "/v1/score", headers), receive), settings, reservation)
+        held.append(admission.held)  # the whole body, held until the request is answered
+    return [*held[1:], admission.held]
+
+
+@pytest.mark.parametrize("style", ["content-length", "chunked"])
+@pytest.mark.parametrize("ending", ["completed", "hung up"])
+def test_bytes_are_taken_as_they_arrive_and_all_given_back(style, ending):
+    """The bytes held grow with what arrived, never with what a Content-Length claims, and return to
+    zero however the upload ends; one upload after another, nothing accumulates."""
+    settings = ServiceSettings(max_queued_bytes=1000, max_body_bytes=500)
+    admission = _Admission(settings.max_queued_bytes)
+    sizes = list(itertools.accumulate(len(c) for c in CHUNKS))
+    for _ in range(3):
+        held = asyncio.run(_upload(style, ending, admission, settings))
+        assert held == (sizes if ending == "completed" else sizes[:2]) + [0]
+
+
+def test_one_request_holds_at_most_as_much_as_it_leaves_free():
+    """No upload fills the service alone; a second greedy one gets half of what is left, and a small
+    honest batch still fits beside them."""
+    admission = _Admission(1000)
+    with admission.reservation() as greedy, admission.reservation() as second, admission.reservation() as honest:
+        greedy.grow_to(500)
+        with pytest.raises(Exception, match="retry later") as refused:
+            greedy.grow_to(501)
+        assert refused.value.code == 503 and refused.value.headers == {"Retry-After": "1"}
+        second.grow_to(250)
+        with pytest.raises(Exception, match="retry later"):
+            second.grow_to(251)
+        honest.grow_to(100)
+        assert admission.held == 850
+    assert admission.held == 0
+
+
+def test_settings_a_lone_largest_body_could_never_fit_are_refused():
+    with pytest.raises(ValueError, match=r"max_queued_bytes \(100\) must be at least twice max_body_bytes \(51\)"):
+        ServiceSettings(max_queued_bytes=100, max_body_bytes=51)
 
 
 class _Flaky(BaseHTTPRequestHandler):

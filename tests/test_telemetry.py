@@ -35,7 +35,7 @@ from dph_async.replay_client import ReplayClient, RolloutSender
 from dph_async.replay_stats import ReplayStats
 from dph_async.run_stats import ActorStats, LearnerStats, RLResult
 from dph_async.spans import MAX_SPANS, add_span
-from dph_async.telemetry import CLIENT_TIMEOUT_S, MAX_CLIENTS, MAX_PER_CLIENT, RENDER_INTERVAL_S, start_endpoint
+from dph_async.telemetry import CLIENT_TIMEOUT_S, MAX_CLIENTS, RENDER_INTERVAL_S, RESERVED, start_endpoint
 from learner.loop import LearnerLoop
 from learner.telemetry import LearnerCollector, learner_health
 from replay.service import ReplayService
@@ -376,7 +376,7 @@ def test_a_request_trickled_a_byte_at_a_time_is_cut_off_at_the_whole_request_dea
     the whole request closes them all the same. The bound is generous (3x the deadline): the point is
     that they are closed at all; without the deadline they are held until the test gives up."""
     _, endpoint = replay
-    socks = [socket.create_connection(_host_port(endpoint)) for _ in range(MAX_PER_CLIENT)]
+    socks = [socket.create_connection(_host_port(endpoint)) for _ in range(4)]
     opened = time.monotonic()
     for s in socks:
         s.setblocking(False)
@@ -399,19 +399,62 @@ def test_a_request_trickled_a_byte_at_a_time_is_cut_off_at_the_whole_request_dea
     assert max(held.values()) < 3 * CLIENT_TIMEOUT_S, held
 
 
-def test_one_address_cannot_take_every_slot(replay):
-    """MAX_CLIENTS idle connections from 127.0.0.1 (accepted in order, before the next client's): only
-    MAX_PER_CLIENT of them hold a slot, so a client from another address is answered while they wait
-    for their deadline. Without the cap they hold every slot and that client is closed unanswered."""
+def test_status_sees_the_replay_up_while_idle_connections_fill_its_endpoint(replay, tmp_path):
+    """MAX_CLIENTS + 4 idle connections from 127.0.0.1, opened before status reads: status (from the same
+    address) gets its answer at once, because a new connection closes the one that has waited longest
+    for its headers; a cap per address or a queue would leave it nothing until their deadline."""
     _, endpoint = replay
-    idle = [socket.create_connection(_host_port(endpoint)) for _ in range(MAX_CLIENTS)]
+    idle = [socket.create_connection(_host_port(endpoint)) for _ in range(MAX_CLIENTS + 4)]
     try:
-        other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=CLIENT_TIMEOUT_S)
-        with other:
-            assert other.get(f"{endpoint.url}/health").json()["status"] == "ok"
+        (found,) = find_endpoints([str(tmp_path)])
+        start = time.monotonic()
+        reading = scrape(found)
+        assert reading.up, reading.error
+        assert time.monotonic() - start < CLIENT_TIMEOUT_S / 2  # not after the idle ones' deadline
     finally:
         for s in idle:
             s.close()
+
+
+class _Held(Collector):
+    """A collector whose collection waits until `release` is set: scrapes of /metrics stay in service."""
+
+    def __init__(self) -> None:
+        self.release, self.entered = threading.Event(), threading.Event()
+
+    def collect(self):
+        self.entered.set()
+        self.release.wait(30)
+        yield GaugeMetricFamily("dph_test_held", "A collection that waited", value=1)
+
+
+def test_the_run_s_own_reader_is_served_while_anonymous_requests_take_every_other_slot(tmp_path):
+    """Anonymous /metrics requests held in service take the MAX_CLIENTS - RESERVED slots anonymous
+    clients may use: another anonymous request is answered 503, status (with the run's access token,
+    found beside the announce file) reads the endpoint as up, and the token never leaves that file."""
+    held = _Held()
+    endpoint = start_endpoint("replay", [held], lambda: {"version": 7}, NetConfig(), 0, tmp_path / "endpoints")
+    threads = [threading.Thread(target=httpx.get, args=(f"{endpoint.url}/metrics",), kwargs={"timeout": 30})
+               for _ in range(MAX_CLIENTS - RESERVED)]
+    try:
+        for t in threads:
+            t.start()
+        assert held.entered.wait(30)
+        deadline = time.monotonic() + 30
+        while (anonymous := httpx.get(f"{endpoint.url}/health", timeout=30)).status_code != 503:
+            assert time.monotonic() < deadline, "the anonymous requests never took their slots"
+            time.sleep(0.05)
+        assert "too many requests" in anonymous.text
+        (found,) = find_endpoints([str(tmp_path)])  # what status reads with: its /metrics would wait here too
+        health = httpx.get(f"{endpoint.url}/health", timeout=30, headers={"Authorization": f"Bearer {found.token}"})
+        assert health.status_code == 200 and health.json()["version"] == 7
+        assert found.token and found.token not in repr(found) and found.token not in json.dumps(
+            json.loads((tmp_path / "endpoints" / "replay.json").read_text()))
+    finally:
+        held.release.set()
+        for t in threads:
+            t.join(30)
+        endpoint.close()
 
 
 class _Counting(Collector):
@@ -424,7 +467,7 @@ class _Counting(Collector):
 
 
 def test_a_scrape_burst_renders_the_metrics_at_most_once_per_interval(tmp_path):
-    """Eight scrapers (each from an address of its own, within the per-address cap) in a loop: every
+    """Eight scrapers (fewer than the anonymous slots, each from an address of its own) in a loop: every
     scrape is answered, and the numbers are collected at most once per RENDER_INTERVAL_S, not per scrape."""
     counting = _Counting()
     endpoint = start_endpoint("burst", [counting], dict, NetConfig(), 0, tmp_path / "endpoints")

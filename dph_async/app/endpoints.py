@@ -14,6 +14,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from dph_async.admission import bearer
+from dph_async.telemetry import access_token
+
 TIMEOUT_S = 3.0
 
 
@@ -23,6 +26,7 @@ class Endpoint:
     url: str
     pid: int | None = None
     source: str = ""  # the announce file it came from, if any
+    token: str | None = field(default=None, repr=False)  # the run's access token, found beside that file
 
 
 @dataclass
@@ -65,7 +69,8 @@ def find_endpoints(targets: list[str]) -> list[Endpoint]:
         for path in sorted(root.rglob("endpoints/*.json")):
             try:
                 info = json.loads(path.read_text())
-                found.append(Endpoint(str(info["name"]), str(info["url"]), info.get("pid"), str(path)))
+                found.append(Endpoint(str(info["name"]), str(info["url"]), info.get("pid"), str(path),
+                                      access_token(path.parent)))
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # being rewritten, or not ours
     return found
@@ -77,9 +82,10 @@ def scrape(endpoint: Endpoint, client: httpx.Client | None = None) -> Reading:
     client = client or httpx.Client(timeout=TIMEOUT_S)
     reading = Reading(endpoint)
     try:
-        health = client.get(f"{endpoint.url}/health")
+        headers = bearer(endpoint.token)  # the run's own reader: served even when others fill the endpoint
+        health = client.get(f"{endpoint.url}/health", headers=headers)
         reading.health = health.json()
-        text = client.get(f"{endpoint.url}/metrics").text
+        text = client.get(f"{endpoint.url}/metrics", headers=headers).text
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 reading.samples[(s.name, tuple(sorted(s.labels.items())))] = s.value

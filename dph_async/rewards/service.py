@@ -4,15 +4,16 @@ Endpoints:
 - POST /v1/score: a batch (see `wire`); 200 with one result per request, in order. 400 for a malformed
   body or an unknown data_source (the body names it), 401 without the shared token when one is set,
   408 for a body that does not arrive within `body_timeout_s`, 413 for a body over `max_body_bytes`
-  or with more than `max_items` requests, 503 with Retry-After when admitting the body would put more
-  than `max_queued_bytes` of bodies in the service (the client backs off and retries).
+  or with more than `max_items` requests, 503 with Retry-After when the bytes that arrived do not fit
+  (`_Admission`; the client backs off and retries).
 - GET /health: {"status": "ok", workers, in_flight, queued_bytes, restarts, timeout_s}.
 - GET /metrics: Prometheus text (items by data_source and status, latency histogram, HTTP codes (499:
   the client hung up before its answer), process memory and file descriptors), rendered at most once a
   second.
 
 What the service trusts of a peer: nothing but the token. The event loop only reads bytes (bounded,
-timed, admitted by size before they are read where Content-Length says) and answers; bodies are parsed
+timed, admitted as they arrive: a Content-Length is a claim, checked against `max_body_bytes`, never
+reserved) and answers; bodies are parsed
 in killable child processes (`body`), ground truths built only inside the reward workers, and scoring
 waits in threads. Every byte admitted is given back however its request ends (answered, refused, timed
 out, the client gone mid-upload, the task cancelled). Every batch has a deadline (its `budget_s`, at
@@ -22,26 +23,27 @@ most `max_budget_s`) that includes waiting for a worker: the answer always comes
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
+from dph_async.admission import authorized
 from dph_async.config.rewards import RewardConfig
 from dph_async.rewards.body import BodyParser, BodyRefused
 from dph_async.rewards.plugins import load_plugins
 from dph_async.rewards.pool import RewardPool
 from dph_async.rewards.registry import UnknownDataSource, get_reward_fn
 from dph_async.rewards.service_metrics import ServiceMetrics
-from dph_async.rewards.wire import ScoreReply
+from dph_async.rewards.wire import ScoreBatch, ScoreReply
 from dph_async.telemetry import CachedExposition
 
 MiB = 2**20
@@ -62,8 +64,13 @@ class ServiceSettings:
     parsers: int = 2
     parser_memory_mb: int = 1024
     parse_timeout_s: float = 10.0
-    # Shared secret required as "Authorization: Bearer <token>" on /v1/score; None: no check.
-    token: str | None = None
+    # Shared secret required as "Authorization: Bearer <token>" on /v1/score; None: no check. Never shown.
+    token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes * 2 > self.max_queued_bytes:  # else a lone body of the largest size never fits
+            raise ValueError(f"max_queued_bytes ({self.max_queued_bytes}) must be at least twice max_body_bytes "
+                             f"({self.max_body_bytes}): a request holds at most half of what the others leave free")
 
 
 class _Refused(Exception):
@@ -73,7 +80,9 @@ class _Refused(Exception):
 
 
 class _Admission:
-    """Bytes of bodies in the service; a body is admitted chunk by chunk, and released when answered."""
+    """Bytes of bodies in the service, taken as they arrive and given back when the request ends. One
+    request may hold at most as many bytes as it leaves free for the others: no single upload can fill
+    the service, and the more uploads a client runs at once, the less each may hold."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.held = limit, 0
@@ -95,12 +104,13 @@ class _Reservation:
         self.admission, self.taken = admission, 0
 
     def grow_to(self, n: int) -> None:
-        """Hold `n` bytes in all (no-op if already held); 503 when the service has no room for them."""
+        """Hold `n` bytes in all (no-op if already held); 503 when that is more than this request's share."""
         more = n - self.taken
         if more <= 0:
             return
         a = self.admission
-        if a.held + more > a.limit:
+        others = a.held - self.taken
+        if 2 * n > a.limit - others:
             raise _Refused(503, "overloaded", f"{a.held} bytes of requests in the service; retry later",
                            {"Retry-After": "1"})
         a.held += more
@@ -108,13 +118,12 @@ class _Reservation:
 
 
 async def _read_body(request: Request, settings: ServiceSettings, reservation: _Reservation) -> bytes:
-    """The body, admitted by size before reading where Content-Length allows, and as it arrives
-    (whatever Content-Length claims); the bytes stay held in `reservation` until it is given back."""
+    """The body, admitted as it arrives (a Content-Length over the limit is refused before reading,
+    but a size claimed is never reserved: it costs the claimant nothing to claim); the bytes stay held
+    in `reservation` until it is given back."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit():
-        if int(declared) > settings.max_body_bytes:
-            raise _Refused(413, "too_large", f"body over {settings.max_body_bytes} bytes; send smaller batches")
-        reservation.grow_to(int(declared))
+    if declared.isdigit() and int(declared) > settings.max_body_bytes:
+        raise _Refused(413, "too_large", f"body over {settings.max_body_bytes} bytes; send smaller batches")
     chunks: list[bytes] = []
 
     async def receive() -> None:
@@ -137,6 +146,34 @@ async def _read_body(request: Request, settings: ServiceSettings, reservation: _
 def _error(e: _Refused | BodyRefused, **extra: object) -> JSONResponse:
     headers = getattr(e, "headers", None)
     return JSONResponse({"error": e.error, "detail": e.detail, **extra}, status_code=e.code, headers=headers)
+
+
+_ERROR = {"type": "object", "required": ["error", "detail"],
+          "properties": {"error": {"type": "string"}, "detail": {"type": "string"}}}
+# The body is read by hand (admitted as it arrives, parsed in a child), so FastAPI cannot infer its
+# schema: /openapi.json states it from the msgspec structs both ends use.
+_SCORE_OPERATION = {
+    "requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ScoreBatch"}}}},
+    "responses": {
+        "200": {"description": "one result per request, in order",
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ScoreReply"}}}},
+        **{str(code): {"description": what, "content": {"application/json": {"schema": _ERROR}}}
+           for code, what in [(400, "a malformed batch or an unknown data_source"), (401, "without the token"),
+                              (408, "the body did not arrive in time"), (413, "too many bytes or requests"),
+                              (503, "overloaded: retry after Retry-After")]},
+    },
+}
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, components = msgspec.json.schema_components([ScoreBatch, ScoreReply],
+                                                        ref_template="#/components/schemas/{name}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> FastAPI:
@@ -174,14 +211,13 @@ def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> Fast
             parse_threads.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="dph-async scorer", lifespan=lifespan)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
-    @app.post("/v1/score")
+    @app.post("/v1/score", openapi_extra=_SCORE_OPERATION)
     async def score(request: Request) -> Response:
-        if settings.token is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {settings.token}".encode()):
-                metrics.record_batch(401)
-                return _error(_Refused(401, "unauthorized", "missing or wrong bearer token"))
+        if settings.token is not None and not authorized(settings.token, request.headers.get("authorization")):
+            metrics.record_batch(401)
+            return _error(_Refused(401, "unauthorized", "missing or wrong bearer token"))
         arrived = time.monotonic()  # the budget counts from here: reading and parsing come out of it
         with admission.reservation() as reservation:
             try:
@@ -221,7 +257,7 @@ def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> Fast
         return {"status": "ok", "workers": cfg.workers, "in_flight": state["in_flight"],
                 "queued_bytes": admission.held, "restarts": pool.restarts, "timeout_s": cfg.timeout_s}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # the schema then says text/plain, as Prometheus's is
     async def metrics_text() -> Response:
         return Response(exposition.text(), media_type=CONTENT_TYPE_LATEST)
 

@@ -26,8 +26,10 @@ TOKEN_ENV = "DPH_SCORER_TOKEN"
 class ScoreItem(msgspec.Struct, forbid_unknown_fields=True):
     data_source: str
     response: str
-    ground_truth: msgspec.Raw = msgspec.Raw(b"null")
-    extra_info: msgspec.Raw = msgspec.Raw(b"{}")
+    # Factories, not values: msgspec writes a field's default into the JSON schema (the scorer's
+    # /openapi.json), and a Raw value has no JSON form there.
+    ground_truth: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"null"))
+    extra_info: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"{}"))
 
     def to_request(self) -> ScoreRequest:
         return ScoreRequest(self.data_source, self.response, JsonText(self.ground_truth),

@@ -22,9 +22,12 @@ overrides, e.g.
     dph-async serve scorer --port 5001 rewards.workers=4 rewards.sql.db_root=data/bird/databases
     dph-async serve scorer --port 0 --max-body-mb 16 --header-timeout-s 5   # the OS picks the port
 
-Limits against hostile or broken clients (docs/rewards.md, "Scorer service"): request headers
+Limits against hostile or broken clients (docs/operating.md, "Admission"): request headers
 within --header-timeout-s, bodies within --body-timeout-s and --max-body-mb, at most --max-items
-requests per batch, and at most --max-queued-mb of bodies in the service at once (503 beyond).
+requests per batch, at most --max-queued-mb of bodies in the service at once, counted as they
+arrive, one request holding at most what it leaves free (503 beyond; --max-queued-mb must be at
+least twice --max-body-mb). Connections are admitted per connection, never per address: 1,024 open,
+64 of them kept for requests with the token; anonymous requests beyond the rest get 503.
 
 The service binds 127.0.0.1. Another address needs a shared token in $DPH_SCORER_TOKEN (clients send
 the same variable's value) or --insecure.
@@ -67,9 +70,12 @@ def main(args: argparse.Namespace) -> int:
         return fail(f"binding {args.host} exposes the scorer beyond this machine; set {TOKEN_ENV} (a shared token) "
                     "or pass --insecure")
 
-    settings = ServiceSettings(max_queued_bytes=int(args.max_queued_mb * 2**20),
-                               max_body_bytes=int(args.max_body_mb * 2**20), max_items=args.max_items,
-                               max_budget_s=args.max_budget_s, body_timeout_s=args.body_timeout_s, token=token)
+    try:
+        settings = ServiceSettings(max_queued_bytes=int(args.max_queued_mb * 2**20),
+                                   max_body_bytes=int(args.max_body_mb * 2**20), max_items=args.max_items,
+                                   max_budget_s=args.max_budget_s, body_timeout_s=args.body_timeout_s, token=token)
+    except ValueError as e:
+        return fail(f"--max-queued-mb / --max-body-mb: {e}")
     app = make_app(cfg, settings)  # loads the reward plugins: a broken one stops the service before it listens
     try:
         sock = bind(args.host, args.port)
@@ -77,5 +83,5 @@ def main(args: argparse.Namespace) -> int:
         return fail(f"cannot bind {args.host}:{args.port}: {e}")
     port = sock.getsockname()[1]
     print(f"scorer: {cfg.workers} workers, http://{args.host}:{port}", file=sys.stderr, flush=True)
-    serve(app, sock, header_timeout_s=args.header_timeout_s)
+    serve(app, sock, header_timeout_s=args.header_timeout_s, token=token)
     return 0

@@ -1,0 +1,102 @@
+"""Admission of connections per connection and per credential (dph_async/admission.py), and the token
+files the credentials live in (dph_async/net.py)."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from dph_async.admission import Connections, authorized, bearer
+from dph_async.net import read_secret, secret_file
+from dph_async.rewards.service import ServiceSettings
+
+
+class Closed:
+    """A connection's close callback that records which connection was closed."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+
+    def of(self, i: int):
+        return lambda: self.order.append(i)
+
+
+def test_a_new_connection_closes_the_one_that_has_waited_longest():
+    closed = Closed()
+    c = Connections(limit=3, reserved=1)
+    tickets = [c.open(closed.of(i)) for i in range(3)]
+    assert c.serve(tickets[1], trusted=False)  # 1 is served: only 0 and 2 wait
+    fourth = c.open(closed.of(3))
+    assert fourth is not None and closed.order == [0]
+    c.idle(tickets[1])  # 1 waits again, after 2
+    c.open(closed.of(4))
+    assert closed.order == [0, 2]
+    assert c.open_count == 3
+
+
+def test_anonymous_requests_never_take_the_reserved_connections():
+    c = Connections(limit=4, reserved=1)
+    tickets = [c.open(lambda: None) for _ in range(4)]
+    assert [c.serve(t, trusted=False) for t in tickets[:3]] == [True] * 3
+    assert not c.serve(tickets[3], trusted=False)  # the fourth slot is the run's own
+    assert c.serve(tickets[3], trusted=True)
+    assert c.open(lambda: None) is None  # every slot serves a request: nothing to close for a newcomer
+    c.idle(tickets[0])  # an anonymous connection between requests waits again: the next anonymous fits
+    assert c.serve(tickets[0], trusted=False)
+    c.idle(tickets[3])
+    assert c.serve(tickets[3], trusted=False)  # a connection that showed the token stays the run's own
+
+
+def test_every_ending_gives_the_connection_back_once():
+    c = Connections(limit=2, reserved=1)
+    a, b = c.open(lambda: None), c.open(lambda: None)
+    c.serve(a, trusted=False)
+    c.close(a)
+    c.close(a)  # a handler's own close after the connection was closed for a newcomer
+    assert (c.open_count, c.anonymous) == (1, 0)
+    assert not c.serve(a, trusted=True)  # a closed connection is served nothing
+    c.close(b)
+    assert (c.open_count, c.anonymous) == (0, 0)
+
+
+def test_limits_must_leave_anonymous_clients_something():
+    with pytest.raises(ValueError, match="reserved connections"):
+        Connections(limit=4, reserved=4)
+
+
+def test_the_credential_is_the_bearer_token_and_nothing_else():
+    assert authorized("s3cret", "Bearer s3cret") and authorized("s3cret", b"Bearer s3cret")
+    assert bearer("s3cret") == {"Authorization": "Bearer s3cret"}
+    for wrong in ["Bearer s3cre", "Bearer s3cret ", "s3cret", "", None, "Bearer s3crét"]:
+        assert not authorized("s3cret", wrong), wrong
+    assert not authorized(None, "Bearer ") and not authorized("", "Bearer ") and bearer(None) == {}
+
+
+def test_the_scorer_settings_never_show_the_token():
+    assert "s3cret" not in repr(ServiceSettings(token="s3cret"))
+    assert "s3cret" not in str(ServiceSettings(token="s3cret"))
+
+
+def test_a_token_file_is_made_once_private_and_read_back(tmp_path):
+    path = tmp_path / "endpoints" / "access.token"
+    first = secret_file(path)
+    assert len(first) == 32 and secret_file(path) == first == read_secret(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert read_secret(tmp_path / "none.token") is None
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "short", "not_hex", "huge"])
+def test_a_token_file_that_is_not_one_is_refused_naming_it(tmp_path, kind):
+    path = tmp_path / "access.token"
+    if kind == "symlink":
+        real = tmp_path / "real.token"
+        real.write_text("ab" * 32)
+        path.symlink_to(real)
+    elif kind == "fifo":
+        os.mkfifo(path)  # a reader that opened it for reading would wait for a writer for ever
+    else:
+        path.write_text({"short": "abcd", "not_hex": "zz" * 32, "huge": "ab" * 4096}[kind])
+    with pytest.raises(ValueError, match=r"access\.token"):
+        read_secret(path)
