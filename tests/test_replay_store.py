@@ -40,7 +40,7 @@ def test_reuse_counts_and_retires():
     (again,) = store.take(1, reuse=True)
     assert again is entry
     assert store.release(again, max_reuse=2)  # used up
-    assert len(store) == 0 and store.samples == 0 and store.nbytes == 0
+    assert len(store) == 0 and store.samples == 0 and store.cost == 0
 
 
 def test_claim_moves_a_queued_group_to_pending():
