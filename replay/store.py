@@ -46,8 +46,9 @@ def resident_cost(group: RolloutGroup) -> int:
 def compact(group: RolloutGroup) -> None:
     """Each completion's arrays as views of one array per field of the group, the prompt a copy."""
     comps = group.completions
-    ends = np.cumsum([len(c.token_ids) for c in comps])
-    starts = ends - [len(c.token_ids) for c in comps]
+    lengths = [len(c.token_ids) for c in comps]
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
     for name in COMPLETION_FIELDS:
         joined = np.concatenate([getattr(c, name) for c in comps])
         for c, start, end in zip(comps, starts.tolist(), ends.tolist(), strict=True):

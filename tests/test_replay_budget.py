@@ -19,7 +19,7 @@ from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import decode, encode
 from replay.core import ReplayCore
-from replay.store import FreshStore, resident_cost
+from replay.store import COMPLETION_OVERHEAD, FreshStore, resident_cost
 
 MiB = 1 << 20
 
@@ -92,7 +92,7 @@ def test_a_held_group_keeps_no_received_buffer_alive():
         for a in (c.token_ids, c.logprobs, c.versions):
             assert isinstance(a.base, np.ndarray) and a.base.base is None and len(a.base) == 20
     assert g.prompt_ids.base is None
-    assert store.cost == resident_cost(g) > g.nbytes + 4 * 768
+    assert store.cost == resident_cost(g) > g.nbytes + 4 * COMPLETION_OVERHEAD
 
 
 def _rss() -> int:
