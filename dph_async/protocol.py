@@ -98,6 +98,12 @@ MAX_DIM = 1 << 40
 MAX_COMPLETIONS = 4096  # completions in one rollout group
 MAX_ITEMS = 1 << 22  # any other list in a header (ids, groups, tensors of a bucket)
 MAX_TOKEN_BYTES = 256  # a control token
+# Upper bounds on the integers a request carries (docs/data_plane.md, "Bounds"), checked by validate():
+# what a peer sends is stored, summed and sent on, and must stay far inside int64 there.
+MAX_ACTOR_ID = (1 << 31) - 1
+MAX_VERSION = (1 << 31) - 1  # versions travel per token as int32
+MAX_SEQ = (1 << 62) - 1  # a shard position, and a batch request id
+MAX_COUNT = MAX_ITEMS  # tickets wanted or held, groups asked for, a bucket's index
 MAX_PATH = 4096  # a snapshot name
 # A shared-memory segment's name: this prefix, the writer's random token, a counter. Nothing else is
 # ever opened, so a manifest cannot name another file (no '/', no '..', nobody else's prefix).
@@ -139,10 +145,10 @@ def _check_wait(wait_s: float) -> None:
         raise ValueError(f"wait_s {wait_s} outside [0, {MAX_WAIT_S:.0f}]")
 
 
-def _non_negative(**values: int) -> None:
+def _within(lo: int, hi: int, **values: int) -> None:
     for name, v in values.items():
-        if v < 0:
-            raise ValueError(f"{name} {v} must be >= 0")
+        if not lo <= v <= hi:
+            raise ValueError(f"{name} {v} outside [{lo}, {hi}]")
 
 
 def _disagree(**lengths: int) -> str:
@@ -326,10 +332,8 @@ class RolloutGroup(Message, eq=False):
 
     def validate(self) -> None:
         _check_arrays(self)
-        if not 0 <= self.actor_id < 1 << 31:
-            raise ValueError(f"actor_id {self.actor_id} out of range [0, 2^31)")
-        if not 0 <= self.seq < 1 << 62:
-            raise ValueError(f"seq {self.seq} out of range [0, 2^62)")
+        _within(0, MAX_ACTOR_ID, actor_id=self.actor_id)
+        _within(0, MAX_SEQ, seq=self.seq)
         if not self.completions:
             raise ValueError("group has no completions")
         _validate_each("completions", self.completions)
@@ -392,7 +396,9 @@ class TicketRequest(Message):
     wait_s: float = 0.0
 
     def validate(self) -> None:
-        _non_negative(want=self.want, outstanding=self.outstanding)
+        _within(0, MAX_ACTOR_ID, actor_id=self.actor_id)
+        _within(0, MAX_COUNT, want=self.want, outstanding=self.outstanding)
+        _within(-1, MAX_VERSION, weights_version=self.weights_version)
         _check_wait(self.wait_s)
 
 
@@ -407,6 +413,9 @@ class ResumeRequest(Message):
     replay that the actor's earlier tickets are void."""
 
     actor_id: int
+
+    def validate(self) -> None:
+        _within(0, MAX_ACTOR_ID, actor_id=self.actor_id)
 
 
 class ResumeInfo(Message):
@@ -442,7 +451,9 @@ class BatchRequest(Message):
     token: Token = b""
 
     def validate(self) -> None:
-        _non_negative(version=self.version, num_groups=self.num_groups, request_id=self.request_id)
+        _within(0, MAX_VERSION, version=self.version)
+        _within(0, MAX_COUNT, num_groups=self.num_groups)
+        _within(0, MAX_SEQ, request_id=self.request_id)
         _check_wait(self.wait_s)
 
 
@@ -484,6 +495,10 @@ class Batch(Message, eq=False):
 class WeightsQuery(Message):
     actor_id: int
     have_version: int
+
+    def validate(self) -> None:
+        _within(0, MAX_ACTOR_ID, actor_id=self.actor_id)
+        _within(-1, MAX_VERSION, have_version=self.have_version)
 
 
 Names = Annotated[list[str], msgspec.Meta(max_length=MAX_ITEMS)]
@@ -560,6 +575,10 @@ class WeightsRequest(Message):
     version: int
     bucket: int
 
+    def validate(self) -> None:
+        _within(0, MAX_VERSION, version=self.version)
+        _within(0, MAX_COUNT, bucket=self.bucket)
+
 
 class WeightsBucket(Message, eq=False):
     """The tensors of one bucket, one frame each. dtypes tags each array ("bfloat16" for uint16
@@ -623,6 +642,7 @@ class Control(Message, omit_defaults=True):
     max_staleness: int = -1
 
     def validate(self) -> None:
+        _within(-1, MAX_VERSION, version=self.version)
         if self.command == "set_staleness" and not 0 <= self.max_staleness < 1 << 31:
             raise ValueError(f"set_staleness needs a bound in [0, 2^31), got {self.max_staleness}")
 

@@ -9,6 +9,7 @@ by request id and neither lost nor repeated: each accepted group reaches the lea
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +27,15 @@ from dph_async.protocol import (
 from dph_async.replay_stats import Mix, Occupancy, Refusals, ReplayStats, Served, Tickets, WalStats
 from replay.dedup import AcceptedSeqs
 from replay.metrics import ReplayMetrics
+from replay.records import unstorable
 from replay.reference_pool import ReferencePool
 from replay.staleness import Admission, staleness
 from replay.state import PendingBatch, ReplayState, read_state, write_state
-from replay.store import Entry, FreshStore, GroupId
+from replay.store import Entry, FreshStore, GroupId, resident_cost
 from replay.validation import problem
 from replay.wal import IngestRecord, Record, ServeRecord, WriteAheadLog
 
+log = logging.getLogger(__name__)
 MiB = 1 << 20
 
 
@@ -110,7 +113,7 @@ class ReplayCore:
             elif (refusal := problem(g, self.cfg, self.version)) is not None:
                 self.metrics.count(f"rejected:invalid_{refusal.reason}")
                 verdicts.append(Verdict(gid, "error", f"{refusal.reason}: {refusal.detail}"))
-            elif (full := room.take(g.nbytes, self.cfg.admission and tickets[g.actor_id] <= 0)) is not None:
+            elif (full := room.take(resident_cost(g), self.cfg.admission and tickets[g.actor_id] <= 0)) is not None:
                 self.metrics.count(f"deferred:{full}")
                 verdicts.append(Verdict(gid, "retry", full))
             else:
@@ -129,16 +132,16 @@ class ReplayCore:
     def _room(self) -> _Room:
         cfg = self.cfg
         cap = cfg.max_ticketless if cfg.max_ticketless is not None else self.admission.groups_per_batch
-        return _Room(cfg.max_store_mb * MiB - self.store.nbytes, cap - len(self.ticketless),
+        return _Room(cfg.max_store_mb * MiB - self.store.cost, cap - len(self.ticketless),
                      cfg.max_ticketless_mb * MiB - sum(self.ticketless.values()))
 
     def _accept(self, group: RolloutGroup, live: bool = False) -> None:
         """Take a group in; `live`: it arrived now (not redone from the log or a snapshot)."""
         gid = group.group_id
         self.accepted.add(gid)
-        self.store.add(group)
+        entry = self.store.add(group)
         if live and self.cfg.admission and not self.admission.held(group.actor_id):
-            self.ticketless[gid] = group.nbytes
+            self.ticketless[gid] = entry.cost
         self.admission.arrived(group.actor_id, group.min_version)
         self.metrics.count("accepted")
         self.metrics.count("admitted")
@@ -296,7 +299,33 @@ class ReplayCore:
             self.wal.write_base(self._write_base)
 
     def _write_base(self, path: Path, segment: int) -> None:
-        write_state(path, self.state(segment))
+        self._write_state(path, segment)
+
+    def _write_state(self, path: str | Path, segment: int) -> Path:
+        """Write the whole state (a base or a snapshot). A held group that cannot be stored is
+        quarantined and the rest written, so no one record can fail a snapshot or a recovery."""
+        try:
+            return write_state(path, self.state(segment))
+        except (OverflowError, TypeError, ValueError):  # pyarrow's errors are ValueErrors too
+            bad = [(entry, why) for entry in self.store if (why := unstorable(entry.group)) is not None]
+            if not bad:
+                raise
+        for entry, why in bad:
+            self._quarantine(entry, why)
+        return write_state(path, self.state(segment))
+
+    def _quarantine(self, entry: Entry, why: str) -> None:
+        """Out of the store and, its position open again, out of the accepted index: the actor that
+        made it generates it again when it resumes. Counted as refused (`quarantined`), logged with why."""
+        gid = entry.group.group_id
+        self.store.remove(gid)
+        self.accepted.discard(gid)
+        self.ticketless.pop(gid, None)
+        if not entry.served:
+            self.metrics.count("admitted", -1)
+        self.metrics.count("rejected:quarantined")
+        log.error("replay: group %s quarantined: it cannot be stored (%s); dropped, its position open again",
+                  gid, why)
 
     def _recover(self) -> None:
         assert self.wal is not None
@@ -359,7 +388,7 @@ class ReplayCore:
         taken at `version` (the learner's, newer than the last one it asked a batch for)."""
         self.version = max(self.version, version)
         segment = self.wal.roll() if self.wal is not None else 0
-        target = write_state(path, self.state(segment))
+        target = self._write_state(path, segment)
         if self.wal is not None:
             self.wal.keep_from(segment)
         return f"replay snapshot at version {self.version}: {len(self.store)} groups held, written to {target}"
@@ -414,7 +443,7 @@ class ReplayCore:
                 pending=s.count("pending"),
                 samples=s.samples,
                 tokens=s.tokens,
-                bytes=s.nbytes,
+                bytes=s.cost,
             ),
             ingest=m.ingest_rate(),
             accepted=c["accepted"],

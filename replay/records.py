@@ -55,6 +55,7 @@ GROUP_FIELDS = [
     pa.field("finished_at", pa.float64()),
 ]
 GROUP_COLUMNS = [f.name for f in GROUP_FIELDS]
+GROUP_SCHEMA = pa.schema(GROUP_FIELDS)
 
 
 def _offsets(lengths: Sequence[int]) -> pa.Array:
@@ -115,6 +116,15 @@ def group_columns(groups: Sequence[RolloutGroup]) -> dict[str, pa.Array]:
         "created_at": pa.array([g.created_at for g in groups], pa.float64()),
         "finished_at": pa.array([g.finished_at for g in groups], pa.float64()),
     }
+
+
+def unstorable(group: RolloutGroup) -> str | None:
+    """Why `group` cannot be written as a row of GROUP_FIELDS (a value past its column's type), or None."""
+    try:
+        pa.Table.from_pydict(group_columns([group]), schema=GROUP_SCHEMA)
+    except (OverflowError, TypeError, ValueError) as e:  # pyarrow's errors are ValueErrors too
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _split(lists: pa.ListArray) -> list[np.ndarray]:

@@ -5,19 +5,55 @@ learner has not yet confirmed) or `reusable` (served fewer than max_reuse times)
 heaps ordered by the group's oldest token version, then arrival: the batch takes the oldest usable
 groups first, which is also the order in which they would expire, so expiry pops from the same heap
 front. Heaps are lazy: an item whose group moved on is skipped when it surfaces.
+
+A group is charged what it costs held (`resident_cost`), not its array bytes: a completion of one
+token is 12 bytes of arrays and about 900 bytes of objects. To make that cost the same whatever the
+group came from, `add` compacts it: each of its completions' arrays becomes a view of one array per
+field, the prompt a copy, so it keeps no received frame, log segment or Arrow table alive.
 """
 
 from __future__ import annotations
 
 import heapq
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
 
 from dph_async.protocol import RolloutGroup
 
 GroupId = tuple[int, int]
 Place = Literal["unserved", "reusable", "pending"]
+COMPLETION_FIELDS = ("token_ids", "logprobs", "versions")
+# Bytes a held group costs beyond its arrays' data and its strings (sys.getsizeof each): per
+# completion its struct, reward and three array views; per group its struct, sampling, lists, prompt
+# array and the three joined arrays. Measured as RSS growth over a socket into the store: ~730 and
+# ~1,650 bytes (tracemalloc sees ~600 and ~1,400); tests/test_replay_budget.py holds the model to it.
+COMPLETION_OVERHEAD = 768
+GROUP_OVERHEAD = 2048
+
+
+def resident_cost(group: RolloutGroup) -> int:
+    """What `group` costs in memory once the store holds it (compacted): what the budgets charge."""
+    text = sum(sys.getsizeof(c.finish_reason) + sys.getsizeof(c.reward.status) + sys.getsizeof(c.reward.detail)
+               for c in group.completions)
+    names = sys.getsizeof(group.prompt_id) + sys.getsizeof(group.data_source)
+    return GROUP_OVERHEAD + len(group.completions) * COMPLETION_OVERHEAD + group.nbytes + text + names
+
+
+def compact(group: RolloutGroup) -> None:
+    """Each completion's arrays as views of one array per field of the group, the prompt a copy."""
+    comps = group.completions
+    lengths = [len(c.token_ids) for c in comps]
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    for name in COMPLETION_FIELDS:
+        joined = np.concatenate([getattr(c, name) for c in comps])
+        for c, start, end in zip(comps, starts.tolist(), ends.tolist(), strict=True):
+            setattr(c, name, joined[start:end])
+    group.prompt_ids = group.prompt_ids.copy()
 
 
 @dataclass(eq=False)
@@ -26,7 +62,7 @@ class Entry:
     min_version: int
     max_version: int
     tokens: int
-    nbytes: int
+    cost: int  # resident_cost
     served: int = 0
     place: Place = "unserved"
     push: int = 0  # which heap push is current; older heap items for this group are stale
@@ -40,7 +76,7 @@ class FreshStore:
         self._pushes = 0
         self.samples = 0
         self.tokens = 0
-        self.nbytes = 0
+        self.cost = 0  # resident bytes of the held groups
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -55,15 +91,18 @@ class FreshStore:
         return self._counts[place]
 
     def add(self, group: RolloutGroup, served: int = 0, pending: bool = False) -> Entry:
-        """Hold a new group. served and pending restore a snapshot's reusable and pending groups."""
-        entry = Entry(group, group.min_version, group.max_version, group.num_tokens, group.nbytes, served, "pending")
+        """Hold a new group, compacted (its arrays are replaced by equal ones). served and pending
+        restore a snapshot's reusable and pending groups."""
+        compact(group)
+        entry = Entry(group, group.min_version, group.max_version, group.num_tokens, resident_cost(group), served,
+                      "pending")
         self._entries[group.group_id] = entry
         self._counts["pending"] += 1
         if not pending:
             self._enqueue(entry, "reusable" if served else "unserved")
         self.samples += len(group.completions)
         self.tokens += entry.tokens
-        self.nbytes += entry.nbytes
+        self.cost += entry.cost
         return entry
 
     def _enqueue(self, entry: Entry, place: Place) -> None:
@@ -143,5 +182,5 @@ class FreshStore:
         self._counts[entry.place] -= 1
         self.samples -= len(entry.group.completions)
         self.tokens -= entry.tokens
-        self.nbytes -= entry.nbytes
+        self.cost -= entry.cost
         return entry

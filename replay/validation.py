@@ -10,8 +10,14 @@ counted as `rejected:invalid_<reason>`) and a detail naming the field:
     version    a token version < 0, or newer than the learner's version plus the allowed lead
     reward     a reward that is NaN, infinite, or larger in size than the bound
     sampling   a temperature, top-p, top-k or max_tokens no sampler uses
-    length     a response longer than its max_tokens, or prompt + response past the model's context
+    length     an empty prompt, a response longer than its max_tokens, or prompt + response past
+               the model's context (MAX_SEQUENCE_TOKENS when the replay is not told it)
     timestamp  a creation or finish time that is not a finite time since the epoch, or out of order
+    text       a name (prompt_id, data_source, finish_reason) or reward detail longer than its bound
+
+Every number and length is bounded above as well as below: what passes is stored as int64 and
+int32 Arrow columns (replay/records.py) and summed by the learner, so nothing a peer sends may
+reach their limits.
 """
 
 from __future__ import annotations
@@ -24,10 +30,15 @@ import numpy as np
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import Completion, RolloutGroup
 
-REASONS = ("token_id", "logprob", "version", "reward", "sampling", "length", "timestamp")
+REASONS = ("token_id", "logprob", "version", "reward", "sampling", "length", "timestamp", "text")
 # Below this many tokens a group's completions are checked joined: numpy's per-call cost dominates.
 SMALL_GROUP_TOKENS = 1 << 14
 MAX_TEMPERATURE = 100.0
+MAX_INT32 = (1 << 31) - 1  # top_k, max_tokens: what vLLM takes
+# Prompt + response without a configured context (replay.max_sequence_tokens): beyond any model's.
+MAX_SEQUENCE_TOKENS = 1 << 24
+MAX_NAME = 1024  # characters of prompt_id, data_source, finish_reason
+MAX_DETAIL = 1 << 16  # characters of a reward's detail
 
 
 @dataclass(frozen=True)
@@ -59,28 +70,39 @@ def _arrays_problem(token_ids: np.ndarray, logprobs: np.ndarray, versions: np.nd
     return None
 
 
-def _reward_problem(c: Completion, bounds: ReplayConfig) -> Refusal | None:
+def _too_long(name: str, text: str, limit: int) -> Refusal | None:
+    return Refusal("text", f"{name} of {len(text)} characters exceeds {limit}") if len(text) > limit else None
+
+
+def _completion_problem(c: Completion, bounds: ReplayConfig) -> Refusal | None:
+    """What is wrong with a completion's scalars (its arrays are checked joined, or by _arrays_problem)."""
     score = c.reward.score
     if not (math.isfinite(score) and abs(score) <= bounds.max_abs_reward):
         return Refusal("reward", f"reward.score {score} is not a finite number within +-{bounds.max_abs_reward:g} "
                                  "(replay.max_abs_reward)")
-    return None
+    return _too_long("finish_reason", c.finish_reason, MAX_NAME) or _too_long("reward.detail", c.reward.detail,
+                                                                                MAX_DETAIL)
 
 
 def _group_problem(group: RolloutGroup, bounds: ReplayConfig) -> Refusal | None:
     s = group.sampling
-    if not (0.0 < s.temperature <= MAX_TEMPERATURE and 0.0 < s.top_p <= 1.0 and s.top_k >= -1 and s.max_tokens >= 1):
+    if not (0.0 < s.temperature <= MAX_TEMPERATURE and 0.0 < s.top_p <= 1.0 and -1 <= s.top_k <= MAX_INT32
+            and 1 <= s.max_tokens <= MAX_INT32):
         return Refusal("sampling", f"temperature {s.temperature} (0, {MAX_TEMPERATURE}], top_p {s.top_p} (0, 1], "
-                                   f"top_k {s.top_k} >= -1, max_tokens {s.max_tokens} >= 1: not all hold")
+                                   f"top_k {s.top_k} [-1, {MAX_INT32}], max_tokens {s.max_tokens} [1, {MAX_INT32}]: "
+                                   "not all hold")
+    if refusal := _too_long("prompt_id", group.prompt_id, MAX_NAME) or _too_long("data_source", group.data_source,
+                                                                                 MAX_NAME):
+        return refusal
     created, finished = group.created_at, group.finished_at
     if not (math.isfinite(created) and math.isfinite(finished) and 0.0 <= created <= finished):
         return Refusal("timestamp", f"created_at {created}, finished_at {finished}: need 0 <= created <= finished")
     if (problem := _token_problem(group.prompt_ids, bounds)) is not None:
         return Refusal("token_id", f"prompt_ids: {problem}")
-    longest = max(len(c.token_ids) for c in group.completions)
-    context = bounds.max_sequence_tokens
-    if longest > s.max_tokens or (context is not None and len(group.prompt_ids) + longest > context):
-        return Refusal("length", f"a response of {longest} tokens after a prompt of {len(group.prompt_ids)}; "
+    prompt, longest = len(group.prompt_ids), max(len(c.token_ids) for c in group.completions)
+    context = bounds.max_sequence_tokens or MAX_SEQUENCE_TOKENS
+    if prompt == 0 or longest > s.max_tokens or prompt + longest > context:
+        return Refusal("length", f"a response of {longest} tokens after a prompt of {prompt}; need a prompt, "
                                  f"max_tokens {s.max_tokens}, context {context}")
     return None
 
@@ -91,7 +113,7 @@ def problem(group: RolloutGroup, bounds: ReplayConfig, version: int) -> Refusal 
         return refusal
     comps = group.completions
     for i, c in enumerate(comps):
-        if (refusal := _reward_problem(c, bounds)) is not None:
+        if (refusal := _completion_problem(c, bounds)) is not None:
             return Refusal(refusal.reason, f"completions[{i}].{refusal.detail}")
     if len(comps) > 1 and group.num_tokens <= SMALL_GROUP_TOKENS:
         joined = (np.concatenate([getattr(c, f) for c in comps]) for f in ("token_ids", "logprobs", "versions"))

@@ -404,3 +404,40 @@ def test_a_control_command_an_older_peer_knows_is_sent_as_it_reads_it():
         "command": "set_staleness", "token": b"t", "max_staleness": 4}
     with pytest.raises(P.ProtocolError, match="set_staleness needs a bound"):
         P.encode(P.Control("set_staleness", token=b"t"))
+
+
+# (message at its bounds, field, the lowest and the highest value it may hold)
+REQUEST_BOUNDS = [
+    (P.TicketRequest(1, 1), "actor_id", 0, P.MAX_ACTOR_ID),
+    (P.TicketRequest(1, 1), "want", 0, P.MAX_COUNT),
+    (P.TicketRequest(1, 1), "outstanding", 0, P.MAX_COUNT),
+    (P.TicketRequest(1, 1), "weights_version", -1, P.MAX_VERSION),
+    (P.ResumeRequest(1), "actor_id", 0, P.MAX_ACTOR_ID),
+    (P.BatchRequest(1, 1, 0.0), "version", 0, P.MAX_VERSION),
+    (P.BatchRequest(1, 1, 0.0), "num_groups", 0, P.MAX_COUNT),
+    (P.BatchRequest(1, 1, 0.0), "request_id", 0, P.MAX_SEQ),
+    (P.Control("snapshot", "x"), "version", -1, P.MAX_VERSION),
+    (P.WeightsQuery(1, 1), "actor_id", 0, P.MAX_ACTOR_ID),
+    (P.WeightsQuery(1, 1), "have_version", -1, P.MAX_VERSION),
+    (P.WeightsRequest(1, 1), "version", 0, P.MAX_VERSION),
+    (P.WeightsRequest(1, 1), "bucket", 0, P.MAX_COUNT),
+    (synthetic_group(1, 2, n=1, tokens=1), "actor_id", 0, P.MAX_ACTOR_ID),
+    (synthetic_group(1, 2, n=1, tokens=1), "seq", 0, P.MAX_SEQ),
+]
+
+
+@pytest.mark.parametrize(("msg", "name", "lo", "hi"), REQUEST_BOUNDS,
+                         ids=[f"{type(m).__name__}.{n}" for m, n, _, _ in REQUEST_BOUNDS])
+def test_every_integer_a_request_carries_is_bounded_at_both_ends(msg, name, lo, hi):
+    """Before the bounds, TicketRequest(want=2**64 - 1) under replay.admission=false was granted, and
+    the replay died encoding its next Stats. Each bound holds at the sender and at the receiver."""
+    head, arrays = _header(msg)
+    for fits in (lo, hi):
+        head["m"][name] = fits
+        assert getattr(_decode_with(head, arrays), name) == fits
+    for past in (lo - 1, hi + 1, 2**64 - 1):
+        head["m"][name] = past
+        e = _error([msgpack.packb(head), *arrays])
+        assert e.kind == "value" and f"{name} {past} outside [{lo}, {hi}]" in str(e)
+        with pytest.raises(P.ProtocolError, match=f"{name} {past} outside"):
+            P.encode(msgspec.structs.replace(msg, **{name: past}) if isinstance(msg, msgspec.Struct) else msg)

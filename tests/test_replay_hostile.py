@@ -22,6 +22,7 @@ from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.net import NetSecurity, connect, generate_keys
 from dph_async.protocol import (
+    MAX_COUNT,
     Ack,
     BatchRequest,
     Control,
@@ -228,13 +229,43 @@ def test_with_curve_only_the_control_key_commands_and_keys_reload_without_restar
 
 def test_a_peer_cannot_claim_away_the_capacity_of_the_others(service):
     sock = dealer(service.ingest_endpoint)
-    reply = ask(sock, encode(TicketRequest(999999, want=0, outstanding=2**62)))
+    reply = ask(sock, encode(TicketRequest(999999, want=0, outstanding=MAX_COUNT)))
     assert isinstance(reply, TicketGrant) and reply.granted == 0
     sender = RolloutSender(service.ingest_endpoint, 1)
     assert sender.tickets(8, wait_s=0.0) == 8  # the whole capacity, (eta + 1) * B, is still there
     tickets = stats_within(service, 5).tickets
     assert tickets.overclaimed == 1 and tickets.in_flight == 8 and tickets.capacity == 0
     sender.close()
+
+
+def test_integers_past_their_bounds_are_refused_and_the_replay_keeps_serving(tmp_path):
+    """Before the bounds, under replay.admission=false, TicketRequest(want=2**64 - 1) was granted and
+    the next Stats could not be encoded; a group with sampling.top_k = 2**64 - 1 was acknowledged and
+    the next snapshot, and every restart, died storing it."""
+    cfg = CFG.model_copy(update={"admission": False})
+    svc = ReplayService(cfg, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", B, wal_dir=str(tmp_path / "wal"),
+                        data_dir=str(tmp_path), security=NetSecurity(gate=False))
+    svc.start_in_thread()
+    try:
+        sock = dealer(svc.ingest_endpoint)
+        head = msgpack.unpackb(encode(TicketRequest(1, 1))[0])
+        head["m"]["want"] = 2**64 - 1
+        reply = ask(sock, [msgpack.packb(head)])
+        assert isinstance(reply, Ack) and reply.status == "error" and "want 18446744073709551615 outside" in reply.error
+        group = synthetic_group(1, 0, n=2, tokens=4)
+        head, *arrays = encode(group)
+        head = msgpack.unpackb(head)
+        head["m"]["sampling"]["top_k"] = 2**64 - 1
+        reply = ask(sock, [msgpack.packb(head), *arrays])
+        assert isinstance(reply, Ack) and reply.status == "error" and reply.error.startswith("sampling: ")
+        sock.close()
+        assert stats_within(svc, 5).refused.by_kind == {"value": 1, "invalid_sampling": 1}
+        client = svc.local_client()
+        assert "snapshot" in client.snapshot(tmp_path / "snap", 0)
+        client.close()
+        honest_round_trip(svc, 0)
+    finally:
+        svc.stop()
 
 
 def test_parked_ticket_requests_are_bounded_per_connection(service):

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from dph_async.app.bench.transport import synthetic_group
 from replay.dedup import AcceptedSeqs
 from replay.store import FreshStore
@@ -40,7 +44,7 @@ def test_reuse_counts_and_retires():
     (again,) = store.take(1, reuse=True)
     assert again is entry
     assert store.release(again, max_reuse=2)  # used up
-    assert len(store) == 0 and store.samples == 0 and store.nbytes == 0
+    assert len(store) == 0 and store.samples == 0 and store.cost == 0
 
 
 def test_claim_moves_a_queued_group_to_pending():
@@ -80,3 +84,40 @@ def test_discarding_an_accepted_seq_reopens_it():
     seqs.add((0, 4))
     seqs.add((0, 7))
     assert seqs.resume_point(0) == (10, [])
+
+
+def mixed(seq: int, versions: list[int]):
+    """A group whose completions were generated across weight updates: completion i at versions[i]."""
+    g = synthetic_group(0, seq, n=len(versions), tokens=3)
+    for c, v in zip(g.completions, versions, strict=True):
+        c.versions = np.full(3, v, np.int32)
+    return g
+
+
+def test_a_group_of_mixed_versions_expires_and_is_served_by_its_oldest_token():
+    """Keyed on its newest version, a group with one old completion would sit behind fresher groups
+    and be served beyond eta."""
+    store = FreshStore()
+    store.add(mixed(0, [5, 5, 3]))  # uniform at 3
+    store.add(mixed(1, [0, 9, 9]))  # oldest token 0, newest 9
+    assert [e.group.seq for e in store.expire(oldest_version=1)] == [1]
+    assert [e.group.seq for e in store.take(2, reuse=False)] == [0]
+    store.add(mixed(2, [4, 4]))
+    store.add(mixed(3, [8, 2]))
+    assert [e.group.seq for e in store.take(2, reuse=False)] == [3, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups=st.lists(st.lists(st.integers(0, 20), min_size=1, max_size=4), min_size=1, max_size=12),
+       bound=st.integers(0, 21), served=st.integers(0, 12))
+def test_expiry_and_serving_follow_each_groups_oldest_token(groups, bound, served):
+    store = FreshStore()
+    for seq, versions in enumerate(groups):
+        store.add(mixed(seq, versions))
+    order = sorted(range(len(groups)), key=lambda s: (min(groups[s]), s))  # oldest token, then arrival
+    taken = [e.group.seq for e in store.take(served, reuse=False)]
+    assert taken == order[:served]
+    expired = [e.group.seq for e in store.expire(oldest_version=bound)]
+    assert expired == [s for s in order[served:] if min(groups[s]) < bound]
+    rest = [e.group.seq for e in store.take(len(groups), reuse=False)]
+    assert rest == [s for s in order[served:] if min(groups[s]) >= bound]

@@ -14,6 +14,7 @@ from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, TicketRequest
 from dph_async.replay_client import RolloutSender
+from replay import validation
 from replay.core import ReplayCore
 from replay.service import ReplayService
 
@@ -121,13 +122,13 @@ def test_versions_may_lead_the_learner_by_the_allowed_lead_only():
 
 
 def test_the_store_has_a_byte_budget_and_answers_retry_past_it():
-    # 20 KiB; a group of 4 x 600 tokens is ~29 KiB, one of 4 x 6 ~0.3 KiB
-    c = core(max_store_mb=0.02, max_sequence_tokens=None)
-    big = good(0, tokens=600)
+    # 0.1 MiB; held, a group of 4 x 6000 tokens costs ~0.3 MiB, one of 4 x 6 ~7 KiB
+    c = core(max_store_mb=0.1, max_sequence_tokens=None)
+    big = good(0, tokens=6000)
     assert c.ingest([big])[0].status == "retry"
     small = [good(i + 1) for i in range(10)]
     assert {v.status for v in c.ingest(small)} == {"ok"}
-    assert c.store.nbytes <= 0.02 * 2**20
+    assert c.store.cost <= 0.1 * 2**20
     assert c.stats().refused.by_kind == {} and c.metrics.counters["deferred:store_full"] == 1
     assert big.group_id not in c.accepted  # deferred, not accepted: the sender keeps it
 
@@ -191,3 +192,63 @@ def _wait(condition, sender: RolloutSender, timeout_s: float = 30.0) -> bool:
         if condition():
             return True
     return False
+
+
+def _sampling(g, **fields):
+    g.sampling = msgspec.structs.replace(g.sampling, **fields)
+    return g
+
+
+MAX = validation.MAX_INT32
+# (what, the largest value that passes, its reason one past it); each is checked at and one past it.
+BOUNDS = {
+    "top_k": (lambda g, v: _sampling(g, top_k=v), MAX, "sampling"),
+    "max_tokens": (lambda g, v: _sampling(g, max_tokens=v), MAX, "sampling"),
+    "prompt_id": (lambda g, v: setattr(g, "prompt_id", "p" * v) or g, validation.MAX_NAME, "text"),
+    "data_source": (lambda g, v: setattr(g, "data_source", "d" * v) or g, validation.MAX_NAME, "text"),
+    "finish_reason": (lambda g, v: setattr(g.completions[1], "finish_reason", "f" * v) or g, validation.MAX_NAME,
+                      "text"),
+    "reward_detail": (lambda g, v: setattr(g.completions[1], "reward", dataclasses.replace(
+        g.completions[1].reward, detail="x" * v)) or g, validation.MAX_DETAIL, "text"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(BOUNDS))
+def test_every_number_and_text_a_group_carries_passes_at_its_bound_and_is_refused_one_past(what):
+    """Before the bounds a ticketless, unauthenticated group with top_k or max_tokens = 2^64 - 1 was
+    acknowledged, and every snapshot and restart after it died storing it as int64."""
+    set_value, bound, reason = BOUNDS[what]
+    c = core(max_sequence_tokens=None)
+    at, past = set_value(good(0), bound), set_value(good(1), bound + 1)
+    assert [v.status for v in c.ingest([at, past])] == ["ok", "error"]
+    assert c.stats().refused.by_kind == {f"invalid_{reason}": 1}
+    if what in ("top_k", "max_tokens"):  # what the hostile peer sent: 2^63 and 2^64 - 1
+        huge = [set_value(good(2), 2**63), set_value(good(3), 2**64 - 1)]
+        assert [v.status for v in c.ingest(huge)] == ["error", "error"]
+
+
+def test_a_prompt_of_no_tokens_is_refused():
+    """The learner cannot score a response with no prompt before it (learner/logprobs.py)."""
+    c = core()
+    empty, one = good(0), good(1)
+    empty.prompt_ids, one.prompt_ids = np.zeros(0, np.int32), np.ones(1, np.int32)
+    (refused, accepted) = c.ingest([empty, one])
+    assert refused.status == "error" and refused.error.startswith("length: ") and accepted.status == "ok"
+
+
+@pytest.mark.parametrize("context", [64, None], ids=["configured", "default"])
+def test_a_response_cut_at_the_context_limit_fits_and_one_token_more_does_not(context, monkeypatch):
+    """vLLM stops a response when prompt + response reach the context: that exact fit is a group to
+    train on, not a `length` refusal."""
+    monkeypatch.setattr(validation, "MAX_SEQUENCE_TOKENS", 64)  # the bound without replay.max_sequence_tokens
+    c = core(max_sequence_tokens=context)
+    fits, past = good(0, tokens=56), good(1, tokens=57)  # prompts of 8 tokens
+    assert [v.status for v in c.ingest([fits, past])] == ["ok", "error"]
+    assert c.stats().refused.by_kind == {"invalid_length": 1}
+
+
+def test_a_response_of_exactly_max_tokens_fits_and_one_more_does_not():
+    c = core()
+    fits, past = good(0, tokens=6), good(1, tokens=6)
+    _sampling(fits, max_tokens=6), _sampling(past, max_tokens=5)
+    assert [v.status for v in c.ingest([fits, past])] == ["ok", "error"]
