@@ -69,6 +69,8 @@ BASE_PARTS = ("base_model", "data", "presample")
 TINY_VLLM_CONFIG = dict(vocab_size=16, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+# Its config.json: a model directory the checks before start accept (dph_async/app/preflight.py), no weights.
+TINY_LLAMA_JSON = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **TINY_VLLM_CONFIG}
 
 
 def save_tiny_model(model, out: Path) -> Path:

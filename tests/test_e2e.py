@@ -336,8 +336,9 @@ def test_a_kept_process_ends_itself_once_no_driver_calls_it():
     """What bounds a pooled process's life: one a run holds stays while its driver calls it; once
     the calls stop (the run ended, or its driver died) it ends itself keep_s later."""
     options = {"namespace": POOL_NAMESPACE, "lifetime": "detached", "num_cpus": 0}
-    idle = ActorProcess.options(name="dph-actor-test-idle", **options).remote(0, 4.0)
-    held = ActorProcess.options(name="dph-actor-test-held", **options).remote(1, 4.0)
+    # "mixture": their __init__ imports no vLLM, which no engine here needs
+    idle = ActorProcess.options(name="dph-actor-test-idle", **options).remote(0, 4.0, "mixture")
+    held = ActorProcess.options(name="dph-actor-test-held", **options).remote(1, 4.0, "mixture")
     pids = ray.get([idle.pid.remote(), held.pid.remote()])
     ray.get(idle.unbind.remote())  # kept, and no run holds it
     with holding([held], 4.0):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, SMALL
+from conftest import ROOT, SMALL, TINY_LLAMA_JSON
 from fastapi.testclient import TestClient
 
 from dph_async.app.cli import main
@@ -78,7 +78,7 @@ def test_a_plugin_module_named_in_a_run_config_file(tmp_path, monkeypatch):
     source = write_plugin(tmp_path / "site", "team_rewards")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_LLAMA_JSON))
     data = write_rows([verl_row("say banana", source, 3, 0, "train")], tmp_path / "train.parquet")
     run_config = tmp_path / "run.yaml"
     run_config.write_text(f"model: {{path: {tmp_path / 'model'}}}\ntask: {{data: {data}}}\n"

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
@@ -38,13 +38,24 @@ if TYPE_CHECKING:
 
 
 def _worker_side() -> ModuleType:
-    """The half of an actor process that needs torch (dph_async/app/actor_worker.py), imported on
-    first use in the process's Ray worker."""
+    """The half of an actor process that needs torch (dph_async/app/actor_worker.py): imported by the
+    process's __init__ (`_import_heavy`), never by the driver."""
     # heavy (torch, transformers: about 3 CPU-s): the driver imports this module to start the
     # processes and never loads them
     from dph_async.app import actor_worker
 
     return actor_worker
+
+
+def _import_heavy(engine: Literal["vllm", "mixture"]) -> None:
+    """Import every heavy module the process's calls use, on the thread Ray runs __init__ on: Ray runs
+    no call before __init__ returns, so no two threads import at once (transformers' lazy module
+    fails an import that another thread has begun). vLLM and pre-sampling's modules only for an
+    online sampler's engine (`engine` "vllm"): a mixture sampler's process never loads them."""
+    w = _worker_side()
+    if engine == "vllm":
+        w.vllm_engine()
+        import dph_async.app.presample  # noqa: F401  (heavy: transformers' models, the learner's kernels)
 
 
 def _actor_endpoint(cfg: RunConfig, worker, rl_dir: Path):
@@ -74,7 +85,8 @@ class ActorProcess:
     On the driver's node (`home`) it reads the model and the prompts from their paths; on any other
     node it gets them from the learner and its weight server (dph_async/app/model_shipping.py)."""
 
-    def __init__(self, actor_id: int, keep_s: float = 0.0) -> None:
+    def __init__(self, actor_id: int, keep_s: float, engine: Literal["vllm", "mixture"]) -> None:
+        _import_heavy(engine)
         self.actor_id = actor_id
         self.engine = None
         self.worker = None
@@ -87,22 +99,8 @@ class ActorProcess:
         self._held = True
         self._binding = False
         self._called = time.monotonic()
-        # transformers' lazy module fails an import that another thread has begun (`preload`'s): the
-        # calls that import wait for it.
-        self._importing = threading.Lock()
         if keep_s > 0:
             threading.Thread(target=self._expire, name="actor-expiry", daemon=True).start()
-
-    def preload(self) -> None:
-        """Import vLLM and the engine's modules now, before a run binds this process (a spare started
-        with the cluster: `prestart_actors`)."""
-        with self._importing:
-            _worker_side().vllm_engine()
-
-    def _imported(self) -> None:
-        """Wait until a `preload` in another thread has finished its imports."""
-        with self._importing:
-            pass
 
     def take(self, keep_s: float) -> bool:
         """For a driver looking for a kept process: True once, until the process is kept again."""
@@ -133,7 +131,6 @@ class ActorProcess:
         """Join a run; returns whether this process may serve a later run (one whose engine a reset can
         bring back to the run's start: not a mixture sampler's, which holds pi_0 as well)."""
         self._binding = True
-        self._imported()
         try:
             return self._bind(cfg, model_dir, prompts_path, ingest, weights, log_dir, home, learner)
         finally:
@@ -194,8 +191,7 @@ class ActorProcess:
     def presample(self, cfg: RunConfig, model_dir: str, train: str, out_dir: str) -> None:
         """Pre-sample pi_0 (dph_async/app/presample.py) with this process's engine, built here if it has
         none: the RL run that takes the process next starts on an engine already built."""
-        # heavy (torch, transformers, vLLM): pre-sampling's, in this Ray worker only
-        from dph_async.app.presample import presample
+        from dph_async.app.presample import presample  # imported by __init__ (`_import_heavy`)
 
         log_to_file(Path(out_dir) / "presample.log")
         self._engine_of(cfg, model_dir)
@@ -210,7 +206,6 @@ class ActorProcess:
 
     def _engine_of(self, cfg: RunConfig, model_dir: str) -> None:
         """This process's engine on `model_dir`'s weights: built if there is none, else reset to them."""
-        self._imported()
         if self.engine is None:
             self.engine = _worker_side().online_engine(cfg, model_dir, self.actor_id)
         else:
@@ -266,17 +261,15 @@ def _spare_key(cfg: RunConfig, actor_id: int) -> tuple:
 
 def prestart_actors(cfg: RunConfig) -> None:
     """Start the processes of the first run's actors now, on the cluster this invocation just started
-    on this host, importing vLLM (about 8 s of a core) while the driver goes on with its own imports
-    and preparation: the first `new_actor` of each id takes one. Not for processes that outlive the
+    on this host, each importing vLLM in its __init__ (about 8 s of a core) while the driver goes on
+    with its own imports and preparation: the first `new_actor` of each id takes one. Not for processes that outlive the
     invocation (they are named by their engine settings, not known yet) nor for samplers that build
     no vLLM engine."""
     if cfg.launcher.keep_actors_s > 0 or sampler(cfg.actors.sampler).engine != "vllm":
         return
     for i in range(cfg.actors.num_actors):
         if _spare_key(cfg, i) not in _spares:
-            spare = _new_process(cfg, i, on_home_node(), {})
-            spare.preload.remote()
-            _spares[_spare_key(cfg, i)] = spare
+            _spares[_spare_key(cfg, i)] = _new_process(cfg, i, on_home_node(), {})
 
 
 def release_spares() -> None:
@@ -306,7 +299,8 @@ def _new_process(cfg: RunConfig, actor_id: int, placement: dict, naming: dict) -
         # default from the process's start (vLLM's CPU attention checks that its plan and its kernel
         # agree). Ray would set 1, from num_cpus.
         options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(cfg.actors.threads)}}
-    return ActorProcess.options(**options, **placement, **naming).remote(actor_id, keep_s)
+    return ActorProcess.options(**options, **placement, **naming).remote(actor_id, keep_s,
+                                                                         sampler(cfg.actors.sampler).engine)
 
 
 def _then_keep(actor: ray.actor.ActorHandle, key: tuple, keep_s: float, work: ray.ObjectRef) -> None:

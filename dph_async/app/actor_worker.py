@@ -1,8 +1,8 @@
 """The half of an actor's Ray process (`ActorProcess`, dph_async/app/actor_process.py) that needs torch:
 the rollout worker, the weight client, the engines, and the model shipped from the learner. The
-process imports this module on first use; the driver, which imports actor_process.py to start the
-processes, never does. vLLM loads with an online sampler's engine only (`vllm_engine`): a mixture
-sampler's process never imports it.
+process imports this module in its __init__, before any call; the driver, which imports
+actor_process.py to start the processes, never does. vLLM loads with an online sampler's engine only
+(`vllm_engine`): a mixture sampler's process never imports it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ __all__ = ["MixtureEngine", "RolloutWorker", "WeightClient", "first_weights", "m
 
 
 def vllm_engine() -> type[VLLMEngine]:
-    """vLLM's engine class, vLLM imported with it (a spare process imports it ahead of its run:
-    `prestart_actors`)."""
+    """vLLM's engine class, vLLM imported with it (by an online sampler's process, in its __init__)."""
     # heavy (vLLM, about 8 CPU-s): an online sampler's process only; a mixture sampler's never loads it
     from actors.engine import VLLMEngine
 

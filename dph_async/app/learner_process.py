@@ -48,7 +48,7 @@ def _learner_endpoints(cfg: RunConfig, loop, replay, rl_dir: Path) -> list:
 
 def _worker_side() -> ModuleType:
     """The half of a learner process that needs torch but no trainer (the weight server, the
-    rendezvous: dph_async/app/learner_worker.py), imported on first use in its Ray worker."""
+    rendezvous: dph_async/app/learner_worker.py), imported by the process's __init__ (`_import_heavy`)."""
     # heavy (torch, about 1.5 CPU-s): the driver imports this module to start the processes and never loads it
     from dph_async.app import learner_worker
 
@@ -56,39 +56,40 @@ def _worker_side() -> ModuleType:
 
 
 def _trainer_side() -> ModuleType:
-    """The trainer's half of a learner process (dph_async/app/learner_trainer.py), imported when it
-    builds its trainer: after `bind`, which the actors wait for, or ahead of its run (`preload`)."""
+    """The trainer's half of a learner process (dph_async/app/learner_trainer.py), imported by the
+    process's __init__ (`_import_heavy`)."""
     # heavy (transformers, DeepSpeed: about 4 CPU-s more): the learner's trainer only, never the driver's
     from dph_async.app import learner_trainer
 
     return learner_trainer
 
 
+def _import_heavy() -> None:
+    """Import every heavy module the process's calls use, on the thread Ray runs __init__ on: Ray runs
+    no call before __init__ returns, so no two threads import at once (transformers' lazy module
+    fails an import that another thread has begun)."""
+    _worker_side()
+    _trainer_side()
+    # The first ZeRO engine's build imports DeepSpeed's Muon optimizer, to check whether ours is one
+    # ZeRO supports, and with it torch's compiler: about 2 s, spent here instead (ZeRO's optimizers
+    # alone import it, so learner_trainer.py, which a stage-0 learner imports too, does not).
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+
+
 @ray.remote
 class LearnerProcess:
     """The learner, with the replay service and the weight server in threads of the same process. It
     serves one run at a time, from `bind` to `close`; kept (`launcher.reuse_learner`), the next run of
-    the invocation binds it again and skips the import of torch, transformers and DeepSpeed."""
+    the invocation binds it again and skips the import of torch, transformers and DeepSpeed, which a
+    new process makes in its __init__."""
 
     def __init__(self) -> None:
+        _import_heavy()
         self.loop = self.rendezvous = None
         self.endpoints: list = []
-        # transformers' lazy module fails an import that another thread has begun (`preload`'s):
-        # one thread imports at a time.
-        self._importing = threading.Lock()
 
     def pid(self) -> int:
         return os.getpid()
-
-    def preload(self) -> None:
-        """Import what a run's trainer needs now, before any run binds this process (`start_learner`)."""
-        with self._importing:
-            _worker_side()
-            _trainer_side()
-            # The first ZeRO engine's build imports DeepSpeed's Muon optimizer, to check whether ours is
-            # one ZeRO supports, and with it torch's compiler: about 2 s, spent here instead (ZeRO's
-            # optimizers alone import it, so learner_trainer.py, which a stage-0 learner imports too, does not).
-            import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 
     def bind(self, cfg: RunConfig, model_dir: str, rl_dir: str, reference_path: str | None,
              resume_tag: str | None) -> tuple[str, str]:
@@ -96,9 +97,7 @@ class LearnerProcess:
         engines built) while `setup` builds the trainer: the two slowest parts of start-up overlap.
         Returns where actors connect (`addresses`)."""
         log_to_file(Path(rl_dir) / "logs" / "learner.log")
-        with self._importing:
-            w = _worker_side()
-
+        w = _worker_side()
         self.cfg, self.model_dir, self.resume_tag = cfg, model_dir, resume_tag
         self.security = net.NetSecurity.from_config(cfg.net)
         self.rl_dir = Path(rl_dir)
@@ -125,8 +124,7 @@ class LearnerProcess:
     def setup(self) -> None:
         """Build the trainer (model, DeepSpeed engine) and the learner loop; resume if asked. With
         several ranks, returns once the others have joined (they are set up at the same time)."""
-        with self._importing:
-            t = _trainer_side()
+        t = _trainer_side()
         cfg = self.cfg
         trainer, self.tokenizer = t.build_trainer(cfg, self.model_dir, self.rendezvous)
         # The learner alone holds the control token (or, with CURVE, the control key): actors cannot
@@ -223,6 +221,7 @@ class LearnerRank:
     and writing its part of each checkpoint, until rank 0 releases it."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, rl_dir: str, rank: int, store: str) -> None:
+        _import_heavy()
         log_to_file(Path(rl_dir) / "logs" / f"learner{rank}.log")
         self.cfg, self.model_dir, self.rl_dir, self.rank, self.store = cfg, model_dir, Path(rl_dir), rank, store
 
@@ -247,12 +246,13 @@ _kept_learner: tuple[ray.actor.ActorHandle, PlacementGroup, str] | None = None
 
 def acquire_learner(cfg: RunConfig) -> tuple[ray.actor.ActorHandle, PlacementGroup, str]:
     """The learner process for a run: the one the last run kept, if it still answers and may serve
-    this run, or a new one, in a new placement group."""
+    this run, or a new one, in a new placement group. One `start_learner` just started answers once
+    its __init__ has made its imports: tens of seconds on a busy machine."""
     global _kept_learner
     kept, _kept_learner = _kept_learner, None
     if kept is not None:
         with contextlib.suppress(RayActorError, GetTimeoutError):
-            if _reusable_learner(cfg) and ray.get(kept[0].pid.remote(), timeout=30):
+            if _reusable_learner(cfg) and ray.get(kept[0].pid.remote(), timeout=300):
                 return kept
         _end_learner(kept[0], kept[1])
     return _new_learner(learner_placement(cfg.learner.ranks))
@@ -269,8 +269,8 @@ def _new_learner(pg: PlacementGroup) -> tuple[ray.actor.ActorHandle, PlacementGr
 
 def start_learner(cfg: RunConfig) -> None:
     """Start the next RL run's learner process now, kept for that run (`launcher.reuse_learner`), so
-    that its imports run beside the stage before it (pre-sampling, pi_0's evaluation: one core of
-    an actor) instead of on the run's critical path. Nothing is started where one is kept already,
+    that its imports (its __init__'s) run beside the stage before it (pre-sampling, pi_0's evaluation:
+    one core of an actor) instead of on the run's critical path. Nothing is started where one is kept already,
     where the run could not take it, or where no CPU is free for it within a few seconds."""
     global _kept_learner
     if _kept_learner is not None or not _reusable_learner(cfg):
@@ -280,7 +280,6 @@ def start_learner(cfg: RunConfig) -> None:
     except RuntimeError:
         return  # the run makes its own, and waits for its CPU as before
     _kept_learner = _new_learner(pg)
-    _kept_learner[0].preload.remote()
 
 
 def _reusable_learner(cfg: RunConfig) -> bool:

@@ -1,6 +1,6 @@
 """The trainer's half of a learner process (dph_async/app/learner_process.py): the trainer and the
 learner loop, with torch, transformers and DeepSpeed imported at the top. A learner process imports
-this module when it builds its trainer (`setup`, or ahead of its run: `preload`), and so does
+this module in its __init__, before any call (its `setup` builds the trainer), and so does
 `dph-async rerun`, which trains in its own process; the driver, which imports learner_process.py to
 start the processes, never does.
 """

@@ -1,8 +1,8 @@
 """The half of a learner process (dph_async/app/learner_process.py) that needs torch but no trainer:
 the weight server and the ranks' rendezvous, which `bind` opens before the actors start, and the
-model shipped to actors on other nodes. The process imports this module first, in its Ray worker:
-`bind` returns without the trainer's slower imports (transformers, DeepSpeed: learner_trainer.py),
-which `setup` makes while the actors build their engines. The driver never imports it.
+model shipped to actors on other nodes. The process imports this module in its __init__, then the
+trainer's (learner_trainer.py), before any call, while the new actor processes import vLLM. The
+driver never imports it.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from dph_async.app.inputs import check_datasets, check_model_dir
 from dph_async.app.launcher import run_rl
 from dph_async.app.learner_process import start_learner
 from dph_async.app.placement import on_home_node
+from dph_async.app.preflight import preflight
 from dph_async.app.process_env import log_to_file
 from dph_async.app.progress import console
 from dph_async.app.report import write_report
@@ -78,6 +79,7 @@ def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
                    cfg.rewards)
     if (cfg.model.path is None) != (cfg.task.data is None):
         raise ConfigError("give both --model and --data for real work, or neither for the embedded default")
+    preflight(cfg)  # the model against what the actors' engine, the learner and its kernels run
     return cfg
 
 
