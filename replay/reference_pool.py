@@ -150,6 +150,7 @@ def _load_file(path: Path, tolerance: float) -> list[ReferenceSample]:
             row = int(rows[0])
             raise ReferencePoolError(f"{path}: row {row} (sample_id {ids[row]!r}): {problem}")
 
+    fail(np.flatnonzero(np.diff(p_off) == 0), "prompt_ids is empty")  # the learner's forward needs a prompt
     fail(np.flatnonzero(r_len == 0), "response_ids is empty")
     fail(np.flatnonzero(r_len != l_len), "ref_logprobs and response_ids differ in length")
     for name, values, offsets in (("prompt_ids", p_val, p_off), ("response_ids", r_val, r_off)):

@@ -116,6 +116,7 @@ ROW0, ROW1 = "row 0 (sample_id 'x'): ", "row 1 (sample_id 'y'): "
             {"response_ids": ints([1, 2], []), "ref_logprobs": f32([-0.1, -0.2], [])},
             ROW1 + "response_ids is empty",
         ),
+        ({"prompt_ids": ints([5, 6], [])}, ROW1 + "prompt_ids is empty"),
         ({"reward": pa.array(["good", "bad"])}, "column 'reward' has type string, expected a number"),
         ({"sample_id": pa.array(["x", None])}, "column 'sample_id' has null values"),
         ({"sample_id": pa.array(["x", "x"])}, "sample_id 'x' appears twice"),

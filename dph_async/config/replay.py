@@ -81,8 +81,9 @@ class ReplayConfig(Section):
     # Token versions at most the learner's version plus this: the learner publishes version v + 1
     # before it asks for the batch of version v + 1, so an honest actor is at most one ahead.
     max_version_lead: int = Field(1, ge=0)
-    # Budgets, so that no peer can take the service from the others. The fresh store's bytes: a group
-    # that would pass this is answered "retry" (the sender keeps it and sends it again later).
+    # Budgets, so that no peer can take the service from the others. The fresh store's resident cost
+    # (arrays plus per-group and per-completion overhead, docs/data_plane.md): a group that would pass
+    # this is answered "retry" (the sender keeps it and sends it again later).
     max_store_mb: float = Field(2048.0, gt=0)
     # With admission on, groups that arrive without a ticket of their actor (resent after the replay
     # restarted, or from a peer that never asked) are held at most this many at a time, beyond which

@@ -8,6 +8,7 @@ from pathlib import Path
 from dph_async.app.commands.common import add_config_arguments, add_output_argument
 from dph_async.app.evaluate import evaluate
 from dph_async.app.inputs import check_datasets, check_model_dir
+from dph_async.app.preflight import preflight
 from dph_async.app.report import print_tables
 from dph_async.config import load_config
 
@@ -34,13 +35,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    cfg = load_config(args.preset, args.overrides)
+    cfg = load_config(args.preset, [*args.overrides, f"model.path={args.model}"])
     tests = {}
     for item in args.data:
         name, _, path = item.rpartition("=")
         tests[name or Path(path).stem] = Path(path)
 
     model = check_model_dir(args.model, "--model")
+    preflight(cfg)  # the model against what the engine runs, before any process starts
     check_datasets({f"--data {name}": path for name, path in tests.items()}, cfg.rewards)
 
     results = evaluate(cfg, model, tests, Path(args.output) if args.output else None)

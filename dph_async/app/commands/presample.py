@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dph_async.app.commands.common import add_config_arguments, add_output_argument
 from dph_async.app.inputs import check_datasets, check_model_dir
+from dph_async.app.preflight import preflight
 from dph_async.app.progress import console
 from dph_async.config import load_config
 
@@ -36,6 +37,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, [*args.overrides, f"model.path={args.model}", f"task.data={args.data}"])
 
     model = check_model_dir(args.model, "--model")
+    preflight(cfg)  # the model against what the engine runs, before any process starts
     check_datasets({"--data": args.data}, cfg.rewards)
     # Heavy (torch and transformers, ~5 s): imported once the inputs are checked, so that a wrong --model
     # or --data is one line at once.
