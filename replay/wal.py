@@ -10,7 +10,7 @@ A directory that knows what it should hold:
 
 The manifest (`Manifest`) names the newest base by its bytes and digest (its trailer's CRC-32, which
 covers every block's), every sealed segment (one no longer written) by its bytes and CRC-32 (of the
-magic and every record header, each header holding its payload's CRC-32), and the live segment, the
+magic and every record's sync, length and payload CRC-32), and the live segment, the
 one being written, whose bytes are at least what wal.ack says was acknowledged. It is rewritten
 (temporary name, fsync, rename, fsync of the directory) whenever a segment is sealed or started, a
 base written or a segment dropped, always after the files it names exist on disk and before the
@@ -386,12 +386,19 @@ def scan(view: memoryview, size: int) -> Iterator[tuple[int, int] | Damage]:
         offset = resume
 
 
+def _add_record(crc: int, header: memoryview | bytes) -> int:
+    """A segment's CRC-32 as the manifest keeps it, after one more record: over the record's sync, length
+    and payload CRC-32, not the header's own CRC-32, which would cancel out (a CRC-32 over a message and
+    its CRC-32 is the same for every message)."""
+    return zlib.crc32(header[: _HEAD.size], crc)
+
+
 def _segment_crc(view: memoryview, size: int) -> int:
-    """A sound segment's CRC-32 as the manifest keeps it: of its magic and every record header."""
+    """A sound segment's CRC-32 as the manifest keeps it (see _add_record)."""
     crc = zlib.crc32(view[: len(MAGIC)])
     for found in scan(view, size):
         if not isinstance(found, Damage):
-            crc = zlib.crc32(view[found[0] - HEADER_BYTES : found[0]], crc)
+            crc = _add_record(crc, view[found[0] - HEADER_BYTES : found[0]])
     return crc
 
 
@@ -553,7 +560,7 @@ class WriteAheadLog:
                 self._damaged(path, found, size, acked, repair)
                 continue
             body, length = found
-            crc = zlib.crc32(view[body - HEADER_BYTES : body], crc)
+            crc = _add_record(crc, view[body - HEADER_BYTES : body])
             try:
                 yield parse_record(view[body : body + length])
             except WalFormatError as e:
@@ -654,7 +661,7 @@ class WriteAheadLog:
         if os.writev(self._file.fileno(), [header, payload]) != size:
             raise OSError(f"write-ahead log {self._segment_path(self.segment)}: short write")
         self._written += size
-        self._crc = zlib.crc32(header, self._crc)
+        self._crc = _add_record(self._crc, header)
         self.bytes_since_base += size
         if self.fsync:
             os.fsync(self._file.fileno())
