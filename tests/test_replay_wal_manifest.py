@@ -216,7 +216,8 @@ def _segment(*payloads: bytes) -> bytearray:
     return bytearray(MAGIC + b"".join(record_header(p) + p for p in payloads))
 
 
-@pytest.mark.parametrize("straddle", [1, 2, 3])  # bytes of the sound record's sync before the window's end
+# Bytes of the sound record's sync before the window's end: across it (1-3), or the next window's first (0).
+@pytest.mark.parametrize("straddle", [0, 1, 2, 3])
 def test_a_sound_record_across_the_search_window_after_damage_is_found(straddle):
     """After a damaged record of over a window's bytes, the search for the next sound record starts a byte
     into it; the record after it begins `straddle` bytes before that search window's end."""
@@ -226,6 +227,6 @@ def test_a_sound_record_across_the_search_window_after_damage_is_found(straddle)
     data[len(MAGIC) + 20 + 7] ^= 1  # the damaged record's payload
     found = list(scan(memoryview(bytes(data)), len(data)))
     sound_at = len(MAGIC) + 20 + damaged_length
-    assert (sound_at - (len(MAGIC) + 1)) % SEARCH_BYTES == SEARCH_BYTES - straddle
+    assert (sound_at - (len(MAGIC) + 1)) % SEARCH_BYTES == (SEARCH_BYTES - straddle) % SEARCH_BYTES
     assert found[0] == Damage(len(MAGIC), sound_at, "payload fails its checksum")
     assert [bytes(data[a : a + n]) for a, n in found[1:]] == [b"sound", big, b"last"]
