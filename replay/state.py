@@ -197,24 +197,28 @@ def _has_nulls(array: pa.Array) -> bool:
 def read_state(path: str | os.PathLike) -> ReplayState:
     source = state_path(path)
     try:
-        reader = pa.ipc.open_file(_arrow_bytes(source, pa.memory_map(str(source)).read_buffer()))
+        buf = pa.memory_map(str(source)).read_buffer()
+    except (OSError, pa.ArrowException) as e:
+        raise ReplayStateError(f"{source}: not a readable replay state file ({type(e).__name__}: {e})") from None
+    return decode_state(_arrow_bytes(source, buf), source)
+
+
+def decode_state(arrow: pa.Buffer, source: str | os.PathLike) -> ReplayState:
+    """The state in an Arrow file whose checksums held; ReplayStateError naming `source` if it is not one."""
+    try:
+        reader = pa.ipc.open_file(arrow)
         table = reader.read_all()
         table.validate(full=True)  # offsets inside their buffers before anything is read out of them
         if not table.schema.equals(STATE_SCHEMA):
             raise ValueError(f"columns {table.schema.names} of other types or names than a replay state's")
         if any(_has_nulls(chunk) for column in table.columns for chunk in column.chunks):
             raise ValueError("null values, which no field of a group has")
-        meta = msgspec.json.decode(reader.schema.metadata[_META_KEY], type=_Meta)
-    except ReplayStateError:
-        raise
+        meta = msgspec.json.decode((reader.schema.metadata or {})[_META_KEY], type=_Meta)
+        if meta.format != FORMAT:
+            raise ValueError(f"state format {meta.format}, this build reads {FORMAT}")
+        groups = groups_from(table)
     except (OSError, pa.ArrowException, KeyError, TypeError, ValueError) as e:
         raise ReplayStateError(f"{source}: not a readable replay state file ({type(e).__name__}: {e})") from None
-    if meta.format != FORMAT:
-        raise ReplayStateError(f"{source}: state format {meta.format}, this build reads {FORMAT}")
-    try:
-        groups = groups_from(table)
-    except (pa.ArrowException, KeyError, TypeError, ValueError) as e:
-        raise ReplayStateError(f"{source}: groups that do not read back ({type(e).__name__}: {e})") from None
     pending = meta.pending
     return ReplayState(
         version=meta.version,

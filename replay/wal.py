@@ -260,7 +260,7 @@ def read_manifest(path: Path) -> Manifest:
     data = path.read_bytes()
     try:
         fields = msgspec.json.decode(data)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec raises the latter for bytes not UTF-8
         raise WalFormatError(f"{path}: damaged write-ahead log manifest ({e}); {_UNTOUCHED}") from None
     if isinstance(fields, dict) and "format" not in fields and set(fields) <= {"wal_id", "keep_from", "crc32"}:
         raise WalFormatError(f"{path}: the index of an earlier build's log (format 3 or before, no manifest of its "
