@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import struct
 import sys
@@ -123,13 +124,11 @@ def main() -> None:
         return
     global _LOG
     logging.disable(logging.CRITICAL)  # recovery logs what it repairs: thousands of inputs a second would flood
-    _LOG = Path(tempfile.mkdtemp(prefix="fuzz-wal-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     target = TARGETS[sys.argv.pop(1)]
-    atheris.Setup(sys.argv, target)
-    try:
+    with tempfile.TemporaryDirectory(prefix="fuzz-wal-", dir=os.environ.get("FUZZ_SCRATCH")) as scratch:
+        _LOG = Path(scratch) / "log"  # libFuzzer ends the process itself: FUZZ_SCRATCH is where to leave it
+        atheris.Setup(sys.argv, target)
         atheris.Fuzz()
-    finally:
-        shutil.rmtree(_LOG, ignore_errors=True)
 
 
 if __name__ == "__main__":
