@@ -120,15 +120,19 @@ class _Channel:
         self.monitor = self.sock.get_monitor_socket(_EVENTS)
         self.on_connect = on_connect
         self.refused = ""  # why the last handshake failed (a CURVE key the replay does not accept)
+        self._connected_once = False
         connect(self.sock, addr, security or NetSecurity(), identity)
 
     def events(self) -> bool:
-        """Handle pending connection events; True if a connection was (re-)established."""
+        """Handle pending connection events; True if a connection was re-established. Not on the first:
+        what was sent before it waited in the pipe and went out with it, and a request sent twice that
+        takes longer than a poll to answer (a snapshot) is done twice, its second reply read as the next
+        request's."""
         connected = False
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                connected, self.refused = True, ""
+                connected, self.refused, self._connected_once = self._connected_once, "", True
             elif event & _FAILED:
                 self.refused = f"handshake with {self.addr} refused (wrong or unauthorized CURVE key?)"
         if connected and self.on_connect is not None:
