@@ -53,12 +53,16 @@ def read_regular(path: Path, limit: int, dir_fd: int | None = None) -> bytes:
     """The bytes of regular file `path` (relative to `dir_fd` if given); UnsafeFile if it is a symlink, not a
     regular file, or longer than `limit` bytes. OSError (FileNotFoundError...) as open() raises it."""
     fd = _open(path, _READ, dir_fd)
-    with os.fdopen(fd, "rb") as f:
+    try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsafeFile(f"{path}: {_kind(st.st_mode)}, not read")
         if st.st_size > limit:
             raise UnsafeFile(f"{path}: {st.st_size} bytes, more than the {limit} allowed")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
         data = f.read(limit + 1)  # the file may have grown since fstat
     if len(data) > limit:
         raise UnsafeFile(f"{path}: more than the {limit} bytes allowed")

@@ -120,9 +120,16 @@ def _announced(directory: Path) -> list[Endpoint]:
         os.close(fd)
 
 
+def _get(url: str, path: str, deadline: float, max_bytes: int) -> tuple[int, bytes]:
+    try:
+        return http_get(f"{url}{path}", deadline=deadline, max_bytes=max_bytes)
+    except FetchError as e:
+        raise FetchError(f"{path}: {e}") from None
+
+
 def _health(url: str, deadline: float) -> dict:
     """The /health JSON object. A 503 with a JSON object is an answer: the process says it is unwell."""
-    _, body = http_get(f"{url}/health", deadline=deadline, max_bytes=MAX_HEALTH_BYTES)
+    _, body = _get(url, "/health", deadline, MAX_HEALTH_BYTES)
     try:
         health = json.loads(body)
     except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser
@@ -133,7 +140,7 @@ def _health(url: str, deadline: float) -> dict:
 
 
 def _samples(url: str, deadline: float) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    status, body = http_get(f"{url}/metrics", deadline=deadline, max_bytes=MAX_METRICS_BYTES)
+    status, body = _get(url, "/metrics", deadline, MAX_METRICS_BYTES)
     if status != 200:
         raise FetchError(f"/metrics: HTTP {status}")
     try:

@@ -71,7 +71,7 @@ def reason(r: Reading) -> str:
         return f"health {r.health.get('status')!r}"[:60]
     if "Connection refused" in r.error:
         return "connection refused"
-    if r.error.startswith("timeout"):
+    if ": timeout:" in r.error:
         return f"no complete answer in {TIMEOUT_S:.0f} s"
     return " ".join(r.error.split())[:100]
 
