@@ -122,9 +122,6 @@ def test_dph_async_score_with_a_plugin(tmp_path, capsys):
                                  "register its rewards, never exit"),
     ("raise SystemExit('bye')\n", "raised SystemExit('bye') at import"),
     ("raise KeyboardInterrupt\n", "raised KeyboardInterrupt at import"),
-    ("import os\nos._exit(0)\n", "ended its process at import (exit code 0; os._exit or a crash); a plugin's "
-                                 "top level must only define and register its rewards, never exit"),
-    ("import os\nos.abort()\n", "ended its process at import (killed by SIGABRT; os._exit or a crash)"),
 ])
 def test_a_plugin_that_cannot_be_used_is_named(tmp_path, text, says):
     plugin = tmp_path / f"p{uuid.uuid4().hex[:8]}.py"
@@ -139,17 +136,21 @@ def test_a_plugin_that_cannot_be_used_is_named(tmp_path, text, says):
 @pytest.mark.parametrize(("exits", "says"), [
     ("import sys\nsys.exit(0)\n", "raised SystemExit(0) at import"),
     ("import os\nos._exit(0)\n", "ended its process at import (exit code 0; os._exit or a crash)"),
+    ("import os\nos.abort()\n", "ended its process at import (killed by SIGABRT; os._exit or a crash)"),
 ])
-def test_dph_async_score_with_a_plugin_that_exits_at_import(tmp_path, capsys, exits, says):
-    """Before: `dph-async score` ended with exit 0 and nothing scored (os._exit: not even a line)."""
-    plugin = tmp_path / f"leaves_{uuid.uuid4().hex[:8]}.py"
+def test_dph_async_score_with_a_plugin_that_exits_at_import(tmp_path, exits, says):
+    """Before: `dph-async score` ended with exit 0 and nothing scored (os._exit: not even a line). In a
+    process of its own, so that a regression ends that process and not the test session."""
+    plugin = tmp_path / "leaves.py"
     plugin.write_text(exits)
     responses = tmp_path / "responses.jsonl"
     responses.write_text(json.dumps({"data_source": "countdown", "response": "x", "reward_model": {"ground_truth": 1}}))
-    assert main(["score", str(responses), f"rewards.plugins=[{plugin}]"]) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: rewards.plugins: {plugin}: {says}; a plugin's top level must only define and "
-                      "register its rewards, never exit"]
+    proc = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "score", str(responses),
+                           f"rewards.plugins=[{plugin}]"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.splitlines() == [f"error: rewards.plugins: {plugin}: {says}; a plugin's top level must only "
+                                        "define and register its rewards, never exit"]
 
 
 # A plugin whose reward breaks the contract: `{body}` is what it returns (or does).
