@@ -265,7 +265,7 @@ def test_a_rerun_writes_through_no_link_planted_in_its_output(recorded, tmp_path
     out = tmp_path / "planted"
     out.mkdir()
     (out / "metrics.jsonl").symlink_to(victim)
-    with pytest.raises(UnsafeFile, match="metrics.jsonl: a symbolic link, not followed"):
+    with pytest.raises(UnsafeFile, match=r"metrics\.jsonl: a symbolic link, not followed"):
         rerun(recorded, out, [], until=1)
     (out / "metrics.jsonl").unlink()
     elsewhere = tmp_path / "elsewhere"

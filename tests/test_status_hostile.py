@@ -188,7 +188,7 @@ def test_a_symlinked_endpoints_directory_is_not_followed_out_of_the_run(tmp_path
 
 
 def test_read_regular_refuses_devices_and_what_is_longer_than_its_limit(tmp_path):
-    with pytest.raises(UnsafeFile, match="^/dev/zero: a device, not read$"):
+    with pytest.raises(UnsafeFile, match=r"^/dev/zero: a device, not read$"):
         read_regular(Path("/dev/zero"), 1 << 20)
     (tmp_path / "f").write_bytes(b"x" * 11)
     assert read_regular(tmp_path / "f", 11) == b"x" * 11

@@ -191,10 +191,15 @@ class Rerun:
         if os.path.islink(target):
             raise UnsafeFile(f"{target}: a symbolic link, where the rerun's final model belongs; not followed")
         fresh = Path(tempfile.mkdtemp(prefix=".final_model-", dir=self.out))
-        self.trainer.save_pretrained(str(fresh))
-        self.tokenizer.save_pretrained(str(fresh))
-        if target.exists():
+        try:
+            self.trainer.save_pretrained(str(fresh))
+            self.tokenizer.save_pretrained(str(fresh))
+        except BaseException:
+            shutil.rmtree(fresh, ignore_errors=True)
+            raise
+        if target.is_dir():
             shutil.rmtree(target)  # an earlier rerun's
+        target.unlink(missing_ok=True)  # or a file of that name
         os.rename(fresh, target)
 
     def _check_checkpoint(self, version: int) -> None:
