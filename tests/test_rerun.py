@@ -255,6 +255,28 @@ def test_a_rerun_refuses_what_it_cannot_do(recorded, tmp_path):
     assert override_problem(["learner.lr=1e-3", "learner.loss.correction=masked"]) is None
 
 
+def test_a_rerun_writes_through_no_link_planted_in_its_output(recorded, tmp_path):
+    """A stranger's run may hold rerun/<label>/metrics.jsonl -> ~/.bashrc, or final_model -> elsewhere."""
+    from dph_async.app.rerun import rerun
+    from dph_async.safe_files import UnsafeFile
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    out = tmp_path / "planted"
+    out.mkdir()
+    (out / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(UnsafeFile, match=r"metrics\.jsonl: a symbolic link, not followed"):
+        rerun(recorded, out, [], until=1)
+    (out / "metrics.jsonl").unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (out / "final_model").symlink_to(elsewhere)
+    with pytest.raises(UnsafeFile, match="final_model: a symbolic link, where the rerun's final model belongs"):
+        rerun(recorded, out, ["learner.loss.coeff=2.0"], until=1)
+    assert victim.read_text() == "precious" and not any(elsewhere.iterdir())
+    assert [p.name for p in out.iterdir() if p.name.startswith(".final_model")] == []  # nothing left half-written
+
+
 # --- Auto staleness -------------------------------------------------------------------------------------
 
 

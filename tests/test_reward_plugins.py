@@ -133,16 +133,24 @@ def test_a_plugin_that_cannot_be_used_is_named(tmp_path, text, says):
         assert not [m for m in sys.modules if plugin.stem in m]  # nothing half-imported is left behind
 
 
-def test_dph_async_score_with_a_plugin_that_exits_at_import(tmp_path, capsys):
-    """Before: `dph-async score` ended with exit 0 and nothing scored."""
+@pytest.mark.parametrize(("exits", "says"), [
+    ("import sys\nsys.exit(0)\n", "raised SystemExit(0) at import"),
+    ("import os\nos._exit(0)\n", "ended its process at import (exit code 0; os._exit or a crash)"),
+    ("import os\nos.abort()\n", "ended its process at import (killed by SIGABRT; os._exit or a crash)"),
+])
+def test_dph_async_score_with_a_plugin_that_exits_at_import(tmp_path, exits, says):
+    """Before: `dph-async score` ended with exit 0 and nothing scored (os._exit: not even a line). In a
+    process of its own, so that a regression ends that process and not the test session."""
     plugin = tmp_path / "leaves.py"
-    plugin.write_text("import sys\nsys.exit(0)\n")
+    plugin.write_text(exits)
     responses = tmp_path / "responses.jsonl"
     responses.write_text(json.dumps({"data_source": "countdown", "response": "x", "reward_model": {"ground_truth": 1}}))
-    assert main(["score", str(responses), f"rewards.plugins=[{plugin}]"]) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: rewards.plugins: {plugin}: raised SystemExit(0) at import; a plugin's top level must "
-                      "only define and register its rewards, never exit"]
+    proc = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "score", str(responses),
+                           f"rewards.plugins=[{plugin}]"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.splitlines() == [f"error: rewards.plugins: {plugin}: {says}; a plugin's top level must only "
+                                        "define and register its rewards, never exit"]
 
 
 # A plugin whose reward breaks the contract: `{body}` is what it returns (or does).
@@ -169,6 +177,15 @@ def broken(response, ground_truth, extra_info):
     ("return RewardResult(score='1', correct=True)", "returned a score of type str"),
     ("return RewardResult(score=1.0, correct=True, status='great')", "returned status 'great'"),
     ("raise SystemExit(3)", "raised SystemExit(3); a reward function must return a RewardResult, never exit"),
+    # Before: correct=1 was scored ok and then every group carrying it was refused by the replay.
+    ("return RewardResult(score=1.0, correct=1)", "returned correct of type int; correct is a bool (True or False)"),
+    ("return RewardResult(score=1.0, correct=True, format_ok='yes')", "returned format_ok of type str"),
+    # Before: an exception as detail killed the worker ("reward worker died"), naming nothing.
+    ("return RewardResult(score=0.0, correct=False, detail=ValueError('no'))",
+     "returned a detail of type ValueError; detail is a str"),
+    ("raise ValueError('no answer')", "raised ValueError: no answer"),
+    ("raise type('Mute', (Exception,), {'__str__': lambda self: 1 / 0})()",
+     "raised Mute (whose message could not be read)"),
 ])
 def test_a_reward_that_breaks_the_contract_is_a_named_scorer_failure(tmp_path, inline, body, says):
     """Masked (status error), never a number in a batch; the detail names the function, its file and the
@@ -184,6 +201,38 @@ def test_a_reward_that_breaks_the_contract_is_a_named_scorer_failure(tmp_path, i
     for r in results:
         assert r.status == "error" and r.scorer_failed and r.score == 0.0 and not r.correct
         assert r.detail.startswith(f"reward function broken ({plugin}) ") and says in r.detail, r.detail
+
+
+# numpy's bools are what a numpy comparison gives: taken as Python's. Before: one killed the reward
+# worker on every item (its reply would not encode) and crashed `dph-async score` when inline.
+NUMPY = '''
+import numpy as np
+
+from dph_async.rewards.registry import register
+from dph_async.rewards.result import RewardResult
+
+
+@register("{source}"{inline})
+def numpy_flags(response, ground_truth, extra_info):
+    return RewardResult(score=np.float32(0.5), correct=np.bool_(response == "yes"), format_ok=np.True_,
+                        detail="x" * 5000)
+'''
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_numpy_bools_are_taken_as_bools_and_a_long_detail_is_cut(tmp_path, capsys, inline):
+    source = f"numpy_{uuid.uuid4().hex[:8]}"
+    plugin = tmp_path / f"numpy_flags_{source}.py"
+    plugin.write_text(NUMPY.format(source=source, inline=", inline=True" if inline else ""))
+    responses = tmp_path / "responses.jsonl"
+    responses.write_text("".join(json.dumps({"data_source": source, "response": r, "reward_model": {"ground_truth": 1}})
+                                 + "\n" for r in ("yes", "no")))
+    out = tmp_path / "results.jsonl"
+    assert main(["score", str(responses), f"rewards.plugins=[{plugin}]", "rewards.workers=1", "-o", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["status"], r["correct"], r["format_ok"], r["score"]) for r in rows] == [("ok", True, True, 0.5),
+                                                                                    ("ok", False, True, 0.5)]
+    assert all(len(r["detail"]) == 1000 and r["detail"].endswith("…") for r in rows)
 
 
 def test_dph_async_score_names_a_broken_reward_once(tmp_path, capsys):

@@ -3,21 +3,36 @@
     for ep in find_endpoints(["runs/default"]):       # every <..>/endpoints/*.json below, or URLs
         reading = scrape(ep)                           # health JSON + every Prometheus sample, parsed
         reading.value("process_resident_memory_bytes")
+
+The announce files and the endpoints may be a stranger's: an announce file is read only if it is a
+regular file of at most MAX_ANNOUNCE_BYTES (dph_async/safe_files.py), a symlinked endpoints/ directory
+is not entered, and one scrape (both GETs) ends within TIMEOUT_S and reads at most MAX_HEALTH_BYTES and
+MAX_METRICS_BYTES (dph_async/app/http_get.py). What cannot be read is a Reading with `error` set,
+never an exception: the other processes are still shown.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from dph_async.admission import bearer
+from dph_async.app.http_get import FetchError, http_get
+from dph_async.safe_files import UnsafeFile, read_regular
 from dph_async.telemetry import access_token
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 3.0  # one endpoint's whole scrape: /health and /metrics
+MAX_ANNOUNCE_BYTES = 4 << 10
+MAX_HEALTH_BYTES = 64 << 10
+MAX_METRICS_BYTES = 4 << 20  # a process's own metrics are tens of KB
+MAX_PARALLEL = 16  # endpoints scraped at once
 
 
 @dataclass(frozen=True)
@@ -26,7 +41,16 @@ class Endpoint:
     url: str
     pid: int | None = None
     source: str = ""  # the announce file it came from, if any
+    problem: str = ""  # why its announce file could not be used ("" when it could)
     token: str | None = field(default=None, repr=False)  # the run's access token, found beside that file
+
+
+class _Announce(msgspec.Struct):
+    """An announce file, as `MetricsEndpoint.announce` writes it."""
+
+    name: str
+    url: str
+    pid: int | None = None
 
 
 @dataclass
@@ -66,32 +90,88 @@ def find_endpoints(targets: list[str]) -> list[Endpoint]:
         root = Path(target)
         if not root.exists():
             raise FileNotFoundError(f"{target}: no such run directory (give a run directory or a URL)")
-        for path in sorted(root.rglob("endpoints/*.json")):
-            try:
-                info = json.loads(path.read_text())
-                found.append(Endpoint(str(info["name"]), str(info["url"]), info.get("pid"), str(path),
-                                      access_token(path.parent)))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # being rewritten, or not ours
+        for here, dirs, _ in os.walk(root):  # never enters a symlinked directory
+            dirs.sort()
+            for name in dirs:
+                if name == "endpoints" and os.path.islink(os.path.join(here, name)):
+                    found.append(Endpoint(os.path.join(here, name), "",
+                                          problem="a symbolic link to a directory, not followed"))
+            if os.path.basename(here) == "endpoints":
+                found += _announced(Path(here))
     return found
 
 
-def scrape(endpoint: Endpoint, client: httpx.Client | None = None) -> Reading:
-    """GET /health and /metrics; a process that does not answer gives a Reading with `error` set."""
-    own = client is None
-    client = client or httpx.Client(timeout=TIMEOUT_S)
-    reading = Reading(endpoint)
+def _announced(directory: Path) -> list[Endpoint]:
+    """The endpoints announced in one endpoints/ directory (one with a `problem` per unusable file)."""
     try:
-        headers = bearer(endpoint.token)  # the run's own reader: served even when others fill the endpoint
-        health = client.get(f"{endpoint.url}/health", headers=headers)
-        reading.health = health.json()
-        text = client.get(f"{endpoint.url}/metrics", headers=headers).text
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                reading.samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    except (httpx.HTTPError, ValueError) as e:
-        reading.error = f"{type(e).__name__}: {e}"[:200] or "no answer"
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return []  # gone, or swapped for a link since the walk
+    try:
+        found = []
+        token = access_token(directory)  # the run's own reader is served even when others fill an endpoint
+        for name in sorted(n for n in os.listdir(fd) if n.endswith(".json")):
+            source = str(directory / name)
+            try:
+                info = msgspec.json.decode(read_regular(Path(name), MAX_ANNOUNCE_BYTES, dir_fd=fd), type=_Announce)
+                found.append(Endpoint(info.name, info.url, info.pid, source, token=token))
+            except FileNotFoundError:
+                continue  # removed since listed
+            except (UnsafeFile, OSError, msgspec.DecodeError) as e:
+                found.append(Endpoint(name.removesuffix(".json"), "", source=source, problem=" ".join(str(e).split())))
+        return found
     finally:
-        if own:
-            client.close()
+        os.close(fd)
+
+
+def _get(url: str, path: str, deadline: float, max_bytes: int, token: str | None) -> tuple[int, bytes]:
+    try:
+        return http_get(f"{url}{path}", deadline=deadline, max_bytes=max_bytes, headers=bearer(token))
+    except FetchError as e:
+        raise FetchError(f"{path}: {e}") from None
+
+
+def _health(url: str, deadline: float, token: str | None) -> dict:
+    """The /health JSON object. A 503 with a JSON object is an answer: the process says it is unwell."""
+    _, body = _get(url, "/health", deadline, MAX_HEALTH_BYTES, token)
+    try:
+        health = json.loads(body)
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested past the parser
+        raise FetchError(f"/health: not JSON ({type(e).__name__})") from None
+    if not isinstance(health, dict):
+        raise FetchError(f"/health: a JSON {type(health).__name__}, not an object")
+    return health
+
+
+def _samples(url: str, deadline: float, token: str | None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    status, body = _get(url, "/metrics", deadline, MAX_METRICS_BYTES, token)
+    if status != 200:
+        raise FetchError(f"/metrics: HTTP {status}")
+    try:
+        return {(s.name, tuple(sorted(s.labels.items()))): float(s.value)
+                for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+    except (ValueError, IndexError, KeyError, TypeError) as e:  # the parser's ways of refusing
+        raise FetchError(f"/metrics: not Prometheus text ({' '.join(str(e).split())[:80]})") from None
+
+
+def scrape(endpoint: Endpoint) -> Reading:
+    """GET /health and /metrics within TIMEOUT_S; what does not answer, or answers nonsense, gives a
+    Reading with `error` set."""
+    if endpoint.problem:
+        return Reading(endpoint, error=f"unreadable: {endpoint.problem}")
+    reading = Reading(endpoint)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        reading.health = _health(endpoint.url, deadline, endpoint.token)
+        reading.samples = _samples(endpoint.url, deadline, endpoint.token)
+    except FetchError as e:
+        reading.error = str(e)
     return reading
+
+
+def scrape_all(endpoints: list[Endpoint]) -> list[Reading]:
+    """Every endpoint scraped at once, so that the whole takes one TIMEOUT_S, however many do not answer."""
+    if not endpoints:
+        return []
+    with ThreadPoolExecutor(min(MAX_PARALLEL, len(endpoints)), thread_name_prefix="scrape") as pool:
+        return list(pool.map(scrape, endpoints))

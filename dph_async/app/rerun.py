@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +36,7 @@ from dph_async.app.rerun_report import HEADLINE, RerunReport, StepComparison, We
 from dph_async.config import RunConfig, dump_config, load_config
 from dph_async.errors import UserError
 from dph_async.paths import checkpoint_dir, checkpoint_weights, final_model, is_learner_checkpoint
+from dph_async.safe_files import UnsafeFile, open_output, output_dir, write_output
 from learner.loop import finish_metrics
 from learner.recording import read_batches, read_run_info
 from learner.staleness_control import StalenessController, StalenessRule
@@ -153,19 +157,19 @@ class Rerun:
                 self.staleness = StalenessController.from_state(self.staleness.rule, state["staleness"])
 
     def run(self, until: int | None, diagnose: int | None, top_tokens: int) -> RerunReport:
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "learner_config.yaml").write_text(dump_config(self.cfg))
+        output_dir(self.out.parent, self.out)  # the command checked the way down from the run (output_path)
+        write_output(self.out / "learner_config.yaml", dump_config(self.cfg))
         original = _run_metrics(self.rl_dir)
         trainer, report = self.trainer, self.report
         report.stopped = f"the recording ends at version {report.start}"
-        with (self.out / "metrics.jsonl").open("w") as log:
+        with open_output(self.out / "metrics.jsonl") as log:
             for batch in _batches(self.info.recording, report.start):
                 if until is not None and trainer.version >= until:
                     report.stopped = f"--until {until}"
                     break
                 if diagnose == trainer.version:
                     found = diagnose_step(trainer, batch, top_tokens)
-                    (self.out / f"diagnose_v{diagnose}.json").write_text(json.dumps(asdict(found), indent=1))
+                    write_output(self.out / f"diagnose_v{diagnose}.json", json.dumps(asdict(found), indent=1))
                 m = trainer.train_step(batch)
                 finish_metrics(m, batch, self.staleness)
                 log.write(json.dumps(m) + "\n")
@@ -177,9 +181,26 @@ class Rerun:
                 report.stopped = f"the recording ends at version {v}"
         self._check_final(len(original))
         if report.counterfactual:
-            trainer.save_pretrained(str(final_model(self.out)))
-            self.tokenizer.save_pretrained(str(final_model(self.out)))
+            self._save_final()
         return report
+
+    def _save_final(self) -> None:
+        """final_model/ written into a new directory, then put in place: Hugging Face's writers follow
+        links, and one planted in an earlier final_model/ would send the weights elsewhere."""
+        target = final_model(self.out)
+        if os.path.islink(target):
+            raise UnsafeFile(f"{target}: a symbolic link, where the rerun's final model belongs; not followed")
+        fresh = Path(tempfile.mkdtemp(prefix=".final_model-", dir=self.out))
+        try:
+            self.trainer.save_pretrained(str(fresh))
+            self.tokenizer.save_pretrained(str(fresh))
+        except BaseException:
+            shutil.rmtree(fresh, ignore_errors=True)
+            raise
+        if target.is_dir():
+            shutil.rmtree(target)  # an earlier rerun's
+        target.unlink(missing_ok=True)  # or a file of that name
+        os.rename(fresh, target)
 
     def _check_checkpoint(self, version: int) -> None:
         tag = checkpoint_dir(self.rl_dir) / f"v{version}"

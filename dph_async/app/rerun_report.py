@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dph_async.app.report import markdown_table
+from dph_async.safe_files import write_output
 
 # What a counterfactual's report puts side by side per step (all metrics are in the two metrics.jsonl).
 HEADLINE = ("loss/total", "policy/entropy", "policy/ess", "policy/clip_frac", "policy/mismatch_kl_k3",
@@ -97,7 +98,7 @@ def _side_by_side(report: RerunReport) -> list[str]:
 
 def write_report(report: RerunReport, out: Path) -> None:
     data = asdict(report) | {"bitwise": report.bitwise, "verdict": verdict(report)}
-    (out / "report.json").write_text(json.dumps(data, indent=1))
+    write_output(out / "report.json", json.dumps(data, indent=1))
     learner = " ".join(report.overrides) if report.overrides else "the run's config"
     lines = [f"# rerun of {report.run_dir}", "",
              f"- learner: {learner}{' (counterfactual)' if report.counterfactual else ''}",
@@ -112,4 +113,4 @@ def write_report(report: RerunReport, out: Path) -> None:
         lines += _side_by_side(report)
     lines += ["Per-step metrics: `metrics.jsonl` here and in the run's directory; everything compared: "
               "`report.json`.", ""]
-    (out / "report.md").write_text("\n".join(lines))
+    write_output(out / "report.md", "\n".join(lines))

@@ -7,13 +7,22 @@ as the built-in rewards do. Every process that scores loads the plugins of its c
 worker, the process that owns a worker pool (it checks data sources before scoring), the scorer
 service, and the driver of `dph-async run`, `eval` and `presample` before anything starts, so a
 broken plugin is one error naming it rather than a failure inside a worker.
+
+Before a process imports a plugin it has a fresh interpreter import it (`python -m
+dph_async.rewards.plugins PLUGIN`): a top level that ends its process (os._exit, a crash) cannot be
+caught where it runs, and would end the caller with no word (`dph-async score` exited 0 with no output).
+A reward worker skips this: the process that started it imported the same plugins first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
+import os
+import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Iterable
@@ -30,15 +39,39 @@ class PluginError(UserError):
 
 _loaded: set[str] = set()
 _lock = threading.Lock()
+PROBE_TIMEOUT_S = 120.0  # an import of torch or transformers on a busy machine fits
+_IMPORTED = b"dph-async: plugin imported"
 
 
-def load_plugins(plugins: Iterable[str]) -> None:
-    """Import each plugin (a module name, or a path ending in .py) once per process."""
+def load_plugins(plugins: Iterable[str], *, probe: bool = True) -> None:
+    """Import each plugin (a module name, or a path ending in .py) once per process, each first in a fresh
+    interpreter unless `probe` is False (see the module's docstring)."""
     with _lock:
         for plugin in plugins:
             if plugin not in _loaded:
+                if probe:
+                    _probe(plugin)
                 _load(plugin)
                 _loaded.add(plugin)
+
+
+def _probe(plugin: str) -> None:
+    """PluginError if importing `plugin` ends the process that imports it. One that raises is left to the
+    import here, which names what it raised; so is one the fresh interpreter cannot find (a module on a
+    path this process added), since there it raises too."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what this process sees
+    try:
+        proc = subprocess.run([sys.executable, "-m", __name__, plugin], env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise PluginError(f"rewards.plugins: {plugin}: its import did not finish within {PROBE_TIMEOUT_S:.0f} s "
+                          "(in a fresh interpreter)") from None
+    if proc.returncode == 0 and proc.stdout.endswith(_IMPORTED):
+        return
+    code = proc.returncode
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    raise PluginError(f"rewards.plugins: {plugin}: ended its process at import ({how}; os._exit or a crash); a "
+                      "plugin's top level must only define and register its rewards, never exit")
 
 
 def _load(plugin: str) -> None:
@@ -47,7 +80,7 @@ def _load(plugin: str) -> None:
     registry.load_builtins()
     before = registry.registered()
     try:
-        module = _import_file(Path(plugin)) if plugin.endswith(".py") else importlib.import_module(plugin)
+        module = _import(plugin)
     except PluginError:
         raise
     except Exception as e:  # whatever the plugin's top level raises: SyntaxError, ImportError, ...
@@ -60,6 +93,10 @@ def _load(plugin: str) -> None:
     if after == before and not registry.registered_by(module.__name__):
         raise PluginError(f"rewards.plugins: {plugin}: registered no reward; decorate its reward function with "
                           "@register(\"<data_source>\") from dph_async.rewards.registry (docs/rewards.md, Plugins)")
+
+
+def _import(plugin: str) -> ModuleType:
+    return _import_file(Path(plugin)) if plugin.endswith(".py") else importlib.import_module(plugin)
 
 
 def _import_file(path: Path) -> ModuleType:
@@ -81,3 +118,12 @@ def _import_file(path: Path) -> ModuleType:
         del sys.modules[name]
         raise
     return module
+
+
+if __name__ == "__main__":
+    # python -m dph_async.rewards.plugins PLUGIN: the probe. Whether the import returns or raises, the
+    # process goes on to the marker; the caller's own import names what it raised.
+    with contextlib.suppress(BaseException):
+        _import(sys.argv[1])
+    sys.stdout.buffer.write(b"\n" + _IMPORTED)
+    sys.stdout.flush()

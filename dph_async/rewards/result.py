@@ -6,7 +6,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 # Who is to blame decides what a trainer does with a zero:
@@ -64,21 +64,50 @@ def origin(fn: Callable) -> str:
     return f"reward function {getattr(fn, '__qualname__', repr(fn))} ({where})"
 
 
+MAX_DETAIL_CHARS = 1000  # a reason, not a log: longer ones are cut
+
+
+def _as_bool(x: object) -> bool | None:
+    """`x` if it is a bool: Python's, or numpy's (what a numpy comparison returns; one value, one meaning,
+    so it is taken as the bool it is). Anything else, 0 and 1 included, is None: a number where a bool
+    belongs is usually a score in the wrong field."""
+    if isinstance(x, bool):
+        return x
+    if type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_"):  # np.bool_ (numpy 1 and 2)
+        return bool(x)  # type: ignore[arg-type]
+    return None
+
+
+def _broken_rule(value: RewardResult) -> str | None:
+    """What in `value` breaks the contract, worded after "returned", or None when nothing does."""
+    if value.status not in STATUSES:
+        return f"status {value.status!r}; one of {', '.join(STATUSES)}"
+    score = value.score
+    if isinstance(score, bool) or not isinstance(score, numbers.Real):
+        return f"a score of type {type(score).__name__}; a score is a finite float"
+    if not math.isfinite(score):
+        return f"a non-finite score ({float(score)}); a score is a finite float"
+    for name in ("correct", "format_ok"):
+        if _as_bool(flag := getattr(value, name)) is None:
+            return f"{name} of type {type(flag).__name__}; {name} is a bool (True or False)"
+    if not isinstance(value.detail, str):
+        return f"a detail of type {type(value.detail).__name__}; detail is a str"
+    return None
+
+
 def checked(value: object, fn: Callable) -> RewardResult:
     """What reward function `fn` returned, if it keeps the contract: a RewardResult whose score is a finite
-    number and whose status is one of `Status`. Anything else becomes a scorer failure (status "error",
-    masked by the learner) that names the function, its file and the rule it broke, so that no NaN,
-    infinity or non-number ever reaches a batch."""
+    number, whose status is one of `Status`, whose correct and format_ok are bools (numpy's taken as
+    Python's) and whose detail is a str (cut at MAX_DETAIL_CHARS). Anything else becomes a scorer failure
+    (status "error", masked by the learner) that names the function, its file and the rule it broke, so
+    that no NaN, non-bool or unencodable value ever reaches a batch or a worker's reply. The result is
+    built anew from plain values: a subclass or a numpy scalar never travels on."""
     if not isinstance(value, RewardResult):
         return failure("error", f"{origin(fn)} returned {type(value).__name__}; a reward function must return "
                                 "a RewardResult (dph_async.rewards.result)")
-    if value.status not in STATUSES:
-        return failure("error", f"{origin(fn)} returned status {value.status!r}; one of {', '.join(STATUSES)}")
-    score = value.score
-    if isinstance(score, bool) or not isinstance(score, numbers.Real):
-        return failure("error", f"{origin(fn)} returned a score of type {type(score).__name__}; a score is a "
-                                "finite float")
-    if not math.isfinite(score):
-        return failure("error", f"{origin(fn)} returned a non-finite score ({float(score)}); a score is a "
-                                "finite float")
-    return value if type(score) is float else replace(value, score=float(score))
+    if (rule := _broken_rule(value)) is not None:
+        return failure("error", f"{origin(fn)} returned {rule}")
+    detail = str.__str__(value.detail)
+    return RewardResult(score=float(value.score), correct=bool(_as_bool(value.correct)),
+                        format_ok=bool(_as_bool(value.format_ok)), status=value.status,
+                        detail=detail if len(detail) <= MAX_DETAIL_CHARS else detail[:MAX_DETAIL_CHARS - 1] + "…")

@@ -94,7 +94,15 @@ def _call(data_source: str, response: str, ground_truth: Any, extra_info: dict) 
         return failure("error", f"{origin(fn)} raised SystemExit({e.code!r}); a reward function must return a "
                                 "RewardResult, never exit")
     except Exception as e:
-        return failure("error", f"{type(e).__name__}: {e}"[:500])
+        return failure("error", f"{origin(fn)} raised {_described(e)}"[:500])
+
+
+def _described(e: Exception) -> str:
+    """`Type: message`; the message of the reward's own exception class may itself raise."""
+    try:
+        return f"{type(e).__name__}: {e}"
+    except Exception:
+        return f"{type(e).__name__} (whose message could not be read)"
 
 
 def serve(conn: Connection, memory_limit_mb: int) -> None:
@@ -107,7 +115,7 @@ def serve(conn: Connection, memory_limit_mb: int) -> None:
     context.configure(cfg)
     load_builtins()
     try:
-        load_plugins(cfg.plugins)
+        load_plugins(cfg.plugins, probe=False)  # the process that started this worker probed them
     except PluginError as e:
         conn.send_bytes(f"error: {e}".encode())  # the parent puts it in its RuntimeError
         return

@@ -8,6 +8,7 @@ from pathlib import Path
 from dph_async.app.commands.common import add_config_arguments, add_output_argument, fail
 from dph_async.app.progress import console
 from dph_async.app.rerun_report import verdict
+from dph_async.safe_files import UnsafeFile, output_dir
 from learner.recording import RUN_INFO, RecordingError
 
 DESCRIPTION = """\
@@ -26,6 +27,8 @@ run's. --diagnose STEP also writes, before that step trains, each group's contri
 the step's gradient and the tokens of largest importance weight (diagnose_vSTEP.json).
 
 Output in -o/--output (default RUN_DIR/rerun/<overrides or "same">): report.md, report.json, metrics.jsonl.
+A symbolic link on the way down from the run directory to it, or in place of a file it writes, is
+refused, never followed: a run directory may be a stranger's.
 
 examples:
   dph-async rerun runs/default/rl/js_low_var                       # is it bitwise the run?
@@ -76,6 +79,13 @@ def _label(overrides: list[str]) -> str:
     return "-".join(o.removeprefix("learner.").replace("=", "-").replace("/", "_") for o in overrides) or "same"
 
 
+def output_path(rl_dir: Path, output: Path | None, overrides: list[str]) -> Path:
+    """The output directory, made: -o/--output, or RUN_DIR/rerun/<label>. Below the run directory, which
+    may be a stranger's, no directory on the way may be a link (UnsafeFile): the output stays in the run."""
+    out = output or rl_dir / "rerun" / _label(overrides)
+    return output_dir(rl_dir if out.is_relative_to(rl_dir) else out.parent, out)
+
+
 def main(args: argparse.Namespace) -> int:
     # heavy (torch, transformers, DeepSpeed: about 4 s): on running, so that --help is quick
     from transformers.utils import logging as hf_logging
@@ -91,15 +101,15 @@ def main(args: argparse.Namespace) -> int:
         return fail(f"--diagnose {args.diagnose}: not a step between --from and --until")
     try:
         rl_dir = run_directory(args.run_dir)
-    except FileNotFoundError as e:
+        out = output_path(rl_dir, args.output, args.overrides)
+    except (FileNotFoundError, UnsafeFile) as e:
         return fail(str(e))
-    out = args.output or rl_dir / "rerun" / _label(args.overrides)
 
     hf_logging.disable_progress_bar()  # the command's output is its verdict
     try:
         report = rerun(rl_dir, out, args.overrides, start=args.start, until=args.until, diagnose=args.diagnose,
                        top_tokens=args.top_tokens)
-    except (RecordingError, FileNotFoundError) as e:
+    except (RecordingError, FileNotFoundError, UnsafeFile) as e:
         return fail(str(e))
     if not report.steps:
         return fail(f"no step re-executed from version {report.start}: {report.stopped}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from datetime import datetime
 from pathlib import Path
 
@@ -13,9 +14,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from dph_async.app.commands.common import fail
-from dph_async.app.endpoints import TIMEOUT_S, Reading, find_endpoints, scrape
+from dph_async.app.endpoints import TIMEOUT_S, Endpoint, Reading, find_endpoints, scrape_all
 from dph_async.app.progress import console as progress_console
-from dph_async.app.run_outcome import RLOutcome, RunOutcome, finished_rl, finished_run
+from dph_async.app.run_outcome import RLOutcome, RunFileError, RunOutcome, finished_rl, finished_run
 
 DESCRIPTION = """\
 Read GET /health and /metrics of every long-running process and print a table of those that answer:
@@ -32,13 +33,16 @@ Processes announce their endpoints in <run>/rl/<mode>/endpoints/*.json (serve re
     dph-async status http://127.0.0.1:40123 http://10.0.0.5:5001
     dph-async status runs/default --json              # the raw readings, for scripts
 
-A process that does not answer is shown as down, with the reason in a few words (--json has the
-whole error). The processes of an RL run that finished (rl/<mode>/result.json) are not asked: the
-run is one line. A run that finished (its summary.json written) with none of its processes
-answering is shown as finished, with its key figures: every RL run's steps and time, and each
-model's greedy accuracy and Pass@k on each test set (summary.md has the rest).
+A process that does not answer within 3 s (for /health and /metrics together), or answers what is
+not health JSON and Prometheus text within their sizes, is shown as down, with the reason in a few
+words (--json has the whole error); an announce file that cannot be read is shown as unreadable. The
+processes of an RL run that finished (rl/<mode>/result.json) are not asked: the run is one line. A run
+that finished (its summary.json written) with none of its processes answering is shown as finished,
+with its key figures: every RL run's steps and time, and each model's greedy accuracy and Pass@k on
+each test set (summary.md has the rest).
 
-Exit status: 0 when every process asked answers, or the run finished; 1 otherwise.
+Exit status: 0 when every process asked answers, or the run finished; 1 otherwise; 2 with one error
+line when the run's summary.json cannot be read.
 """
 
 
@@ -56,15 +60,20 @@ def _num(x: float | None, fmt: str = "{:.0f}") -> str:
     return "" if x is None else fmt.format(x)
 
 
+def _count(x: float) -> int | float:
+    """A counter as a whole number; a peer's NaN or infinity as it is."""
+    return int(x) if math.isfinite(x) else x
+
+
 def reason(r: Reading) -> str:
     """Why a process counts as down, in a few words."""
     if not r.error:
-        return f"health {r.health.get('status')!r}"
+        return f"health {r.health.get('status')!r}"[:60]
     if "Connection refused" in r.error:
         return "connection refused"
-    if "Timeout" in r.error.split(":")[0]:
-        return f"no answer in {TIMEOUT_S:.0f} s"
-    return " ".join(r.error.split())[:60]
+    if ": timeout:" in r.error:
+        return f"no complete answer in {TIMEOUT_S:.0f} s"
+    return " ".join(r.error.split())[:100]
 
 
 def down_line(r: Reading) -> str:
@@ -86,14 +95,14 @@ def row(r: Reading) -> list[str]:
     if (rate := r.value("dph_actor_tokens_per_second")) is not None:
         notes.append(f"{rate:.0f} tok/s, {r.value('dph_actor_groups_sent', 0):.0f} groups")
     if (ingest := r.value("dph_replay_ingest_groups_per_second")) is not None:
-        drops = {k: int(v) for k, v in r.by_label("dph_replay_drops_total", "reason").items() if v}
+        drops = {k: _count(v) for k, v in r.by_label("dph_replay_drops_total", "reason").items() if v}
         notes.append(f"ingest {ingest:.1f} groups/s, eta {r.value('dph_replay_max_staleness', 0):.0f}, "
                      f"holds {r.value('dph_replay_occupancy', 0, what='groups'):.0f}, "
                      f"tickets {r.value('dph_replay_tickets_granted_total', 0):.0f} granted "
-                     f"{r.value('dph_replay_tickets_parked', 0):.0f} parked, drops {drops or 0}")
-    refused = {k: int(v) for k, v in r.by_label("dph_replay_rejected_total", "reason").items() if v}
+                     f"{r.value('dph_replay_tickets_parked', 0):.0f} parked, drops {escape(str(drops or 0))}")
+    refused = {k: _count(v) for k, v in r.by_label("dph_replay_rejected_total", "reason").items() if v}
     if refused:  # records a peer sent that the learner must not see, by reason (docs/data_plane.md)
-        notes.append(f"[yellow]refused {refused}")
+        notes.append(f"[yellow]refused {escape(str(refused))}")
     # A gate started again means a peer flooded the port (docs/operating.md, "Gate processes").
     restarts = r.value("dph_replay_gate_restarts_total", 0) + r.value("dph_weights_gate_restarts_total", 0)
     if restarts:
@@ -106,9 +115,11 @@ def row(r: Reading) -> list[str]:
             notes.append(f"[red]{service} gate memory short: needs {needed:.0f} MB (net.gate_memory_mb)")
     if (items := r.value("dph_scorer_items_total")) is not None:
         notes.append(f"{items:.0f} scored, {r.value('dph_scorer_in_flight', 0):.0f} in flight")
-    return [r.endpoint.name, "[green]up", str(r.health.get("pid", r.endpoint.pid or "")),
+    # Names, labels and the pid come from the peer: escaped, so that "[/]" in them is text, not markup.
+    return [escape(r.endpoint.name), "[green]up", escape(str(r.health.get("pid", r.endpoint.pid or ""))[:20]),
             _mb(r.value("process_resident_memory_bytes")), _num(r.value("process_open_fds")),
-            _num(r.value("process_threads")), _num(version), r.endpoint.url.removeprefix("http://"), "; ".join(notes)]
+            _num(r.value("process_threads")), _num(version), escape(r.endpoint.url.removeprefix("http://")),
+            "; ".join(notes)]
 
 
 def show_finished(outcome: RunOutcome, console: Console) -> None:
@@ -162,32 +173,55 @@ def live_table(readings: list[Reading], done: dict[str, RLOutcome], console: Con
             console.print(down_line(r), overflow="ellipsis", no_wrap=True)
 
 
+def finished_modes(endpoints: list[Endpoint]) -> tuple[dict[str, RLOutcome], list[str]]:
+    """{announce file: its RL run} for the modes that finished (rl/<mode>/result.json), and a line per
+    result.json that cannot be read (its processes are asked as if it were not there)."""
+    outcomes: dict[Path, RLOutcome | None] = {}
+    problems: list[str] = []
+    for ep in endpoints:
+        rl_dir = Path(ep.source).parent.parent  # an announce file under rl/<mode>/endpoints
+        if ep.source and rl_dir not in outcomes:
+            try:
+                outcomes[rl_dir] = finished_rl(rl_dir)
+            except RunFileError as e:
+                outcomes[rl_dir] = None
+                problems.append(f"[yellow]unreadable[/] {escape(str(e))}")
+    done = {ep.source: run for ep in endpoints if ep.source and (run := outcomes[Path(ep.source).parent.parent])}
+    return done, problems
+
+
 def main(args: argparse.Namespace) -> int:
     try:
         endpoints = find_endpoints(args.targets)
     except FileNotFoundError as e:
         return fail(str(e))
     if args.json:
-        readings = [scrape(ep) for ep in endpoints]
+        readings = scrape_all(endpoints)
         print(json.dumps([{"name": r.endpoint.name, "url": r.endpoint.url, "up": r.up, "error": r.error,
                            "health": r.health,
                            "metrics": {f"{n}{dict(ls) or ''}": v for (n, ls), v in r.samples.items()}}
                           for r in readings], indent=1))
         return 0 if all(r.up for r in readings) else 1
     # An announce file under rl/<mode>/endpoints of a mode that finished is where a process was.
-    done = {ep.source: run for ep in endpoints
-            if ep.source and (run := finished_rl(Path(ep.source).parent.parent)) is not None}
-    readings = [scrape(ep) for ep in endpoints if ep.source not in done]
-    finished = [o for t in args.targets if not t.startswith(("http://", "https://")) and (o := finished_run(Path(t)))]
+    done, problems = finished_modes(endpoints)
+    readings = scrape_all([ep for ep in endpoints if ep.source not in done])
     console = Console()  # the report is the output: stdout
-    if finished and not any(r.up for r in readings):
-        for outcome in finished:
-            show_finished(outcome, console)
-        return 0
+    if not any(r.up for r in readings):  # summary.json matters only then: it may be an earlier invocation's
+        try:
+            finished = [o for t in args.targets
+                        if not t.startswith(("http://", "https://")) and (o := finished_run(Path(t)))]
+        except RunFileError as e:
+            return fail(str(e))
+        if finished:
+            for outcome in finished:
+                show_finished(outcome, console)
+            return 0
     if not endpoints:
         progress_console.print(f"no endpoints announced under {', '.join(args.targets)} "
                                "(is a run going, with net.metrics on?)")
         return 1
+    for line in problems:
+        console.print(line, overflow="ellipsis", no_wrap=True)
     live_table(readings, {run.name: run for run in done.values()}, console)
     if not readings:
         console.print(f"no process of {', '.join(args.targets)} is running, and it has not finished")
