@@ -151,9 +151,10 @@ def take_sample(t: float, rl_dir: Path, cfg: RunConfig) -> Sample:
     processes, pids = {}, set()
     learner_version = learner_tokens = actor_tokens = gate_restarts = 0.0
     for r in readings:
-        if not r.up:
+        pid = r.health.get("pid")
+        if not r.up or not isinstance(pid, int) or pid <= 0:  # a pid is read from /proc: a number only
             continue
-        pids.add(pid := int(r.health.get("pid", 0)))
+        pids.add(pid)
         if r.endpoint.name != "replay":  # the replay shares the learner's process
             processes[r.endpoint.name] = ProcessSample(
                 r.value("process_resident_memory_bytes", 0.0), r.value("process_open_fds", 0.0),
