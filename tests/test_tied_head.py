@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_learner import random_units
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from kernels import fused_logprobs
 from kernels.reference import reference_logprobs, rel_error
 from learner.batching import pack
 from learner.logprobs import response_logprobs
-from test_learner import random_units
 
 LOGP_ATOL = 5e-5
 GRAD_RTOL = 1e-4
