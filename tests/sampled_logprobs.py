@@ -36,15 +36,24 @@ def sampled_logprobs(models: Mapping[int, torch.nn.Module], prompt: Sequence[int
                      versions: Sequence[int], prompt_version: int, temperature: float) -> np.ndarray:
     """log p(tokens[t]) under the distribution the engine sampled it from: softmax(logits / temperature)
     of the weights `models[versions[t]]`, over the KV cache the earlier steps wrote (the prompt but its
-    last token at `prompt_version`)."""
+    last token at `prompt_version`). A run of tokens of one version is one forward pass: the steps
+    that sampled them took in their predecessors at that version, one at a time, which is what a
+    causal pass over the run computes."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
     if len(prompt) > 1:
         models[prompt_version](input_ids=torch.tensor([list(prompt[:-1])]), past_key_values=cache, use_cache=True)
+    inputs = [int(prompt[-1]), *map(int, tokens[:-1])]  # what the step sampling token t took in
     out = []
-    for t, (token, version) in enumerate(zip(tokens, versions, strict=True)):
-        last = prompt[-1] if t == 0 else tokens[t - 1]
-        logits = models[version](input_ids=torch.tensor([[int(last)]]), past_key_values=cache, use_cache=True).logits
-        out.append(float(torch.log_softmax(logits[0, -1].double() / temperature, -1)[int(token)]))
+    start = 0
+    while start < len(tokens):
+        end = start
+        while end < len(tokens) and versions[end] == versions[start]:
+            end += 1
+        logits = models[int(versions[start])](input_ids=torch.tensor([inputs[start:end]]), past_key_values=cache,
+                                              use_cache=True).logits[0]
+        logp = torch.log_softmax(logits.double() / temperature, -1)
+        out += logp[torch.arange(end - start), torch.tensor([int(t) for t in tokens[start:end]])].tolist()
+        start = end
     return np.asarray(out)

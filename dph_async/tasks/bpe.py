@@ -5,6 +5,7 @@ builds its models over it; the tests check a run on a user's model with it."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # importing transformers costs seconds; the command line reads VOCAB
@@ -29,9 +30,11 @@ def corpus(seed: int, words: int = 400_000) -> list[str]:
     return lines
 
 
-def build_bpe(seed: int, vocab: int = VOCAB) -> PreTrainedTokenizerFast:
-    """A byte-level BPE of `vocab` tokens (pad, BOS, EOS at ids 0, 1, 2) with CHAT_TEMPLATE; about
-    12 s of one core at 32k."""
+def build_bpe(seed: int, vocab: int = VOCAB, words: int = 400_000, texts: Sequence[str] = ()
+              ) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of `vocab` tokens (pad, BOS, EOS at ids 0, 1, 2) with CHAT_TEMPLATE, trained on
+    `words` random words and `texts` (a domain's own lines, whose frequent strings become tokens);
+    about 12 s of one core at 32k."""
     # heavy (transformers, seconds): the command line reads VOCAB from this module without them
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -41,7 +44,7 @@ def build_bpe(seed: int, vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(seed), trainer=trainer)
+    tok.train_from_iterator([*corpus(seed, words), *texts], trainer=trainer)
     out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                   additional_special_tokens=SPECIAL[3:])
     out.chat_template = CHAT_TEMPLATE
