@@ -130,6 +130,8 @@ class StateFile:
 
     def __init__(self, path: Path, codec: Codec = PLAIN) -> None:
         self.path, self.codec = Path(path), codec
+        if not self.path.is_file():
+            raise StateFileError(f"{self.path}: missing")
         try:
             self._file = safe_open(str(self.path), framework="pt")
         except (SafetensorError, OSError, ValueError) as e:
@@ -152,24 +154,15 @@ class StateFile:
             node = self._child(node, key, keys[:i + 1])
         return self._decode(node, 0)
 
-    def keys(self) -> list[str | int]:
-        """The top-level keys (the state is a dict)."""
-        return [k for k, _ in self._items(self.tree)]
-
-    def _items(self, node: Any) -> list:
-        if not (isinstance(node, list) and len(node) == 2 and node[0] in ("d", "o") and isinstance(node[1], list)):
-            raise StateFileError(f"{self.path}: expected a dict node, found {str(node)[:60]}")
-        return node[1]
-
     def _child(self, node: Any, key: str | int, where: tuple) -> Any:
-        if isinstance(node, list) and len(node) == 2 and node[0] in ("l", "u") and isinstance(key, int):
-            items = node[1]
-            if 0 <= key < len(items):
-                return items[key]
-        else:
-            for pair in self._items(node):
-                if isinstance(pair, list) and len(pair) == 2 and pair[0] == key:
-                    return pair[1]
+        """The node at `key` of a dict node (or at index `key` of a list node)."""
+        if isinstance(node, list) and len(node) == 2 and isinstance(node[1], list):
+            if node[0] in ("l", "u") and type(key) is int and 0 <= key < len(node[1]):
+                return node[1][key]
+            if node[0] in ("d", "o"):
+                for pair in node[1]:
+                    if isinstance(pair, list) and len(pair) == 2 and pair[0] == key:
+                        return pair[1]
         raise StateFileError(f"{self.path}: no {'/'.join(map(str, where))}")
 
     def _decode(self, node: Any, depth: int) -> Any:
