@@ -155,6 +155,7 @@ class VLLMEngine:
         blocks = {"block_size": 32} if current_platform.is_cpu() else {}
         self.llm = LLM(model=model_dir, dtype=dtype, enforce_eager=not compile_model, max_model_len=max_model_len,
                        seed=seed, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                       load_format="safetensors",  # a model directory's pickled weights are never loaded
                        kv_transfer_config=connector, disable_hybrid_kv_cache_manager=True, **blocks)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()

@@ -65,8 +65,9 @@ class MixtureEngine:
         torch.set_num_threads(threads)
         self.sampler = sampler_named(sampler)  # an unknown sampler fails here
         torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-        self.policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
-        self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval().requires_grad_(False)
+        self.policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, use_safetensors=True).eval()
+        self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, use_safetensors=True)
+        self.ref.eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.version = version
         self.eos_id = self.tokenizer.eos_token_id if eos_id is None else eos_id

@@ -69,16 +69,16 @@ def is_learner_checkpoint(directory: Path) -> bool:
 
 
 def checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """The model's whole weights (on the CPU) in the learner checkpoint `directory`."""
-    import torch  # heavy (about 1.5 s): every command imports this module; reading a checkpoint alone needs it
+    """The model's whole weights (on the CPU) in the learner checkpoint `directory`, read as state
+    files (`dph_async.state_file`): a file of another format, a pickle included, is refused by name."""
+    # heavy (torch, about 1.5 s): every command imports this module; reading a checkpoint alone needs it
+    from dph_async.state_file import StateFile
+    from dph_async.zero3_checkpoint import zero3_weights
 
     if (directory / MODEL_STATES).is_file():
-        return torch.load(directory / MODEL_STATES, map_location="cpu", weights_only=True, mmap=True)["module"]
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # heavy: ZeRO-3's only
-
-    # Detached: DeepSpeed hands back tensors that require grad, which numpy() and analysis refuse.
-    weights = get_fp32_state_dict_from_zero_checkpoint(str(directory.parent), tag=directory.name)
-    return {name: t.detach() for name, t in weights.items()}
+        with StateFile(directory / MODEL_STATES) as f:
+            return f.get("module")
+    return zero3_weights(directory)
 
 
 def checkpoint_dir(rl_dir: Path) -> Path:

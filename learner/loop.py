@@ -108,18 +108,22 @@ class LearnerLoop:
         """Write model + optimizer + version, and the replay's snapshot, under checkpoint_dir/v{version}."""
         start = time.time()
         tag = f"v{self.trainer.version}"
-        replay_dir = self.checkpoint_dir / tag / "replay"
-        self.replay.snapshot(str(replay_dir.resolve()), self.trainer.version)
+        self.replay.snapshot(str(self._replay_snapshot(tag)), self.trainer.version)
         extra = {} if self.staleness is None else {"staleness": self.staleness.state()}
-        self.trainer.save(self.checkpoint_dir, {"replay": str(replay_dir), "metrics": self.logged, **extra})
+        self.trainer.save(self.checkpoint_dir, {"metrics": self.logged, **extra})
         retention.prune(self.checkpoint_dir, self.cfg.learner.keep_checkpoints, self.cfg.learner.keep_versions)
         self.stats.checkpoint_seconds += self._span(start, "checkpoint")
         return self.checkpoint_dir / tag
 
+    def _replay_snapshot(self, tag: str) -> Path:
+        """Where checkpoint `tag` keeps the replay's state: found from the tag, never from a path stored
+        in a file (a copied run directory would point elsewhere, a planted one anywhere)."""
+        return (self.checkpoint_dir / tag / "replay").resolve()
+
     def resume(self, tag: str) -> None:
         """Return to checkpoint `tag`: learner state, then the replay's state at that moment."""
         state = self.trainer.load(self.checkpoint_dir, tag)
-        self.replay.restore(str(Path(state["replay"]).resolve()))
+        self.replay.restore(str(self._replay_snapshot(tag)))
         if self.staleness is not None and "staleness" in state:
             self.staleness = StalenessController.from_state(self.staleness.rule, state["staleness"])
         if self.staleness is not None:

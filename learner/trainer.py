@@ -29,7 +29,8 @@ from transformers import AutoModelForCausalLM
 
 from dph_async.config import LearnerConfig
 from dph_async.protocol import Batch
-from learner import cpu_gemm, zero3
+from dph_async.state_file import StateFileError
+from learner import checkpoint_engine, cpu_gemm, zero3
 from learner.batching import MicroBatch, MiniBatch, PreparedBatch, Unit, pack, prepare
 from learner.critic import Critic
 from learner.data_parallel import Ranks, Rendezvous, init_distributed
@@ -96,7 +97,7 @@ class Trainer:
         self.temperature, self.pad_id = temperature, pad_id
         self.norm = cfg.loss.aggregation_norm or max_response_tokens
         torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, use_safetensors=True)
         self.vocab = model.get_input_embeddings().num_embeddings  # ids at or past it cannot be trained on
         self.guard = StepGuard(cfg.max_skipped_steps)
         self.cpu_gemm = cpu_gemm.resolve(cfg.cpu_gemm, device=deepspeed.accelerator.get_accelerator().device_name(),
@@ -125,6 +126,7 @@ class Trainer:
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=deepspeed_config(cfg, dtype,
                                                                                deepspeed.accelerator.get_accelerator().device_name()))
+        checkpoint_engine.install(self.engine)  # checkpoints as state files: nothing read back is unpickled
         if cfg.zero_stage == 3:
             zero3.prepare_engine(self.engine)
         # Under ZeRO-3 with several ranks every forward of the model is a collective (its weights are
@@ -439,12 +441,17 @@ class Trainer:
                                     client_state={**client_state, **critic, "version": self.version})
 
     def load(self, directory: Path, tag: str) -> dict:
+        """Model, optimizer, version and client state from checkpoint `tag` (`save`'s v<version>), read
+        as state files (`learner.checkpoint_engine`): a file of another format is refused by name."""
         if self.ranks.main:
             self.ranks.send("load", tag=tag)
         _, client_state = self.engine.load_checkpoint(str(directory), tag=tag)
         if client_state is None:
             raise FileNotFoundError(f"no learner checkpoint {tag!r} in {directory}")
-        self.version = int(client_state["version"])
+        version = client_state.get("version")
+        if type(version) is not int or f"v{version}" != tag:  # the tag bounds it: what save wrote
+            raise StateFileError(f"{directory / tag}: the checkpoint holds version {version!r}, its name says {tag}")
+        self.version = version
         if self.critic is not None:
             self.critic.load_state_dict(client_state["critic"])
         return client_state

@@ -21,6 +21,7 @@ from dph_async.app.cli import main as cli
 from dph_async.app.evaluate import load_results
 from dph_async.config import ModelConfig
 from dph_async.paths import MODEL_STATES
+from dph_async.state_file import save_state
 from dph_async.tasks.embedded import ALPHABET
 from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer, save_model
 
@@ -178,7 +179,7 @@ def models(tmp_path):
     rotate_matrix(model, ROTATED, math.radians(10))
     v20 = rl / "checkpoints" / "v20"
     v20.mkdir(parents=True)
-    torch.save({"module": model.state_dict(), "client_state": {"version": 20}}, v20 / MODEL_STATES)
+    save_state({"module": model.state_dict(), "version": 20}, v20 / MODEL_STATES)
     rotate_matrix(model, ROTATED, math.radians(10))
     save_model(model, tok, rl / "final_model")
     return base, t1, rl
@@ -187,7 +188,7 @@ def models(tmp_path):
 def test_readers_expand_run_directories_and_agree(models):
     base, t1, rl = models
     (rl / "checkpoints" / "v3").mkdir()  # numeric order, not lexical: v3 < v20
-    torch.save({"module": {}}, rl / "checkpoints" / "v3" / MODEL_STATES)
+    save_state({"module": {}}, rl / "checkpoints" / "v3" / MODEL_STATES)
     assert [c.label for c in expand(rl)] == ["grpo/v3", "grpo/v20", "grpo/final"]
     assert [c.label for c in expand(rl / "checkpoints" / "v20")] == ["grpo/v20"]
     assert [c.label for c in expand(rl / "final_model")] == ["grpo"]

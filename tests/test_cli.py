@@ -98,6 +98,7 @@ def _one_error_line(argv: list[str], capsys) -> str:
 def files(tmp_path: Path) -> dict[str, Path]:
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_LLAMA_JSON))  # passes the preflight
+    (tmp_path / "model" / "model.safetensors").touch()  # the driver checks that weights are there
     (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 this is no parquet file")
     write_rows([verl_row("q", "no_such_reward_xyz", "a", 0, "train")], tmp_path / "unscored.parquet")
     write_rows([verl_row("q", "countdown", {"target": 3, "numbers": [1, 2]}, 0, "train")], tmp_path / "ok.parquet")

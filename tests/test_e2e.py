@@ -531,7 +531,7 @@ def test_under_f_linear_the_actor_runs_on_the_learners_shared_weights(prepared):
     from test_run_command import LOGPROB_TOL, worst_gap
     from transformers import AutoModelForCausalLM
 
-    from dph_async.paths import MODEL_STATES
+    from dph_async.paths import checkpoint_weights
     from learner.batching import Sequence
     from replay.wal import IngestRecord, WriteAheadLog
 
@@ -546,6 +546,5 @@ def test_under_f_linear_the_actor_runs_on_the_learners_shared_weights(prepared):
                  for g in r.groups if {v for c in g.completions for v in c.versions} == {2}]
     assert made_at_2
     model = AutoModelForCausalLM.from_pretrained(prepared[0] / "base_model", dtype=torch.float32).eval()
-    states = torch.load(rl_dir / "checkpoints" / "v2" / MODEL_STATES, map_location="cpu", weights_only=False)
-    model.load_state_dict(states["module"])
+    model.load_state_dict(checkpoint_weights(rl_dir / "checkpoints" / "v2"))
     assert worst_gap(model, made_at_2, "fresh", TEMPERATURE) < LOGPROB_TOL

@@ -79,6 +79,7 @@ def test_a_plugin_module_named_in_a_run_config_file(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_LLAMA_JSON))
+    (tmp_path / "model" / "model.safetensors").touch()  # the driver checks that weights are there
     data = write_rows([verl_row("say banana", source, 3, 0, "train")], tmp_path / "train.parquet")
     run_config = tmp_path / "run.yaml"
     run_config.write_text(f"model: {{path: {tmp_path / 'model'}}}\ntask: {{data: {data}}}\n"

@@ -36,9 +36,10 @@ from safetensors.torch import load_file
 
 from dph_async.app.evaluate import load_results
 from dph_async.app.report import TABLE_K, write_report
-from dph_async.paths import MODEL_STATES, RunPaths
+from dph_async.paths import MODEL_STATES, RunPaths, checkpoint_weights
 from dph_async.protocol import SHM_PREFIX
 from dph_async.run_stats import result_from
+from dph_async.state_file import load_state
 
 pytestmark = pytest.mark.slow
 
@@ -137,14 +138,15 @@ def tensors(obj, prefix: str = "") -> dict[str, object]:
 
 
 def assert_same_checkpoint(a: Path, b: Path, roots: tuple[Path, Path]) -> None:
-    """All files of two DeepSpeed checkpoint tags: every tensor bitwise, every other value equal
+    """All files (state files) of two DeepSpeed checkpoint tags: every tensor bitwise, every other value equal
     (paths compared relative to their run directory)."""
+    from learner.checkpoint_engine import CODEC  # heavy (DeepSpeed): the loss scaler's class
+
     names = sorted(p.name for p in a.glob("*.pt"))
     assert names and names == sorted(p.name for p in b.glob("*.pt"))
     assert any("optim_states" in n for n in names), names
     for name in names:
-        left = tensors(torch.load(a / name, map_location="cpu", weights_only=False))
-        right = tensors(torch.load(b / name, map_location="cpu", weights_only=False))
+        left, right = (tensors(load_state(d / name, CODEC)) for d in (a, b))
         assert left.keys() == right.keys(), name
         for key, x in left.items():
             y = right[key]
@@ -288,8 +290,7 @@ def learner_model(run: Path, mode: str, version: int) -> torch.nn.Module:
 
     model = AutoModelForCausalLM.from_pretrained(run / "base_model", dtype=torch.float32).eval()
     if version:
-        states = run / "rl" / mode / "checkpoints" / f"v{version}" / MODEL_STATES
-        model.load_state_dict(torch.load(states, map_location="cpu", weights_only=False)["module"])
+        model.load_state_dict(checkpoint_weights(run / "rl" / mode / "checkpoints" / f"v{version}"))
     return model
 
 

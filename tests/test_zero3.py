@@ -29,6 +29,7 @@ from dph_async.config import LearnerConfig, LossConfig
 from dph_async.net import NetSecurity
 from dph_async.paths import checkpoint_weights, is_learner_checkpoint
 from dph_async.protocol import Batch, ReferenceSample
+from dph_async.state_file import load_state, save_state
 from dph_async.tasks.tiny_model import build_tokenizer
 from learner.zero3 import full_state_dict
 
@@ -225,8 +226,8 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
     resumed = trainer(model_dir, 3)
     resumed.load(ckpt, f"v{three.version}")
     if rank == 0:
-        torch.save({"runs": (ref, got), "zero1": one.module.state_dict(), "whole": whole,
-                    "resumed": full_state_dict(resumed.module), "tag": f"v{three.version}"}, out)
+        save_state({"runs": (ref, got), "zero1": one.module.state_dict(), "whole": whole,
+                    "resumed": full_state_dict(resumed.module), "tag": f"v{three.version}"}, Path(out))
     else:
         full_state_dict(resumed.module)
     end_rank()
@@ -243,7 +244,7 @@ def test_zero3_on_two_ranks_trains_as_zero1(model_dirs, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tmp_path / "runs.pt"
+    out = tmp_path / "runs.safetensors"
     ctx = mp.start_processes(_rank, args=(port, model_dirs[False], str(out)), nprocs=2, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + 240
@@ -254,7 +255,7 @@ def test_zero3_on_two_ranks_trains_as_zero1(model_dirs, tmp_path):
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-    seen = torch.load(out, weights_only=False)
+    seen = load_state(out)
     assert_same_training(*seen["runs"])
     whole = seen["whole"]
     assert list(whole) == list(seen["zero1"])

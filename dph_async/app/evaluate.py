@@ -20,6 +20,7 @@ import numpy as np
 from actors.sampling import SamplingSpec
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
+from dph_async.model_files import weight_files
 from dph_async.paths import checkpoint_weights, is_learner_checkpoint
 from dph_async.rewards.scorer import make_scorer
 from dph_async.tasks.dataset import PromptRecord, load_prompts
@@ -114,10 +115,7 @@ def read_weights(source: Path) -> list[tuple[str, torch.Tensor]]:
 
     if is_learner_checkpoint(source):
         return list(checkpoint_weights(source).items())
-    files = sorted(source.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{source}: no *.safetensors weights and no learner checkpoint")
-    return [item for f in files for item in load_file(f).items()]
+    return [item for f in weight_files(source) for item in load_file(f).items()]
 
 
 def build_engine(cfg: RunConfig, model_dir: Path) -> VLLMEngine:

@@ -1,22 +1,29 @@
-"""Checks of a run's input files, made in the driver before any process starts: the model directory,
-and the prompt datasets (readable, in the verl row format, a reward for every data_source, the reward
-plugins loaded first). A mistake is then one error naming the setting and the file, not a failure
-inside a Ray worker. Import-light (no torch, no Ray): commands check before they load either."""
+"""Checks of a run's input files, made in the driver before any process starts: the model directory
+(with safetensors weights), and the prompt datasets (readable, in the verl row format, a reward for
+every data_source, the reward plugins loaded first). A mistake is then one error naming the setting
+and the file, not a failure inside a Ray worker. Import-light (no torch, no Ray): commands check
+before they load either."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from dph_async.config import ConfigError, RewardConfig
+from dph_async.model_files import ModelFileError, weight_files
 from dph_async.rewards.plugins import load_plugins
 from dph_async.rewards.registry import UnknownDataSource, get_reward_fn
 from dph_async.tasks.dataset import DatasetError, read_rows
 
 
 def check_model_dir(path: str | Path, key: str) -> Path:
-    """`path` as a Path if it is a Hugging Face model directory; `key` names the setting or flag."""
+    """`path` as a Path if it is a Hugging Face model directory with safetensors weights; `key` names
+    the setting or flag."""
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"{key}: {path} is not a Hugging Face model directory (no config.json)")
+    try:
+        weight_files(Path(path))
+    except ModelFileError as e:
+        raise ConfigError(f"{key}: {e}") from None
     return Path(path)
 
 

@@ -50,7 +50,7 @@ def pi0_logprobs(model_dir: Path, prompts: list[np.ndarray], responses: list[np.
                  dtype: str, token_budget: int = 8192) -> list[np.ndarray]:
     """Per-token log pi_0 of each response, in the order given."""
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32).eval()
+        model_dir, dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32, use_safetensors=True).eval()
     seqs = [Sequence(p, r, np.zeros(len(r), np.float32)) for p, r in zip(prompts, responses, strict=True)]
     index = {id(s): i for i, s in enumerate(seqs)}
     out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(seqs)

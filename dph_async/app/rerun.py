@@ -35,6 +35,7 @@ from dph_async.app.learner_trainer import build_trainer
 from dph_async.app.rerun_report import HEADLINE, RerunReport, StepComparison, WeightCheck, write_report
 from dph_async.config import RunConfig, dump_config, load_config
 from dph_async.errors import UserError
+from dph_async.model_files import weight_files
 from dph_async.paths import checkpoint_dir, checkpoint_weights, final_model, is_learner_checkpoint
 from dph_async.safe_files import UnsafeFile, open_output, output_dir, write_output
 from learner.loop import finish_metrics
@@ -94,10 +95,7 @@ def compare_weights(what: str, version: int, ours: dict[str, torch.Tensor], thei
 
 def saved_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     """The tensors of a Hugging Face directory's safetensors files."""
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise RerunError(f"{model_dir}: no safetensors files")
-    return {k: v for f in files for k, v in load_file(f).items()}
+    return {k: v for f in weight_files(model_dir) for k, v in load_file(f).items()}
 
 
 def _run_metrics(rl_dir: Path) -> list[dict[str, float]]:

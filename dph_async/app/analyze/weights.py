@@ -1,8 +1,9 @@
 """Where the analysed weights come from, and what each matrix is.
 
 A checkpoint is read without building the model: a Hugging Face directory (safetensors, sharded or
-not, or pytorch_model.bin), a learner checkpoint `rl/<run>/checkpoints/v<N>` (DeepSpeed's model
-states, or under ZeRO-3 the ranks' optimizer partitions put together), or a whole RL run directory
+not; weights in a pickle, such as pytorch_model.bin, are refused), a learner checkpoint
+`rl/<run>/checkpoints/v<N>` (its model states, or under ZeRO-3 the ranks' optimizer partitions put
+together; state files, never unpickled), or a whole RL run directory
 `rl/<run>`, which stands for its checkpoints in version order followed by its final model: one run
 as a trajectory.
 
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from dph_async.model_files import ModelFileError, weight_files
 from dph_async.paths import (
     MODEL_STATES,
     ZERO3_MODEL_STATES,
@@ -130,6 +132,22 @@ def default_out(paths: list[Path], kind: str) -> Path:
     return (run if run is not None else Path("runs")) / kind / name
 
 
+def _shards(model_dir: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face directory: those its index names (each a file of the
+    directory itself), else every one there (`dph_async.model_files`: a pickle is refused)."""
+    index = model_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return weight_files(model_dir)
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ModelFileError(f"{index}: no weight_map of tensor names to file names") from None
+    for name in names:
+        if not (isinstance(name, str) and name.endswith(".safetensors") and Path(name).name == name):
+            raise ModelFileError(f"{index}: {name!r} is not a safetensors file of the directory")
+    return [model_dir / name for name in names]
+
+
 class WeightReader:
     """The 2-D floating-point tensors of one checkpoint, read one at a time (safetensors lazily)."""
     def __init__(self, ckpt: Checkpoint) -> None:
@@ -139,16 +157,9 @@ class WeightReader:
         path = ckpt.path
         if ckpt.deepspeed:
             self._add(checkpoint_weights(path))
-        elif (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
-            index = path / "model.safetensors.index.json"
-            files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-                     else ["model.safetensors"])
-            for f in files:
-                self._add(self._stack.enter_context(safe_open(str(path / f), framework="pt")))
-        elif (path / "pytorch_model.bin").is_file():
-            self._add(torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True, mmap=True))
-        else:
-            raise FileNotFoundError(f"{path}: no model.safetensors or pytorch_model.bin")
+            return
+        for f in _shards(path):
+            self._add(self._stack.enter_context(safe_open(str(f), framework="pt")))
 
     def _add(self, source) -> None:
         self._where.update(dict.fromkeys(source.keys(), source))  # a state dict, or an open safetensors file

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from kernels import fused_logprobs
 from kernels.reference import naive_logprobs
@@ -100,7 +101,7 @@ def worker(path: str, n: int, h: int, v: int, dtype: str, iters: int, block_v: i
     hwm_reset = _reset_peak()
     logp, d_hidden = timed()
     peak = _peak_rss() - base
-    torch.save({"logp": logp, "d_hidden": d_hidden}, save)
+    save_file({"logp": logp.detach().contiguous(), "d_hidden": d_hidden.detach().contiguous()}, str(save))
     del logp, d_hidden
     for _ in range(iters - 1):
         timed()
@@ -154,11 +155,11 @@ def bench_cpu(args: argparse.Namespace, on_run=None) -> dict:
         saved = {}
         for r in range(args.rounds):
             for path in ("naive", "torch") if r % 2 == 0 else ("torch", "naive"):
-                saved[path] = Path(tmp) / f"{path}.pt"
+                saved[path] = Path(tmp) / f"{path}.safetensors"
                 runs[path].append(_spawn(path, args, saved[path]))
                 if on_run:
                     on_run(path, runs[path][-1])
-        ref, fused = torch.load(saved["naive"]), torch.load(saved["torch"])
+        ref, fused = load_file(saved["naive"]), load_file(saved["torch"])
     logp_diff = (ref["logp"] - fused["logp"]).abs().max().item()
     dh_diff = (
         (ref["d_hidden"].float() - fused["d_hidden"].float()).abs().max() / ref["d_hidden"].float().abs().max()

@@ -73,7 +73,7 @@ def response_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
 def train(spec: PeerSpec, out: Path) -> None:
     torch.manual_seed(spec.seed)
     tok = AutoTokenizer.from_pretrained(spec.model)
-    model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(spec.model, dtype=torch.float32, use_safetensors=True)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
     loss_cfg = LossConfig(objective="grpo", clip_high=0.2)  # the grpo preset's loss

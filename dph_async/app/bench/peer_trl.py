@@ -134,7 +134,7 @@ def main() -> None:
         max_steps=spec["steps"], seed=spec["seed"], logging_steps=10**9, save_strategy="no", report_to="none",
         disable_tqdm=True, gradient_checkpointing=False,
     )
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, use_safetensors=True)
     timer = StepTimer()
     trainer = TimedGRPO(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
                         callbacks=[timer])

@@ -189,7 +189,7 @@ def run(shape: ModelShape, model_root: Path, rounds: int, bucket_mb: float, mach
     """Publish `rounds` versions (after WARMUP warm-ups per variant, left out), split between the
     variants; return every round's stage times and the medians."""
     model_dir = make_model(shape, model_root / shape.name)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True)
     params = sum(p.numel() for p in model.parameters())
     # As in RL runs: tcp on loopback, the shared-memory slots under /dev/shm.
     servers = {t: WeightServer("tcp://127.0.0.1:0", NetSecurity(), int(bucket_mb * 2**20), transport=t)
