@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from hypothesis import settings
 
@@ -71,6 +72,17 @@ TINY_VLLM_CONFIG = dict(vocab_size=16, hidden_size=128, intermediate_size=96, nu
                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 # Its config.json: a model directory the checks before start accept (dph_async/app/preflight.py), no weights.
 TINY_LLAMA_JSON = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **TINY_VLLM_CONFIG}
+
+
+def stub_model_dir(out: Path) -> Path:
+    """A model directory the driver's checks accept (TINY_LLAMA_JSON, and a safetensors file naming its
+    untied head), for tests of what happens after them; nothing can be trained from it."""
+    from safetensors.numpy import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(TINY_LLAMA_JSON))
+    save_file({"lm_head.weight": np.zeros((1, 1), np.float32)}, str(out / "model.safetensors"))
+    return out
 
 
 def save_tiny_model(model, out: Path) -> Path:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_LLAMA_JSON
+from conftest import stub_model_dir
 
 from dph_async.app import commands
 from dph_async.app.cli import build_parser, main
@@ -96,9 +96,7 @@ def _one_error_line(argv: list[str], capsys) -> str:
 
 @pytest.fixture
 def files(tmp_path: Path) -> dict[str, Path]:
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_LLAMA_JSON))  # passes the preflight
-    (tmp_path / "model" / "model.safetensors").touch()  # the driver checks that weights are there
+    stub_model_dir(tmp_path / "model")  # passes the checks before start
     (tmp_path / "corrupt.parquet").write_bytes(b"PAR1 this is no parquet file")
     write_rows([verl_row("q", "no_such_reward_xyz", "a", 0, "train")], tmp_path / "unscored.parquet")
     write_rows([verl_row("q", "countdown", {"target": 3, "numbers": [1, 2]}, 0, "train")], tmp_path / "ok.parquet")

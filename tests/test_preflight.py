@@ -117,6 +117,7 @@ def test_dph_async_run_refuses_before_any_process_starts(tmp_path, capsys):
     data = write_rows([verl_row("q", "countdown", {"target": 3, "numbers": [1, 2]}, 0, "train")],
                       tmp_path / "train.parquet")
     directory = model_dir(tmp_path / "m", hidden_size=64, num_attention_heads=4, sliding_window=16)
+    write_safetensors_header(directory / "model.safetensors", ["lm_head.weight"])  # weights are there
     assert main(["run", "--model", str(directory), "--data", str(data), "-o", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: model.path: ") for line in err)

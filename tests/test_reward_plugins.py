@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import ROOT, SMALL, TINY_LLAMA_JSON
+from conftest import ROOT, SMALL, stub_model_dir
 from fastapi.testclient import TestClient
 
 from dph_async.app.cli import main
@@ -77,9 +77,7 @@ def test_a_plugin_file_in_the_config_scores_where_the_config_says(tmp_path, monk
 def test_a_plugin_module_named_in_a_run_config_file(tmp_path, monkeypatch):
     source = write_plugin(tmp_path / "site", "team_rewards")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_LLAMA_JSON))
-    (tmp_path / "model" / "model.safetensors").touch()  # the driver checks that weights are there
+    stub_model_dir(tmp_path / "model")  # passes the checks before start
     data = write_rows([verl_row("say banana", source, 3, 0, "train")], tmp_path / "train.parquet")
     run_config = tmp_path / "run.yaml"
     run_config.write_text(f"model: {{path: {tmp_path / 'model'}}}\ntask: {{data: {data}}}\n"
