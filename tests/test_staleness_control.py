@@ -149,3 +149,12 @@ def test_any_sequence_keeps_eta_in_its_limits_decides_once_per_window_and_resume
         assert d.signal is not None or (d.change == 0 and d.eta == again.eta)
         assert not held or c.window == []
     assert c.state() == restored.state()
+
+
+def test_each_window_judges_its_own_data_the_last_windows_staleness_forgotten():
+    c = StalenessController(rule(), eta=2, slow_start=False)
+    window(c, step(0.5, 2), step(0.5, 2))  # halved to 1, held for 2 steps
+    for _ in range(2):
+        c.observe(step(0.5, 2))
+    # Data fresher than the bound of 1: the earlier windows' staleness of 2 does not count.
+    assert window(c, step(1.0, 0), step(1.0, 0)).change == 0 and c.eta == 1
