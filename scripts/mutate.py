@@ -65,8 +65,39 @@ MODULES: dict[str, list[str]] = {
     "dph_async/protocol.py": ["tests/test_protocol.py", "tests/test_protocol_fuzz.py"],
 }
 
-# Survivors no test can kill, by module and the mutated line (stripped), with the reason.
-EQUIVALENT: dict[tuple[str, str], str] = {}
+# Survivors no test can kill, by module and the mutated line (stripped), with the reason. A key no
+# longer matches once its line changes: the survivor is then shown unexplained until looked at again.
+_NO_EXPLICIT_ETA = ("differs only for an explicit eta of 0 under a minimum above 0, which no caller makes: "
+                    "the loop and rerun start at -1, a checkpoint's eta is clamped into the limits")
+_LISTED_UNDER_THE_LOCK = ("the file was listed under the lock a moment before: only a process ignoring the "
+                          "lock could remove it in between")
+_WIRE_DEFAULTS = ("a recorded batch came to the learner through the wire decoder's default limits "
+                  "(learner/data_parallel.py), so this record is within them: the default cannot bind either")
+_RECORD_LIMITS = "msg = decode(frames, Limits(max_bytes=len(payload), max_header_bytes=len(payload), max_frames=n,"
+EQUIVALENT: dict[tuple[str, str], str] = {
+    **{("learner/recording.py", f'(rl_dir / RUN_INFO).write_text(json.dumps(info, {indent}) + "\\n")'):
+       "the description's indentation: it reads back the same" for indent in ("indent=None", "", "indent=2")},
+    ("learner/recording.py", "(n,) = _COUNT.unpack_from(payload, )"): "the offset's default is 0",
+    ("learner/recording.py", _RECORD_LIMITS.replace("max_bytes=len(payload), ", "")): _WIRE_DEFAULTS,
+    ("learner/recording.py", _RECORD_LIMITS.replace("max_header_bytes=len(payload), ", "")): _WIRE_DEFAULTS,
+    ("learner/recording.py", _RECORD_LIMITS.replace(" max_frames=n,", "") + " accept=frozenset({Batch})))"):
+        _WIRE_DEFAULTS,
+    ("learner/recording.py", "log.warning(e)"): "logging formats a message only when given arguments: the same text",
+    **{("learner/recording.py", f'self._file = path.open("ab", {b})'):
+       "every write is an os.writev on the descriptor, never through the file object's buffer"
+       for b in ("", "buffering=1")},
+    ("learner/staleness_control.py", "if self.eta <= 0:"): _NO_EXPLICIT_ETA,
+    ("learner/staleness_control.py", "if self.eta < 1:"): _NO_EXPLICIT_ETA,
+    ("learner/staleness_control.py", 'bool(state.get("slow_start", None)), int(state.get("hold", 0)))'):
+        "bool(None) is bool(False)",
+    ("learner/staleness_control.py", 'bool(state.get("slow_start", )), int(state.get("hold", 0)))'):
+        "get without a default gives None, and bool(None) is bool(False)",
+    ("dph_async/app/core_claims.py", "path.unlink(missing_ok=None)"): _LISTED_UNDER_THE_LOCK,
+    ("dph_async/app/core_claims.py", "path.unlink(missing_ok=False)"): _LISTED_UNDER_THE_LOCK,
+    ("dph_async/app/core_claims.py",
+     "claim = Claim(uuid.uuid4().hex, me, start_time(me) or 1, sorted(used(plan)), _command(me))"):
+        "the running process's own start time is never None: its /proc entry exists while it runs",
+}
 
 DETECTED = {"killed", "timeout", "segfault", "caught by type check"}
 PENDING = {"not checked", "check was interrupted by user"}

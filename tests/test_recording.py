@@ -115,11 +115,13 @@ def test_only_the_magic_at_byte_zero_opens_a_recording(tmp_path):
     (struct.pack("<IQ", 2, 1) + b"x", "2 frames announced in a payload of 13 bytes"),
     (struct.pack("<IQ", 1, 4) + b"abc", "frames of 4 bytes in a payload holding 3"),
     (struct.pack("<IQ", 1, 2) + b"abc", "frames of 2 bytes in a payload holding 3"),
+    # The table exactly filling the payload: one empty frame, no header in it, refused by the decoder.
+    (struct.pack("<IQ", 1, 0), "not a batch (header is not a valid message envelope"),
 ])
 def test_a_checksummed_payload_whose_frames_do_not_add_up_is_refused(tmp_path, payload, why):
     path = tmp_path / RECORDING
     path.write_bytes(MAGIC + record(payload))
-    assert refusal(path) == f"{path}: record at byte 8: {why}"
+    assert refusal(path).startswith(f"{path}: record at byte 8: {why}")
 
 
 def test_a_checksummed_message_of_another_type_is_refused_as_no_batch(tmp_path):
@@ -209,5 +211,7 @@ def test_a_damaged_run_description_is_refused_naming_it(tmp_path, text):
     (tmp_path / RUN_INFO).write_text(text)
     with pytest.raises(RecordingError, match=rf"^{tmp_path / RUN_INFO}: not a recording description \("):
         read_run_info(tmp_path)
-    with pytest.raises(FileNotFoundError, match=rf"^{tmp_path / 'none' / RUN_INFO} not found: "):
+    with pytest.raises(FileNotFoundError) as e:
         read_run_info(tmp_path / "none")
+    assert str(e.value) == (f"{tmp_path / 'none' / RUN_INFO} not found: {tmp_path / 'none'} is not the directory of "
+                            "a recorded RL run (rl/<mode> of a run directory, written with learner.record_batches on)")
