@@ -71,8 +71,8 @@ _NO_EXPLICIT_ETA = ("differs only for an explicit eta of 0 under a minimum above
                     "the loop and rerun start at -1, a checkpoint's eta is clamped into the limits")
 _LISTED_UNDER_THE_LOCK = ("the file was listed under the lock a moment before: only a process ignoring the "
                           "lock could remove it in between")
-_WIRE_DEFAULTS = ("a recorded batch came to the learner through the wire decoder's default limits "
-                  "(learner/data_parallel.py), so this record is within them: the default cannot bind either")
+_WIRE_DEFAULTS = ("a recorded batch reached the learner through the replay client's decoder, under the "
+                  "default limits (dph_async/replay_client.py): its record is within them, so they cannot bind")
 _RECORD_LIMITS = "msg = decode(frames, Limits(max_bytes=len(payload), max_header_bytes=len(payload), max_frames=n,"
 EQUIVALENT: dict[tuple[str, str], str] = {
     **{("learner/recording.py", f'(rl_dir / RUN_INFO).write_text(json.dumps(info, {indent}) + "\\n")'):
@@ -162,8 +162,8 @@ def mutmut(work: Path, args: list[str], deadline: float) -> bool:
     far are kept)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the mutants, not the checkout
     cmd = ["nice", "-n", "10", str(Path(sys.executable).parent / "mutmut"), *args]
-    proc = subprocess.Popen(cmd, cwd=work, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT)
+    with open(work / "mutmut.log", "ab") as out:  # its progress and any failure, for a look afterwards
+        proc = subprocess.Popen(cmd, cwd=work, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
     try:
         proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         return True
@@ -249,10 +249,10 @@ def summary(module: str, found: dict[str, str], left: list[Survivor], seconds: f
     killed = sum(s in DETECTED for s in found.values())
     equivalent = sum(s.why is not None for s in left)
     pending = len(found) - tried
-    score = 100 * killed / max(1, tried - equivalent)
+    score = (f"score {100 * killed / max(1, tried - equivalent):.1f}% without the equivalent "
+             f"({100 * killed / tried:.1f}% with)") if tried else "no score yet"
     rows = [f"{module}: {len(found)} mutants, {killed} killed, {len(left)} survived ({equivalent} equivalent), "
-            f"score {score:.1f}% without the equivalent ({100 * killed / max(1, tried):.1f}% with), "
-            f"{pending} pending{' (run again to go on)' if pending else ''}; {seconds:.0f} s"]
+            f"{score}, {pending} pending{' (run again to go on)' if pending else ''}; {seconds:.0f} s"]
     for s in left:
         rows.append(f"  {module}:{s.line}  [{s.status}]  {s.before}  ->  {s.after}")
         if s.why:
