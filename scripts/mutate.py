@@ -24,6 +24,7 @@ import ast
 import hashlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,7 +135,7 @@ def prepare(module: str, fresh: bool) -> Path:
     """The module's directory: links to the packages and tests, and its mutmut settings."""
     work = WORK / slug(module)
     if fresh and work.exists():
-        subprocess.run(["rm", "-rf", str(work)], check=True)
+        shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     for name in [*PACKAGES, "tests"]:
         link = work / name
