@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up .venv first (idempotent, see scripts/setup.sh).
-.PHONY: setup run test lint
+.PHONY: setup run test lint mutate
 
 setup:
 	@bash scripts/setup.sh
@@ -12,3 +12,8 @@ test: setup
 
 lint: setup
 	.venv/bin/ruff check .
+
+# Mutation testing of the boundary modules against their fast tests (docs/testing.md): not part of
+# `make test`. MODULE=learner/guard.py for one (comma-separated for several), BUDGET seconds per module.
+mutate: setup
+	.venv/bin/python scripts/mutate.py $(if $(MODULE),--module $(MODULE)) $(if $(BUDGET),--budget $(BUDGET))

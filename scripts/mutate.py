@@ -1,0 +1,281 @@
+"""Mutation testing of the boundary modules with mutmut: each module against its own fast tests.
+
+    make mutate                                     every module of MODULES in turn
+    make mutate MODULE=learner/guard.py             one module (several: comma-separated)
+    make mutate MODULE=learner/guard.py BUDGET=600  seconds per module (default 1800)
+
+Each module runs in a directory of its own, .mutate/<module>/ (git-ignored): links to the packages
+and tests/, and the repo's pyproject.toml with a [tool.mutmut] section for that module (mutmut reads
+its settings from the pyproject.toml of the directory it runs in, and only there). mutmut copies the
+packages to mutants/ there, mutates the one module and keeps each mutant's verdict as it comes, so a
+run stopped by its budget or by Ctrl-C goes on where it stopped the next time. When the module's
+tests change, the mutants that survived them are tried again; `--fresh` starts the module anew.
+
+A mutant is killed when a test fails or times out. The score is killed over tried; a survivor is
+printed as file:line, the line before and after. A survivor named in EQUIVALENT (no test can tell
+it from the original) is printed with the reason and scored apart: the score without them is the
+one the 90% target applies to (docs/testing.md, Mutation testing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / ".mutate"
+PACKAGES = ["actors", "replay", "learner", "kernels", "dph_async"]
+
+# Each boundary module and the fast tests that claim its behaviour (pytest arguments: files or node
+# ids). Tests that start a trainer, vLLM or Ray stay out: mutmut runs a module's tests once per mutant.
+MODULES: dict[str, list[str]] = {
+    "replay/validation.py": ["tests/test_replay_validation.py"],
+    "replay/store.py": ["tests/test_replay_store.py"],
+    "replay/staleness.py": ["tests/test_replay_staleness.py"],
+    "replay/wal.py": ["tests/test_replay_wal.py"],
+    "replay/core.py": ["tests/test_replay_service.py", "tests/test_replay_staleness.py",
+                       "tests/test_replay_reference.py", "tests/test_replay_validation.py", "tests/test_replay_wal.py"],
+    "learner/guard.py": ["tests/test_guard_rules.py",
+                         "tests/test_learner_guard.py::test_screen_takes_out_exactly_the_unusable_records",
+                         "tests/test_learner_guard.py::test_the_step_guard_counts_and_resets",
+                         "tests/test_learner_guard.py::test_non_finite_weights_are_never_published"],
+    "learner/staleness_control.py": [
+        "tests/test_staleness_control.py",
+        "tests/test_rerun.py::test_the_controller_doubles_until_a_window_is_unhealthy_then_halves_waits_and_adds_one",
+        "tests/test_rerun.py::test_the_controller_raises_the_bound_only_while_the_learner_waits_for_data",
+        "tests/test_rerun.py::test_the_controller_state_survives_a_checkpoint_within_the_limits"],
+    "learner/recording.py": [
+        "tests/test_recording.py",
+        "tests/test_rerun.py::test_the_recording_reads_back_what_was_written_and_a_resume_keeps_the_steps_before_its_checkpoint",
+        "tests/test_rerun.py::test_a_damaged_recording_is_refused_with_file_and_offset",
+        "tests/test_rerun.py::test_a_checksummed_record_that_is_no_batch_is_refused"],
+    "dph_async/app/rerun.py": ["tests/test_rerun.py", "-k", "rerun"],
+    "dph_async/app/core_claims.py": ["tests/test_core_claims.py"],
+    "dph_async/rewards/service.py": ["tests/test_scorer_service.py", "-m", "not slow"],
+    "dph_async/rewards/result.py": ["tests/test_rewards_registry.py", "tests/test_reward_plugins.py"],
+    "dph_async/protocol.py": ["tests/test_protocol.py", "tests/test_protocol_fuzz.py"],
+}
+
+# Survivors no test can kill, by module and the mutated line (stripped), with the reason. A key no
+# longer matches once its line changes: the survivor is then shown unexplained until looked at again.
+_NO_EXPLICIT_ETA = ("differs only for an explicit eta of 0 under a minimum above 0, which no caller makes: "
+                    "the loop and rerun start at -1, a checkpoint's eta is clamped into the limits")
+_LISTED_UNDER_THE_LOCK = ("the file was listed under the lock a moment before: only a process ignoring the "
+                          "lock could remove it in between")
+_WIRE_DEFAULTS = ("a recorded batch reached the learner through the replay client's decoder, under the "
+                  "default limits (dph_async/replay_client.py): its record is within them, so they cannot bind")
+_RECORD_LIMITS = "msg = decode(frames, Limits(max_bytes=len(payload), max_header_bytes=len(payload), max_frames=n,"
+EQUIVALENT: dict[tuple[str, str], str] = {
+    **{("learner/recording.py", f'(rl_dir / RUN_INFO).write_text(json.dumps(info, {indent}) + "\\n")'):
+       "the description's indentation: it reads back the same" for indent in ("indent=None", "", "indent=2")},
+    ("learner/recording.py", "(n,) = _COUNT.unpack_from(payload, )"): "the offset's default is 0",
+    ("learner/recording.py", _RECORD_LIMITS.replace("max_bytes=len(payload), ", "")): _WIRE_DEFAULTS,
+    ("learner/recording.py", _RECORD_LIMITS.replace("max_header_bytes=len(payload), ", "")): _WIRE_DEFAULTS,
+    ("learner/recording.py", _RECORD_LIMITS.replace(" max_frames=n,", "") + " accept=frozenset({Batch})))"):
+        _WIRE_DEFAULTS,
+    ("learner/recording.py", "log.warning(e)"): "logging formats a message only when given arguments: the same text",
+    **{("learner/recording.py", f'self._file = path.open("ab", {b})'):
+       "every write is an os.writev on the descriptor, never through the file object's buffer"
+       for b in ("", "buffering=1")},
+    ("learner/staleness_control.py", "if self.eta <= 0:"): _NO_EXPLICIT_ETA,
+    ("learner/staleness_control.py", "if self.eta < 1:"): _NO_EXPLICIT_ETA,
+    ("learner/staleness_control.py", 'bool(state.get("slow_start", None)), int(state.get("hold", 0)))'):
+        "bool(None) is bool(False)",
+    ("learner/staleness_control.py", 'bool(state.get("slow_start", )), int(state.get("hold", 0)))'):
+        "get without a default gives None, and bool(None) is bool(False)",
+    ("dph_async/app/core_claims.py", "path.unlink(missing_ok=None)"): _LISTED_UNDER_THE_LOCK,
+    ("dph_async/app/core_claims.py", "path.unlink(missing_ok=False)"): _LISTED_UNDER_THE_LOCK,
+    ("dph_async/app/core_claims.py",
+     "claim = Claim(uuid.uuid4().hex, me, start_time(me) or 1, sorted(used(plan)), _command(me))"):
+        "the running process's own start time is never None: its /proc entry exists while it runs",
+}
+
+DETECTED = {"killed", "timeout", "segfault", "caught by type check"}
+PENDING = {"not checked", "check was interrupted by user"}
+
+
+@dataclass(frozen=True)
+class Survivor:
+    name: str
+    status: str
+    line: int
+    before: str
+    after: str
+    why: str | None  # the reason it is equivalent; None: a test should kill it
+
+
+def slug(module: str) -> str:
+    return module.removesuffix(".py").replace("/", ".")
+
+
+def tests_of(selection: list[str]) -> list[Path]:
+    """The test files a selection runs, and the conftest they share."""
+    files = {ROOT / a.split("::")[0] for a in selection if a.startswith("tests/")}
+    return sorted(files | {ROOT / "tests" / "conftest.py"})
+
+
+def digest(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def prepare(module: str, fresh: bool) -> Path:
+    """The module's directory: links to the packages and tests, and its mutmut settings."""
+    work = WORK / slug(module)
+    if fresh and work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    for name in [*PACKAGES, "tests"]:
+        link = work / name
+        if not link.is_symlink():
+            link.symlink_to(Path("..", "..", name))
+    selection = ", ".join(f'"{a}"' for a in MODULES[module])
+    settings = f"""
+[tool.mutmut]
+source_paths = [{", ".join(f'"{p}"' for p in PACKAGES)}]
+only_mutate = ["{module}"]
+pytest_add_cli_args_test_selection = [{selection}]
+pytest_add_cli_args = ["-p", "no:cacheprovider"]
+# Workers fork from a server that has imported the tests but run nothing: torch's thread pools are
+# not fork-safe once used.
+process_isolation = "forkserver"
+"""
+    text = (ROOT / "pyproject.toml").read_text() + settings
+    if not (work / "pyproject.toml").is_file() or (work / "pyproject.toml").read_text() != text:
+        (work / "pyproject.toml").write_text(text)
+    return work
+
+
+def mutmut(work: Path, args: list[str], deadline: float) -> bool:
+    """Run mutmut in `work`, niced, until `deadline`; False if the budget stopped it (its verdicts so
+    far are kept)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the mutants, not the checkout
+    cmd = ["nice", "-n", "10", str(Path(sys.executable).parent / "mutmut"), *args]
+    with open(work / "mutmut.log", "ab") as out:  # its progress and any failure, for a look afterwards
+        proc = subprocess.Popen(cmd, cwd=work, env=env, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGINT)  # mutmut stops its workers and keeps what it has
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return False
+
+
+def statuses(work: Path) -> dict[str, str]:
+    """{mutant: status} as mutmut recorded them."""
+    out = subprocess.run([str(Path(sys.executable).parent / "mutmut"), "results", "--all", "true"], cwd=work,
+                         capture_output=True, text=True, check=True).stdout
+    return dict(m.groups() for m in re.finditer(r"^\s+(\S+): (.+)$", out, re.M))
+
+
+def function_start(source: str, key: str) -> int:
+    """The first line of the function a mutant key names (learner.guard.x_screen__mutmut_3,
+    learner.guard.xǁStepGuardǁafter_batch__mutmut_7), as mutmut's diff counts it: the comments just
+    above the def included."""
+    name = key.rsplit(".", 1)[1].rsplit("__mutmut_", 1)[0]
+    path = name.split("ǁ")[1:] if name.startswith("xǁ") else [name.removeprefix("x_")]
+    body: list[ast.stmt] = ast.parse(source).body
+    node: ast.AST | None = None
+    for part in path:
+        node = next(n for n in body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+                    and n.name == part)
+        body = node.body
+    assert isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    lines = source.splitlines()
+    start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    while start > 1 and lines[start - 2].strip().startswith("#"):
+        start -= 1
+    return start
+
+
+def survivor(work: Path, module: str, name: str, status: str) -> Survivor:
+    """Where a mutant is and what it changed, from `mutmut show`'s diff of its function."""
+    diff = subprocess.run([str(Path(sys.executable).parent / "mutmut"), "show", name], cwd=work,
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+    start = function_start((ROOT / module).read_text(), name)
+    line, at, before, after = 0, 0, [], []
+    for d in diff:
+        if m := re.match(r"@@ -(\d+)", d):
+            at = int(m.group(1))
+        elif d.startswith("-") and not d.startswith("---"):
+            line = line or start + at - 1
+            before.append(d[1:].strip())
+            at += 1
+        elif d.startswith("+") and not d.startswith("+++"):
+            after.append(d[1:].strip())
+        elif d.startswith(" "):
+            at += 1
+    mutated = " ".join(after)
+    return Survivor(name, status, line, " ".join(before), mutated, EQUIVALENT.get((module, mutated)))
+
+
+def run_module(module: str, budget_s: float, fresh: bool) -> tuple[dict[str, str], list[Survivor], float]:
+    work = prepare(module, fresh)
+    start = time.monotonic()
+    deadline = start + budget_s
+    # The tests the verdicts were reached against: when they change, the survivors meet them again.
+    stamp, tests = work / "tests.sha256", digest(tests_of(MODULES[module]))
+    if not stamp.is_file():
+        stamp.write_text(tests)
+    stale = stamp.read_text() != tests
+    done = mutmut(work, ["run", "--max-children", "1"], deadline)
+    if done and stale:
+        again = [k for k, s in statuses(work).items() if s in ("survived", "no tests", "suspicious")]
+        if not again or mutmut(work, ["run", "--max-children", "1", *again], deadline):
+            stamp.write_text(tests)
+    found = statuses(work)
+    left = [survivor(work, module, k, s) for k, s in found.items() if s not in DETECTED | PENDING]
+    return found, sorted(left, key=lambda s: s.line), time.monotonic() - start
+
+
+def summary(module: str, found: dict[str, str], left: list[Survivor], seconds: float) -> str:
+    tried = sum(s not in PENDING for s in found.values())
+    killed = sum(s in DETECTED for s in found.values())
+    equivalent = sum(s.why is not None for s in left)
+    pending = len(found) - tried
+    score = (f"score {100 * killed / max(1, tried - equivalent):.1f}% without the equivalent "
+             f"({100 * killed / tried:.1f}% with)") if tried else "no score yet"
+    rows = [f"{module}: {len(found)} mutants, {killed} killed, {len(left)} survived ({equivalent} equivalent), "
+            f"{score}, {pending} pending{' (run again to go on)' if pending else ''}; {seconds:.0f} s"]
+    for s in left:
+        rows.append(f"  {module}:{s.line}  [{s.status}]  {s.before}  ->  {s.after}")
+        if s.why:
+            rows.append(f"      equivalent: {s.why}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--module", default="", help="comma-separated paths from MODULES (default: all)")
+    parser.add_argument("--budget", type=float, default=1800, help="seconds per module (default 1800)")
+    parser.add_argument("--fresh", action="store_true", help="forget the module's earlier verdicts")
+    args = parser.parse_args(argv)
+    modules = [m for m in args.module.split(",") if m] or list(MODULES)
+    if unknown := [m for m in modules if m not in MODULES]:
+        parser.error(f"MODULE {', '.join(unknown)}: not in the table of scripts/mutate.py ({', '.join(MODULES)})")
+    if not (Path(sys.executable).parent / "mutmut").exists():  # the `mutate` extra of pyproject.toml
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", ".[mutate]"], cwd=ROOT, check=True)
+    for module in modules:
+        print(summary(module, *run_module(module, args.budget, args.fresh)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
