@@ -39,12 +39,13 @@ PACKAGES = ["actors", "replay", "learner", "kernels", "dph_async"]
 # Each boundary module and the fast tests that claim its behaviour (pytest arguments: files or node
 # ids). Tests that start a trainer, vLLM or Ray stay out: mutmut runs a module's tests once per mutant.
 MODULES: dict[str, list[str]] = {
-    "replay/validation.py": ["tests/test_replay_validation.py"],
-    "replay/store.py": ["tests/test_replay_store.py"],
-    "replay/staleness.py": ["tests/test_replay_staleness.py"],
-    "replay/wal.py": ["tests/test_replay_wal.py"],
-    "replay/core.py": ["tests/test_replay_service.py", "tests/test_replay_staleness.py",
-                       "tests/test_replay_reference.py", "tests/test_replay_validation.py", "tests/test_replay_wal.py"],
+    "replay/validation.py": ["tests/test_replay_validation.py", "tests/test_replay_edges.py"],
+    "replay/store.py": ["tests/test_replay_store.py", "tests/test_replay_budget.py", "tests/test_replay_edges.py"],
+    "replay/staleness.py": ["tests/test_replay_staleness.py", "tests/test_replay_edges.py"],
+    "replay/wal.py": ["tests/test_replay_wal.py", "tests/test_replay_wal_manifest.py"],
+    "replay/core.py": ["tests/test_replay_service.py", "tests/test_replay_staleness.py", "tests/test_replay_edges.py",
+                       "tests/test_replay_quarantine.py", "tests/test_replay_reference.py",
+                       "tests/test_replay_validation.py", "tests/test_replay_wal.py"],
     "learner/guard.py": ["tests/test_guard_rules.py",
                          "tests/test_learner_guard.py::test_screen_takes_out_exactly_the_unusable_records",
                          "tests/test_learner_guard.py::test_the_step_guard_counts_and_resets",
@@ -61,7 +62,7 @@ MODULES: dict[str, list[str]] = {
         "tests/test_rerun.py::test_a_checksummed_record_that_is_no_batch_is_refused"],
     "dph_async/app/rerun.py": ["tests/test_rerun.py", "-k", "rerun"],
     "dph_async/app/core_claims.py": ["tests/test_core_claims.py"],
-    "dph_async/rewards/service.py": ["tests/test_scorer_service.py", "-m", "not slow"],
+    "dph_async/rewards/service.py": ["tests/test_scorer_service.py", "tests/test_admission.py", "-m", "not slow"],
     "dph_async/rewards/result.py": ["tests/test_rewards_registry.py", "tests/test_reward_plugins.py"],
     "dph_async/protocol.py": ["tests/test_protocol.py", "tests/test_protocol_fuzz.py"],
 }
