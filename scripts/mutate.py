@@ -76,7 +76,14 @@ _LISTED_UNDER_THE_LOCK = ("the file was listed under the lock a moment before: o
 _WIRE_DEFAULTS = ("a recorded batch reached the learner through the replay client's decoder, under the "
                   "default limits (dph_async/replay_client.py): its record is within them, so they cannot bind")
 _RECORD_LIMITS = "msg = decode(frames, Limits(max_bytes=len(payload), max_header_bytes=len(payload), max_frames=n,"
+_FAST_PATH = ("the joined check is a fast path: a group it passes passes the check per completion, and one it "
+              "fails is checked per completion after it; which groups take it changes only the time")
 EQUIVALENT: dict[tuple[str, str], str] = {
+    **{("replay/validation.py", line): _FAST_PATH for line in (
+        "if len(comps) > 1 or group.num_tokens <= SMALL_GROUP_TOKENS:",
+        "if len(comps) >= 1 and group.num_tokens <= SMALL_GROUP_TOKENS:",
+        "if len(comps) > 2 and group.num_tokens <= SMALL_GROUP_TOKENS:",
+        "if len(comps) > 1 and group.num_tokens < SMALL_GROUP_TOKENS:")},
     **{("learner/recording.py", f'(rl_dir / RUN_INFO).write_text(json.dumps(info, {indent}) + "\\n")'):
        "the description's indentation: it reads back the same" for indent in ("indent=None", "", "indent=2")},
     ("learner/recording.py", "(n,) = _COUNT.unpack_from(payload, )"): "the offset's default is 0",

@@ -252,3 +252,83 @@ def test_a_response_of_exactly_max_tokens_fits_and_one_more_does_not():
     fits, past = good(0, tokens=6), good(1, tokens=6)
     _sampling(fits, max_tokens=6), _sampling(past, max_tokens=5)
     assert [v.status for v in c.ingest([fits, past])] == ["ok", "error"]
+
+
+def _reward(g, score: float):
+    g.completions[1].reward = dataclasses.replace(g.completions[1].reward, score=score)
+    return g
+
+
+def _logprob(g, value: float):
+    g.completions[1].logprobs = _set(g.completions[1].logprobs, 0, value)
+    return g
+
+
+# (what, a value that passes at the edge, the nearest value that does not, its reason); the other
+# edges of BOUNDS, where a mutated comparison (< for <=, 2 for 1) changes one value's verdict.
+EDGES = {
+    "temperature_max": (lambda g, v: _sampling(g, temperature=v), validation.MAX_TEMPERATURE,
+                        validation.MAX_TEMPERATURE * 1.0001, "sampling"),
+    "temperature_zero": (lambda g, v: _sampling(g, temperature=v), 1e-6, 0.0, "sampling"),
+    "top_p": (lambda g, v: _sampling(g, top_p=v), 1.0, 1.0001, "sampling"),
+    "top_k": (lambda g, v: _sampling(g, top_k=v), -1, -2, "sampling"),
+    "max_tokens": (lambda g, v: _sampling(g, max_tokens=v), 6, 0, "sampling"),  # responses of 6 tokens
+    "reward": (_reward, 1e6, 1e6 * 1.0001, "reward"),  # replay.max_abs_reward's default
+    "logprob_max": (_logprob, 1e-3, 1.001e-3, "logprob"),  # replay.logprob_tolerance: rounding above 0
+    "logprob_inf": (_logprob, -1e30, -math.inf, "logprob"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(EDGES))
+def test_each_range_holds_its_own_edge_and_refuses_the_next_value(what):
+    set_value, at, past, reason = EDGES[what]
+    c = core(max_sequence_tokens=None)
+    assert [v.status for v in c.ingest([set_value(good(0), at), set_value(good(1), past)])] == ["ok", "error"]
+    assert c.stats().refused.by_kind == {f"invalid_{reason}": 1}
+
+
+def test_a_single_token_response_is_within_max_tokens_one():
+    c = core()
+    g = _sampling(good(0, tokens=1), max_tokens=1)
+    assert c.ingest([g])[0].status == "ok"
+
+
+# (case, what the refusal's detail must name: the field and the value the peer sent)
+DETAILS = {
+    "top_p": (lambda g: _sampling(g, top_p=3.5), ["top_p 3.5"]),
+    "prompt_id": (lambda g: setattr(g, "prompt_id", "p" * 2000) or g, ["prompt_id", "2000"]),
+    "data_source": (lambda g: setattr(g, "data_source", "d" * 2000) or g, ["data_source", "2000"]),
+    "finish_reason": (lambda g: setattr(g.completions[1], "finish_reason", "f" * 2000) or g,
+                      ["completions[1].finish_reason", "2000"]),
+    "reward_detail": (lambda g: setattr(g.completions[1], "reward", dataclasses.replace(
+        g.completions[1].reward, detail="x" * (validation.MAX_DETAIL + 1))) or g, ["reward.detail"]),
+    "reward": (lambda g: _reward(g, 7e9), ["reward.score 7000000000", "replay.max_abs_reward"]),
+    "timestamp": (lambda g: setattr(g, "created_at", 9.0) or setattr(g, "finished_at", 3.0) or g,
+                  ["created_at 9.0", "finished_at 3.0"]),
+    "prompt_token": (lambda g: setattr(g, "prompt_ids", _set(g.prompt_ids, 1, VOCAB + 5)) or g,
+                     ["prompt_ids", str(VOCAB + 5), f"[0, {VOCAB})"]),
+    "token": (lambda g: setattr(g.completions[1], "token_ids", _set(g.completions[1].token_ids, 0, VOCAB)) or g,
+              ["completions[1]", str(VOCAB)]),
+    "logprob": (lambda g: _logprob(g, 0.5), ["completions[1]", "max 0.5"]),
+    "version": (lambda g: setattr(g.completions[1], "versions", _set(g.completions[1].versions, 0, 77)) or g,
+                ["completions[1]", "77"]),
+    "length": (lambda g: _sampling(g, max_tokens=3), ["a response of 6 tokens", "max_tokens 3"]),
+}
+
+
+@pytest.mark.parametrize("what", sorted(DETAILS))
+def test_every_refusal_names_the_field_and_the_value_the_peer_sent(what):
+    """An operator reads the refusal in the actor's log and the replay's counters: it says what to fix."""
+    make, names = DETAILS[what]
+    (verdict,) = core(max_sequence_tokens=None).ingest([make(good(0))])
+    assert verdict.status == "error" and all(n in verdict.error for n in names), verdict.error
+
+
+def test_without_a_vocabulary_a_negative_id_is_refused_against_the_int32_range():
+    (verdict,) = core(vocab_size=None).ingest([_negative_token(good(0))])
+    assert verdict.status == "error" and verdict.error.startswith("token_id: ") and f"[0, {2**31})" in verdict.error
+
+
+def _negative_token(g):
+    g.completions[1].token_ids = _set(g.completions[1].token_ids, 0, -4)
+    return g
