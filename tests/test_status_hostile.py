@@ -232,3 +232,19 @@ def test_a_damaged_result_json_is_a_line_and_its_processes_are_still_asked(tmp_p
     [unreadable] = [x for x in lines if x.startswith("unreadable ")]
     assert f"{tmp_path / 'rl' / 'bad' / 'result.json'}: Expected `str`, got `int` - at `$.name`" in unreadable
     assert "down actor0 (pid 4242): connection refused" in lines and "rl/good: finished, 150 steps in 16 s" in lines
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:80:80", "http://[::1",
+                                 "http://[zz]:1", f"http://{'a' * 70}.x:80"])
+def test_an_announced_url_that_cannot_be_used_is_a_down_row(tmp_path, capsys, url):
+    """Before: a port past 65535 (or an IPv6 host left open, a label IDNA refuses) in one announce file
+    was a ValueError traceback, and no other process of the run was shown."""
+    directory = tmp_path / "rl" / "m" / "endpoints"
+    announce_dead(directory, "learner")
+    (directory / "odd.json").write_text(json.dumps({"name": "odd", "url": url, "pid": 7}))
+    assert cli(["status", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    lines = captured.out.splitlines()
+    assert "down learner (pid 4242): connection refused" in lines
+    assert any(line.startswith("down odd (pid 7): ") for line in lines)
