@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from test_telemetry import announce_dead, rl_result, write_summary
+from test_telemetry import announce_dead, closed_port, rl_result, write_summary
 
 from dph_async.app import endpoints
 from dph_async.app.cli import main as cli
@@ -232,6 +232,23 @@ def test_a_damaged_result_json_is_a_line_and_its_processes_are_still_asked(tmp_p
     [unreadable] = [x for x in lines if x.startswith("unreadable ")]
     assert f"{tmp_path / 'rl' / 'bad' / 'result.json'}: Expected `str`, got `int` - at `$.name`" in unreadable
     assert "down actor0 (pid 4242): connection refused" in lines and "rl/good: finished, 150 steps in 16 s" in lines
+
+
+def test_a_peers_control_characters_are_shown_escaped_never_sent_to_the_terminal(tmp_path, capsys, monkeypatch):
+    """Before: markup was escaped but an ESC went through as it came, so a peer's pid, an announce file's
+    name or a summary's mode could clear the screen, retitle the terminal or colour what followed."""
+    monkeypatch.setenv("COLUMNS", "200")
+    evil = "\x1b]0;owned\x07\x1b[2J"
+    health = json.dumps({"status": "ok", "pid": evil}).encode()
+    directory = tmp_path / "rl" / "m" / "endpoints"
+    directory.mkdir(parents=True)
+    (directory / "x.json").write_text(json.dumps({"name": evil, "url": f"http://127.0.0.1:{closed_port()}",
+                                                  "pid": 1}))
+    with serve(answers(health, b"dph_replay_ingest_groups_per_second 1\n")) as url:
+        assert cli(["status", url, str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert out.count("\\x1b]0;owned\\x07") == 2  # the pid's row and the announce file's
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:80:80", "http://[::1",
