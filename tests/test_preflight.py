@@ -147,3 +147,15 @@ def test_an_index_naming_what_is_not_a_shard_of_the_directory_is_refused_before_
     index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}))
     assert check_model_dir(directory, "--model") == directory
 
+
+@pytest.mark.parametrize("file", ["config.json", "model.safetensors.index.json", "model.safetensors"])
+def test_json_nested_past_the_parsers_limit_is_one_error_not_a_traceback(tmp_path, file):
+    """Before: a RecursionError traceback from `run --model` (json.loads of 100,000 nested lists)."""
+    directory = model_dir(tmp_path / "m")
+    write_safetensors_header(directory / "model.safetensors", ["lm_head.weight"])
+    deep = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    if file == "model.safetensors":
+        (directory / file).write_bytes(struct.pack("<Q", len(deep)) + deep)
+    else:
+        (directory / file).write_bytes(deep)
+    assert f"model.path: {directory / file}: not " in problems(directory)
