@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file
 
+from dph_async.app.inputs import check_model_dir
 from dph_async.app.learner_trainer import build_trainer
 from dph_async.app.rerun_report import HEADLINE, RerunReport, StepComparison, WeightCheck, write_report
 from dph_async.config import RunConfig, dump_config, load_config
@@ -142,6 +143,9 @@ class Rerun:
         if start and not is_learner_checkpoint(tag):
             raise RerunError(f"{tag}: no checkpoint of version {start} (--from names one of the run's checkpoints)")
         self.report = RerunReport(str(rl_dir), str(out), overrides, counterfactual, start, start, "")
+        # recording.json names the model, and a run directory may be a stranger's: a missing directory or
+        # pickled weights are one error here, not transformers' traceback from inside build_trainer.
+        check_model_dir(self.info.model_dir, f"{rl_dir / 'recording.json'}: model_dir")
         self.trainer, self.tokenizer = build_trainer(self.cfg, str(self.info.model_dir), None)
         replay = self.cfg.replay
         self.staleness = StalenessController(StalenessRule.of(replay)) if replay.auto_staleness else None
