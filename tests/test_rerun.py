@@ -463,3 +463,15 @@ def test_a_recording_naming_no_usable_model_directory_is_one_error_line(tmp_path
     says = ("is not a Hugging Face model directory (no config.json)" if model == "missing"
             else "pytorch_model.bin: weights in a format other than safetensors")
     assert len(err) == 1 and err[0].startswith(f"error: {rl / 'recording.json'}: model_dir: {base}") and says in err[0]
+
+
+def test_a_metrics_line_cut_short_is_one_error_naming_file_and_line(tmp_path):
+    """A run killed while it wrote a step's metrics leaves half a line. Before: json's JSONDecodeError
+    traceback from the rerun, after the trainer had been built."""
+    from dph_async.app.rerun import RerunError, _run_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"learner/version": 1.0}\n{"learner/version": 2.0, "loss/to\n')
+    with pytest.raises(RerunError, match=rf"^{tmp_path / 'metrics.jsonl'}: line 2 is not a JSON record"):
+        _run_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"learner/version": 1.0}\n')
+    assert _run_metrics(tmp_path) == [{"learner/version": 1.0}]

@@ -101,7 +101,15 @@ def saved_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def _run_metrics(rl_dir: Path) -> list[dict[str, float]]:
     path = rl_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    if not path.is_file():
+        return []
+    metrics = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            metrics.append(json.loads(line))
+        except (ValueError, RecursionError) as e:  # a line a killed run cut short, or damage
+            raise RerunError(f"{path}: line {number} is not a JSON record of a step's metrics ({e})") from None
+    return metrics
 
 
 def _batches(path: Path, start: int) -> Iterator[Batch]:
