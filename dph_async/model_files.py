@@ -8,6 +8,7 @@ loader is also told so: transformers' `use_safetensors=True`, vLLM's `load_forma
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from dph_async.errors import UserError
@@ -20,9 +21,28 @@ class ModelFileError(UserError):
     """A model directory without safetensors weights: names the directory or the foreign file."""
 
 
+def check_index(model_dir: Path) -> None:
+    """A sharded model's index (`model.safetensors.index.json`) may name only safetensors files of
+    `model_dir` itself that are there: vLLM and transformers open what it names, so `../x.safetensors`
+    would load weights from outside the directory, and a missing shard fails only inside a process."""
+    index = Path(model_dir) / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise ModelFileError(f"{index}: no weight_map of tensor names to file names") from None
+    for name in sorted(names, key=str):
+        if not (isinstance(name, str) and name.endswith(".safetensors") and Path(name).name == name):
+            raise ModelFileError(f"{index}: {name!r} is not a safetensors file of the directory")
+        if not (Path(model_dir) / name).is_file():
+            raise ModelFileError(f"{index}: names {name!r}, which is not in the directory")
+
+
 def weight_files(model_dir: Path) -> list[Path]:
-    """The `*.safetensors` files of `model_dir`, in name order."""
+    """The `*.safetensors` files of `model_dir`, in name order (its index, if any, checked first)."""
     model_dir = Path(model_dir)
+    check_index(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
         return files

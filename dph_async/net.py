@@ -257,7 +257,15 @@ def control_token(directory: str | os.PathLike) -> bytes:
     """The replay's control token kept in `directory` (created, readable by its owner only, if
     absent): whoever starts the replay makes it, the learner's client reads it, actors never get it.
     Kept in a file so a restarted replay keeps the token its learner holds."""
-    return secret_file(Path(directory) / CONTROL_TOKEN_FILE)
+    path = Path(directory) / CONTROL_TOKEN_FILE
+    token = secret_file(path)
+    # A data directory may have been copied or shared: a token file someone else owns, or one others
+    # may read, is a token others may know, and it commands the replay (batches, snapshots, shutdown).
+    info = os.stat(path, follow_symlinks=False)
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise ValueError(f"{path}: a control token must be this user's and readable by its owner only "
+                         f"(owner uid {info.st_uid}, mode {stat.filemode(info.st_mode)}); remove it to make a new one")
+    return token
 
 
 def secret_file(path: Path) -> bytes:

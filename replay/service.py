@@ -99,6 +99,8 @@ def resolve_name(data_dir: Path, name: str, wal_dir: Path | None = None) -> Path
     root = data_dir.resolve()
     if not name or Path(name).is_absolute():
         raise ControlPathError(f"snapshot name {name[:200]!r} must be a relative name inside the data directory")
+    if "\0" in name:  # os.path.realpath raises ValueError on it, which ended the service
+        raise ControlPathError(f"snapshot name {name[:200]!r} holds a NUL byte")
     target = (root / name).resolve()
     if target == root or not target.is_relative_to(root):
         raise ControlPathError(f"snapshot name {name[:200]!r} leaves the data directory")

@@ -100,3 +100,26 @@ def test_a_token_file_that_is_not_one_is_refused_naming_it(tmp_path, kind):
         path.write_text({"short": "abcd", "not_hex": "zz" * 32, "huge": "ab" * 4096}[kind])
     with pytest.raises(ValueError, match=r"access\.token"):
         read_secret(path)
+
+
+def test_a_control_token_that_others_may_read_is_refused_not_trusted(tmp_path, capsys):
+    """The control token commands the replay (batches, snapshots, shutdown). Before: `serve replay`
+    took a control.token planted in a copied or shared data directory, mode 0644 and of a value the
+    planter knows, and obeyed whoever sent it."""
+    from dph_async.app.cli import main
+    from dph_async.net import CONTROL_TOKEN_FILE, control_token
+
+    path = tmp_path / CONTROL_TOKEN_FILE
+    path.write_text("00" * 32)
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match=r"control\.token: a control token must be this user's and readable by its "
+                                         r"owner only \(owner uid \d+, mode -rw-r--r--\)"):
+        control_token(tmp_path)
+    assert main(["serve", "replay", "--ingest", "tcp://127.0.0.1:0", "--batch", "tcp://127.0.0.1:0", "--no-wal",
+                 "--data-dir", str(tmp_path), f"output_dir={tmp_path}"]) == 2
+    assert "control.token: a control token must be this user's" in capsys.readouterr().err
+    path.chmod(0o600)
+    assert control_token(tmp_path) == bytes(32)
+    path.unlink()
+    made = control_token(tmp_path)  # made afresh, private
+    assert len(made) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600

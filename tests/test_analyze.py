@@ -356,3 +356,18 @@ def test_recover_command_end_to_end(ray_session, tmp_path):
     stamps = {f: f.stat().st_mtime_ns for f in (out / "eval").glob("*.json")}
     assert cli(argv) == 0
     assert {f: f.stat().st_mtime_ns for f in (out / "eval").glob("*.json")} == stamps
+
+
+def test_a_model_with_a_non_finite_weight_is_one_error_naming_the_matrix(tmp_path, capsys):
+    """A diverged run's final model may hold a NaN. Before: torch's LinAlgError traceback ("the input
+    matrix contained non-finite values"), naming neither the model nor the matrix."""
+    model, tok = tiny(0)
+    base = save_model(model, tok, tmp_path / "base")
+    with torch.no_grad():
+        dict(model.named_parameters())[ROTATED][0, 0] = float("nan")
+    diverged = save_model(model, tok, tmp_path / "diverged")
+    capsys.readouterr()  # the saves' progress bars
+    assert cli(["analyze", str(base), str(diverged), "-o", str(tmp_path / "out")]) == 2
+    errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
+    assert errors == [f"error: diverged: {ROTATED} holds NaN or infinite values (a diverged model?): its singular "
+                      "values are undefined"]

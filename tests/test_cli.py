@@ -129,6 +129,7 @@ def files(tmp_path: Path) -> dict[str, Path]:
     (["soak", "sampling.n=x"], ["sampling.n"]),
     (["serve", "replay", "net.hots=1"], ["net.hots", "unknown key"]),
     (["serve", "scorer", "rewards.workers=0"], ["rewards.workers"]),
+    (["serve", "scorer", "--port", "70000"], ["--port 70000", "0-65535"]),  # was socket's OverflowError
     (["bench", "learner.steps=3", "--skip", "5"], ["learner.steps (3) must be more than --skip (5)"]),
 ])
 def test_a_user_error_is_one_line_naming_what_is_wrong(argv, names, files, tmp_path, capsys):

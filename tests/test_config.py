@@ -109,3 +109,17 @@ def test_the_cli_exits_2_with_the_message_and_starts_nothing(override, says, tmp
     assert "error:" in printed and says in printed
     assert not started
     assert not (out / "base_model").exists() and not (out / "rl").exists()
+
+
+@pytest.mark.parametrize("text", ["- 1\n- 2\n", "42\n", "[learner, replay]\n"])
+def test_a_yaml_file_whose_top_level_is_not_a_mapping_is_one_error(tmp_path, text, capsys):
+    """Before: a list was a TypeError traceback ("Cannot merge incompatible container types") and a lone
+    number an AssertionError, from `--preset my_run.yaml` and from `rerun` of a run whose
+    learner_config.yaml had been damaged."""
+    path = tmp_path / "my_run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"^{path}: not a mapping of settings"):
+        load_config(str(path))
+    assert main(["config", "--preset", str(path)]) == 2
+    assert capsys.readouterr().err == (f"error: {path}: not a mapping of settings (its top level is a list or a "
+                                       "single value)\n")

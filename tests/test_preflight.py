@@ -123,3 +123,39 @@ def test_dph_async_run_refuses_before_any_process_starts(tmp_path, capsys):
     assert len(err) == 2 and all(line.startswith("error: model.path: ") for line in err)
     assert "head_dim 16" in err[0] and "sliding_window 16" in err[1]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("name", "says"), [
+    ("../elsewhere.safetensors", "'../elsewhere.safetensors' is not a safetensors file of the directory"),
+    ("pytorch_model.bin", "'pytorch_model.bin' is not a safetensors file of the directory"),
+    ("model-00002-of-00002.safetensors", "names 'model-00002-of-00002.safetensors', which is not in the directory"),
+])
+def test_an_index_naming_what_is_not_a_shard_of_the_directory_is_refused_before_start(tmp_path, name, says):
+    """Before: only `analyze` read the index; `run --model` passed it, started Ray and vLLM, and
+    pre-sampling failed with a traceback (FileNotFoundError for '<dir>/../elsewhere.safetensors'), or
+    would have loaded that file from outside the directory had it been there."""
+    from dph_async.app.inputs import check_model_dir
+
+    directory = model_dir(tmp_path / "m")
+    write_safetensors_header(directory / "model-00001-of-00002.safetensors", ["lm_head.weight"])
+    (tmp_path / "elsewhere.safetensors").write_bytes((directory / "model-00001-of-00002.safetensors").read_bytes())
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors",
+                                                "model.norm.weight": name}}))
+    with pytest.raises(ConfigError, match=f"--model: {index}: {says}"):
+        check_model_dir(directory, "--model")
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}))
+    assert check_model_dir(directory, "--model") == directory
+
+
+@pytest.mark.parametrize("file", ["config.json", "model.safetensors.index.json", "model.safetensors"])
+def test_json_nested_past_the_parsers_limit_is_one_error_not_a_traceback(tmp_path, file):
+    """Before: a RecursionError traceback from `run --model` (json.loads of 100,000 nested lists)."""
+    directory = model_dir(tmp_path / "m")
+    write_safetensors_header(directory / "model.safetensors", ["lm_head.weight"])
+    deep = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    if file == "model.safetensors":
+        (directory / file).write_bytes(struct.pack("<Q", len(deep)) + deep)
+    else:
+        (directory / file).write_bytes(deep)
+    assert f"model.path: {directory / file}: not " in problems(directory)

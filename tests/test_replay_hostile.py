@@ -184,6 +184,17 @@ def test_state_changes_need_the_control_token(service, tmp_path):
     assert isinstance(reply, Ack) and "Control is not served on this endpoint" in reply.error
 
 
+
+def test_a_snapshot_name_with_a_nul_byte_is_refused_and_the_replay_keeps_serving(service):
+    """Before: os.path.realpath raised ValueError ("embedded null byte") out of the service loop, and
+    one Control from the learner's side ended `serve replay`."""
+    sock = dealer(service.batch_endpoint)
+    for command in ("snapshot", "restore"):
+        reply = ask(sock, encode(Control(command, "snap\0x", 0, service.control_token)))
+        assert isinstance(reply, ControlReply) and not reply.ok and "NUL byte" in reply.detail, reply
+    assert stats_within(service, 5).refused.by_kind == {"path": 2}
+    honest_round_trip(service, 0)
+
 def ask_until(sock, done, seconds: float = 10.0):
     """Ask for the stats until the reply is `done` (the service has taken in a change), or fail."""
     deadline = time.monotonic() + seconds

@@ -437,3 +437,41 @@ def test_a_resumed_loop_tells_the_replay_its_bound_and_keeps_the_recording_befor
     assert resumed.told[0] == first.told[1]  # the bound decided at step 4, from the checkpoint
     assert [b.version for _, b in read_batches(rl_dir / RECORDING)] == list(range(6))
     assert len((rl_dir / "metrics.jsonl").read_text().splitlines()) == 6
+
+
+@pytest.mark.parametrize("model", ["missing", "pickled"])
+def test_a_recording_naming_no_usable_model_directory_is_one_error_line(tmp_path, capsys, model):
+    """recording.json names the model the run started from, and a run directory may be a stranger's.
+    Before: transformers' OSError traceback from inside the trainer's build, for a directory that is
+    not there as for one holding only a pytorch_model.bin (never unpickled either way)."""
+    from dph_async.app.cli import main
+    from dph_async.config import dump_config
+
+    rl = tmp_path / "rl" / "m"
+    rl.mkdir(parents=True)
+    (rl / "learner_config.yaml").write_text(dump_config(load_config("default")))
+    (rl / RECORDING).write_bytes(b"")
+    base = tmp_path / "base_model"
+    if model == "pickled":
+        base.mkdir()
+        (base / "config.json").write_text("{}")
+        (base / "pytorch_model.bin").write_bytes(b"\x80\x04N.")  # a pickle of None
+    (rl / "recording.json").write_text(json.dumps({"config": "learner_config.yaml", "model_dir": "../../base_model",
+                                                   "recording": RECORDING}))
+    assert main(["rerun", str(rl)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    says = ("is not a Hugging Face model directory (no config.json)" if model == "missing"
+            else "pytorch_model.bin: weights in a format other than safetensors")
+    assert len(err) == 1 and err[0].startswith(f"error: {rl / 'recording.json'}: model_dir: {base}") and says in err[0]
+
+
+def test_a_metrics_line_cut_short_is_one_error_naming_file_and_line(tmp_path):
+    """A run killed while it wrote a step's metrics leaves half a line. Before: json's JSONDecodeError
+    traceback from the rerun, after the trainer had been built."""
+    from dph_async.app.rerun import RerunError, _run_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"learner/version": 1.0}\n{"learner/version": 2.0, "loss/to\n')
+    with pytest.raises(RerunError, match=rf"^{tmp_path / 'metrics.jsonl'}: line 2 is not a JSON record"):
+        _run_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"learner/version": 1.0}\n')
+    assert _run_metrics(tmp_path) == [{"learner/version": 1.0}]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from test_telemetry import announce_dead, rl_result, write_summary
+from test_telemetry import announce_dead, closed_port, rl_result, write_summary
 
 from dph_async.app import endpoints
 from dph_async.app.cli import main as cli
@@ -232,3 +232,36 @@ def test_a_damaged_result_json_is_a_line_and_its_processes_are_still_asked(tmp_p
     [unreadable] = [x for x in lines if x.startswith("unreadable ")]
     assert f"{tmp_path / 'rl' / 'bad' / 'result.json'}: Expected `str`, got `int` - at `$.name`" in unreadable
     assert "down actor0 (pid 4242): connection refused" in lines and "rl/good: finished, 150 steps in 16 s" in lines
+
+
+def test_a_peers_control_characters_are_shown_escaped_never_sent_to_the_terminal(tmp_path, capsys, monkeypatch):
+    """Before: markup was escaped but an ESC went through as it came, so a peer's pid, an announce file's
+    name or a summary's mode could clear the screen, retitle the terminal or colour what followed."""
+    monkeypatch.setenv("COLUMNS", "200")
+    evil = "\x1b]0;owned\x07\x1b[2J"
+    health = json.dumps({"status": "ok", "pid": evil}).encode()
+    directory = tmp_path / "rl" / "m" / "endpoints"
+    directory.mkdir(parents=True)
+    (directory / "x.json").write_text(json.dumps({"name": evil, "url": f"http://127.0.0.1:{closed_port()}",
+                                                  "pid": 1}))
+    with serve(answers(health, b"dph_replay_ingest_groups_per_second 1\n")) as url:
+        assert cli(["status", url, str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert out.count("\\x1b]0;owned\\x07") == 2  # the pid's row and the announce file's
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:80:80", "http://[::1",
+                                 "http://[zz]:1", f"http://{'a' * 70}.x:80"])
+def test_an_announced_url_that_cannot_be_used_is_a_down_row(tmp_path, capsys, url):
+    """Before: a port past 65535 (or an IPv6 host left open, a label IDNA refuses) in one announce file
+    was a ValueError traceback, and no other process of the run was shown."""
+    directory = tmp_path / "rl" / "m" / "endpoints"
+    announce_dead(directory, "learner")
+    (directory / "odd.json").write_text(json.dumps({"name": "odd", "url": url, "pid": 7}))
+    assert cli(["status", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    lines = captured.out.splitlines()
+    assert "down learner (pid 4242): connection refused" in lines
+    assert any(line.startswith("down odd (pid 7): ") for line in lines)

@@ -58,6 +58,8 @@ def http_get(url: str, *, deadline: float, max_bytes: int, headers: dict[str, st
         raise FetchError(f"not an HTTP answer: {e}") from None
     except OSError as e:  # refused, reset, unreachable, TLS
         raise FetchError(f"{type(e).__name__}: {e.strerror or e}") from None
+    except ValueError as e:  # an URL from a stranger's announce file: port past 65535, bad IPv6, a label IDNA refuses
+        raise FetchError(f"{url}: not a usable URL: {e}") from None
 
 
 def _exchange(sock: socket.socket, host: str, target: str, deadline: float, max_bytes: int,

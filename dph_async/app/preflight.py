@@ -132,7 +132,7 @@ def _weight_names(model_dir: Path) -> set[str] | None:
     if index.is_file():
         try:
             return set(json.loads(index.read_text())["weight_map"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise ConfigError(f"model.path: {index}: not a safetensors index (no weight_map)") from None
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -146,7 +146,7 @@ def _weight_names(model_dir: Path) -> set[str] | None:
                 raise ConfigError(f"model.path: {f}: not a safetensors file (header length {size} at offset 0)")
             try:
                 names |= set(json.loads(fh.read(size))) - {"__metadata__"}
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise ConfigError(f"model.path: {f}: not a safetensors file (its header is not JSON)") from None
     return names
 
@@ -227,7 +227,7 @@ def preflight(cfg: RunConfig) -> None:
     path = Path(m.path) / "config.json"
     try:
         config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested past the parser's limit
         raise ConfigError(f"model.path: {path}: not readable as JSON ({e})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"model.path: {path}: not a JSON object")

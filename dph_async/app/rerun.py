@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import load_file
 
+from dph_async.app.inputs import check_model_dir
 from dph_async.app.learner_trainer import build_trainer
 from dph_async.app.rerun_report import HEADLINE, RerunReport, StepComparison, WeightCheck, write_report
 from dph_async.config import RunConfig, dump_config, load_config
@@ -100,7 +101,15 @@ def saved_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def _run_metrics(rl_dir: Path) -> list[dict[str, float]]:
     path = rl_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
+    if not path.is_file():
+        return []
+    metrics = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            metrics.append(json.loads(line))
+        except (ValueError, RecursionError) as e:  # a line a killed run cut short, or damage
+            raise RerunError(f"{path}: line {number} is not a JSON record of a step's metrics ({e})") from None
+    return metrics
 
 
 def _batches(path: Path, start: int) -> Iterator[Batch]:
@@ -142,6 +151,9 @@ class Rerun:
         if start and not is_learner_checkpoint(tag):
             raise RerunError(f"{tag}: no checkpoint of version {start} (--from names one of the run's checkpoints)")
         self.report = RerunReport(str(rl_dir), str(out), overrides, counterfactual, start, start, "")
+        # recording.json names the model, and a run directory may be a stranger's: a missing directory or
+        # pickled weights are one error here, not transformers' traceback from inside build_trainer.
+        check_model_dir(self.info.model_dir, f"{rl_dir / 'recording.json'}: model_dir")
         self.trainer, self.tokenizer = build_trainer(self.cfg, str(self.info.model_dir), None)
         replay = self.cfg.replay
         self.staleness = StalenessController(StalenessRule.of(replay)) if replay.auto_staleness else None

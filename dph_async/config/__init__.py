@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -428,7 +428,15 @@ def load_config(preset: str = "default", overrides: list[str] | None = None) -> 
         except (OmegaConfBaseException, yaml.YAMLError) as e:
             raise ConfigError(f"override {item!r}: not a valid value ({_first_line(e)})") from None
     try:
-        merged = OmegaConf.merge(OmegaConf.create(text or "{}"), OmegaConf.from_dotlist(list(overrides or [])))
+        base = OmegaConf.create(text or "{}")
+    except (OmegaConfBaseException, yaml.YAMLError) as e:
+        raise ConfigError(f"{source}: {_first_line(e)}") from None
+    except AssertionError:  # OmegaConf's answer to a YAML document that is a lone number
+        base = None
+    if not isinstance(base, DictConfig):  # a list or a value: merging it raised TypeError, or the above
+        raise ConfigError(f"{source}: not a mapping of settings (its top level is a list or a single value)")
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or [])))
         data = OmegaConf.to_container(merged, resolve=True)
     except (OmegaConfBaseException, yaml.YAMLError) as e:
         raise ConfigError(f"{source}: {_first_line(e)}") from None

@@ -108,10 +108,10 @@ def analyze(base: Checkpoint, checkpoints: list[Checkpoint], top_k: int) -> Anal
                     wb, wt = b.get(info.name), t.get(info.name)
                     k = min(top_k, *wb.shape)
                     if info.name not in base_svds:
-                        full = svd64(wb)
+                        full = svd64(wb, f"{base.label}: {info.name}")
                         result.spectra[f"base::{info.name}"] = full.s.numpy()
                         base_svds[info.name] = full.top(k)
-                    t_svd = svd64(wt)
+                    t_svd = svd64(wt, f"{ckpt.label}: {info.name}")
                     delta_s = torch.linalg.svdvals(wt.to(torch.float64) - wb.to(torch.float64))
                     result.spectra[f"{ckpt.label}::{info.name}::trained"] = t_svd.s.numpy()
                     result.spectra[f"{ckpt.label}::{info.name}::delta"] = delta_s.numpy()

@@ -84,7 +84,8 @@ def top_svds(base: WeightReader, trained: WeightReader, matrices: list[MatrixInf
     with progress(transient=True) as bar:
         task = bar.add_task("SVDs", total=len(matrices))
         for m in matrices:
-            out[m.name] = (svd64(base.get(m.name)).top(k), svd64(trained.get(m.name)).top(k))
+            out[m.name] = (svd64(base.get(m.name), f"the base's {m.name}").top(k),
+                           svd64(trained.get(m.name), f"the trained model's {m.name}").top(k))
             bar.update(task, advance=1)
     return out
 

@@ -23,6 +23,8 @@ from typing import Literal
 
 import torch
 
+from dph_async.errors import UserError
+
 REPLACEMENTS = ("directions", "values", "triplets")
 Replacement = Literal["directions", "values", "triplets"]
 
@@ -42,9 +44,18 @@ class SVD:
         return (self.u * self.s) @ self.v.T
 
 
-def svd64(w: torch.Tensor) -> SVD:
-    """The thin SVD of w, computed in float64 whatever w's dtype."""
-    u, s, vh = torch.linalg.svd(w.detach().to("cpu", torch.float64), full_matrices=False)
+class NonFiniteWeights(UserError):
+    """A matrix holding NaN or an infinity: its singular values are undefined (a diverged model)."""
+
+
+def svd64(w: torch.Tensor, what: str = "a weight matrix") -> SVD:
+    """The thin SVD of w, computed in float64 whatever w's dtype; `what` names w in the error raised
+    when it holds a NaN or an infinity (torch's LinAlgError would not say which matrix of which model)."""
+    w64 = w.detach().to("cpu", torch.float64)
+    if not torch.isfinite(w64).all():
+        raise NonFiniteWeights(f"{what} holds NaN or infinite values (a diverged model?): its singular values "
+                               "are undefined")
+    u, s, vh = torch.linalg.svd(w64, full_matrices=False)
     return SVD(u, s, vh.T)
 
 

@@ -65,6 +65,8 @@ def _loopback(host: str) -> bool:
 
 def main(args: argparse.Namespace) -> int:
     cfg = load_config(args.preset, args.overrides).rewards
+    if not 0 <= args.port <= 65535:  # else socket's OverflowError, after the reward workers had started
+        return fail(f"--port {args.port}: a TCP port is 0-65535 (0: the OS chooses)")
     token = os.environ.get(TOKEN_ENV) or None
     if not _loopback(args.host) and token is None and not args.insecure:
         return fail(f"binding {args.host} exposes the scorer beyond this machine; set {TOKEN_ENV} (a shared token) "

@@ -5,18 +5,29 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from datetime import datetime
 from pathlib import Path
 
 from rich import box
 from rich.console import Console
-from rich.markup import escape
+from rich.markup import escape as escape_markup
 from rich.table import Table
 
 from dph_async.app.commands.common import fail
 from dph_async.app.endpoints import TIMEOUT_S, Endpoint, Reading, find_endpoints, scrape_all
 from dph_async.app.progress import console as progress_console
 from dph_async.app.run_outcome import RLOutcome, RunFileError, RunOutcome, finished_rl, finished_run
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def escape(text: str) -> str:
+    """A peer's text (a name, a label, a pid, a mode read from a stranger's files) as plain text: rich's
+    markup escaped, and control characters shown as \\xNN, so that an ESC sequence cannot clear the
+    screen, set the terminal's title or colour what follows."""
+    return escape_markup(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text))
+
 
 DESCRIPTION = """\
 Read GET /health and /metrics of every long-running process and print a table of those that answer:
