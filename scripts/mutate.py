@@ -40,7 +40,8 @@ PACKAGES = ["actors", "replay", "learner", "kernels", "dph_async"]
 # ids). Tests that start a trainer, vLLM or Ray stay out: mutmut runs a module's tests once per mutant.
 MODULES: dict[str, list[str]] = {
     "replay/validation.py": ["tests/test_replay_validation.py", "tests/test_replay_edges.py"],
-    "replay/store.py": ["tests/test_replay_store.py", "tests/test_replay_budget.py", "tests/test_replay_edges.py"],
+    "replay/store.py": ["tests/test_replay_store.py", "tests/test_replay_store_model.py", "tests/test_replay_budget.py",
+                        "tests/test_replay_edges.py", "tests/test_replay_service.py"],
     "replay/staleness.py": ["tests/test_replay_staleness.py", "tests/test_replay_edges.py"],
     "replay/wal.py": ["tests/test_replay_wal.py", "tests/test_replay_wal_manifest.py"],
     "replay/core.py": ["tests/test_replay_service.py", "tests/test_replay_staleness.py", "tests/test_replay_edges.py",
@@ -79,6 +80,10 @@ _RECORD_LIMITS = "msg = decode(frames, Limits(max_bytes=len(payload), max_header
 _FAST_PATH = ("the joined check is a fast path: a group it passes passes the check per completion, and one it "
               "fails is checked per completion after it; which groups take it changes only the time")
 EQUIVALENT: dict[tuple[str, str], str] = {
+    ("replay/store.py", "self._pushes += 2"): "push numbers only order a group's heap items: any increasing count does",
+    **{("replay/store.py", f"for c, start, end in zip(comps, starts.tolist(), ends.tolist(), {strict}):"):
+       "starts and ends are made from the completions' own lengths: the three always have one length"
+       for strict in ("strict=None", "", "strict=False")},
     **{("replay/validation.py", line): _FAST_PATH for line in (
         "if len(comps) > 1 or group.num_tokens <= SMALL_GROUP_TOKENS:",
         "if len(comps) >= 1 and group.num_tokens <= SMALL_GROUP_TOKENS:",

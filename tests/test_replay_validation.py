@@ -295,14 +295,14 @@ def test_a_single_token_response_is_within_max_tokens_one():
 
 # (case, what the refusal's detail must name: the field and the value the peer sent)
 DETAILS = {
-    "top_p": (lambda g: _sampling(g, top_p=3.5), ["top_p 3.5"]),
-    "prompt_id": (lambda g: setattr(g, "prompt_id", "p" * 2000) or g, ["prompt_id", "2000"]),
-    "data_source": (lambda g: setattr(g, "data_source", "d" * 2000) or g, ["data_source", "2000"]),
+    "top_p": (lambda g: _sampling(g, top_p=3.5), ["top_p 3.5", "]: not all hold"]),
+    "prompt_id": (lambda g: setattr(g, "prompt_id", "p" * 2000) or g, ["text: prompt_id of 2000 characters"]),
+    "data_source": (lambda g: setattr(g, "data_source", "d" * 2000) or g, ["text: data_source of 2000 characters"]),
     "finish_reason": (lambda g: setattr(g.completions[1], "finish_reason", "f" * 2000) or g,
                       ["completions[1].finish_reason", "2000"]),
     "reward_detail": (lambda g: setattr(g.completions[1], "reward", dataclasses.replace(
-        g.completions[1].reward, detail="x" * (validation.MAX_DETAIL + 1))) or g, ["reward.detail"]),
-    "reward": (lambda g: _reward(g, 7e9), ["reward.score 7000000000", "replay.max_abs_reward"]),
+        g.completions[1].reward, detail="x" * (validation.MAX_DETAIL + 1))) or g, ["completions[1].reward.detail of"]),
+    "reward": (lambda g: _reward(g, 7e9), ["reward.score 7000000000", " (replay.max_abs_reward)"]),
     "timestamp": (lambda g: setattr(g, "created_at", 9.0) or setattr(g, "finished_at", 3.0) or g,
                   ["created_at 9.0", "finished_at 3.0"]),
     "prompt_token": (lambda g: setattr(g, "prompt_ids", _set(g.prompt_ids, 1, VOCAB + 5)) or g,
