@@ -80,6 +80,9 @@ _RECORD_LIMITS = "msg = decode(frames, Limits(max_bytes=len(payload), max_header
 _FAST_PATH = ("the joined check is a fast path: a group it passes passes the check per completion, and one it "
               "fails is checked per completion after it; which groups take it changes only the time")
 EQUIVALENT: dict[tuple[str, str], str] = {
+    **{("replay/store.py", f'if entry is not None and entry.place != "{p}":'):
+       "claiming a pending group again moves it from pending to pending: the same counts and place"
+       for p in ("XXpendingXX", "PENDING")},
     ("replay/store.py", "self._pushes += 2"): "push numbers only order a group's heap items: any increasing count does",
     **{("replay/store.py", f"for c, start, end in zip(comps, starts.tolist(), ends.tolist(), {strict}):"):
        "starts and ends are made from the completions' own lengths: the three always have one length"
