@@ -225,6 +225,7 @@ def test_two_versions_stay_fetchable_while_a_fetch_is_in_progress(server, client
     # (never a mix of versions), and the actor then loads the newest whole.
     published.clear()
     publish_count = 2
+    newest(client, 2)  # announced by the server's thread, maybe after the fetch returned: waited for
     engine = RecordingEngine()
     engine.version = 1
     actor = worker(client, engine)
