@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -72,6 +73,20 @@ TINY_VLLM_CONFIG = dict(vocab_size=16, hidden_size=128, intermediate_size=96, nu
                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 # Its config.json: a model directory the checks before start accept (dph_async/app/preflight.py), no weights.
 TINY_LLAMA_JSON = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **TINY_VLLM_CONFIG}
+
+
+@pytest.fixture
+def memory_path(tmp_path):
+    """A scratch directory in memory where the machine has one (/dev/shm): logs that sync their files on
+    every write (the write-ahead log's manifest and base) cost nothing there, so hundreds stay fast."""
+    if not Path("/dev/shm").is_dir():
+        yield tmp_path
+        return
+    path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="dph-test-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
 
 
 def stub_model_dir(out: Path) -> Path:

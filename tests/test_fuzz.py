@@ -5,10 +5,8 @@ a crash or a hang fails the test with the input's traceback."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,23 +15,11 @@ TESTS = Path(__file__).parent
 SECONDS = 3
 
 
-@pytest.fixture
-def scratch(tmp_path):
-    if not Path("/dev/shm").is_dir():
-        yield tmp_path
-        return
-    path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="fuzz-test-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path)
-
-
 @pytest.mark.parametrize("target", ["protocol", "state", "wal"])
-def test_fuzzing_finds_no_exception_but_the_decoders_own(tmp_path, scratch, target):
+def test_fuzzing_finds_no_exception_but_the_decoders_own(tmp_path, memory_path, target):
     pytest.importorskip("atheris")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
-           "FUZZ_SCRATCH": str(scratch)}  # the wal target's log, rebuilt for each input: in memory where it can be
+           "FUZZ_SCRATCH": str(memory_path)}  # the wal target's log, rebuilt for each input: in memory where it can be
     found = subprocess.run(
         [sys.executable, str(TESTS / "fuzz_targets.py"), target, f"-max_total_time={SECONDS}", "-timeout=10",
          "-rss_limit_mb=2048", f"-artifact_prefix={tmp_path}/", str(tmp_path), str(TESTS / "data" / "fuzz" / target)],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -153,20 +152,6 @@ def test_damage_in_the_last_acknowledged_record_is_skipped_never_cut_off(tmp_pat
     assert (wal.damaged_records, wal.skipped_bytes, wal.truncated_bytes) == (1, third_end - second_end, 0)
     assert f"{segment}: bytes {second_end}-{third_end - 1}" in caplog.messages[0]
     assert recovered.resume(0).watermark == 6
-
-
-@pytest.fixture
-def memory_path(tmp_path):
-    """A directory in memory where the machine has one: every recovery syncs its manifest and base to
-    disk, which on tmpfs costs nothing, so hundreds of them stay fast."""
-    if not Path("/dev/shm").is_dir():
-        yield tmp_path
-        return
-    path = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="wal-test-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path)
 
 
 def test_no_byte_flip_in_a_segment_changes_what_recovery_reads(memory_path):
