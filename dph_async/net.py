@@ -251,19 +251,22 @@ def generate_keys(directory: str | os.PathLike) -> Path:
 
 
 CONTROL_TOKEN_FILE = "control.token"
+ACTOR_TOKEN_FILE = "actor.token"
 
 
-def control_token(directory: str | os.PathLike) -> bytes:
+def control_token(directory: str | os.PathLike, name: str = CONTROL_TOKEN_FILE) -> bytes:
     """The replay's control token kept in `directory` (created, readable by its owner only, if
     absent): whoever starts the replay makes it, the learner's client reads it, actors never get it.
-    Kept in a file so a restarted replay keeps the token its learner holds."""
-    path = Path(directory) / CONTROL_TOKEN_FILE
+    Kept in a file so a restarted replay keeps the token its learner holds. name=ACTOR_TOKEN_FILE:
+    the actor token, which the run's actors' ticket requests carry (never the control token)."""
+    path = Path(directory) / name
     token = secret_file(path)
     # A data directory may have been copied or shared: a token file someone else owns, or one others
-    # may read, is a token others may know, and it commands the replay (batches, snapshots, shutdown).
+    # may read, is a token others may know, and it commands the replay (batches, snapshots, shutdown)
+    # or, for the actor token, takes the tickets kept for the run's own actors.
     info = os.stat(path, follow_symlinks=False)
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise ValueError(f"{path}: a control token must be this user's and readable by its owner only "
+        raise ValueError(f"{path}: a token must be this user's and readable by its owner only "
                          f"(owner uid {info.st_uid}, mode {stat.filemode(info.st_mode)}); remove it to make a new one")
     return token
 

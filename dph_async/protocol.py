@@ -44,7 +44,8 @@ from dph_async.rewards.result import RewardResult
 # 5: WeightsReady.shm (the version's shared-memory segment on the learner's host).
 # 6: ReplayStats.gate_restarts.
 # 7: ReplayStats.gate_memory_mb and gate_memory_needed_mb.
-SCHEMA_VERSION = 7
+# 8: TicketRequest.token and ResumeRequest.token; ReplayStats.tickets.expired and .anonymous.
+SCHEMA_VERSION = 8
 
 MiB = 1 << 20
 
@@ -97,7 +98,7 @@ MAX_DIM = 1 << 40
 # Container limits, checked from a container's length prefix before anything in it is built.
 MAX_COMPLETIONS = 4096  # completions in one rollout group
 MAX_ITEMS = 1 << 22  # any other list in a header (ids, groups, tensors of a bucket)
-MAX_TOKEN_BYTES = 256  # a control token
+MAX_TOKEN_BYTES = 256  # a control or actor token
 # Upper bounds on the integers a request carries (docs/data_plane.md, "Bounds"), checked by validate():
 # what a peer sends is stored, summed and sent on, and must stay far inside int64 there.
 MAX_ACTOR_ID = (1 << 31) - 1
@@ -378,6 +379,9 @@ class Ack(Message):
     error: str = ""
 
 
+Token = Annotated[bytes, msgspec.Meta(max_length=MAX_TOKEN_BYTES)]
+
+
 class TicketRequest(Message):
     """An actor asks for up to `want` admission tickets (one per prompt it may start).
 
@@ -387,6 +391,8 @@ class TicketRequest(Message):
     weights_version: the policy version the actor generates with (-1: unknown); tickets are sized so
         its groups are still fresh when consumed.
     wait_s: how long the replay may hold the request waiting for capacity before granting what it can.
+    token: the run's actor token (without CURVE): a request without it is served from what is left
+        once one batch of tickets is kept for the run's own actors (docs/data_plane.md, Admission).
     """
 
     actor_id: int
@@ -394,6 +400,7 @@ class TicketRequest(Message):
     outstanding: int = 0
     weights_version: int = -1
     wait_s: float = 0.0
+    token: Token = b""
 
     def validate(self) -> None:
         _within(0, MAX_ACTOR_ID, actor_id=self.actor_id)
@@ -410,9 +417,11 @@ class TicketGrant(Message):
 
 class ResumeRequest(Message):
     """A (re)started actor asks which of its shard positions are already accepted. It also tells the
-    replay that the actor's earlier tickets are void."""
+    replay that the actor's earlier tickets are void (tickets granted with the actor token only by a
+    request that carries it)."""
 
     actor_id: int
+    token: Token = b""
 
     def validate(self) -> None:
         _within(0, MAX_ACTOR_ID, actor_id=self.actor_id)
@@ -430,9 +439,6 @@ class ResumeInfo(Message):
 
     def is_accepted(self, seq: int) -> bool:
         return seq < self.watermark or seq in self.accepted_above
-
-
-Token = Annotated[bytes, msgspec.Meta(max_length=MAX_TOKEN_BYTES)]
 
 
 class BatchRequest(Message):

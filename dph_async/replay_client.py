@@ -198,7 +198,7 @@ class _Channel:
 class RolloutSender:
     """An actor's connection to the replay's ingest endpoint.
 
-    sender = RolloutSender("tcp://127.0.0.1:5555", actor_id=0)
+    sender = RolloutSender("tcp://127.0.0.1:5555", actor_id=0, token=service.actor_token)
     done = sender.resume()                     # which shard positions are already accepted
     n = sender.tickets(want=16)                # admission: start at most n new prompts
     sender.send(group)                         # non-blocking; kept until acknowledged
@@ -214,8 +214,12 @@ class RolloutSender:
         request_timeout_s: float = 300.0,
         max_unacked: int = 4096,
         context: zmq.Context | None = None,
+        token: bytes = b"",
     ):
+        """token: the replay's actor token (without CURVE): without it the actor is anonymous, granted
+        tickets only from what is left once a batch of them is kept for the run's own actors."""
         self.actor_id = actor_id
+        self.token = token
         self.reply_timeout_s = reply_timeout_s
         self.request_timeout_s = request_timeout_s
         self.max_unacked = max_unacked
@@ -338,7 +342,7 @@ class RolloutSender:
 
     def resume(self) -> ResumeInfo:
         """Which seqs of this actor are already accepted; voids tickets held from before."""
-        info = self._call(ResumeRequest(self.actor_id), ResumeInfo)
+        info = self._call(ResumeRequest(self.actor_id, self.token), ResumeInfo)
         self.held = self._unclaimed = 0
         return info
 
@@ -355,7 +359,7 @@ class RolloutSender:
         if self._unclaimed:
             claimed, self._unclaimed = min(self._unclaimed, want), max(0, self._unclaimed - want)
             return claimed
-        request = TicketRequest(self.actor_id, want, self.held, weights_version, wait_s)
+        request = TicketRequest(self.actor_id, want, self.held, weights_version, wait_s, self.token)
         if not block:
             if time.monotonic() >= self._parked_until and self._chan.send(encode(request)):
                 # A lost answer (reconnect) is given up on a little after the replay would have sent it.
@@ -370,7 +374,7 @@ class RolloutSender:
         if flush_timeout_s > 0:
             self.flush(flush_timeout_s)
         if self.held:
-            self._chan.send(encode(TicketRequest(self.actor_id, 0, 0)))
+            self._chan.send(encode(TicketRequest(self.actor_id, 0, 0, token=self.token)))
         self._chan.close(linger_ms=200)
 
 

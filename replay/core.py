@@ -148,9 +148,10 @@ class ReplayCore:
 
     # ----------------------------------------------------------------------------- actors
 
-    def tickets(self, req: TicketRequest) -> TicketGrant:
+    def tickets(self, req: TicketRequest, trusted: bool = True) -> TicketGrant:
+        """Answer a ticket request; `trusted`: it carried the actor token (replay/staleness.py)."""
         granted = self.admission.grant(
-            req.actor_id, req.want, req.outstanding, self.version, self.admitted, req.weights_version
+            req.actor_id, req.want, req.outstanding, self.version, self.admitted, req.weights_version, trusted
         )
         self.metrics.count("tickets_granted", granted)
         return TicketGrant(req.actor_id, granted, self.version)
@@ -162,8 +163,8 @@ class ReplayCore:
         capacity from the actors that were)."""
         return self.metrics.counters["admitted"] - len(self.ticketless)
 
-    def resume(self, actor_id: int) -> ResumeInfo:
-        self.metrics.count("tickets_voided", self.admission.reset(actor_id))
+    def resume(self, actor_id: int, trusted: bool = True) -> ResumeInfo:
+        self.metrics.count("tickets_voided", self.admission.reset(actor_id, trusted))
         watermark, above = self.accepted.resume_point(actor_id)
         return ResumeInfo(actor_id, watermark, above, self.version)
 
@@ -278,8 +279,10 @@ class ReplayCore:
         self.pending = None
 
     def _expire(self) -> None:
-        for entry in self.store.expire(self.version - self.expiry_bound(self.version)):
+        oldest = self.version - self.expiry_bound(self.version)
+        for entry in self.store.expire(oldest):
             self._dropped(entry, "stale_reused" if entry.served else "stale")
+        self.admission.expire(oldest)  # tickets whose groups would be dropped as those were
 
     def _dropped(self, entry: Entry, reason: str) -> None:
         self.metrics.count(f"drop:{reason}")
@@ -472,6 +475,8 @@ class ReplayCore:
                 capacity=self.admission.capacity(self.version, self.admitted),
                 admitted=self.admitted,
                 overclaimed=self.admission.overclaimed,
+                expired=self.admission.expired,
+                anonymous=self.admission.anonymous_granted,
             ),
             reference_pool=len(self.reference),
             wal=WalStats(

@@ -141,17 +141,21 @@ class ReplayService:
         seed: int = 0,
         data_dir: str | None = None,
         control_token: bytes | None = None,
+        actor_token: bytes | None = None,
     ):
         """wal_dir: the log directory, already resolved against the run directory (None: no log, a
         restart loses everything). data_dir: where snapshots are written and read (a Control names
         them relative to it; None: snapshot and restore are refused). control_token: what a batch
         request or command must carry without CURVE (None: a random one, `self.control_token`, for
-        whoever starts the service to hand to the learner's client). Port 0 in a tcp address picks
+        whoever starts the service to hand to the learner's client). actor_token: what the run's
+        actors' ticket requests carry without CURVE (None: a random one, `self.actor_token`); a request
+        without it is anonymous and is never granted the last batch of tickets. Port 0 in a tcp address picks
         a free port; see the *_endpoint attributes for what was bound."""
         self.cfg = cfg
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self.wal_dir = Path(wal_dir) if wal_dir is not None else None
         self.control_token = control_token if control_token is not None else secrets.token_bytes(32)
+        self.actor_token = actor_token if actor_token is not None else secrets.token_bytes(32)
         reference = ReferencePool.load(reference_path, seed, cfg.logprob_tolerance) if reference_path else None
         wal = WriteAheadLog(wal_dir, cfg.wal_fsync, int(cfg.wal_segment_mb * MiB)) if wal_dir else None
         self.core = ReplayCore(cfg, groups_per_batch, reference, wal)
@@ -355,15 +359,20 @@ class ReplayService:
         for (peer, status, error), ids in acks.items():
             self._send(self._ingest, peer, Ack(ids, status, error))
 
+    def _trusted(self, msg: TicketRequest | ResumeRequest) -> bool:
+        """Whether an actor's request comes from the run's own actors: with CURVE, every key the
+        replay lets in is one; without, the request carries the actor token."""
+        return self._keys is not None or hmac.compare_digest(msg.token, self.actor_token)
+
     def _actor_request(self, peer: bytes, msg: Message) -> None:
         if isinstance(msg, TicketRequest):
-            grant = self.core.tickets(msg)
+            grant = self.core.tickets(msg, self._trusted(msg))
             if grant.granted == 0 and msg.want > 0 and msg.wait_s > 0 and self._park_ticket(peer, msg):
                 return
             self._send(self._ingest, peer, grant)
         elif isinstance(msg, ResumeRequest):
             self._unpark_ticket((peer, msg.actor_id))
-            self._send(self._ingest, peer, self.core.resume(msg.actor_id))
+            self._send(self._ingest, peer, self.core.resume(msg.actor_id, self._trusted(msg)))
         else:
             assert isinstance(msg, StatsRequest)  # the ingest limits accept nothing else
             self._send(self._ingest, peer, Stats(self.stats()))
@@ -463,7 +472,7 @@ class ReplayService:
             assert isinstance(parked.request, TicketRequest)
             if 0 <= parked.request.weights_version < self.core.version:
                 self._unpark_ticket(key)
-                self._send(self._ingest, parked.peer, self.core.tickets(parked.request))
+                self._send(self._ingest, parked.peer, self.core.tickets(parked.request, self._trusted(parked.request)))
 
     def _serve_parked(self) -> None:
         now = time.monotonic()
@@ -481,7 +490,7 @@ class ReplayService:
             if not open_capacity and now < parked.deadline:
                 continue
             assert isinstance(parked.request, TicketRequest)
-            grant = self.core.tickets(parked.request)
+            grant = self.core.tickets(parked.request, self._trusted(parked.request))
             if grant.granted or now >= parked.deadline:
                 self._unpark_ticket(key)
                 self._send(self._ingest, parked.peer, grant)

@@ -30,6 +30,13 @@ actor's account of the tickets it holds (`TicketRequest.outstanding`) may only l
 actor gives back tickets it lost), never raise it, so no peer can shrink the capacity of the others.
 Only actors holding tickets have an entry, so the bookkeeping is bounded by the capacity, not by the
 actor ids peers make up.
+
+A peer without the run's actor token (or CURVE key) is *anonymous*: it is granted only from what is
+left once one batch of tickets (B) is kept for the run's own actors, and it cannot lower or void the
+record of an actor whose tickets were granted with the token. So a loopback client that takes every
+ticket it can for made-up actor ids still leaves the run's actors a batch per version, and the
+learner moves on. Tickets whose last batch was served expire (a group made from them would be
+dropped as stale): what a peer took and never used frees itself within eta + 1 versions.
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ class Admission:
         self.in_flight_total = 0
         self.granted_total = 0
         self.overclaimed = 0  # requests whose actor claimed more tickets than it was granted
+        self.expired = 0  # tickets dropped unused once their last batch was served
+        self.trusted: set[int] = set()  # actors whose tickets were granted with the actor token
+        self.anonymous_granted = 0  # tickets granted to requests without it
 
     @staticmethod
     def basis(learner_version: int, weights_version: int) -> int:
@@ -113,6 +123,7 @@ class Admission:
     def _settle(self, actor: int, used: int) -> None:
         if actor in self.in_flight and not self.in_flight[actor]:
             del self.in_flight[actor]
+            self.trusted.discard(actor)
         self.in_flight_total -= used
 
     def grant(
@@ -123,19 +134,44 @@ class Admission:
         learner_version: int,
         admitted: int,
         weights_version: int,
+        trusted: bool = True,
     ) -> int:
         """Answer a ticket request. `outstanding` (the actor's own count of unused tickets) lowers our
         record of what it holds, never raises it. The tickets it no longer counts are taken as its
-        newest: an honest actor counts fewer than we do only while a grant is on its way to it."""
+        newest: an honest actor counts fewer than we do only while a grant is on its way to it.
+        `trusted`: the request carried the actor token; without it the request gets nothing for an
+        actor whose tickets were granted with it, and otherwise only what leaves one batch free."""
+        if not trusted and actor in self.trusted:
+            return 0
         held = self.held(actor)
         if outstanding > held:
             self.overclaimed += 1
         self._use(actor, held - min(held, max(outstanding, 0)), newest=True)
-        granted = want if not self.enabled else min(want, self.capacity(learner_version, admitted, weights_version))
+        room = self.capacity(learner_version, admitted, weights_version)
+        if not trusted:
+            room = max(0, room - self.groups_per_batch)
+        granted = want if not self.enabled else min(want, room)
         if granted > 0:
             self._add(actor, self.basis(learner_version, weights_version), granted)
             self.granted_total += granted
+            if trusted:
+                self.trusted.add(actor)
+            else:
+                self.anonymous_granted += granted
         return granted
+
+    def expire(self, oldest_basis: int) -> int:
+        """Drop the tickets granted at a basis older than `oldest_basis`: their last batch was served,
+        so a group made from them would be dropped as stale. Returns how many."""
+        gone = 0
+        for actor, chunks in list(self.in_flight.items()):
+            # Oldest grant first, but a peer's weights_version can make a later grant's basis older.
+            old = [i for i, (basis, _) in enumerate(chunks) if basis < oldest_basis]
+            used = sum(self._take(chunks, i, chunks[i][1]) for i in reversed(old))
+            self._settle(actor, used)
+            gone += used
+        self.expired += gone
+        return gone
 
     def arrived(self, actor: int, min_version: int) -> None:
         """A new group from `actor` was accepted. It used a ticket granted at a basis no newer than
@@ -149,7 +185,10 @@ class Admission:
         self._take(chunks, fits[-1] if fits else 0, 1)
         self._settle(actor, 1)
 
-    def reset(self, actor: int) -> int:
+    def reset(self, actor: int, trusted: bool = True) -> int:
         """The actor (re)connected and resumed: its earlier tickets are void. Returns how many there
-        were: positions granted to its previous process and never delivered (they are regenerated)."""
+        were: positions granted to its previous process and never delivered (they are regenerated).
+        Without the actor token, tickets granted with it stay."""
+        if not trusted and actor in self.trusted:
+            return 0
         return self._use(actor, self.held(actor))

@@ -78,6 +78,10 @@ class ReplayCollector(Collector):
         yield GaugeMetricFamily("dph_replay_tickets_parked", "Ticket requests waiting for capacity", value=t.parked)
         yield CounterMetricFamily("dph_replay_tickets_overclaimed",
                                   "Ticket requests claiming more tickets than were granted", value=t.overclaimed)
+        yield CounterMetricFamily("dph_replay_tickets_expired",
+                                  "Tickets dropped unused once their last batch was served", value=t.expired)
+        yield CounterMetricFamily("dph_replay_tickets_anonymous",
+                                  "Tickets granted to requests without the actor token", value=t.anonymous)
         yield CounterMetricFamily("dph_replay_gate_restarts", "Gate processes started again after one ended",
                                   value=s.gate_restarts)
         yield _labelled("dph_replay_gate_memory_megabytes", "The gate's memory (limit), and what the actors seen "

@@ -112,12 +112,12 @@ def test_a_control_token_that_others_may_read_is_refused_not_trusted(tmp_path, c
     path = tmp_path / CONTROL_TOKEN_FILE
     path.write_text("00" * 32)
     path.chmod(0o644)
-    with pytest.raises(ValueError, match=r"control\.token: a control token must be this user's and readable by its "
+    with pytest.raises(ValueError, match=r"control\.token: a token must be this user's and readable by its "
                                          r"owner only \(owner uid \d+, mode -rw-r--r--\)"):
         control_token(tmp_path)
     assert main(["serve", "replay", "--ingest", "tcp://127.0.0.1:0", "--batch", "tcp://127.0.0.1:0", "--no-wal",
                  "--data-dir", str(tmp_path), f"output_dir={tmp_path}"]) == 2
-    assert "control.token: a control token must be this user's" in capsys.readouterr().err
+    assert "control.token: a token must be this user's" in capsys.readouterr().err
     path.chmod(0o600)
     assert control_token(tmp_path) == bytes(32)
     path.unlink()

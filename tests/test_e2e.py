@@ -137,6 +137,8 @@ def test_async_respects_staleness_and_trains(async_run):
             assert 0 <= step["version"] - oldest <= ETA
     ids = group_ids(rl_dir)
     assert len(ids) == len(set(ids)), "a group was used twice"
+    # The actors' ticket requests carried the run's actor token: none was served as a stranger's.
+    assert result.replay.tickets.granted > 0 and result.replay.tickets.anonymous == 0
     # Every actor that contributed loaded new weights, and tokens made with them reached the learner.
     # (Not necessarily both: in a run of 5 steps, about 2 s, one actor can take every ticket while
     # the other is still in its first engine step.)

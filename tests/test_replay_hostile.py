@@ -10,6 +10,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ import zmq
 
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
-from dph_async.net import NetSecurity, connect, generate_keys
+from dph_async.net import ACTOR_TOKEN_FILE, NetSecurity, connect, control_token, generate_keys
 from dph_async.protocol import (
     MAX_COUNT,
     Ack,
@@ -28,6 +29,8 @@ from dph_async.protocol import (
     Control,
     ControlReply,
     ErrorReply,
+    ResumeInfo,
+    ResumeRequest,
     Stats,
     StatsRequest,
     TicketGrant,
@@ -80,7 +83,7 @@ def stats_within(svc: ReplayService, seconds: float):
 
 def honest_round_trip(svc: ReplayService, seq: int) -> None:
     """An honest actor still gets a group accepted, and the learner still gets it in a batch."""
-    sender = RolloutSender(svc.ingest_endpoint, 7)
+    sender = RolloutSender(svc.ingest_endpoint, 7, token=svc.actor_token)
     sender.send(synthetic_group(7, seq, n=2, tokens=8))
     assert sender.flush(10) and sender.accepted == 1
     sender.close()
@@ -242,11 +245,58 @@ def test_a_peer_cannot_claim_away_the_capacity_of_the_others(service):
     sock = dealer(service.ingest_endpoint)
     reply = ask(sock, encode(TicketRequest(999999, want=0, outstanding=MAX_COUNT)))
     assert isinstance(reply, TicketGrant) and reply.granted == 0
-    sender = RolloutSender(service.ingest_endpoint, 1)
+    sender = RolloutSender(service.ingest_endpoint, 1, token=service.actor_token)
     assert sender.tickets(8, wait_s=0.0) == 8  # the whole capacity, (eta + 1) * B, is still there
     tickets = stats_within(service, 5).tickets
     assert tickets.overclaimed == 1 and tickets.in_flight == 8 and tickets.capacity == 0
     sender.close()
+
+
+def test_a_peer_without_the_actor_token_cannot_starve_the_runs_actors(service):
+    """Before the actor token, one TicketRequest(actor_id=424242, want=1000) from a loopback client
+    took every ticket and held a live run at its version for minutes. Now an anonymous peer is granted
+    only what leaves one batch for the run's actors, cannot void or lower their record, and what it
+    took and never used expires once its last batch is served."""
+    sock = dealer(service.ingest_endpoint)
+    hoard = ask(sock, encode(TicketRequest(424242, want=1000)))
+    assert isinstance(hoard, TicketGrant) and hoard.granted == (CFG.max_staleness + 1) * B - B
+    assert ask(sock, encode(TicketRequest(424243, want=1000))).granted == 0  # another made-up id: no more
+    sender = RolloutSender(service.ingest_endpoint, 1, token=service.actor_token)
+    assert sender.tickets(1000, wait_s=0.0) == B  # the batch kept for the run's own actors
+    # Without the token, the honest actor's record can be neither voided nor lowered nor added to.
+    assert isinstance(ask(sock, encode(ResumeRequest(1))), ResumeInfo)
+    assert ask(sock, encode(TicketRequest(1, want=1000, outstanding=0))).granted == 0
+    tickets = stats_within(service, 5).tickets
+    assert (tickets.in_flight, tickets.anonymous, tickets.voided, tickets.capacity) == (8, 4, 0, 0)
+    # The learner moves on with the run's actors: at version 1 (its request waiting for groups) B more
+    # tickets are free, all of them the run's actors' (an anonymous peer is granted none of the last B).
+    client = service.local_client()
+    try:
+        for version in range(3):
+            served: list = []
+            ask_batch = lambda v=version, out=served: out.append(client.get_batch(v, B, wait_s=10.0))  # noqa: E731
+            batch = threading.Thread(target=ask_batch)
+            batch.start()
+            ask_until(sock, lambda r, v=version: r.replay.version == v)
+            if version == 1:
+                assert ask(sock, encode(TicketRequest(424244, want=1000))).granted == 0
+                assert sender.tickets(1000, wait_s=0.0) == B
+            elif version == 2:
+                # The hoard's basis was version 0, its last batch version 1 (eta 1): it expired, and
+                # what frees up is again shared so that the run's actors keep a batch.
+                tickets = stats_within(service, 5).tickets
+                assert (tickets.expired, tickets.in_flight, tickets.capacity) == (4, 0, 8)
+                assert ask(sock, encode(TicketRequest(424245, want=1000))).granted == 4
+                assert sender.tickets(1000, wait_s=0.0) == B
+            for seq in range(B):
+                sender.send(synthetic_group(1, version * B + seq, n=2, tokens=8, version=version))
+            assert sender.flush(10)
+            batch.join(15)
+            assert len(served[0].groups) == B
+    finally:
+        client.close()
+        sender.close()
+        sock.close()
 
 
 def test_integers_past_their_bounds_are_refused_and_the_replay_keeps_serving(tmp_path):
@@ -280,7 +330,7 @@ def test_integers_past_their_bounds_are_refused_and_the_replay_keeps_serving(tmp
 
 
 def test_parked_ticket_requests_are_bounded_per_connection(service):
-    sender = RolloutSender(service.ingest_endpoint, 1)
+    sender = RolloutSender(service.ingest_endpoint, 1, token=service.actor_token)
     assert sender.tickets(8, wait_s=0.0) == 8  # no capacity left: requests that wait get parked
     sock = dealer(service.ingest_endpoint)
     n = 2000
@@ -300,7 +350,7 @@ def test_parked_ticket_requests_are_bounded_per_connection(service):
 def test_an_answer_to_a_peer_that_left_is_counted_as_dropped(service):
     """A parked ticket request is answered when its wait ends; by then its peer has gone. With a gate
     the answer is lost there, and the gate's count reaches the replay's stats as the ROUTER's does."""
-    sender = RolloutSender(service.ingest_endpoint, 1)
+    sender = RolloutSender(service.ingest_endpoint, 1, token=service.actor_token)
     assert sender.tickets(8, wait_s=0.0) == 8  # no capacity left: a request that waits gets parked
     sock = dealer(service.ingest_endpoint)
     sock.send_multipart(encode(TicketRequest(7, want=1, wait_s=1.0)))
@@ -421,7 +471,8 @@ def test_a_message_of_many_frames_grows_the_gate_not_the_replay(tmp_path, gate):
             line = proc.stderr.readline()
             assert line or proc.poll() is None, "the replay did not start"
         ingest = line.split()[2].rstrip(",")
-        svc = SimpleNamespace(ingest_endpoint=ingest, batch_endpoint=line.split()[4].rstrip(";"))
+        svc = SimpleNamespace(ingest_endpoint=ingest, batch_endpoint=line.split()[4].rstrip(";"),
+                              actor_token=control_token(tmp_path, ACTOR_TOKEN_FILE))  # serve replay made it
         honest_round_trip(svc, 0)
         before = peak_rss_mb(proc.pid)
         flood(ingest, 120, (1 << 20) - 64)
@@ -439,7 +490,7 @@ def test_a_message_of_many_frames_grows_the_gate_not_the_replay(tmp_path, gate):
 def test_the_replay_starts_a_new_gate_when_one_dies_and_senders_lose_nothing(tmp_path):
     service = ReplayService(CFG, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", B, wal_dir=str(tmp_path / "wal"))
     service.start_in_thread()
-    sender = RolloutSender(service.ingest_endpoint, 3, reply_timeout_s=1.0)
+    sender = RolloutSender(service.ingest_endpoint, 3, token=service.actor_token, reply_timeout_s=1.0)
     assert sender.tickets(8) == 8  # an honest actor: one ticket per group it sends
     for seq in range(4):
         sender.send(synthetic_group(3, seq, n=2, tokens=8))

@@ -47,7 +47,7 @@ def ask(sock: zmq.Socket, frames: list):
 
 
 def test_bad_input_is_answered_counted_and_loses_nothing(service):
-    sender = RolloutSender(service.ingest_endpoint, 0)
+    sender = RolloutSender(service.ingest_endpoint, 0, token=service.actor_token)
     for i in range(5):
         sender.send(synthetic_group(0, i, n=2, tokens=8))
     assert sender.flush(10) and sender.accepted == 5
@@ -97,7 +97,7 @@ def test_a_batch_request_waits_then_returns_what_there_is(service):
     first = client.get_batch(0, 4, wait_s=0.3)
     assert first.groups == [] and (first.cycle_s, first.data_wait) == (0.0, 1.0)  # nothing answered before
     assert 0.25 < time.monotonic() - t0 < 3 and 0.25 < first.waited_s <= time.monotonic() - t0
-    sender = RolloutSender(service.ingest_endpoint, 1)
+    sender = RolloutSender(service.ingest_endpoint, 1, token=service.actor_token)
     sender.send(synthetic_group(1, 0))
     sender.flush(5)
     t1 = time.monotonic()
@@ -117,7 +117,7 @@ def test_a_batch_request_waits_then_returns_what_there_is(service):
 
 
 def test_the_same_request_id_gets_the_same_batch(service):
-    sender = RolloutSender(service.ingest_endpoint, 0)
+    sender = RolloutSender(service.ingest_endpoint, 0, token=service.actor_token)
     for i in range(8):
         sender.send(synthetic_group(0, i))
     sender.flush(5)
@@ -141,7 +141,7 @@ def test_a_learner_in_the_service_process_takes_batches_on_the_local_socket(tmp_
     svc.start_in_thread()
     try:
         assert svc.local_batch_endpoint.startswith("inproc://")
-        sender = RolloutSender(svc.ingest_endpoint, 0, security=NetSecurity(curve_keys=keys))
+        sender = RolloutSender(svc.ingest_endpoint, 0, token=svc.actor_token, security=NetSecurity(curve_keys=keys))
         for i in range(6):
             sender.send(synthetic_group(0, i))
         assert sender.flush(10)

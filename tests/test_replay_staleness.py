@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import random
 import threading
+from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
@@ -13,6 +16,7 @@ from dph_async.protocol import BatchRequest, TicketRequest
 from dph_async.replay_client import ReplayClient, RolloutSender
 from replay.core import ReplayCore
 from replay.service import ReplayService
+from replay.staleness import Admission
 
 
 @pytest.mark.parametrize("eta", [0, 1, 3])
@@ -183,7 +187,7 @@ def test_steady_workload_over_sockets_has_no_drops(ipc):
     stop = threading.Event()
 
     def actor(actor_id: int) -> None:
-        sender = RolloutSender(service.ingest_endpoint, actor_id, reply_timeout_s=5)
+        sender = RolloutSender(service.ingest_endpoint, actor_id, token=service.actor_token, reply_timeout_s=5)
         seq = sender.resume().watermark
         weights = 0
         while not stop.is_set():
@@ -271,3 +275,80 @@ def test_the_learner_sets_the_bound_with_its_control_identity_only(ipc):
         learner.close()
         stranger.close()
         service.stop()
+
+
+def test_a_request_without_the_actor_token_leaves_a_batch_and_cannot_touch_a_tokened_record():
+    core = ReplayCore(ReplayConfig(max_staleness=1, admission=True, wal_dir=None), groups_per_batch=4)
+    assert core.tickets(TicketRequest(9, 100), trusted=False).granted == 4  # (eta + 1) * B less one batch
+    assert core.tickets(TicketRequest(8, 100), trusted=False).granted == 0
+    assert core.tickets(TicketRequest(1, 3)).granted == 3
+    assert core.tickets(TicketRequest(2, 100), trusted=False).granted == 0  # 1 left, and it is the run's
+    assert core.tickets(TicketRequest(1, 100, outstanding=3)).granted == 1
+    # Without the token: nothing for a tokened actor's id, and its record is neither lowered nor voided.
+    assert core.tickets(TicketRequest(1, 100, outstanding=0), trusted=False).granted == 0
+    core.resume(1, trusted=False)
+    assert (core.admission.held(1), core.stats().tickets.voided, core.stats().tickets.anonymous) == (4, 0, 4)
+    # With the token, an anonymous id's tickets can be voided, and the id is the run's from its next grant.
+    core.resume(9)
+    assert (core.stats().tickets.voided, core.admission.held(9)) == (4, 0)
+    assert core.tickets(TicketRequest(9, 1)).granted == 1
+    assert core.tickets(TicketRequest(9, 100, outstanding=0), trusted=False).granted == 0
+    assert core.admission.held(9) == 1
+    core.resume(1)  # a tokened actor's record, once empty, is anyone's id again: 7 free, 4 kept
+    assert core.tickets(TicketRequest(1, 100), trusted=False).granted == 3
+    assert core.admission.held(1) == 3 and 1 not in core.admission.trusted
+
+
+def test_tickets_expire_once_the_last_batch_they_could_fill_is_served():
+    adm = Admission(max_staleness=1, groups_per_batch=4, enabled=True)
+    adm.grant(0, 2, 0, learner_version=0, admitted=0, weights_version=0)
+    adm.grant(1, 2, 0, learner_version=1, admitted=0, weights_version=1)
+    adm.grant(1, 1, 2, learner_version=1, admitted=0, weights_version=0)  # a later grant with an older basis
+    adm.grant(1, 1, 3, learner_version=1, admitted=0, weights_version=1)  # and a newer one after it
+    adm.grant(1, 1, 4, learner_version=1, admitted=0, weights_version=0)
+    assert [basis for basis, _ in adm.in_flight[1]] == [1, 0, 1, 0]
+    assert adm.expire(0) == 0  # basis 0 may still fill batch 1 (eta 1)
+    assert adm.expire(1) == 4 and adm.expired == 4
+    assert (adm.held(0), adm.held(1), adm.in_flight_total, dict(adm.by_version)) == (0, 3, 3, {1: 3})
+    assert [list(c) for c in adm.in_flight[1]] == [[1, 2], [1, 1]]
+    assert 0 not in adm.in_flight and 0 not in adm.trusted
+    assert adm.last_chance(2, bound=1) == 3 and adm.last_chance(1, bound=1) == 0
+    # In the replay: serving batch v drops what only batches before v - eta could use, no more.
+    core = ReplayCore(ReplayConfig(max_staleness=1, admission=True, wal_dir=None), groups_per_batch=4)
+    assert core.tickets(TicketRequest(0, 4, 0, weights_version=0)).granted == 4
+    core.ingest([synthetic_group(0, 0, n=2, tokens=3, version=0)])
+    assert core.request(BatchRequest(1, 1, 0.0, request_id=1)) is not None
+    assert core.stats().tickets.expired == 0  # basis 0's last batch is this one
+    assert core.request(BatchRequest(2, 1, 0.0, request_id=2)) is not None
+    tickets = core.stats().tickets
+    assert (tickets.expired, tickets.in_flight, tickets.capacity) == (3, 0, (1 + 2 + 1) * 4 - 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["grant", "arrive", "expire", "reset"]), st.integers(0, 3),
+                          st.integers(0, 6), st.integers(-1, 6), st.booleans()), max_size=40))
+def test_the_ticket_record_adds_up_after_any_sequence(ops):
+    """However grants, arrivals, expiries and resets interleave (trusted or not): the totals are the
+    sum of the chunks, no chunk or entry is empty, and anonymous peers never hold the last batch."""
+    adm, version, admitted = Admission(max_staleness=1, groups_per_batch=2, enabled=True), 0, 0
+    for op, actor, n, weights, trusted in ops:
+        if op == "grant":
+            granted = adm.grant(actor, n, adm.held(actor) if n % 2 else 0, version, admitted, weights, trusted)
+            if granted and not trusted:  # what is left for the run's actors is still a batch
+                limit = (adm.max_staleness + Admission.basis(version, weights) + 1) * adm.groups_per_batch
+                run_held = sum(adm.held(a) for a in adm.trusted)
+                anonymous_held = adm.in_flight_total - run_held
+                assert limit - admitted - run_held - anonymous_held >= adm.groups_per_batch
+        elif op == "arrive":
+            adm.arrived(actor, max(weights, 0))
+            admitted += 1
+        elif op == "expire":
+            version += 1
+            adm.expire(version - 1)
+        else:
+            adm.reset(actor, trusted)
+        chunks = [c for a in adm.in_flight.values() for c in a]
+        assert all(held > 0 for _, held in chunks) and all(adm.in_flight.values())
+        assert adm.in_flight_total == sum(held for _, held in chunks)
+        assert adm.by_version == Counter(basis for basis, held in chunks for _ in range(held))
+        assert adm.trusted <= set(adm.in_flight)

@@ -168,7 +168,7 @@ def test_a_sender_told_to_retry_keeps_its_group_and_it_is_accepted_once_there_is
     service = ReplayService(cfg, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 4)
     service.start_in_thread()
     try:
-        sender = RolloutSender(service.ingest_endpoint, 7, reply_timeout_s=5.0)
+        sender = RolloutSender(service.ingest_endpoint, 7, token=service.actor_token, reply_timeout_s=5.0)
         for seq in range(6):  # no tickets: four fit the ticketless budget, two are told to retry
             sender.send(good(seq, actor=7))
         client = service.local_client()

@@ -70,8 +70,10 @@ def test_replay_metrics_parse_and_move_with_work(replay, tmp_path):
     assert ep.name == "replay" and ep.url == endpoint.url and endpoint.url.startswith("http://127.0.0.1:")
     before = scrape(ep)
     assert before.up and before.value("dph_replay_accepted_groups_total") == 0
-    sender = RolloutSender(svc.ingest_endpoint, 0)
+    sender = RolloutSender(svc.ingest_endpoint, 0, token=svc.actor_token)
     assert sender.tickets(6, wait_s=0.0) == 6
+    anonymous = RolloutSender(svc.ingest_endpoint, 1)  # no actor token: what leaves one batch free
+    assert anonymous.tickets(100, wait_s=0.0) == (4 + 1) * 4 - 6 - 4
     for i in range(6):
         sender.send(synthetic_group(0, i, n=2, tokens=8))
     assert sender.flush(10)
@@ -79,7 +81,10 @@ def test_replay_metrics_parse_and_move_with_work(replay, tmp_path):
     assert len(client.get_batch(0, 4, wait_s=1.0).groups) == 4
     after = scrape_moved(ep, "dph_replay_accepted_groups_total", 0)
     assert after.value("dph_replay_accepted_groups_total") == 6
-    assert after.value("dph_replay_tickets_granted_total") == 6
+    assert after.value("dph_replay_tickets_granted_total") == 16
+    assert after.value("dph_replay_tickets_anonymous_total") == 10
+    assert after.value("dph_replay_tickets_expired_total") == 0
+    anonymous.close()
     assert after.value("dph_replay_occupancy", what="groups") == 6  # 4 pending in the batch, 2 unserved
     assert after.value("dph_replay_occupancy", what="unserved") == 2
     assert after.value("dph_replay_served_total", what="groups") == 4
@@ -117,7 +122,7 @@ def test_a_gate_too_small_for_the_actors_seen_is_warned_about_and_flagged(tmp_pa
         with caplog.at_level("WARNING", logger="replay.service"):
             needed = None
             for actor in range(3):
-                sender = RolloutSender(svc.ingest_endpoint, actor)
+                sender = RolloutSender(svc.ingest_endpoint, actor, token=svc.actor_token)
                 sender.send(synthetic_group(actor, 0, n=8, tokens=4096))  # 8 x 4096 x 12 bytes
                 assert sender.flush(10)
                 sender.close()

@@ -127,17 +127,18 @@ class ActorProcess:
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     def bind(self, cfg: RunConfig, model_dir: str, prompts_path: str, ingest: str, weights: str, log_dir: str,
-             home: str, learner: tuple[str, str]) -> bool:
+             home: str, learner: tuple[str, str], actor_token: bytes) -> bool:
         """Join a run; returns whether this process may serve a later run (one whose engine a reset can
-        bring back to the run's start: not a mixture sampler's, which holds pi_0 as well)."""
+        bring back to the run's start: not a mixture sampler's, which holds pi_0 as well). actor_token:
+        the replay's, carried by this actor's ticket requests."""
         self._binding = True
         try:
-            return self._bind(cfg, model_dir, prompts_path, ingest, weights, log_dir, home, learner)
+            return self._bind(cfg, model_dir, prompts_path, ingest, weights, log_dir, home, learner, actor_token)
         finally:
             self._binding, self._called = False, time.monotonic()
 
     def _bind(self, cfg: RunConfig, model_dir: str, prompts_path: str, ingest: str, weights: str, log_dir: str,
-              home: str, learner: tuple[str, str]) -> bool:
+              home: str, learner: tuple[str, str], actor_token: bytes) -> bool:
         log_to_file(Path(log_dir) / f"actor{self.actor_id}.log")
         w = _worker_side()
         actor_id, security = self.actor_id, net.NetSecurity.from_config(cfg.net)
@@ -150,8 +151,9 @@ class ActorProcess:
             prompts = _prompts(cfg, prompts_path, self.engine)
         else:
             prompts = self._restart_from_learner(cfg, prompts_path, weight_client, learner)
-        self.worker = w.RolloutWorker(actor_id, cfg, self.engine, prompts, RolloutSender(ingest, actor_id, security),
-                                    weight_client, make_scorer(cfg.rewards))
+        sender = RolloutSender(ingest, actor_id, security, token=actor_token)
+        self.worker = w.RolloutWorker(actor_id, cfg, self.engine, prompts, sender, weight_client,
+                                      make_scorer(cfg.rewards))
         self.endpoint = _actor_endpoint(cfg, self.worker, Path(log_dir).parent)
         return not sampler(cfg.actors.sampler).uses_reference
 

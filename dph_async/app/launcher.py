@@ -140,13 +140,13 @@ def _launch(cfg: RunConfig, rl_dir: Path, model_dir: Path, prompts_path: Path, r
     placement = actor_placement()
     actors = [take(key, keep_s) or new_actor(cfg, key, placement) for key in keys]
     release_actors()  # kept for runs unlike this one
-    ingest, weights = ray.get(bound)
+    ingest, weights, actor_token = ray.get(bound)
     store = ray.get(learner.rendezvous_store.remote())
     ranks = [LearnerRank.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r)).remote(
         cfg, str(model_dir), str(rl_dir), r, store) for r in range(1, cfg.learner.ranks)]
     run = _Run(cfg, learner, pg, learner_name, actors, keys, ranks, start)
     run.bind_args = (cfg, str(model_dir), str(prompts_path), ingest, weights, str(rl_dir / "logs"), home_node(),
-                     (learner_name, ray.get_runtime_context().namespace))
+                     (learner_name, ray.get_runtime_context().namespace), actor_token)
     return run
 
 

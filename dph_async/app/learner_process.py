@@ -92,10 +92,11 @@ class LearnerProcess:
         return os.getpid()
 
     def bind(self, cfg: RunConfig, model_dir: str, rl_dir: str, reference_path: str | None,
-             resume_tag: str | None) -> tuple[str, str]:
+             resume_tag: str | None) -> tuple[str, str, bytes]:
         """Binds the replay and the weight server only, so that the actors can be started (their
         engines built) while `setup` builds the trainer: the two slowest parts of start-up overlap.
-        Returns where actors connect (`addresses`)."""
+        Returns where actors connect (`addresses`) and the replay's actor token, which marks the
+        run's own actors' ticket requests (without CURVE, loopback peers are otherwise anonymous)."""
         log_to_file(Path(rl_dir) / "logs" / "learner.log")
         w = _worker_side()
         self.cfg, self.model_dir, self.resume_tag = cfg, model_dir, resume_tag
@@ -115,7 +116,7 @@ class LearnerProcess:
         # Where the other learner ranks meet this one (all ranks share the driver's node).
         ranks = cfg.learner.ranks
         self.rendezvous = w.Rendezvous(0, ranks, str(w.private_dir() / "store")) if ranks > 1 else None
-        return self.addresses()
+        return (*self.addresses(), self.replay.actor_token)
 
     def rendezvous_store(self) -> str | None:
         """Where the other ranks meet this one: a path, which the driver (it never imports torch) passes on."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dph_async.app.commands.common import add_config_arguments, fail
 from dph_async.config import load_config
-from dph_async.net import CONTROL_TOKEN_FILE, InsecureBindError, NetSecurity, control_token
+from dph_async.net import ACTOR_TOKEN_FILE, CONTROL_TOKEN_FILE, InsecureBindError, NetSecurity, control_token
 from dph_async.tasks.model_limits import replay_config
 from dph_async.telemetry import start_endpoint
 from replay.reference_pool import ReferencePoolError
@@ -40,7 +40,10 @@ net.metrics_port, 0: the OS chooses); the URL is printed and written to
 Batch requests and commands (snapshot, restore, shutdown) are obeyed only from the control
 identity: with CURVE keys the control key pair, otherwise the token in <data-dir>/control.token
 (made at the first start, kept across restarts, readable by its owner only): give it to the
-learner, never to actors. Snapshots are written and read only inside the data directory.
+learner, never to actors. Ticket requests without CURVE carry the token in <data-dir>/actor.token
+(`RolloutSender(token=...)`), made and kept the same way: a peer without it is anonymous, granted
+tickets only from what is left once one batch of them is kept for the actors that have it.
+Snapshots are written and read only inside the data directory.
 """
 
 INGEST_PORT = 5555
@@ -83,6 +86,7 @@ def main(args: argparse.Namespace) -> int:
             print("replay: token ids are checked only for sign; set replay.vocab_size (or model.path) so that "
                   "ids the learner's embedding lacks are refused", file=sys.stderr)
         token = control_token(data_dir) if security.curve_keys is None else None
+        actors = control_token(data_dir, ACTOR_TOKEN_FILE) if security.curve_keys is None else None
         service = ReplayService(
             replay_cfg,
             args.ingest or f"tcp://{cfg.net.host}:{INGEST_PORT}",
@@ -94,6 +98,7 @@ def main(args: argparse.Namespace) -> int:
             seed=cfg.seed,
             data_dir=str(data_dir),
             control_token=token,
+            actor_token=actors,
         )
     except (InsecureBindError, ReferencePoolError, ReplayStateError, WalFormatError, OSError, ValueError) as e:
         return fail(str(e))
