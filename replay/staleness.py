@@ -85,8 +85,14 @@ class Admission:
 
     def last_chance(self, batch_version: int, bound: int) -> int:
         """Tickets in flight whose groups a batch of `batch_version` is the last one allowed to use,
-        under the staleness `bound` it expires by (eta, or a grace's: ReplayCore.expiry_bound)."""
-        return self.by_version.get(batch_version - bound, 0)
+        under the staleness `bound` it expires by (eta, or a grace's: ReplayCore.expiry_bound). Only
+        the run's actors' tickets: waited for, an anonymous peer's would hold a batch every version."""
+        basis = batch_version - bound
+        coming = self.by_version.get(basis, 0)
+        if coming and len(self.trusted) < len(self.in_flight):
+            coming -= sum(n for a, chunks in self.in_flight.items() if a not in self.trusted
+                          for b, n in chunks if b == basis)
+        return coming
 
     def _add(self, actor: int, basis: int, n: int) -> None:
         chunks = self.in_flight.setdefault(actor, deque())

@@ -329,7 +329,8 @@ def test_tickets_expire_once_the_last_batch_they_could_fill_is_served():
                           st.integers(0, 6), st.integers(-1, 6), st.booleans()), max_size=40))
 def test_the_ticket_record_adds_up_after_any_sequence(ops):
     """However grants, arrivals, expiries and resets interleave (trusted or not): the totals are the
-    sum of the chunks, no chunk or entry is empty, and anonymous peers never hold the last batch."""
+    sum of the chunks, no chunk or entry is empty, anonymous peers never hold the last batch, and
+    no batch waits for their tickets."""
     adm, version, admitted = Admission(max_staleness=1, groups_per_batch=2, enabled=True), 0, 0
     for op, actor, n, weights, trusted in ops:
         if op == "grant":
@@ -352,3 +353,6 @@ def test_the_ticket_record_adds_up_after_any_sequence(ops):
         assert adm.in_flight_total == sum(held for _, held in chunks)
         assert adm.by_version == Counter(basis for basis, held in chunks for _ in range(held))
         assert adm.trusted <= set(adm.in_flight)
+        for basis in range(-1, 8):  # a batch waits only for the run's actors' tickets of its last chance
+            assert adm.last_chance(basis + 1, bound=1) == sum(
+                held for a in adm.trusted for b, held in adm.in_flight[a] if b == basis)
