@@ -159,6 +159,34 @@ def near_miss(token: bytes) -> bytes:
     return token[:-1] + bytes([token[-1] ^ 1])
 
 
+@pytest.mark.parametrize("actor_token", [b"", b"short", "ab" * 32, "same"], ids=["empty", "short", "str", "control"])
+def test_a_token_anyone_has_or_the_service_cannot_compare_is_refused(actor_token):
+    """Before: actor_token=b"" trusted every request without a token (all of them the run's, the
+    batch kept for the actors open to anyone); a str one killed the service's thread at the first
+    ticket request; one equal to the control token let actors take batches and shut the replay down."""
+    control = b"c" * 32
+    with pytest.raises(ValueError, match="control token" if actor_token == "same" else "actor_token must be bytes"):
+        ReplayService(CFG, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", B, wal_dir=None, control_token=control,
+                      actor_token=control if actor_token == "same" else actor_token)
+
+
+def test_the_actor_token_files_text_is_the_token():
+    """`serve replay` keeps the actor token in hex (actor.token); a user's actor passing the file's
+    text was anonymous, and at eta 0 (all the capacity is the batch kept for the run's actors)
+    granted nothing, ever: a run of such actors never made its first batch."""
+    service = ReplayService(ReplayConfig(max_staleness=0), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", B,
+                            wal_dir=None, security=NetSecurity(gate=False))
+    service.start_in_thread()
+    try:
+        sock = dealer(service.ingest_endpoint)
+        assert ask(sock, encode(TicketRequest(7, want=B))).granted == 0  # anonymous: nothing at eta 0
+        text = service.actor_token.hex().encode() + b"\n"  # as `open(path, "rb").read()` after an editor
+        assert ask(sock, encode(TicketRequest(8, want=B, token=text))).granted == B
+        sock.close(0)
+    finally:
+        service.stop()
+
+
 def test_state_changes_need_the_control_token(service, tmp_path):
     honest_round_trip(service, 0)
     sock = dealer(service.batch_endpoint)
