@@ -187,6 +187,35 @@ def test_the_actor_token_files_text_is_the_token():
         service.stop()
 
 
+def test_anonymous_tickets_granted_under_a_larger_eta_leave_the_runs_actors_a_batch():
+    """replay.max_staleness=auto: an anonymous peer took what eta 4 left it (16 tickets at version 0),
+    then the learner lowered eta to 1. Before: the capacity (8) was all the peer's, the run's actors
+    were granted nothing, and the learner waited at version 0 for ever, since the peer's tickets
+    expire only once a later batch is served."""
+    cfg = ReplayConfig(max_staleness="auto", staleness_min=1, staleness_max=8)
+    service = ReplayService(cfg, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", B, wal_dir=None,
+                            security=NetSecurity(gate=False))
+    service.start_in_thread()
+    client = service.local_client()
+    sender = RolloutSender(service.ingest_endpoint, 1, token=service.actor_token)
+    try:
+        client.set_staleness(4)
+        sock = dealer(service.ingest_endpoint)
+        assert ask(sock, encode(TicketRequest(424242, want=1000))).granted == (4 + 1) * B - B
+        client.set_staleness(1)
+        for version in range(2):
+            assert sender.tickets(1000, weights_version=version) == B
+            for seq in range(B):
+                sender.send(synthetic_group(1, version * B + seq, n=2, tokens=8, version=version))
+            assert sender.flush(10)
+            assert len(client.get_batch(version, B, wait_s=5.0).groups) == B
+        sock.close(0)
+    finally:
+        sender.close()
+        client.close()
+        service.stop()
+
+
 def test_state_changes_need_the_control_token(service, tmp_path):
     honest_round_trip(service, 0)
     sock = dealer(service.batch_endpoint)
