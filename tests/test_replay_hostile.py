@@ -181,7 +181,11 @@ def test_the_actor_token_files_text_is_the_token():
         sock = dealer(service.ingest_endpoint)
         assert ask(sock, encode(TicketRequest(7, want=B))).granted == 0  # anonymous: nothing at eta 0
         text = service.actor_token.hex().encode() + b"\n"  # as `open(path, "rb").read()` after an editor
-        assert ask(sock, encode(TicketRequest(8, want=B, token=text))).granted == B
+        assert ask(sock, encode(TicketRequest(8, want=1, token=text))).granted == 1
+        # As `Path.read_text()` gives it. Before: refused by the decoder, waited out request_timeout_s.
+        sender = RolloutSender(service.ingest_endpoint, 9, token=text.decode(), request_timeout_s=5)
+        assert sender.tickets(1) == 1
+        sender.close()
         sock.close(0)
     finally:
         service.stop()
