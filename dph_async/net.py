@@ -305,9 +305,10 @@ def read_secret(path: Path) -> bytes | None:
         return None
     except OSError as e:
         raise ValueError(f"{path}: not a token file ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory naming only the fd
+        os.close(fd)
+        raise ValueError(f"{path}: not a regular file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path}: not a regular file")
         text = f.read(SECRET_MAX_BYTES + 1)
     try:
         token = bytes.fromhex(text.decode("ascii").strip()) if len(text) <= SECRET_MAX_BYTES else b""

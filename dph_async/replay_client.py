@@ -217,9 +217,11 @@ class RolloutSender:
         token: bytes = b"",
     ):
         """token: the replay's actor token (without CURVE): without it the actor is anonymous, granted
-        tickets only from what is left once a batch of them is kept for the run's own actors."""
+        tickets only from what is left once a batch of them is kept for the run's own actors. A str
+        is the hex text `serve replay` keeps in actor.token (`Path.read_text()` of it)."""
         self.actor_id = actor_id
-        self.token = token
+        # A str token was refused by the replay's decoder, and the request waited out request_timeout_s.
+        self.token = token.strip().encode("ascii") if isinstance(token, str) else token
         self.reply_timeout_s = reply_timeout_s
         self.request_timeout_s = request_timeout_s
         self.max_unacked = max_unacked

@@ -156,6 +156,17 @@ class ReplayService:
         self.wal_dir = Path(wal_dir) if wal_dir is not None else None
         self.control_token = control_token if control_token is not None else secrets.token_bytes(32)
         self.actor_token = actor_token if actor_token is not None else secrets.token_bytes(32)
+        # An empty token would trust every request that carries none; a str one fails the first
+        # comparison in the service's thread; the same for both hands the actors the control.
+        for name, token in (("control_token", self.control_token), ("actor_token", self.actor_token)):
+            if not isinstance(token, bytes) or len(token) < 16:
+                size = f" of {len(token)}" if isinstance(token, bytes) else ""
+                raise ValueError(f"ReplayService: {name} must be bytes, at least 16 of them (got {type(token).__name__}"
+                                 f"{size})")
+        if hmac.compare_digest(self.control_token, self.actor_token):
+            raise ValueError("ReplayService: the actor token must not be the control token (actors would "
+                             "command the replay); remove one of the token files to make a new one")
+        self._actor_token_text = self.actor_token.hex().encode()
         reference = ReferencePool.load(reference_path, seed, cfg.logprob_tolerance) if reference_path else None
         wal = WriteAheadLog(wal_dir, cfg.wal_fsync, int(cfg.wal_segment_mb * MiB)) if wal_dir else None
         self.core = ReplayCore(cfg, groups_per_batch, reference, wal)
@@ -362,7 +373,9 @@ class ReplayService:
     def _trusted(self, msg: TicketRequest | ResumeRequest) -> bool:
         """Whether an actor's request comes from the run's own actors: with CURVE, every key the
         replay lets in is one; without, the request carries the actor token."""
-        return self._keys is not None or hmac.compare_digest(msg.token, self.actor_token)
+        # The file `serve replay` keeps holds the token in hex: its text, as read, is accepted too.
+        return (self._keys is not None or hmac.compare_digest(msg.token, self.actor_token)
+                or hmac.compare_digest(msg.token.strip(), self._actor_token_text))
 
     def _actor_request(self, peer: bytes, msg: Message) -> None:
         if isinstance(msg, TicketRequest):

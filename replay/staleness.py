@@ -77,8 +77,13 @@ class Admission:
 
     def capacity(self, learner_version: int, admitted: int, weights_version: int = -1) -> int:
         """How many more tickets may be granted now."""
-        limit = (self.max_staleness + self.basis(learner_version, weights_version) + 1) * self.groups_per_batch
-        return max(0, limit - admitted - self.in_flight_total)
+        return max(0, self._limit(learner_version, weights_version) - admitted - self.in_flight_total)
+
+    def _limit(self, learner_version: int, weights_version: int) -> int:
+        return (self.max_staleness + self.basis(learner_version, weights_version) + 1) * self.groups_per_batch
+
+    def _anonymous_in_flight(self) -> int:
+        return sum(n for a, chunks in self.in_flight.items() if a not in self.trusted for _, n in chunks)
 
     def held(self, actor: int) -> int:
         return sum(n for _, n in self.in_flight.get(actor, ()))
@@ -156,6 +161,14 @@ class Admission:
         room = self.capacity(learner_version, admitted, weights_version)
         if not trusted:
             room = max(0, room - self.groups_per_batch)
+        elif room < self.groups_per_batch and (anonymous := self._anonymous_in_flight()):
+            # Anonymous tickets count against the run's actors only up to what leaves them a batch.
+            # Granted under a larger eta (set_staleness lowers it), they would otherwise take it all
+            # and hold the learner at its version for ever: they expire only once the batch they
+            # keep the run's actors from making is served.
+            left = self._limit(learner_version, weights_version) - admitted  # for all tickets in flight
+            trusted_held = self.in_flight_total - anonymous
+            room = max(room, left - trusted_held - min(anonymous, max(0, left - self.groups_per_batch)))
         granted = want if not self.enabled else min(want, room)
         if granted > 0:
             self._add(actor, self.basis(learner_version, weights_version), granted)

@@ -87,7 +87,7 @@ def test_a_token_file_is_made_once_private_and_read_back(tmp_path):
     assert read_secret(tmp_path / "none.token") is None
 
 
-@pytest.mark.parametrize("kind", ["symlink", "fifo", "short", "not_hex", "huge"])
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "directory", "short", "not_hex", "huge"])
 def test_a_token_file_that_is_not_one_is_refused_naming_it(tmp_path, kind):
     path = tmp_path / "access.token"
     if kind == "symlink":
@@ -96,6 +96,8 @@ def test_a_token_file_that_is_not_one_is_refused_naming_it(tmp_path, kind):
         path.symlink_to(real)
     elif kind == "fifo":
         os.mkfifo(path)  # a reader that opened it for reading would wait for a writer for ever
+    elif kind == "directory":
+        path.mkdir()  # before: "[Errno 21] Is a directory: 3", naming a file descriptor, not the file
     else:
         path.write_text({"short": "abcd", "not_hex": "zz" * 32, "huge": "ab" * 4096}[kind])
     with pytest.raises(ValueError, match=r"access\.token"):
@@ -123,3 +125,17 @@ def test_a_control_token_that_others_may_read_is_refused_not_trusted(tmp_path, c
     path.unlink()
     made = control_token(tmp_path)  # made afresh, private
     assert len(made) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_an_actor_token_equal_to_the_control_token_is_refused(tmp_path, capsys):
+    """An actor token copied from control.token would let every actor take batches and shut the
+    replay down. Before: `serve replay` started with the two files equal."""
+    from dph_async.app.cli import main
+    from dph_async.net import ACTOR_TOKEN_FILE, CONTROL_TOKEN_FILE
+
+    for name in (CONTROL_TOKEN_FILE, ACTOR_TOKEN_FILE):
+        (tmp_path / name).write_text("ab" * 32)
+        (tmp_path / name).chmod(0o600)
+    assert main(["serve", "replay", "--ingest", "tcp://127.0.0.1:0", "--batch", "tcp://127.0.0.1:0", "--no-wal",
+                 "--data-dir", str(tmp_path), f"output_dir={tmp_path}"]) == 2
+    assert "the actor token must not be the control token" in capsys.readouterr().err

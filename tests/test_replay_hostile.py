@@ -159,6 +159,67 @@ def near_miss(token: bytes) -> bytes:
     return token[:-1] + bytes([token[-1] ^ 1])
 
 
+@pytest.mark.parametrize("actor_token", [b"", b"short", "ab" * 32, "same"], ids=["empty", "short", "str", "control"])
+def test_a_token_anyone_has_or_the_service_cannot_compare_is_refused(actor_token):
+    """Before: actor_token=b"" trusted every request without a token (all of them the run's, the
+    batch kept for the actors open to anyone); a str one killed the service's thread at the first
+    ticket request; one equal to the control token let actors take batches and shut the replay down."""
+    control = b"c" * 32
+    with pytest.raises(ValueError, match="control token" if actor_token == "same" else "actor_token must be bytes"):
+        ReplayService(CFG, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", B, wal_dir=None, control_token=control,
+                      actor_token=control if actor_token == "same" else actor_token)
+
+
+def test_the_actor_token_files_text_is_the_token():
+    """`serve replay` keeps the actor token in hex (actor.token); a user's actor passing the file's
+    text was anonymous, and at eta 0 (all the capacity is the batch kept for the run's actors)
+    granted nothing, ever: a run of such actors never made its first batch."""
+    service = ReplayService(ReplayConfig(max_staleness=0), "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", B,
+                            wal_dir=None, security=NetSecurity(gate=False))
+    service.start_in_thread()
+    try:
+        sock = dealer(service.ingest_endpoint)
+        assert ask(sock, encode(TicketRequest(7, want=B))).granted == 0  # anonymous: nothing at eta 0
+        text = service.actor_token.hex().encode() + b"\n"  # as `open(path, "rb").read()` after an editor
+        assert ask(sock, encode(TicketRequest(8, want=1, token=text))).granted == 1
+        # As `Path.read_text()` gives it. Before: refused by the decoder, waited out request_timeout_s.
+        sender = RolloutSender(service.ingest_endpoint, 9, token=text.decode(), request_timeout_s=5)
+        assert sender.tickets(1) == 1
+        sender.close()
+        sock.close(0)
+    finally:
+        service.stop()
+
+
+def test_anonymous_tickets_granted_under_a_larger_eta_leave_the_runs_actors_a_batch():
+    """replay.max_staleness=auto: an anonymous peer took what eta 4 left it (16 tickets at version 0),
+    then the learner lowered eta to 1. Before: the capacity (8) was all the peer's, the run's actors
+    were granted nothing, and the learner waited at version 0 for ever, since the peer's tickets
+    expire only once a later batch is served."""
+    cfg = ReplayConfig(max_staleness="auto", staleness_min=1, staleness_max=8)
+    service = ReplayService(cfg, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", B, wal_dir=None,
+                            security=NetSecurity(gate=False))
+    service.start_in_thread()
+    client = service.local_client()
+    sender = RolloutSender(service.ingest_endpoint, 1, token=service.actor_token)
+    try:
+        client.set_staleness(4)
+        sock = dealer(service.ingest_endpoint)
+        assert ask(sock, encode(TicketRequest(424242, want=1000))).granted == (4 + 1) * B - B
+        client.set_staleness(1)
+        for version in range(2):
+            assert sender.tickets(1000, weights_version=version) == B
+            for seq in range(B):
+                sender.send(synthetic_group(1, version * B + seq, n=2, tokens=8, version=version))
+            assert sender.flush(10)
+            assert len(client.get_batch(version, B, wait_s=5.0).groups) == B
+        sock.close(0)
+    finally:
+        sender.close()
+        client.close()
+        service.stop()
+
+
 def test_state_changes_need_the_control_token(service, tmp_path):
     honest_round_trip(service, 0)
     sock = dealer(service.batch_endpoint)

@@ -41,8 +41,9 @@ Batch requests and commands (snapshot, restore, shutdown) are obeyed only from t
 identity: with CURVE keys the control key pair, otherwise the token in <data-dir>/control.token
 (made at the first start, kept across restarts, readable by its owner only): give it to the
 learner, never to actors. Ticket requests without CURVE carry the token in <data-dir>/actor.token
-(`RolloutSender(token=...)`), made and kept the same way: a peer without it is anonymous, granted
-tickets only from what is left once one batch of them is kept for the actors that have it.
+(`RolloutSender(token=...)`: the file's text as read, or `dph_async.net.read_secret` of it), made
+and kept the same way: a peer without it is anonymous, granted tickets only from what is left once
+one batch of them is kept for the actors that have it (none at replay.max_staleness=0).
 Snapshots are written and read only inside the data directory.
 """
 
@@ -108,8 +109,9 @@ def main(args: argparse.Namespace) -> int:
                               Path(cfg.output_dir) / "endpoints")
     metrics = f", metrics {endpoint.url}" if endpoint is not None else ""
     control = "the CURVE control key" if token is None else f"the token in {data_dir / CONTROL_TOKEN_FILE}"
-    print(f"replay: ingest {service.ingest_endpoint}, batch {service.batch_endpoint}{metrics}; control: {control}",
-          file=sys.stderr, flush=True)
+    actor_line = "" if token is None else f"; actors: the token in {data_dir / ACTOR_TOKEN_FILE}"
+    print(f"replay: ingest {service.ingest_endpoint}, batch {service.batch_endpoint}{metrics}; control: {control}"
+          f"{actor_line}", file=sys.stderr, flush=True)
     try:
         service.serve_forever()
     except OSError as e:
