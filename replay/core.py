@@ -142,7 +142,10 @@ class ReplayCore:
         entry = self.store.add(group)
         if live and self.cfg.admission and not self.admission.held(group.actor_id):
             self.ticketless[gid] = entry.cost
-        self.admission.arrived(group.actor_id, group.min_version)
+        # A group already past its last batch used a ticket that expired with that batch: it takes none
+        # of its actor's newer ones, which its fresher prompts hold.
+        if not live or group.min_version >= self.version - self.expiry_bound(self.version):
+            self.admission.arrived(group.actor_id, group.min_version)
         self.metrics.count("accepted")
         self.metrics.count("admitted")
 

@@ -324,6 +324,19 @@ def test_tickets_expire_once_the_last_batch_they_could_fill_is_served():
     assert (tickets.expired, tickets.in_flight, tickets.capacity) == (3, 0, (1 + 2 + 1) * 4 - 1)
 
 
+def test_a_group_that_arrives_after_its_ticket_expired_takes_none_of_its_actors_newer_ones():
+    core = ReplayCore(ReplayConfig(max_staleness=1, admission=True, wal_dir=None), groups_per_batch=4)
+    assert core.tickets(TicketRequest(0, 1, 0, weights_version=0)).granted == 1
+    for version in range(3):  # batch 1 was the version-0 ticket's last: at batch 2 it expired
+        core.request(BatchRequest(version, 4, 0.0, request_id=version + 1))
+    assert core.stats().tickets.expired == 1
+    assert core.tickets(TicketRequest(0, 4, 0, weights_version=2)).granted == 4
+    core.ingest([synthetic_group(0, 0, n=2, tokens=3, version=0)])  # the slow group, stale on arrival
+    assert core.admission.held(0) == 4 and core.admission.last_chance(3, bound=1) == 4
+    core.ingest([synthetic_group(0, 1, n=2, tokens=3, version=1)])  # one within eta: it uses a ticket
+    assert core.admission.held(0) == 3
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["grant", "arrive", "expire", "reset"]), st.integers(0, 3),
                           st.integers(0, 6), st.integers(-1, 6), st.booleans()), max_size=40))
