@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import threading
 import time
 from contextlib import ExitStack
 
@@ -15,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 from test_scorer_service import _asgi_scope, scrape
 
@@ -37,13 +40,13 @@ class StandInPool:
         self.made_with = (workers, timeout_s, memory_limit_mb, config)
         self.restarts, self.warm, self.closed = 0, False, False
         self.during = None
-        self.calls: list[tuple[float, int]] = []  # (deadline, requests) of each batch
+        self.calls: list[tuple[float, int, str]] = []  # (deadline, requests, thread) of each batch
 
     def warm_up(self) -> None:
         self.warm = True
 
     def score_many(self, requests: list, deadline: float) -> list[RewardResult]:
-        self.calls.append((deadline, len(requests)))
+        self.calls.append((deadline, len(requests), threading.current_thread().name))
         if self.during is not None:
             self.during()
         return [RewardResult(0.5, False, latency_s=0.01) for _ in requests]
@@ -55,16 +58,32 @@ class StandInPool:
 CFG = RewardConfig(workers=3, timeout_s=2.5)
 
 
-@pytest.fixture(scope="module")
-def served():
+@contextlib.contextmanager
+def serving(settings: ServiceSettings = SETTINGS):
+    """The app with a stand-in pool, started: (client, pool, the threads each parse ran on). Made per
+    test, not per module: the app is one function to a mutation tool, and only the tests that make
+    one count as its tests."""
     pools: list[StandInPool] = []
+    parsed_on: list[str] = []
+
+    class Parser(service.BodyParser):
+        def parse(self, body: bytes):
+            parsed_on.append(threading.current_thread().name)
+            return super().parse(body)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(service, "RewardPool", lambda *a, **kw: pools.append(StandInPool(*a, **kw)) or pools[-1])
-        app = make_app(CFG, SETTINGS)
-        with TestClient(app) as client:
+        mp.setattr(service, "BodyParser", Parser)
+        with TestClient(make_app(CFG, settings)) as client:
             assert pools[0].warm
-            yield client, pools[0]
+            yield client, pools[0], parsed_on
     assert pools[0].closed
+
+
+@pytest.fixture
+def served():
+    with serving() as (client, pool, _):
+        yield client, pool
 
 
 def item(i: int) -> dict:
@@ -219,9 +238,34 @@ def test_a_body_that_stops_arriving_is_refused_in_its_time_and_closes_the_connec
 # The app around a stand-in pool.
 
 
-def test_the_pool_is_made_from_the_reward_config_warmed_before_serving_and_closed_after(served):
-    _, pool = served
-    assert pool.made_with == (3, 2.5, CFG.memory_limit_mb, CFG)
+def test_the_pool_is_made_from_the_reward_config_warmed_before_serving_and_closed_after():
+    with serving() as (client, pool, parsed_on):
+        assert pool.made_with == (3, 2.5, CFG.memory_limit_mb, CFG)
+        assert post(client, 1)[0] == 200
+        assert [t.split("_")[0] for t in parsed_on] == ["scorer-parse"]  # parsed off the event loop
+
+
+def test_the_gauges_read_the_pool_and_the_service_and_say_what_they_count():
+    app = make_app(CFG, SETTINGS)  # not started yet: no pool
+    gauges = {"dph_scorer_in_flight": "Requests being scored or waiting for a worker",
+              "dph_scorer_queued_bytes": "Bytes of request bodies admitted and not yet answered",
+              "dph_scorer_worker_restarts": "Reward workers replaced after a kill or a crash",
+              "dph_scorer_workers": "Reward worker processes"}
+    found = {f.name: (f.documentation, f.samples[0].value)
+             for f in text_string_to_metric_families(TestClient(app).get("/metrics").text) if f.name in gauges}
+    assert found == {name: (doc, 3.0 if name == "dph_scorer_workers" else 0.0) for name, doc in gauges.items()}
+    with serving() as (client, pool, _):
+        pool.restarts = 4
+        found = scrape(client.get("/metrics").text)
+        assert (found[("dph_scorer_worker_restarts", ())], found[("dph_scorer_workers", ())]) == (4.0, 3.0)
+
+
+def test_a_body_the_parser_does_not_answer_in_time_is_refused_naming_its_limits():
+    settings = dataclasses.replace(SETTINGS, parse_timeout_s=1e-9, parser_memory_mb=700)
+    with serving(settings) as (client, _, _):
+        reply = client.post("/v1/score", json={"requests": [item(1)]}, headers=AUTH)
+        assert (reply.status_code, reply.json()) == (413, {
+            "error": "too_large", "detail": "body could not be parsed within 1e-09 s and 700 MB"})
 
 
 def test_health_reports_the_pool_and_nothing_held_between_batches(served):
@@ -252,16 +296,17 @@ def test_while_a_batch_is_scored_its_requests_are_in_flight_and_its_bytes_held(s
     assert client.get("/health").json()["queued_bytes"] == 0
 
 
-@pytest.mark.parametrize(("budget_s", "allowed"), [(None, 30), (5, 5), (30, 30), (31, 30), (1e9, 30)])
-def test_a_batch_s_deadline_is_its_budget_at_most_the_service_s_counted_from_its_arrival(served, budget_s, allowed):
+def test_a_batch_s_deadline_is_its_budget_at_most_the_service_s_counted_from_its_arrival(served):
     client, pool = served
-    start = time.monotonic()
-    code, reply = post(client, 2, **({} if budget_s is None else {"budget_s": budget_s}))
-    end = time.monotonic()
-    deadline, n = pool.calls[-1]
-    assert code == 200 and n == 2 and start + allowed <= deadline <= end + allowed
-    assert reply == {"results": [{"score": 0.5, "correct": False, "format_ok": True, "status": "ok",
-                                  "latency_s": 0.01, "detail": ""}] * 2}
+    for budget_s, allowed in [(None, 30), (5, 5), (30, 30), (31, 30), (1e9, 30), (0.5, 0.5)]:
+        start = time.monotonic()
+        code, reply = post(client, 2, **({} if budget_s is None else {"budget_s": budget_s}))
+        end = time.monotonic()
+        deadline, n, thread = pool.calls[-1]
+        assert code == 200 and n == 2 and start + allowed <= deadline <= end + allowed, budget_s
+        assert thread.startswith("scorer-batch_")
+        assert reply == {"results": [{"score": 0.5, "correct": False, "format_ok": True, "status": "ok",
+                                      "latency_s": 0.01, "detail": ""}] * 2}
 
 
 def test_every_answer_is_counted_by_its_code(served):
@@ -317,6 +362,46 @@ async def _gone_mid_upload(app) -> int:
     return sent[0]["status"]
 
 
+def test_refusals_through_the_app_carry_their_headers():
+    """A second upload that does not fit beside a first one gets 503 with Retry-After; an upload that
+    stops arriving gets 408 and the connection closed."""
+    with serving() as (client, _, _):
+        app = client.app
+        auth = [(b"authorization", AUTH["Authorization"].encode())]
+
+        async def uploads() -> tuple[dict, dict]:
+            first_in = asyncio.Event()
+            answers: dict[str, dict] = {}
+
+            def upload(name: str, first: bytes):
+                sent = [{"type": "http.request", "body": first, "more_body": True}]
+
+                async def receive() -> dict:
+                    if sent:
+                        first_in.set()
+                        return sent.pop()
+                    await asyncio.Event().wait()  # the rest never comes
+                    raise AssertionError("unreachable")
+
+                async def send(message: dict) -> None:
+                    if message["type"] == "http.response.start":
+                        answers[name] = {"status": message["status"], **{k.decode(): v.decode()
+                                                                        for k, v in message["headers"]}}
+
+                return app(_asgi_scope("POST", "/v1/score", auth), receive, send)
+
+            first = asyncio.create_task(upload("first", b" " * 1500))
+            await first_in.wait()
+            await upload("second", b" " * 1500)  # 2 x 1500 > 4000 - 1500
+            await first  # its body never completes: 408 after body_timeout_s
+            return answers["first"], answers["second"]
+
+        first, second = asyncio.run(uploads())
+        assert (second["status"], second["retry-after"]) == (503, "1")
+        assert (first["status"], first["connection"]) == (408, "close")
+        assert client.get("/health").json()["queued_bytes"] == 0
+
+
 def test_a_client_gone_mid_upload_is_answered_499_and_holds_nothing(served):
     client, _ = served
     assert asyncio.run(_gone_mid_upload(client.app)) == 499
@@ -326,6 +411,7 @@ def test_a_client_gone_mid_upload_is_answered_499_and_holds_nothing(served):
 def test_the_api_schema_states_the_batch_the_reply_and_every_refusal():
     app = make_app(CFG, SETTINGS)  # not started: the schema needs no pool
     schema = TestClient(app).get("/openapi.json").json()
+    assert schema["info"]["title"] == "dph-async scorer"
     assert {"ScoreBatch", "ScoreReply", "ScoreItem", "RewardResult"} <= set(schema["components"]["schemas"])
     operation = schema["paths"]["/v1/score"]["post"]
     assert operation["requestBody"]["content"]["application/json"]["schema"] == {
