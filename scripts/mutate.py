@@ -63,7 +63,8 @@ MODULES: dict[str, list[str]] = {
         "tests/test_rerun.py::test_a_checksummed_record_that_is_no_batch_is_refused"],
     "dph_async/app/rerun.py": ["tests/test_rerun.py::test_a_metrics_line_cut_short_is_one_error_naming_file_and_line"],
     "dph_async/app/core_claims.py": ["tests/test_core_claims.py"],
-    "dph_async/rewards/service.py": ["tests/test_scorer_service.py", "tests/test_admission.py", "-m", "not slow"],
+    "dph_async/rewards/service.py": ["tests/test_scorer_edges.py", "tests/test_scorer_service.py", "tests/test_admission.py",
+                                     "-m", "not slow"],
     "dph_async/rewards/result.py": ["tests/test_reward_result.py", "tests/test_rewards_registry.py"],
     "dph_async/protocol.py": ["tests/test_protocol.py", "tests/test_protocol_fuzz.py"],
 }

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
+import signal
 import threading
 import time
 from contextlib import ExitStack
@@ -23,6 +25,7 @@ from test_scorer_service import _asgi_scope, scrape
 
 from dph_async.config.rewards import RewardConfig
 from dph_async.rewards import service
+from dph_async.rewards.registry import UnknownDataSource, get_reward_fn
 from dph_async.rewards.result import RewardResult
 from dph_async.rewards.service import ServiceSettings, _Admission, _read_body, _Refused, make_app
 
@@ -59,7 +62,7 @@ CFG = RewardConfig(workers=3, timeout_s=2.5)
 
 
 @contextlib.contextmanager
-def serving(settings: ServiceSettings = SETTINGS):
+def serving(settings: ServiceSettings = SETTINGS, while_parsing=lambda parser: None):
     """The app with a stand-in pool, started: (client, pool, the threads each parse ran on). Made per
     test, not per module: the app is one function to a mutation tool, and only the tests that make
     one count as its tests."""
@@ -69,6 +72,7 @@ def serving(settings: ServiceSettings = SETTINGS):
     class Parser(service.BodyParser):
         def parse(self, body: bytes):
             parsed_on.append(threading.current_thread().name)
+            while_parsing(self)
             return super().parse(body)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -198,7 +202,7 @@ def test_one_byte_past_the_limit_is_refused_at_the_chunk_that_passes_it(style):
 def test_a_content_length_one_past_the_limit_is_refused_before_a_byte_is_read():
     body = b"a" * 500
 
-    async def read(declared: int) -> int:
+    async def read(declared: int) -> tuple[int, _Refused | None]:
         asked = 0
 
         async def receive() -> dict:
@@ -206,13 +210,19 @@ def test_a_content_length_one_past_the_limit_is_refused_before_a_byte_is_read():
             asked += 1
             return {"type": "http.request", "body": body, "more_body": False}
 
-        with _Admission(1000).reservation() as reservation, contextlib.suppress(_Refused):
-            await _read_body(Request(_asgi_scope("POST", "/v1/score", [(b"content-length", str(declared).encode())]),
-                                     receive), LIMIT, reservation)
-        return asked
+        with _Admission(1000).reservation() as reservation:
+            try:
+                await _read_body(Request(_asgi_scope("POST", "/v1/score",
+                                                     [(b"content-length", str(declared).encode())]), receive),
+                                 LIMIT, reservation)
+            except _Refused as e:
+                return asked, e
+        return asked, None
 
-    assert asyncio.run(read(500)) == 1
-    assert asyncio.run(read(501)) == 0
+    assert asyncio.run(read(500)) == (1, None)
+    asked, refused = asyncio.run(read(501))
+    assert asked == 0 and (refused.code, refused.error, refused.detail) == (
+        413, "too_large", "body over 500 bytes; send smaller batches")
 
 
 def test_a_body_that_stops_arriving_is_refused_in_its_time_and_closes_the_connection():
@@ -245,6 +255,32 @@ def test_the_pool_is_made_from_the_reward_config_warmed_before_serving_and_close
         assert [t.split("_")[0] for t in parsed_on] == ["scorer-parse"]  # parsed off the event loop
 
 
+def test_bodies_are_parsed_on_as_many_threads_as_there_are_parser_children():
+    """With one parser child, a second body waits for the first's parse to end, rather than taking a
+    thread of its own to wait for the child in."""
+    lock, inside, most = threading.Lock(), [0], [0]
+    both = threading.Event()
+
+    def while_parsing(parser) -> None:
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            if inside[0] == 2:
+                both.set()
+        both.wait(0.5)  # time for a second parse to start beside this one, if it could
+        with lock:
+            inside[0] -= 1
+
+    with serving(while_parsing=while_parsing) as (client, _, parsed_on):
+        answers: list[int] = []
+        uploads = [threading.Thread(target=lambda: answers.append(post(client, 1)[0])) for _ in range(2)]
+        for u in uploads:
+            u.start()
+        for u in uploads:
+            u.join()
+    assert answers == [200, 200] and most[0] == 1 and len(parsed_on) == 2
+
+
 def test_the_gauges_read_the_pool_and_the_service_and_say_what_they_count():
     app = make_app(CFG, SETTINGS)  # not started yet: no pool
     gauges = {"dph_scorer_in_flight": "Requests being scored or waiting for a worker",
@@ -261,11 +297,16 @@ def test_the_gauges_read_the_pool_and_the_service_and_say_what_they_count():
 
 
 def test_a_body_the_parser_does_not_answer_in_time_is_refused_naming_its_limits():
-    settings = dataclasses.replace(SETTINGS, parse_timeout_s=1e-9, parser_memory_mb=700)
-    with serving(settings) as (client, _, _):
+    def stop_the_child(parser) -> None:  # it takes the body and never answers
+        child = parser._children.get()
+        os.kill(child.proc.pid, signal.SIGSTOP)
+        parser._children.put(child)
+
+    settings = dataclasses.replace(SETTINGS, parse_timeout_s=0.0625, parser_memory_mb=700)
+    with serving(settings, stop_the_child) as (client, _, _):
         reply = client.post("/v1/score", json={"requests": [item(1)]}, headers=AUTH)
         assert (reply.status_code, reply.json()) == (413, {
-            "error": "too_large", "detail": "body could not be parsed within 1e-09 s and 700 MB"})
+            "error": "too_large", "detail": "body could not be parsed within 0.0625 s and 700 MB"})
 
 
 def test_health_reports_the_pool_and_nothing_held_between_batches(served):
@@ -300,12 +341,13 @@ def test_a_batch_s_deadline_is_its_budget_at_most_the_service_s_counted_from_its
     client, pool = served
     for budget_s, allowed in [(None, 30), (5, 5), (30, 30), (31, 30), (1e9, 30), (0.5, 0.5)]:
         start = time.monotonic()
-        code, reply = post(client, 2, **({} if budget_s is None else {"budget_s": budget_s}))
+        answer = client.post("/v1/score", headers=AUTH, json={
+            "requests": [item(1), item(2)], **({} if budget_s is None else {"budget_s": budget_s})})
         end = time.monotonic()
         deadline, n, thread = pool.calls[-1]
-        assert code == 200 and n == 2 and start + allowed <= deadline <= end + allowed, budget_s
-        assert thread.startswith("scorer-batch_")
-        assert reply == {"results": [{"score": 0.5, "correct": False, "format_ok": True, "status": "ok",
+        assert answer.status_code == 200 and n == 2 and start + allowed <= deadline <= end + allowed, budget_s
+        assert thread.startswith("scorer-batch_") and answer.headers["content-type"] == "application/json"
+        assert answer.json() == {"results": [{"score": 0.5, "correct": False, "format_ok": True, "status": "ok",
                                       "latency_s": 0.01, "detail": ""}] * 2}
 
 
@@ -322,7 +364,10 @@ def test_every_answer_is_counted_by_its_code(served):
     codes["200"] += 1
     unknown = client.post("/v1/score", json={"requests": [item(1), {**item(2), "data_source": "nope_ds"}]},
                           headers=AUTH)
-    assert unknown.status_code == 400 and unknown.json()["data_source"] == "nope_ds"
+    with pytest.raises(UnknownDataSource) as says:
+        get_reward_fn("nope_ds")
+    assert (unknown.status_code, unknown.json()) == (400, {"error": "unknown_data_source", "detail": str(says.value),
+                                                           "data_source": "nope_ds"})
     assert client.post("/v1/score", content=b"{", headers=AUTH).status_code == 400
     codes["400"] += 2
     assert client.post("/v1/score", json={"requests": [item(1)]}).status_code == 401
