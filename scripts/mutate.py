@@ -61,12 +61,13 @@ MODULES: dict[str, list[str]] = {
         "tests/test_rerun.py::test_the_recording_reads_back_what_was_written_and_a_resume_keeps_the_steps_before_its_checkpoint",
         "tests/test_rerun.py::test_a_damaged_recording_is_refused_with_file_and_offset",
         "tests/test_rerun.py::test_a_checksummed_record_that_is_no_batch_is_refused"],
-    "dph_async/app/rerun.py": ["tests/test_rerun.py::test_a_metrics_line_cut_short_is_one_error_naming_file_and_line"],
+    "dph_async/app/rerun.py": ["tests/test_rerun_edges.py",
+                               "tests/test_rerun.py::test_a_metrics_line_cut_short_is_one_error_naming_file_and_line"],
     "dph_async/app/core_claims.py": ["tests/test_core_claims.py"],
     "dph_async/rewards/service.py": ["tests/test_scorer_edges.py", "tests/test_scorer_service.py", "tests/test_admission.py",
                                      "-m", "not slow"],
     "dph_async/rewards/result.py": ["tests/test_reward_result.py", "tests/test_rewards_registry.py"],
-    "dph_async/protocol.py": ["tests/test_protocol.py", "tests/test_protocol_fuzz.py"],
+    "dph_async/protocol.py": ["tests/test_protocol_edges.py", "tests/test_protocol.py", "tests/test_protocol_fuzz.py"],
 }
 
 # Survivors no test can kill, by module and the mutated line (stripped), with the reason. A key no

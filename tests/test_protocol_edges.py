@@ -4,6 +4,7 @@ next one, each refusal's words whole, and the rules that relate fields for any i
 from __future__ import annotations
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -108,3 +109,94 @@ def test_a_field_error_is_placed_by_the_last_path_in_msgspec_s_message():
     e = _error([msgpack.packb(head), *arrays])
     assert (e.kind, e.where, e.detail) == ("field", "RolloutGroup.completions[0].reward.status",
                                            "Invalid enum value 'great - at `x'")
+
+
+def test_an_array_spec_reads_little_endian_and_accepts_either_byte_order():
+    spec = P.ArraySpec(("int32", "float16"))
+    assert spec.wire == {"int32": np.dtype("<i4"), "float16": np.dtype("<f2")}
+    assert spec.accepts == {np.dtype("<i4"), np.dtype(">i4"), np.dtype("<f2"), np.dtype(">f2")}
+
+
+@pytest.mark.parametrize(("wait_s", "fits"), [(0.0, True), (P.MAX_WAIT_S, True), (-0.0, True), (-1e-9, False),
+                                              (np.nextafter(P.MAX_WAIT_S, 1e9), False)])
+def test_a_wait_is_bounded_at_both_ends(wait_s, fits):
+    msg = P.BatchRequest(1, 1, float(wait_s))
+    if fits:
+        assert P.decode(P.encode(msg)).wait_s == wait_s
+    else:
+        assert refusal(msg) == f"BatchRequest: wait_s {float(wait_s)} outside [0, 3600]"
+
+
+def completion(tokens: int, policy_weight: float = 1.0, logprobs: int | None = None) -> P.Completion:
+    ids = np.arange(tokens, dtype=np.int32)
+    return P.Completion(ids, np.zeros(tokens if logprobs is None else logprobs, np.float32), ids.copy(),
+                        P.RewardResult(1.0, True), "stop", policy_weight)
+
+
+def group(*completions: P.Completion) -> P.RolloutGroup:
+    return P.RolloutGroup(1, 2, "p", "d", np.arange(3, dtype=np.int32), list(completions),
+                          P.SamplingInfo(1.0, 1.0, -1, 4), 0.0, 0.0)
+
+
+@pytest.mark.parametrize(("weight", "fits"), [(-8.0, True), (8.0, True), (-8.5, False), (8.5, False),
+                                              (float("nan"), False)])
+def test_a_policy_weight_is_within_minus_8_and_8(weight, fits):
+    msg = group(completion(2), completion(3, weight))
+    if fits:
+        assert P.decode(P.encode(msg)).completions[1].policy_weight == weight
+    else:
+        assert refusal(msg) == f"RolloutGroup: completions[1]: policy_weight {weight} outside [-8, 8]"
+
+
+def test_a_group_and_its_completions_are_refused_in_words_naming_what_is_missing():
+    assert refusal(group(completion(1), completion(0))) == "RolloutGroup: completions[1]: completion has no tokens"
+    assert refusal(group()) == "RolloutGroup: group has no completions"
+    assert refusal(group(completion(2, logprobs=1))) == (
+        "RolloutGroup: completions[0]: lengths disagree: 2 token_ids, 1 logprobs, 2 versions")
+
+
+def reference(tokens: int, logprobs: int | None = None) -> P.ReferenceSample:
+    return P.ReferenceSample("r", np.zeros(2, np.int32), np.zeros(tokens, np.int32),
+                             np.zeros(tokens if logprobs is None else logprobs, np.float32), 1.0, "pi0")
+
+
+def test_a_batch_names_the_group_or_reference_sample_it_refuses():
+    assert len(P.decode(P.encode(P.Batch(3, [group(completion(1))], [reference(1)], {}))).reference) == 1
+    assert refusal(P.Batch(3, [group(completion(1)), group()], [], {})) == (
+        "Batch: groups[1]: group has no completions")
+    assert refusal(P.Batch(3, [], [reference(1), reference(0)], {})) == (
+        "Batch: reference[1]: reference sample has no response tokens")
+    assert refusal(P.Batch(3, [], [reference(2, logprobs=3)], {})) == (
+        "Batch: reference[0]: lengths disagree: 2 response_ids, 3 ref_logprobs")
+
+
+@pytest.mark.parametrize("name", ["waited_s", "cycle_s"])
+def test_a_batch_s_timings_may_be_exactly_their_limit(name):
+    msg = P.Batch(3, [], [], {}, **{name: P.MAX_SECONDS})
+    assert getattr(P.decode(P.encode(msg)), name) == P.MAX_SECONDS
+    assert refusal(P.Batch(3, [], [], {}, **{name: P.MAX_SECONDS * 1.5})) == (
+        f"Batch: {name} {P.MAX_SECONDS * 1.5} outside [0, 1000000000]")
+
+
+def test_a_weights_bucket_names_the_tensor_or_list_that_does_not_fit():
+    a = np.zeros(2, np.float32)
+    assert refusal(P.WeightsBucket(1, 0, ["w", "v"], [a, [1.0]], "c")) == (
+        "WeightsBucket: arrays[1]: expected a numpy array, got list")
+    assert refusal(P.WeightsBucket(1, 0, ["w"], [a, a], "c")) == "WeightsBucket: lengths disagree: 1 names, 2 arrays"
+    assert refusal(P.WeightsBucket(1, 0, ["w", "v"], [a, a], "c", ["float32"])) == (
+        "WeightsBucket: lengths disagree: 1 dtypes, 2 arrays")
+
+
+def test_the_frames_are_unsigned_bytes_whatever_the_arrays_layout():
+    """A contiguous array is sent as a view of itself, a strided or 0-d one as a contiguous copy."""
+    strided = np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]
+    scalar = np.array(7, dtype=np.int8)
+    frames = P.encode(P.WeightsBucket(1, 0, ["a", "b", "c"], [np.arange(3, dtype=np.int16), strided, scalar], "c"))
+    assert [f.format for f in frames[1:]] == ["B", "B", "B"]
+    assert [bytes(f) for f in frames[1:]] == [np.arange(3, dtype="<i2").tobytes(), strided.tobytes(), b"\x07"]
+
+
+def test_a_value_no_message_can_carry_is_named_by_its_type():
+    with pytest.raises(P.ProtocolError) as info:
+        P.encode(P.Batch(0, [], [], {"stale": object()}))
+    assert (info.value.kind, str(info.value)) == ("field", "Batch: object is not a protocol type")
