@@ -64,8 +64,8 @@ MODULES: dict[str, list[str]] = {
     "dph_async/app/rerun.py": ["tests/test_rerun_edges.py",
                                "tests/test_rerun.py::test_a_metrics_line_cut_short_is_one_error_naming_file_and_line"],
     "dph_async/app/core_claims.py": ["tests/test_core_claims.py"],
-    "dph_async/rewards/service.py": ["tests/test_scorer_edges.py", "tests/test_scorer_service.py", "tests/test_admission.py",
-                                     "-m", "not slow"],
+    "dph_async/rewards/service.py": ["tests/test_scorer_edges.py", "tests/test_scorer_service.py",
+                                     "tests/test_admission.py", "-m", "not slow"],
     "dph_async/rewards/result.py": ["tests/test_reward_result.py", "tests/test_rewards_registry.py"],
     "dph_async/protocol.py": ["tests/test_protocol_edges.py", "tests/test_protocol.py", "tests/test_protocol_fuzz.py"],
 }
@@ -81,6 +81,10 @@ _WIRE_DEFAULTS = ("a recorded batch reached the learner through the replay clien
 _RECORD_LIMITS = "msg = decode(frames, Limits(max_bytes=len(payload), max_header_bytes=len(payload), max_frames=n,"
 _FAST_PATH = ("the joined check is a fast path: a group it passes passes the check per completion, and one it "
               "fails is checked per completion after it; which groups take it changes only the time")
+_LENGTHS_CHECKED = "the lengths were checked to agree just before: zip never meets lists of unequal length"
+_ENVELOPE_TYPES = "the envelope is decoded typed (v an int, t a str): the other branch is never taken"
+_SAME_BYTES = ("a TypeError there takes the copying path (np.ascontiguousarray), which sends the same bytes; and "
+               "reshape(None) or (-2) of a contiguous array casts to its bytes as reshape(-1) does")
 EQUIVALENT: dict[tuple[str, str], str] = {
     **{("replay/store.py", f'if entry is not None and entry.place != "{p}":'):
        "claiming a pending group again moves it from pending to pending: the same counts and place"
@@ -111,10 +115,30 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "bool(None) is bool(False)",
     ("learner/staleness_control.py", 'bool(state.get("slow_start", )), int(state.get("hold", 0)))'):
         "get without a default gives None, and bool(None) is bool(False)",
-    **{("dph_async/rewards/result.py",
-        'if type(x).__module__ == "numpy" and type(x).__name__ in ("bool", ' + f'"{name}"):  # np.bool_ (numpy 1 and 2)'):
+    **{("dph_async/rewards/result.py", 'if type(x).__module__ == "numpy" and type(x).__name__ in ("bool", '
+                                       f'"{name}"):  # np.bool_ (numpy 1 and 2)'):
        "numpy 1's name for its bool type; numpy 2 (what the tests run on) names it bool: only a numpy 1 install "
        "tells them apart" for name in ("XXbool_XX", "BOOL_")},
+    **{("dph_async/protocol.py", line): _LENGTHS_CHECKED for line in [
+        *(f"tags = [(tag, shape) for b in self.buckets for tag, shape in zip(b.dtypes, b.shapes, {s})]"
+          for s in ("strict=None", "", "strict=False")),
+        *(f"for i, (offset, (tag, shape)) in enumerate(zip(shm.offsets, tags, {s})):"
+          for s in ("strict=None", "", "strict=False")),
+        *(f"for name, tag, array in zip(self.names, self.tensor_dtypes, self.arrays, {s}):"
+          for s in ("strict=None", "", "strict=False"))]},
+    ("dph_async/protocol.py", 'return repr(value)[:40] if (isinstance(value, (int, str))) or True else '
+                              'f"a {type(value).__name__}"'): _ENVELOPE_TYPES,
+    ("dph_async/protocol.py", 'return repr(value)[:40] if isinstance(value, (int, str)) else '
+                              'f"a {type(None).__name__}"'): _ENVELOPE_TYPES,
+    **{("dph_async/protocol.py", line): _SAME_BYTES for line in (
+        'view = memoryview(obj).cast(None)', 'view = memoryview(None).cast("B")',
+        'view = memoryview(np.ascontiguousarray(obj).reshape(None)).cast("B")',
+        'view = memoryview(np.ascontiguousarray(obj).reshape(-2)).cast("B")')},
+    ("dph_async/protocol.py", 'if name is None or obj.dtype.byteorder == ">":'):
+        "a dtype the protocol names is never big-endian, and one it does not name stays unnamed in little-endian "
+        "order: the same refusal",
+    ("dph_async/protocol.py", 'return detail, cls.__name__ + path.rstrip("XX`XX")[1:]'):
+        "msgspec's path ends in a field name (lower case) or ']': never in an X",
     ("dph_async/app/core_claims.py", "path.unlink(missing_ok=None)"): _LISTED_UNDER_THE_LOCK,
     ("dph_async/app/core_claims.py", "path.unlink(missing_ok=False)"): _LISTED_UNDER_THE_LOCK,
     ("dph_async/app/core_claims.py",

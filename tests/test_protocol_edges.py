@@ -200,3 +200,15 @@ def test_a_value_no_message_can_carry_is_named_by_its_type():
     with pytest.raises(P.ProtocolError) as info:
         P.encode(P.Batch(0, [], [], {"stale": object()}))
     assert (info.value.kind, str(info.value)) == ("field", "Batch: object is not a protocol type")
+
+
+def test_a_dtype_tag_or_array_that_cannot_travel_is_named_with_what_can():
+    dtypes = "float32, float16, uint16, float64, int64, int32, int16, int8, uint8, bool"
+    with pytest.raises(P.ProtocolError) as tag:
+        P.storage_dtype("complex64")
+    assert (tag.value.kind, str(tag.value)) == (
+        "value", f"dtype tag 'complex64' not allowed (allowed: {dtypes}, bfloat16)")
+    with pytest.raises(P.ProtocolError) as array:
+        P.encode(P.Batch(0, [], [], {"stale": np.zeros(2, np.complex64)}))
+    assert (array.value.kind, str(array.value)) == (
+        "array", f"Batch: dtype complex64 cannot travel (allowed: {dtypes})")
