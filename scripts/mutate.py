@@ -83,8 +83,9 @@ _FAST_PATH = ("the joined check is a fast path: a group it passes passes the che
               "fails is checked per completion after it; which groups take it changes only the time")
 _LENGTHS_CHECKED = "the lengths were checked to agree just before: zip never meets lists of unequal length"
 _ENVELOPE_TYPES = "the envelope is decoded typed (v an int, t a str): the other branch is never taken"
-_SAME_BYTES = ("a TypeError there takes the copying path (np.ascontiguousarray), which sends the same bytes; and "
-               "reshape(None) or (-2) of a contiguous array casts to its bytes as reshape(-1) does")
+_SAME_BYTES = ("a TypeError there takes the copying path (np.ascontiguousarray), which sends the same bytes; a "
+               "contiguous array reshaped by None (no change) or by -2 (numpy 2: the rest, as -1) casts to the same "
+               "bytes")
 EQUIVALENT: dict[tuple[str, str], str] = {
     **{("replay/store.py", f'if entry is not None and entry.place != "{p}":'):
        "claiming a pending group again moves it from pending to pending: the same counts and place"
