@@ -29,6 +29,9 @@ from dph_async.rewards.registry import UnknownDataSource, get_reward_fn
 from dph_async.rewards.result import RewardResult
 from dph_async.rewards.service import ServiceSettings, _Admission, _read_body, _Refused, make_app
 
+# The deadlines the tests with this mark wait for are under a second: a minute is a hang (a deadline
+# lost), not a slow machine.
+HUNG = pytest.mark.timeout(60)
 TOKEN = "edge-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 SETTINGS = ServiceSettings(max_queued_bytes=4000, max_body_bytes=2000, max_items=8, max_budget_s=30,
@@ -225,6 +228,7 @@ def test_a_content_length_one_past_the_limit_is_refused_before_a_byte_is_read():
         413, "too_large", "body over 500 bytes; send smaller batches")
 
 
+@HUNG
 def test_a_body_that_stops_arriving_is_refused_in_its_time_and_closes_the_connection():
     settings = ServiceSettings(max_queued_bytes=1000, max_body_bytes=500, body_timeout_s=0.125)
 
@@ -296,6 +300,7 @@ def test_the_gauges_read_the_pool_and_the_service_and_say_what_they_count():
         assert (found[("dph_scorer_worker_restarts", ())], found[("dph_scorer_workers", ())]) == (4.0, 3.0)
 
 
+@HUNG
 def test_a_body_the_parser_does_not_answer_in_time_is_refused_naming_its_limits():
     def stop_the_child(parser) -> None:  # it takes the body and never answers
         child = parser._children.get()
@@ -407,6 +412,7 @@ async def _gone_mid_upload(app) -> int:
     return sent[0]["status"]
 
 
+@HUNG
 def test_refusals_through_the_app_carry_their_headers():
     """A second upload that does not fit beside a first one gets 503 with Retry-After; an upload that
     stops arriving gets 408 and the connection closed."""
