@@ -140,6 +140,9 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "order: the same refusal",
     ("dph_async/protocol.py", 'return detail, cls.__name__ + path.rstrip("XX`XX")[1:]'):
         "msgspec's path ends in a field name (lower case) or ']': never in an X",
+    **{("dph_async/app/rerun.py", f"shutil.rmtree(fresh, {arg})"):
+       "the directory was made by mkdtemp just before and only the trainer's save wrote in it: removing it "
+       "does not fail, so there is no error to ignore" for arg in ("ignore_errors=None", "", "ignore_errors=False")},
     ("dph_async/app/core_claims.py", "path.unlink(missing_ok=None)"): _LISTED_UNDER_THE_LOCK,
     ("dph_async/app/core_claims.py", "path.unlink(missing_ok=False)"): _LISTED_UNDER_THE_LOCK,
     ("dph_async/app/core_claims.py",

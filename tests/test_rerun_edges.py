@@ -18,6 +18,7 @@ from dph_async.app import rerun as R
 from dph_async.app.rerun_report import HEADLINE, WeightCheck
 from dph_async.config import load_config
 from dph_async.paths import final_model
+from dph_async.safe_files import UnsafeFile
 from learner.recording import RECORDING, BatchRecorder, write_run_info
 from learner.staleness_control import StalenessController, StalenessRule
 
@@ -77,7 +78,7 @@ def test_a_tensor_the_rerun_lacks_is_an_error_naming_five_of_them():
     theirs = {f"w{i}": t(1) for i in range(7)}
     with pytest.raises(R.RerunError, match=r"^final model: tensors \['w0', 'w1', 'w2', 'w3', 'w4'\] are not in "
                                            r"the rerun's model \(another architecture\?\)$"):
-        R.compare_weights("final model", 6, {"w5": t(1), "w6": t(1)}, theirs)
+        R.compare_weights("final model", 6, {"w6": t(1)}, theirs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,7 +307,7 @@ def test_a_recording_with_nothing_from_the_start_on_ends_there(tmp_path, standin
 
 
 def test_a_counterfactual_writes_its_final_model_over_an_earlier_one(tmp_path, standin):
-    _, _, rows, weights = standin
+    built, _, rows, weights = standin
     rl_dir = recorded_run(tmp_path)
     write_run(rl_dir, rows, weights[5])
     out = tmp_path / "out"
@@ -314,6 +315,9 @@ def test_a_counterfactual_writes_its_final_model_over_an_earlier_one(tmp_path, s
     (final_model(out) / "stale.bin").write_text("an earlier rerun's")
     report = R.rerun(rl_dir, out, ["learner.lr=0.5"])
     assert report.counterfactual and report.end == 5
+    # Written under a hidden name beside it, then renamed: no reader sees half a model.
+    [written] = built[0].saved
+    assert Path(written).parent == out and Path(written).name.startswith(".final_model-")
     assert sorted(p.name for p in final_model(out).iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert [p.name for p in out.iterdir() if p.name.startswith(".final_model")] == []
     shutil.rmtree(final_model(out))
@@ -376,3 +380,18 @@ def test_a_trainer_that_fails_to_load_its_checkpoint_is_closed(tmp_path, standin
         with pytest.raises(OSError, match="damaged"):
             R.rerun(rl_dir, tmp_path / "out", [], start=2)
     assert built[0].closed
+
+
+def test_a_link_where_the_final_model_goes_is_refused_not_followed(tmp_path, standin):
+    built, _, rows, weights = standin
+    rl_dir = recorded_run(tmp_path)
+    write_run(rl_dir, rows, weights[5])
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    final_model(out).symlink_to(elsewhere)
+    with pytest.raises(UnsafeFile) as refused:
+        R.rerun(rl_dir, out, ["learner.lr=0.5"], until=1)
+    assert str(refused.value) == (f"{final_model(out)}: a symbolic link, where the rerun's final model belongs; "
+                                  "not followed")
+    assert not any(elsewhere.iterdir()) and built[0].saved == []
