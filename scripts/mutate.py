@@ -64,8 +64,13 @@ MODULES: dict[str, list[str]] = {
     "dph_async/app/rerun.py": ["tests/test_rerun_edges.py",
                                "tests/test_rerun.py::test_a_metrics_line_cut_short_is_one_error_naming_file_and_line"],
     "dph_async/app/core_claims.py": ["tests/test_core_claims.py"],
-    "dph_async/rewards/service.py": ["tests/test_scorer_edges.py", "tests/test_scorer_service.py",
-                                     "tests/test_admission.py", "-m", "not slow"],
+    # The app around a stand-in pool (the real pool's workers take seconds to start; the pool has its own tests).
+    "dph_async/rewards/service.py": [
+        "tests/test_scorer_edges.py",
+        "tests/test_scorer_service.py::test_a_cancelled_upload_gives_its_reservation_back",
+        "tests/test_scorer_service.py::test_bytes_are_taken_as_they_arrive_and_all_given_back",
+        "tests/test_scorer_service.py::test_one_request_holds_at_most_as_much_as_it_leaves_free",
+        "tests/test_scorer_service.py::test_settings_a_lone_largest_body_could_never_fit_are_refused"],
     "dph_async/rewards/result.py": ["tests/test_reward_result.py", "tests/test_rewards_registry.py"],
     "dph_async/protocol.py": ["tests/test_protocol_edges.py", "tests/test_protocol.py", "tests/test_protocol_fuzz.py"],
 }
