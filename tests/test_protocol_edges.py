@@ -212,3 +212,25 @@ def test_a_dtype_tag_or_array_that_cannot_travel_is_named_with_what_can():
         P.encode(P.Batch(0, [], [], {"stale": np.zeros(2, np.complex64)}))
     assert (array.value.kind, str(array.value)) == (
         "array", f"Batch: dtype complex64 cannot travel (allowed: {dtypes})")
+
+
+def two_tensors() -> P.BucketInfo:
+    return bucket(names=["a", "b"], dtypes=["float32", "float32"], shapes=[[2], [3]])  # 8 and 12 bytes
+
+
+@pytest.mark.parametrize(("size", "offsets", "says"), [
+    (4116, [4096, 4104], None),  # back to back, the second ending exactly at the segment's end
+    (4200, [4096, 4160], None),  # gaps are allowed
+    (4115, [4096, 4104], "shm tensor 1: bytes [4104, 4116) outside the segment's [4104, 4115)"),
+    (4200, [4096, 4100], "shm tensor 1: bytes [4100, 4112) outside the segment's [4104, 4200)"),  # overlapping
+    (4200, [4104, 4096], "shm tensor 1: bytes [4096, 4108) outside the segment's [4112, 4200)"),  # out of order
+    (4200, [4092, 4104], "shm tensor 0: bytes [4092, 4100) outside the segment's [4096, 4200)"),  # in the header
+    (4200, [4096, 4102], "shm tensor 1: offset 4102 not aligned to its 4-byte items"),
+])
+def test_each_tensor_lies_past_the_header_in_order_within_the_segment(size, offsets, says):
+    msg = P.WeightsReady(1, [two_tensors()], shm(size, offsets))
+    if says is None:
+        assert P.decode(P.encode(msg)).shm.offsets == offsets
+    else:
+        tail = " (overlapping, out of order or past its end)" if "outside" in says else ""
+        assert refusal(msg) == f"WeightsReady: {says}{tail}"
