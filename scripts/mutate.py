@@ -150,6 +150,16 @@ EQUIVALENT: dict[tuple[str, str], str] = {
        "does not fail, so there is no error to ignore" for arg in ("ignore_errors=None", "", "ignore_errors=False")},
     ("dph_async/rewards/service.py", 'declared = request.headers.get("content-length", "XXXX")'):
         "without a Content-Length the default is only tested for digits: neither \"\" nor \"XXXX\" is a number",
+    **{("dph_async/app/rerun.py", "d = (o.double() - t.double()) if o.shape == t.shape else "
+                                  f"torch.full({shape}, math.inf, {dtype})"):
+       "a tensor of +inf, of any length or float dtype, makes the distance and the largest difference +inf"
+       for shape, dtype in (("(1,)", "dtype=None"), ("(1,)", ""), ("(2,)", "dtype=torch.float64"))},
+    **{("dph_async/app/rerun.py", f"self.report = RerunReport(str(rl_dir), str(out), overrides, counterfactual, "
+                                  f"start, start, {stopped})"):
+       "run() says why it stopped before anything reads it" for stopped in ("None", '"XXXX"')},
+    **{("dph_async/app/rerun.py", f'write_output(self.out / f"diagnose_v{{diagnose}}.json", '
+                                  f"json.dumps(asdict(found), {indent}))"):
+       "the diagnosis's indentation: it reads back the same" for indent in ("indent=None", "", "indent=2")},
     ("dph_async/app/core_claims.py", "path.unlink(missing_ok=None)"): _LISTED_UNDER_THE_LOCK,
     ("dph_async/app/core_claims.py", "path.unlink(missing_ok=False)"): _LISTED_UNDER_THE_LOCK,
     ("dph_async/app/core_claims.py",

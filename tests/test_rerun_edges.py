@@ -4,6 +4,7 @@ version, where it stops, what it writes. The real trainer's rerun: tests/test_re
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import shutil
@@ -15,6 +16,7 @@ from safetensors.torch import save_file
 from test_rerun import batches
 
 from dph_async.app import rerun as R
+from dph_async.app.commands.rerun import add_arguments
 from dph_async.app.rerun_report import HEADLINE, WeightCheck
 from dph_async.config import load_config
 from dph_async.paths import final_model
@@ -184,6 +186,7 @@ class StandInTrainer:
         return {"w": self.w.clone()}
 
     def load(self, directory: Path, tag: str) -> dict:
+        self.loaded_from = directory / tag
         self.version = int(tag[1:])
         self.w = self.checkpoints[self.version]["w"].clone()
         return self.checkpoints[self.version]["state"]
@@ -227,6 +230,7 @@ def standin(monkeypatch):
 
     def build(cfg, model_dir, device):
         built.append(StandInTrainer(checkpoints))
+        built[-1].built_with = (cfg, model_dir, device)
         return built[-1], StandInTokenizer()
 
     monkeypatch.setattr(R, "build_trainer", build)
@@ -251,6 +255,9 @@ def test_a_rerun_of_the_run_s_steps_is_the_run(tmp_path, standin):
     write_run(rl_dir, rows, weights[5])
     report = R.rerun(rl_dir, tmp_path / "out", [])
     assert models == [(tmp_path / "run" / "base_model", f"{rl_dir / 'recording.json'}: model_dir")]
+    cfg, model_dir, device = built[0].built_with
+    assert (cfg.replay.staleness_window, model_dir, device) == (2, str(tmp_path / "run" / "base_model"), None)
+    assert (report.run_dir, report.out, report.overrides) == (str(rl_dir), str(tmp_path / "out"), [])
     assert (report.start, report.end, report.stopped) == (0, 5, "the recording ends at version 5")
     assert [(s.version, s.differing) for s in report.steps] == [(v, []) for v in range(1, 6)]
     assert report.weights == [WeightCheck("checkpoint v2", 2, True, 0.0, 0.0),
@@ -284,6 +291,7 @@ def test_a_rerun_from_a_checkpoint_until_a_version_starts_and_stops_there(tmp_pa
     assert (report.start, report.end, report.stopped) == (2, 4, "--until 4")
     assert [(s.version, s.differing) for s in report.steps] == [(3, []), (4, [])]
     assert [w.what for w in report.weights] == ["checkpoint v4"] and built[0].version == 4
+    assert built[0].loaded_from == rl_dir / "checkpoints" / "v2"
     # The controller's state came from the checkpoint (its bound there, not the rule's minimum): the
     # bound it decides at v4 is the run's.
     logged = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -358,6 +366,11 @@ def test_the_diagnosed_step_is_the_one_named(tmp_path, standin, monkeypatch):
     R.rerun(rl_dir, tmp_path / "out", [], diagnose=3, top_tokens=7)
     assert diagnosed == [(3, 3, 7)]
     assert json.loads((tmp_path / "out" / "diagnose_v3.json").read_text())["version"] == 3
+    # Without a number: as many tokens as the command lists by default.
+    R.rerun(rl_dir, tmp_path / "out2", [], diagnose=1)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert diagnosed[-1] == (1, 1, parser.parse_args(["run"]).top_tokens)
 
 
 def test_a_rerun_refuses_a_run_without_a_recording_or_the_checkpoint_asked_for(tmp_path, standin):
@@ -395,3 +408,21 @@ def test_a_link_where_the_final_model_goes_is_refused_not_followed(tmp_path, sta
     assert str(refused.value) == (f"{final_model(out)}: a symbolic link, where the rerun's final model belongs; "
                                   "not followed")
     assert not any(elsewhere.iterdir()) and built[0].saved == []
+
+
+def test_a_run_without_auto_staleness_is_rerun_without_a_controller_even_from_a_checkpoint_that_has_one(
+        tmp_path, standin):
+    """A checkpoint may hold a controller's state (the run's config was changed since, or an override
+    turns auto off): without auto staleness there is none to restore, and no staleness metric."""
+    rl_dir = recorded_run(tmp_path, ["replay.max_staleness=2"])
+    trainer = StandInTrainer({})
+    run_rows = []
+    for batch in batches(5):
+        m = trainer.train_step(batch)
+        R.finish_metrics(m, batch, None)
+        run_rows.append(m)
+    write_run(rl_dir, run_rows, None)
+    report = R.rerun(rl_dir, tmp_path / "out", [], start=2)
+    assert [(s.version, s.differing) for s in report.steps] == [(3, []), (4, []), (5, [])]
+    logged = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert not any(k.startswith("staleness/") and k != "staleness/max" for m in logged for k in m)
