@@ -148,6 +148,8 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     **{("dph_async/app/rerun.py", f"shutil.rmtree(fresh, {arg})"):
        "the directory was made by mkdtemp just before and only the trainer's save wrote in it: removing it "
        "does not fail, so there is no error to ignore" for arg in ("ignore_errors=None", "", "ignore_errors=False")},
+    ("dph_async/rewards/service.py", 'declared = request.headers.get("CONTENT-LENGTH", "")'):
+        "Starlette's request headers are looked up case-insensitively",
     ("dph_async/rewards/service.py", 'declared = request.headers.get("content-length", "XXXX")'):
         "without a Content-Length the default is only tested for digits: neither \"\" nor \"XXXX\" is a number",
     **{("dph_async/app/rerun.py", "d = (o.double() - t.double()) if o.shape == t.shape else "

@@ -133,8 +133,8 @@ def test_the_bytes_held_are_what_each_request_holds_and_a_request_holds_at_most_
                 held = admission.held
                 with pytest.raises(_Refused) as refused:
                     live[i].grow_to(n)
-                assert (refused.value.code, refused.value.detail) == (
-                    503, f"{held} bytes of requests in the service; retry later")
+                assert (refused.value.code, refused.value.error, refused.value.detail) == (
+                    503, "overloaded", f"{held} bytes of requests in the service; retry later")
             assert admission.held == sum(model)
     assert admission.held == 0
 
@@ -463,7 +463,10 @@ def test_the_api_schema_states_the_batch_the_reply_and_every_refusal():
     app = make_app(CFG, SETTINGS)  # not started: the schema needs no pool
     schema = TestClient(app).get("/openapi.json").json()
     assert schema["info"]["title"] == "dph-async scorer"
-    assert {"ScoreBatch", "ScoreReply", "ScoreItem", "RewardResult"} <= set(schema["components"]["schemas"])
+    components = schema["components"]["schemas"]
+    assert {"ScoreBatch", "ScoreReply", "ScoreItem", "RewardResult"} <= set(components)
+    # msgspec's own references point into the components too, where the schema keeps them.
+    assert components["ScoreBatch"]["properties"]["requests"]["items"] == {"$ref": "#/components/schemas/ScoreItem"}
     operation = schema["paths"]["/v1/score"]["post"]
     assert operation["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ScoreBatch"}
