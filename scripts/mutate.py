@@ -140,6 +140,19 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         'view = memoryview(obj).cast(None)', 'view = memoryview(None).cast("B")',
         'view = memoryview(np.ascontiguousarray(obj).reshape(None)).cast("B")',
         'view = memoryview(np.ascontiguousarray(obj).reshape(-2)).cast("B")')},
+    ("dph_async/protocol.py", "used[i] = 2"): "the marks are only tested for truth: 2 is as true as 1",
+    ("dph_async/protocol.py", "count = shape[0] if (len(shape) == 1) and False else math.prod(shape)"):
+        "the product of one dimension is that dimension: the 1-d branch is a fast path",
+    ("dph_async/protocol.py", '_frames.out = ""'):
+        "nothing reads the frames out between encodes: each encode sets them before the encoder runs",
+    **{("dph_async/protocol.py", f"raise _fail({args})"):
+       "outside decoding nobody reads the kind and field set aside, and the next decode resets them"
+       for args in ('None, name, "an array descriptor outside decoding"',
+                    'name, "an array descriptor outside decoding"',
+                    '"array", None, "an array descriptor outside decoding"',
+                    '"array", "an array descriptor outside decoding"',
+                    '"XXarrayXX", name, "an array descriptor outside decoding"',
+                    '"ARRAY", name, "an array descriptor outside decoding"')},
     ("dph_async/protocol.py", 'if name is None or obj.dtype.byteorder == ">":'):
         "a dtype the protocol names is never big-endian, and one it does not name stays unnamed in little-endian "
         "order: the same refusal",

@@ -4,6 +4,7 @@ next one, each refusal's words whole, and the rules that relate fields for any i
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given
@@ -234,3 +235,58 @@ def test_each_tensor_lies_past_the_header_in_order_within_the_segment(size, offs
     else:
         tail = " (overlapping, out of order or past its end)" if "outside" in says else ""
         assert refusal(msg) == f"WeightsReady: {says}{tail}"
+
+
+def test_an_array_of_the_wrong_dimensions_or_dtype_is_named_on_both_sides():
+    flat = completion(2)
+    flat.token_ids = flat.token_ids.reshape(2, 1)
+    assert refusal(group(flat)) == (
+        "RolloutGroup: completions[0]: token_ids: expected 1 dimension(s), got shape (2, 1)")
+    wide = completion(2)
+    wide.versions = wide.versions.astype(np.int64)
+    assert refusal(group(wide)) == (
+        "RolloutGroup: completions[0]: versions: dtype int64 not allowed (allowed: int32)")
+    head, arrays = _header(group(completion(2)))
+    head["m"]["completions"][0]["logprobs"] = ["float32", [2, 1], 1]
+    e = _error([msgpack.packb(head), *arrays])
+    assert (e.kind, str(e)) == (
+        "array", "RolloutGroup.completions[0].logprobs: expected 1 dimension(s), got shape [2, 1]")
+    head["m"]["completions"][0]["logprobs"] = ["x" * 60, [2], 1]
+    e = _error([msgpack.packb(head), *arrays])
+    assert (e.kind, str(e)) == ("array", f"RolloutGroup.completions[0].logprobs: dtype '{'x' * 40}' not allowed "
+                                         "(allowed: float32)")
+
+
+def test_a_frame_number_one_past_the_last_is_refused_naming_the_field():
+    head, arrays = _header(group(completion(2)))
+    head["m"]["completions"][0]["versions"] = ["int32", [2], len(arrays)]
+    e = _error([msgpack.packb(head), *arrays])
+    assert (e.kind, str(e)) == ("frames", f"RolloutGroup.completions[0].versions: array frame {len(arrays)} "
+                                          f"described, but only {len(arrays)} array frames came")
+
+
+def test_an_array_field_decoded_outside_the_protocol_s_decoder_is_refused():
+    head, _ = _header(group(completion(2)))
+    with pytest.raises(msgspec.ValidationError) as info:
+        msgspec.msgpack.decode(msgpack.packb(head["m"]["completions"][0]), type=P.Completion)
+    assert str(info.value) == "an array descriptor outside decoding"
+
+
+def test_a_message_of_exactly_its_byte_limit_is_decoded_and_one_byte_more_is_not():
+    frames = P.encode(group(completion(3)))
+    total = sum(memoryview(f).nbytes for f in frames)
+    assert P.decode(frames, P.Limits(max_bytes=total)).seq == 2
+    e = _error(frames, P.Limits(max_bytes=total - 1))
+    assert (e.kind, str(e)) == ("size", f"RolloutGroup of {total} bytes exceeds its limit of {total - 1}")
+
+
+def test_frames_that_do_not_fit_the_header_are_named_with_the_type():
+    frames = P.encode(group(completion(2)))
+    e = _error(frames[:-1])
+    assert (e.kind, str(e)) == ("frames", f"RolloutGroup: header announces {len(frames) - 1} array frames, "
+                                          f"{len(frames) - 2} came")
+    e = _error([frames[0], *frames[1:-1], "not bytes"])
+    assert e.kind == "frames" and str(e).startswith("a frame is not a byte buffer (")
+    with pytest.raises(P.ProtocolError) as info:
+        P.encode(P.SamplingInfo(1.0, 1.0, -1, 4))
+    assert (info.value.kind, str(info.value)) == ("type", "SamplingInfo is not a protocol message")
