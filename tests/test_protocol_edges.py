@@ -290,3 +290,13 @@ def test_frames_that_do_not_fit_the_header_are_named_with_the_type():
     with pytest.raises(P.ProtocolError) as info:
         P.encode(P.SamplingInfo(1.0, 1.0, -1, 4))
     assert (info.value.kind, str(info.value)) == ("type", "SamplingInfo is not a protocol message")
+
+
+def test_a_tensor_of_a_dtype_no_bucket_carries_is_named_with_every_dtype_one_may_have():
+    dtypes = "float32, float16, uint16, float64, int64, int32, int16, int8, uint8, bool"
+    assert refusal(P.WeightsBucket(1, 0, ["w"], [np.zeros(2, np.complex64)], "c")) == (
+        f"WeightsBucket: arrays[0]: dtype complex64 not allowed (allowed: {dtypes})")
+    head, arrays = _header(P.WeightsBucket(1, 0, ["w"], [np.zeros(2, np.float32)], "c"))
+    head["m"]["arrays"][0][0] = "complex64"
+    e = _error([msgpack.packb(head), *arrays])
+    assert (e.kind, str(e)) == ("array", f"WeightsBucket.arrays[0]: dtype 'complex64' not allowed (allowed: {dtypes})")
