@@ -342,6 +342,26 @@ def test_while_a_batch_is_scored_its_requests_are_in_flight_and_its_bytes_held(s
     assert client.get("/health").json()["queued_bytes"] == 0
 
 
+def test_batches_in_the_pool_at_once_are_all_in_flight():
+    both = threading.Barrier(2, timeout=30)
+    seen: list[int] = []
+    with serving() as (client, pool, _):
+
+        def during() -> None:
+            both.wait()  # both batches in the pool
+            seen.append(client.get("/health").json()["in_flight"])
+            both.wait()  # neither leaves before both have looked
+
+        pool.during = during
+        batches = [threading.Thread(target=post, args=(client, n)) for n in (1, 3)]
+        for b in batches:
+            b.start()
+        for b in batches:
+            b.join()
+        assert client.get("/health").json()["in_flight"] == 0
+    assert seen == [4, 4]
+
+
 def test_a_batch_s_deadline_is_its_budget_at_most_the_service_s_counted_from_its_arrival(served):
     client, pool = served
     for budget_s, allowed in [(None, 30), (5, 5), (30, 30), (31, 30), (1e9, 30), (0.5, 0.5)]:
