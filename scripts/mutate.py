@@ -61,11 +61,18 @@ MODULES: dict[str, list[str]] = {
         "tests/test_rerun.py::test_the_recording_reads_back_what_was_written_and_a_resume_keeps_the_steps_before_its_checkpoint",
         "tests/test_rerun.py::test_a_damaged_recording_is_refused_with_file_and_offset",
         "tests/test_rerun.py::test_a_checksummed_record_that_is_no_batch_is_refused"],
-    "dph_async/app/rerun.py": ["tests/test_rerun.py", "-k", "rerun"],
+    "dph_async/app/rerun.py": ["tests/test_rerun_edges.py",
+                               "tests/test_rerun.py::test_a_metrics_line_cut_short_is_one_error_naming_file_and_line"],
     "dph_async/app/core_claims.py": ["tests/test_core_claims.py"],
-    "dph_async/rewards/service.py": ["tests/test_scorer_service.py", "tests/test_admission.py", "-m", "not slow"],
-    "dph_async/rewards/result.py": ["tests/test_rewards_registry.py", "tests/test_reward_plugins.py"],
-    "dph_async/protocol.py": ["tests/test_protocol.py", "tests/test_protocol_fuzz.py"],
+    # The app around a stand-in pool (the real pool's workers take seconds to start; the pool has its own tests).
+    "dph_async/rewards/service.py": [
+        "tests/test_scorer_edges.py",
+        "tests/test_scorer_service.py::test_a_cancelled_upload_gives_its_reservation_back",
+        "tests/test_scorer_service.py::test_bytes_are_taken_as_they_arrive_and_all_given_back",
+        "tests/test_scorer_service.py::test_one_request_holds_at_most_as_much_as_it_leaves_free",
+        "tests/test_scorer_service.py::test_settings_a_lone_largest_body_could_never_fit_are_refused"],
+    "dph_async/rewards/result.py": ["tests/test_reward_result.py", "tests/test_rewards_registry.py"],
+    "dph_async/protocol.py": ["tests/test_protocol_edges.py", "tests/test_protocol.py", "tests/test_protocol_fuzz.py"],
 }
 
 # Survivors no test can kill, by module and the mutated line (stripped), with the reason. A key no
@@ -79,6 +86,11 @@ _WIRE_DEFAULTS = ("a recorded batch reached the learner through the replay clien
 _RECORD_LIMITS = "msg = decode(frames, Limits(max_bytes=len(payload), max_header_bytes=len(payload), max_frames=n,"
 _FAST_PATH = ("the joined check is a fast path: a group it passes passes the check per completion, and one it "
               "fails is checked per completion after it; which groups take it changes only the time")
+_LENGTHS_CHECKED = "the lengths were checked to agree just before: zip never meets lists of unequal length"
+_ENVELOPE_TYPES = "the envelope is decoded typed (v an int, t a str): the other branch is never taken"
+_SAME_BYTES = ("a TypeError there takes the copying path (np.ascontiguousarray), which sends the same bytes; a "
+               "contiguous array reshaped by None (no change) or by -2 (numpy 2: the rest, as -1) casts to the same "
+               "bytes")
 EQUIVALENT: dict[tuple[str, str], str] = {
     **{("replay/store.py", f'if entry is not None and entry.place != "{p}":'):
        "claiming a pending group again moves it from pending to pending: the same counts and place"
@@ -109,6 +121,60 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "bool(None) is bool(False)",
     ("learner/staleness_control.py", 'bool(state.get("slow_start", )), int(state.get("hold", 0)))'):
         "get without a default gives None, and bool(None) is bool(False)",
+    **{("dph_async/rewards/result.py", 'if type(x).__module__ == "numpy" and type(x).__name__ in ("bool", '
+                                       f'"{name}"):  # np.bool_ (numpy 1 and 2)'):
+       "numpy 1's name for its bool type; numpy 2 (what the tests run on) names it bool: only a numpy 1 install "
+       "tells them apart" for name in ("XXbool_XX", "BOOL_")},
+    **{("dph_async/protocol.py", line): _LENGTHS_CHECKED for line in [
+        *(f"tags = [(tag, shape) for b in self.buckets for tag, shape in zip(b.dtypes, b.shapes, {s})]"
+          for s in ("strict=None", "", "strict=False")),
+        *(f"for i, (offset, (tag, shape)) in enumerate(zip(shm.offsets, tags, {s})):"
+          for s in ("strict=None", "", "strict=False")),
+        *(f"for name, tag, array in zip(self.names, self.tensor_dtypes, self.arrays, {s}):"
+          for s in ("strict=None", "", "strict=False"))]},
+    ("dph_async/protocol.py", 'return repr(value)[:40] if (isinstance(value, (int, str))) or True else '
+                              'f"a {type(value).__name__}"'): _ENVELOPE_TYPES,
+    ("dph_async/protocol.py", 'return repr(value)[:40] if isinstance(value, (int, str)) else '
+                              'f"a {type(None).__name__}"'): _ENVELOPE_TYPES,
+    **{("dph_async/protocol.py", line): _SAME_BYTES for line in (
+        'view = memoryview(obj).cast(None)', 'view = memoryview(None).cast("B")',
+        'view = memoryview(np.ascontiguousarray(obj).reshape(None)).cast("B")',
+        'view = memoryview(np.ascontiguousarray(obj).reshape(-2)).cast("B")')},
+    ("dph_async/protocol.py", "used[i] = 2"): "the marks are only tested for truth: 2 is as true as 1",
+    ("dph_async/protocol.py", "count = shape[0] if (len(shape) == 1) and False else math.prod(shape)"):
+        "the product of one dimension is that dimension: the 1-d branch is a fast path",
+    ("dph_async/protocol.py", '_frames.out = ""'):
+        "nothing reads the frames out between encodes: each encode sets them before the encoder runs",
+    **{("dph_async/protocol.py", f"raise _fail({args})"):
+       "outside decoding nobody reads the kind and field set aside, and the next decode resets them"
+       for args in ('None, name, "an array descriptor outside decoding"',
+                    'name, "an array descriptor outside decoding"',
+                    '"array", None, "an array descriptor outside decoding"',
+                    '"array", "an array descriptor outside decoding"',
+                    '"XXarrayXX", name, "an array descriptor outside decoding"',
+                    '"ARRAY", name, "an array descriptor outside decoding"')},
+    ("dph_async/protocol.py", 'if name is None or obj.dtype.byteorder == ">":'):
+        "a dtype the protocol names is never big-endian, and one it does not name stays unnamed in little-endian "
+        "order: the same refusal",
+    ("dph_async/protocol.py", 'return detail, cls.__name__ + path.rstrip("XX`XX")[1:]'):
+        "msgspec's path ends in a field name (lower case) or ']': never in an X",
+    **{("dph_async/app/rerun.py", f"shutil.rmtree(fresh, {arg})"):
+       "the directory was made by mkdtemp just before and only the trainer's save wrote in it: removing it "
+       "does not fail, so there is no error to ignore" for arg in ("ignore_errors=None", "", "ignore_errors=False")},
+    ("dph_async/rewards/service.py", 'declared = request.headers.get("CONTENT-LENGTH", "")'):
+        "Starlette's request headers are looked up case-insensitively",
+    ("dph_async/rewards/service.py", 'declared = request.headers.get("content-length", "XXXX")'):
+        "without a Content-Length the default is only tested for digits: neither \"\" nor \"XXXX\" is a number",
+    **{("dph_async/app/rerun.py", "d = (o.double() - t.double()) if o.shape == t.shape else "
+                                  f"torch.full({shape}, math.inf, {dtype})"):
+       "a tensor of +inf, of any length or float dtype, makes the distance and the largest difference +inf"
+       for shape, dtype in (("(1,)", "dtype=None"), ("(1,)", ""), ("(2,)", "dtype=torch.float64"))},
+    **{("dph_async/app/rerun.py", f"self.report = RerunReport(str(rl_dir), str(out), overrides, counterfactual, "
+                                  f"start, start, {stopped})"):
+       "run() says why it stopped before anything reads it" for stopped in ("None", '"XXXX"')},
+    **{("dph_async/app/rerun.py", f'write_output(self.out / f"diagnose_v{{diagnose}}.json", '
+                                  f"json.dumps(asdict(found), {indent}))"):
+       "the diagnosis's indentation: it reads back the same" for indent in ("indent=None", "", "indent=2")},
     ("dph_async/app/core_claims.py", "path.unlink(missing_ok=None)"): _LISTED_UNDER_THE_LOCK,
     ("dph_async/app/core_claims.py", "path.unlink(missing_ok=False)"): _LISTED_UNDER_THE_LOCK,
     ("dph_async/app/core_claims.py",
