@@ -63,7 +63,6 @@ class Admission:
         self.in_flight: dict[int, deque[list[int]]] = {}
         self.by_version: Counter[int] = Counter()  # basis version -> tickets in flight; no zero entries
         self.in_flight_total = 0
-        self.granted_total = 0
         self.overclaimed = 0  # requests whose actor claimed more tickets than it was granted
         self.expired = 0  # tickets dropped unused once their last batch was served
         self.trusted: set[int] = set()  # actors whose tickets were granted with the actor token
@@ -108,13 +107,12 @@ class Admission:
         self.by_version[basis] += n
         self.in_flight_total += n
 
-    def _use(self, actor: int, n: int, newest: bool = False) -> int:
-        """Take up to n of the actor's tickets, oldest grant first (or newest); returns how many it
-        held of them."""
+    def _use(self, actor: int, n: int) -> int:
+        """Take up to n of the actor's tickets, newest grant first; returns how many it held of them."""
         chunks = self.in_flight.get(actor)
         used = 0
         while chunks and used < n:
-            used += self._take(chunks, -1 if newest else 0, n - used)
+            used += self._take(chunks, -1, n - used)
         self._settle(actor, used)
         return used
 
@@ -157,22 +155,20 @@ class Admission:
         held = self.held(actor)
         if outstanding > held:
             self.overclaimed += 1
-        self._use(actor, held - min(held, max(outstanding, 0)), newest=True)
+        self._use(actor, held - min(held, max(outstanding, 0)))
         room = self.capacity(learner_version, admitted, weights_version)
         if not trusted:
             room = max(0, room - self.groups_per_batch)
         elif room < self.groups_per_batch and (anonymous := self._anonymous_in_flight()):
-            # Anonymous tickets count against the run's actors only up to what leaves them a batch.
-            # Granted under a larger eta (set_staleness lowers it), they would otherwise take it all
-            # and hold the learner at its version for ever: they expire only once the batch they
-            # keep the run's actors from making is served.
-            left = self._limit(learner_version, weights_version) - admitted  # for all tickets in flight
-            trusted_held = self.in_flight_total - anonymous
-            room = max(room, left - trusted_held - min(anonymous, max(0, left - self.groups_per_batch)))
+            # Anonymous tickets never keep the run's actors from a batch (or what is left of the limit,
+            # if less). Granted under a larger eta (set_staleness lowers it), they would otherwise
+            # take it all and hold the learner at its version for ever: they expire only once the
+            # batch they keep the run's actors from making is served.
+            left = self._limit(learner_version, weights_version) - admitted
+            room = max(room, min(self.groups_per_batch, left) - (self.in_flight_total - anonymous))
         granted = want if not self.enabled else min(want, room)
         if granted > 0:
             self._add(actor, self.basis(learner_version, weights_version), granted)
-            self.granted_total += granted
             if trusted:
                 self.trusted.add(actor)
             else:
@@ -204,7 +200,7 @@ class Admission:
         self._take(chunks, fits[-1] if fits else 0, 1)
         self._settle(actor, 1)
 
-    def reset(self, actor: int, trusted: bool = True) -> int:
+    def reset(self, actor: int, trusted: bool) -> int:
         """The actor (re)connected and resumed: its earlier tickets are void. Returns how many there
         were: positions granted to its previous process and never delivered (they are regenerated).
         Without the actor token, tickets granted with it stay."""

@@ -92,6 +92,10 @@ _SAME_BYTES = ("a TypeError there takes the copying path (np.ascontiguousarray),
                "contiguous array reshaped by None (no change) or by -2 (numpy 2: the rest, as -1) casts to the same "
                "bytes")
 EQUIVALENT: dict[tuple[str, str], str] = {
+    **{("replay/staleness.py", line): (
+        "a fast path: with no tickets of that basis, or no anonymous actor, the sum it skips is 0")
+       for line in ("if coming or len(self.trusted) < len(self.in_flight):",
+                    "if coming and len(self.trusted) <= len(self.in_flight):")},
     **{("replay/store.py", f'if entry is not None and entry.place != "{p}":'):
        "claiming a pending group again moves it from pending to pending: the same counts and place"
        for p in ("XXpendingXX", "PENDING")},

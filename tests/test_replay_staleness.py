@@ -84,7 +84,7 @@ def test_actors_behind_on_weights_get_fewer_tickets():
     core = ReplayCore(ReplayConfig(max_staleness=1, admission=True, wal_dir=None), groups_per_batch=4)
     core.version = 5
     assert core.tickets(TicketRequest(0, 100, 0, weights_version=5)).granted == (1 + 5 + 1) * 4
-    core.admission.reset(0)
+    core.admission.reset(0, trusted=True)
     assert core.tickets(TicketRequest(0, 100, 0, weights_version=2)).granted == (1 + 2 + 1) * 4
     # outstanding replaces the replay's count for that actor: a restarted replay heals.
     assert core.tickets(TicketRequest(0, 100, outstanding=16, weights_version=2)).granted == 0
@@ -335,6 +335,43 @@ def test_a_group_that_arrives_after_its_ticket_expired_takes_none_of_its_actors_
     assert core.admission.held(0) == 4 and core.admission.last_chance(3, bound=1) == 4
     core.ingest([synthetic_group(0, 1, n=2, tokens=3, version=1)])  # one within eta: it uses a ticket
     assert core.admission.held(0) == 3
+
+
+def test_the_ticket_counts_add_up_over_several_grants_of_several_versions():
+    adm = Admission(max_staleness=4, groups_per_batch=4, enabled=True)
+    assert adm.grant(0, 2, 0, learner_version=0, admitted=0, weights_version=0) == 2
+    assert adm.grant(0, 3, 2, learner_version=1, admitted=0, weights_version=1) == 3
+    assert adm.grant(0, 0, 9, learner_version=1, admitted=0, weights_version=1) == 0  # claims 9 of 5
+    assert adm.grant(0, 0, 7, learner_version=1, admitted=0, weights_version=1) == 0
+    assert adm.overclaimed == 2
+    # It counts one: the four it no longer counts go, newest first, across both grants.
+    assert adm.grant(0, 0, 1, learner_version=1, admitted=0, weights_version=1) == 0
+    assert [list(c) for c in adm.in_flight[0]] == [[0, 1]] and adm.in_flight_total == 1
+    assert adm.grant(1, 2, 0, learner_version=1, admitted=0, weights_version=0, trusted=True) == 2
+    assert adm.grant(1, 2, 2, learner_version=2, admitted=0, weights_version=2, trusted=True) == 2
+    assert adm.reset(1, trusted=True) == 4 and adm.in_flight_total == 1 and 1 not in adm.in_flight
+    for actor in (5, 6):
+        assert adm.grant(actor, 3, 0, learner_version=2, admitted=0, weights_version=2, trusted=False) == 3
+    assert adm.anonymous_granted == 6
+    assert (adm.expire(1), adm.expire(3)) == (1, 6) and adm.expired == 7
+
+
+def test_anonymous_tickets_granted_under_a_larger_eta_leave_the_runs_actors_a_batch_after_it_falls():
+    adm = Admission(max_staleness=4, groups_per_batch=4, enabled=True)
+    assert adm.grant(9, 100, 0, learner_version=0, admitted=0, weights_version=0, trusted=False) == 16
+    adm.max_staleness = 1  # the learner lowered eta: the limit is (1 + 0 + 1) * 4 = 8, all of it theirs
+    assert adm.capacity(0, admitted=0) == 0
+    # The run's actors still get what leaves them a batch beside the anonymous share, however much
+    # of the limit is left: left = limit - admitted; the anonymous peer counts for at most left - B.
+    assert adm.grant(1, 100, 0, learner_version=0, admitted=2, weights_version=0) == 4  # left 6: 6 - 2
+    assert adm.grant(1, 100, 4, learner_version=0, admitted=2, weights_version=0) == 0  # it holds its batch
+    adm.reset(1, trusted=True)
+    assert adm.grant(1, 1, 0, learner_version=0, admitted=3, weights_version=0) == 1
+    assert adm.grant(1, 100, 1, learner_version=0, admitted=3, weights_version=0) == 3  # left 5: 5 - 1 - 1
+    adm.reset(1, trusted=True)
+    assert adm.grant(1, 100, 0, learner_version=0, admitted=4, weights_version=0) == 4  # left = B: no share
+    adm.reset(1, trusted=True)
+    assert adm.grant(1, 100, 0, learner_version=0, admitted=9, weights_version=0) == 0  # nothing left at all
 
 
 @settings(max_examples=60, deadline=None)
