@@ -1,0 +1,368 @@
+"""The write-ahead log at its edges (replay/wal.py): the search for the next sound record after damage
+for any window size, records whose checksums hold but that no build writes, wal.ack of the wrong shape,
+a segment sealed by the process after the one that wrote it, and the counts and words of every loss."""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import replay.wal as wal
+from dph_async.app.bench.transport import synthetic_group
+from dph_async.config.replay import ReplayConfig
+from dph_async.protocol import BatchRequest, encode
+from replay.core import ReplayCore
+from replay.wal import (
+    HEADER_BYTES,
+    MAGIC,
+    WAL_SCHEMA,
+    Damage,
+    IngestRecord,
+    ServeRecord,
+    WalFormatError,
+    WriteAheadLog,
+    parse_record,
+    record_header,
+    scan,
+)
+
+SYNC = record_header(b"")[:4]
+
+
+def segment(*payloads: bytes) -> bytearray:
+    return bytearray(MAGIC + b"".join(record_header(p) + p for p in payloads))
+
+
+def sound_at(data: bytes, at: int) -> int | None:
+    """The payload length of a sound record starting at `at`, or None: the format's definition."""
+    if len(data) - at < HEADER_BYTES or data[at : at + 4] != SYNC:
+        return None
+    length, crc, head_crc = struct.unpack_from("<QII", data, at + 4)
+    if zlib.crc32(data[at : at + 16]) != head_crc or length > len(data) - at - HEADER_BYTES:
+        return None
+    body = at + HEADER_BYTES
+    return length if zlib.crc32(data[body : body + length]) == crc else None
+
+
+def scan_byte_by_byte(data: bytes) -> list[tuple[int, int] | Damage]:
+    """What scan() must find, searching one byte at a time: each sound record, and between them the
+    damaged spans, each up to the next byte where a sound record starts."""
+    found: list[tuple[int, int] | Damage] = []
+    offset = len(MAGIC)
+    while offset < len(data):
+        length = sound_at(data, offset)
+        if length is not None:
+            found.append((offset + HEADER_BYTES, length))
+            offset += HEADER_BYTES + length
+            continue
+        resume = next((p for p in range(offset + 1, len(data)) if sound_at(data, p) is not None), len(data))
+        found.append(Damage(offset, resume, ""))
+        offset = resume
+    return found
+
+
+# Payloads that hold syncs of their own (false starts for the search) and whole records (sound ones,
+# inside a record that is damaged, the search must find).
+PAYLOAD = st.lists(st.one_of(st.binary(max_size=12), st.just(SYNC), st.just(SYNC + b"\0" * 16),
+                             st.binary(max_size=6).map(lambda p: record_header(p) + p)), max_size=5).map(b"".join)
+
+
+@settings(max_examples=300, deadline=None)
+# a damaged record holding a false sync, then two sound records: the first of them is where reading resumes
+@example(payloads=[SYNC + record_header(b"x") + b"x" + record_header(b"y") + b"y"], flips=[12], cut=0, window=400)
+@given(payloads=st.lists(PAYLOAD, min_size=1, max_size=6), flips=st.lists(st.integers(0, 10**6), max_size=4),
+       cut=st.integers(0, 30), window=st.one_of(st.integers(1, 40), st.integers(41, 400)))
+def test_the_search_after_damage_finds_what_a_byte_by_byte_search_finds_for_any_window(payloads, flips, cut,
+                                                                                         window):
+    """For any window, syncs inside payloads, damaged records holding sound ones, and a torn tail: the
+    same records and damaged spans as a search one byte at a time (a window without its overlap loses a
+    sound record across its end; one that goes back or skips a false sync loses or repeats one)."""
+    data = segment(*payloads)
+    for f in flips:
+        data[len(MAGIC) + f % (len(data) - len(MAGIC))] ^= 0x10
+    data = bytes(data[: max(len(MAGIC), len(data) - cut)])
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(wal, "SEARCH_BYTES", window)
+        found = list(scan(memoryview(data), len(data)))
+    assert [f if isinstance(f, tuple) else (f.offset, f.end) for f in found] == \
+        [f if isinstance(f, tuple) else (f.offset, f.end) for f in scan_byte_by_byte(data)]
+
+
+def test_after_damage_past_the_first_window_the_search_goes_on_from_where_it_was():
+    """Damage beyond the first window's bytes with the next sound record two windows further: each
+    window follows the one before it, never the segment's start again."""
+    data = segment(b"a" * 100, b"b" * 100, b"c" * 100)
+    data[len(MAGIC) + 120 + 30] ^= 1  # the second record's payload, at byte 158
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(wal, "SEARCH_BYTES", 32)
+        found = list(scan(memoryview(bytes(data)), len(data)))
+    assert found == [(28, 100), Damage(128, 248, "payload fails its checksum"), (268, 100)]
+
+
+def serve_payload(**columns: list) -> bytes:
+    """An S record's payload of one row with these columns (the others empty): any lengths, checksummed
+    as a writer would."""
+    row = {"request_id": [1], "version": [2], "group_actor": [[]], "group_seq": [[]], "reference_ids": [[]],
+           "dropped_actor": [[]], "dropped_seq": [[]], "dropped_reason": [[]]} | columns
+    batch = pa.RecordBatch.from_pydict(row, schema=WAL_SCHEMA)
+    return b"S" + batch.serialize().to_pybytes()
+
+
+def with_string_offsets_out_of_order(payload: bytes) -> bytes:
+    """Two reference ids "ab" and "cd", their second start moved before the first's: only a full
+    validation of the Arrow offsets sees it, and reading them unchecked reads memory around them."""
+    at = payload.index(struct.pack("<iii", 0, 2, 4))
+    return payload[: at + 4] + struct.pack("<i", -1) + payload[at + 8 :]
+
+
+def group_frames_payload(messages: list[list]) -> bytes:
+    frames = [bytes(f) for m in messages for f in m]
+    head = struct.pack(f"<I{len(messages)}I{len(frames)}Q", len(messages), *(len(m) for m in messages),
+                       *(len(f) for f in frames))
+    return b"G" + head + b"".join(frames)
+
+
+UNREADABLE = {
+    "unknown kind": (b"X\0", r"^unknown record kind b'X'$"),
+    "a group record with a byte after its frames": (
+        group_frames_payload([encode(synthetic_group(0, 0, n=1, tokens=2))]) + b"\0",
+        r"^group record of \d+ bytes holds \d+$"),
+    "a group record of another message": (group_frames_payload([encode(BatchRequest(0, 4, 0.0))]), "BatchRequest"),
+    "a group record's counts cut short": (b"G" + struct.pack("<I", 3), r"^group record header: unpack_from"),
+    "a serve record of more actors than seqs": (serve_payload(group_actor=[[1, 2]], group_seq=[[3]]),
+                                                "zip.*argument 2 is shorter"),
+    "a serve record of more drops than reasons": (
+        serve_payload(dropped_actor=[[1]], dropped_seq=[[2]], dropped_reason=[["stale", "stale"]]),
+        "zip.*argument 2 is longer"),
+    "a serve record's strings out of order": (with_string_offsets_out_of_order(serve_payload(
+        reference_ids=[["ab", "cd"]])), "non-monotonic offset"),
+}
+
+
+@pytest.mark.parametrize("case", UNREADABLE)
+def test_a_sound_record_no_build_writes_is_refused_naming_its_problem(case):
+    payload, problem = UNREADABLE[case]
+    with pytest.raises(WalFormatError, match=problem):
+        parse_record(memoryview(payload))
+
+
+def test_the_records_a_build_writes_read_back():
+    group = synthetic_group(3, 4, n=2, tokens=3)
+    serve = ServeRecord(7, 2, [(3, 4), (5, 6)], ["r1"], [((1, 2), "stale"), ((1, 3), "rewound")])
+    assert parse_record(memoryview(wal._payload(serve))) == serve
+    [back] = parse_record(memoryview(wal._payload(IngestRecord([group])))).groups
+    assert [bytes(f) for f in encode(back)] == [bytes(f) for f in encode(group)]
+
+
+def test_wal_ack_is_read_only_as_two_slots_in_their_places(tmp_path):
+    """One sound slot alone, or both a byte out of place, is not what this build writes: refused."""
+    log = WriteAheadLog(tmp_path)
+    log.open()
+    log.append(IngestRecord([synthetic_group(0, 0, n=1, tokens=2)]))
+    log.close()
+    ack = tmp_path / "wal.ack"
+    data = ack.read_bytes()
+    slot = len(data) // 2
+    assert wal.read_ack(ack).writes == 1
+    for bad in (data[:slot], data[slot:], b"\0" + data[:-1]):
+        ack.write_bytes(bad)
+        with pytest.raises(WalFormatError, match=rf"wal\.ack: damaged: of its {len(bad)} bytes \(two slots of "
+                                                 rf"{slot}\) neither slot matches its checksum"):
+            wal.read_ack(ack)
+
+
+def test_a_segment_sealed_by_the_next_process_keeps_the_checksum_its_writer_would_have(tmp_path):
+    """The segment a killed process was writing is sealed by the next one, its checksum computed from
+    the file: a restore that reads it again finds the same records."""
+    first = WriteAheadLog(tmp_path)
+    first.open()
+    groups = [synthetic_group(0, i, n=1, tokens=2) for i in range(3)]
+    for g in groups:
+        first.append(IngestRecord([g]))
+    del first  # killed: never sealed
+    second = WriteAheadLog(tmp_path)
+    assert len(list(second.records(repair=True))) == 3
+    second.open()  # seals segment 0 from its bytes
+    manifest = wal.read_manifest(tmp_path / "wal.json")
+    assert [s.n for s in manifest.sealed] == [0] and manifest.live == 1
+    again = [r.groups[0].group_id for r in WriteAheadLog(tmp_path).records()]
+    assert again == [g.group_id for g in groups]
+
+
+def test_a_torn_write_in_a_segment_started_after_the_last_acknowledgement_is_cut_off(tmp_path):
+    """wal.ack acknowledged bytes of the segment before; of the new one, only its magic: a record torn
+    there was never acknowledged, so it is truncated, not counted as lost."""
+    log = WriteAheadLog(tmp_path)
+    log.open()
+    log.append(IngestRecord([synthetic_group(0, 0, n=1, tokens=2)]))
+    log.roll()  # segment 1 named, nothing appended yet
+    payload = wal._payload(IngestRecord([synthetic_group(0, 1, n=1, tokens=2)]))
+    with open(tmp_path / "seg-00000001.wal", "ab") as f:
+        f.write((record_header(payload) + payload)[:30])  # the process died inside the write
+    del log
+    recovered = WriteAheadLog(tmp_path)
+    assert [r.groups[0].seq for r in recovered.records(repair=True)] == [0]
+    assert (recovered.damaged_records, recovered.skipped_bytes, recovered.truncated_bytes) == (1, 0, 30)
+    assert (tmp_path / "seg-00000001.wal").read_bytes() == MAGIC
+
+
+def three_records_and_a_torn_tail(directory: Path) -> tuple[list[int], int]:
+    """A segment of four ingest records, the first and third damaged, then a torn fifth: where each
+    record starts and the segment's length."""
+    log = WriteAheadLog(directory)
+    log.open()
+    starts = []
+    for seq in range(4):
+        starts.append(log._written)
+        log.append(IngestRecord([synthetic_group(0, seq, n=1, tokens=2)]))
+    starts.append(log._written)
+    path = directory / "seg-00000000.wal"
+    with open(path, "ab") as f:
+        f.write(record_header(b"G" + bytes(50)) + bytes(10))  # past the acknowledged end
+    data = bytearray(path.read_bytes())
+    for seq in (0, 2):
+        data[starts[seq] + HEADER_BYTES + 3] ^= 1
+    path.write_bytes(bytes(data))
+    del log
+    return starts, len(data)
+
+
+def test_every_loss_of_one_recovery_is_counted_and_said_with_its_bytes(tmp_path, caplog):
+    starts, size = three_records_and_a_torn_tail(tmp_path)
+    path = tmp_path / "seg-00000000.wal"
+    with caplog.at_level(logging.WARNING, logger="replay.wal"):
+        recovered = WriteAheadLog(tmp_path)
+        assert [r.groups[0].seq for r in recovered.records(repair=True)] == [1, 3]
+    lost = (starts[1] - starts[0]) + (starts[3] - starts[2])
+    assert (recovered.damaged_records, recovered.skipped_bytes, recovered.truncated_bytes) == \
+        (3, lost, size - starts[4])
+    assert path.stat().st_size == starts[4]
+    assert caplog.messages == [
+        *(f"write-ahead log {path}: bytes {starts[s]}-{starts[s + 1] - 1} (payload fails its checksum): skipped, "
+          "the record there is lost; the groups it held are not accepted, so their actors generate them again "
+          f"when they resume; the {size - starts[s + 1]} bytes after it are read" for s in (0, 2)),
+        f"write-ahead log {path}: bytes {starts[4]}-{size - 1} (record cut short): past the acknowledged end "
+        f"(byte {starts[4]}), a write a crash cut short, never acknowledged; truncated there, the records before "
+        "it are kept",
+    ]
+
+
+def test_reading_without_repair_leaves_a_torn_tail_as_it_is_and_says_so(tmp_path, caplog):
+    starts, size = three_records_and_a_torn_tail(tmp_path)
+    path = tmp_path / "seg-00000000.wal"
+    before = path.read_bytes()
+    reader = WriteAheadLog(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="replay.wal"):
+        assert [r.groups[0].seq for r in reader.records()] == [1, 3]
+    assert path.read_bytes() == before
+    assert (reader.damaged_records, reader.skipped_bytes, reader.truncated_bytes) == (0, 0, 0)
+    assert caplog.messages[-1] == (f"write-ahead log {path}: bytes {starts[4]}-{size - 1} (record cut short): "
+                                   f"past the acknowledged end (byte {starts[4]}), not read")
+
+
+def test_a_base_starts_the_count_of_bytes_since_it_from_nothing(tmp_path):
+    log = WriteAheadLog(tmp_path)
+    log.open()
+    record = IngestRecord([synthetic_group(0, 0, n=1, tokens=2)])
+    log.append(record)
+    size = log._written - len(MAGIC)
+    assert log.bytes_since_base == size
+    log.write_base(ReplayCore(ReplayConfig(), groups_per_batch=1)._write_state)
+    assert log.bytes_since_base == 0
+    log.append(record)
+    assert log.bytes_since_base == size
+
+
+def test_close_closes_both_files_once_and_again_is_harmless(tmp_path):
+    log = WriteAheadLog(tmp_path)
+    log.open()
+    segment, ack = log._file.fileno(), log._ack_fd
+    log.close()
+    for fd in (segment, ack):
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    log.close()
+    assert log._file is None and log._ack_fd is None
+
+
+@pytest.mark.parametrize("left", [None, b"", MAGIC[:3]])
+def test_a_live_segment_named_but_never_written_to_disk_comes_back_empty(tmp_path, left):
+    """A power cut after the manifest named the new segment, before its magic reached the disk (or its
+    name did): nothing of it was acknowledged, so it reads as empty and the next start seals it whole."""
+    log = WriteAheadLog(tmp_path)
+    log.open()
+    log.append(IngestRecord([synthetic_group(0, 0, n=1, tokens=2)]))
+    log.roll()
+    del log
+    live = tmp_path / "seg-00000001.wal"
+    live.unlink() if left is None else live.write_bytes(left)
+    recovered = WriteAheadLog(tmp_path)
+    assert [r.groups[0].seq for r in recovered.records(repair=True)] == [0]
+    assert recovered.damaged_records == 0
+    recovered.open()
+    assert live.read_bytes() == MAGIC and wal.read_manifest(tmp_path / "wal.json").sealed[-1].bytes == len(MAGIC)
+
+
+def test_a_damaged_record_in_a_sealed_segment_is_skipped_on_restore_not_taken_for_reordering(tmp_path, caplog):
+    """A sealed segment's checksum covers its records; with one of them damaged (and skipped, loudly),
+    the rest are still the log's own, not records replaced or reordered."""
+    log = WriteAheadLog(tmp_path)
+    log.open()
+    starts = []
+    for seq in range(3):
+        starts.append(log._written)
+        log.append(IngestRecord([synthetic_group(0, seq, n=1, tokens=2)]))
+    log.roll()
+    log.close()
+    sealed = tmp_path / "seg-00000000.wal"
+    data = bytearray(sealed.read_bytes())
+    data[starts[1] + HEADER_BYTES + 3] ^= 1
+    sealed.write_bytes(bytes(data))
+    with caplog.at_level(logging.ERROR, logger="replay.wal"):
+        assert [r.groups[0].seq for r in WriteAheadLog(tmp_path).records()] == [0, 2]
+    assert f"{sealed}: bytes {starts[1]}-{starts[2] - 1} (payload fails its checksum): skipped" in caplog.text
+
+
+def test_an_unreadable_record_is_named_by_the_byte_where_it_starts(tmp_path):
+    log = WriteAheadLog(tmp_path)
+    log.open()
+    log.append(IngestRecord([synthetic_group(0, 0, n=1, tokens=2)]))
+    at = log._written
+    del log
+    with open(tmp_path / "seg-00000000.wal", "ab") as f:
+        f.write(record_header(b"X") + b"X")
+    with pytest.raises(WalFormatError, match=rf"seg-00000000\.wal: the record at byte {at} is not one this build "
+                                             r"reads \(unknown record kind b'X'\)"):
+        list(WriteAheadLog(tmp_path).records())
+
+
+@pytest.mark.parametrize(("tail", "problem"), [
+    (record_header(b"abc")[:19], "record header cut short"),
+    (SYNC + bytes(16), "record header fails its checksum"),
+    (record_header(b"abc") + b"ab", "record cut short"),
+    (record_header(b"abc") + b"abd", "payload fails its checksum"),
+])
+def test_each_kind_of_damage_is_named(tail, problem):
+    data = bytes(segment(b"sound")) + tail
+    assert list(scan(memoryview(data), len(data))) == [(28, 5), Damage(33, len(data), problem)]
+
+
+def test_segments_are_missing_when_dropped_or_never_written_here(tmp_path):
+    """A snapshot's first segment: missing once compaction dropped it, or when the log directory is older
+    than the snapshot (its segment never written here); present while the log holds it."""
+    log = WriteAheadLog(tmp_path)
+    assert log.missing_segments(0)  # nothing written yet
+    log.open()
+    assert [log.missing_segments(n) for n in range(3)] == [False, True, True]
+    log.write_base(ReplayCore(ReplayConfig(), groups_per_batch=1)._write_state)  # segment 0 dropped
+    assert [log.missing_segments(n) for n in range(3)] == [True, False, True]
+    log.roll()
+    assert [log.missing_segments(n) for n in range(4)] == [True, False, False, True]
