@@ -5,12 +5,17 @@ by exactly what happened."""
 
 from __future__ import annotations
 
+import shutil
+
+import msgspec
 import numpy as np
 
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
-from dph_async.protocol import BatchRequest
+from dph_async.protocol import BatchRequest, ReferenceSample, ResumeInfo, TicketGrant, TicketRequest
+from replay import core as core_module
 from replay.core import MiB, ReplayCore
+from replay.reference_pool import ReferencePool
 from replay.state import read_state
 from replay.wal import WriteAheadLog
 
@@ -46,6 +51,7 @@ def test_a_restore_rewinds_every_group_with_a_token_newer_than_the_snapshot_and_
     assert detail.endswith("4 accepted after the snapshot re-added, 2 dropped as rewound")
     assert held(core) == [(0, 0), (1, 0), (1, 3)]
     assert core.stats().drops == {"rewound": 2}
+    assert held(make_core(tmp_path / "log")) == held(core)  # the log starts from the restored state
     assert [v.status for v in core.ingest([mixed(1, i, [2]) for i in range(4)])] == ["duplicate", "ok", "ok",
                                                                                       "duplicate"]
 
@@ -73,3 +79,114 @@ def test_the_log_is_compacted_one_byte_past_its_size_and_not_at_it(tmp_path):
     past.ingest([group])
     assert past.stats().wal.bytes_since_base == 0 and [p.name for p in (tmp_path / "past").glob("base-*")] == [
         "base-00000001.arrow"]
+
+
+def test_a_restore_without_a_log_and_its_notes_word_for_word(tmp_path):
+    """Without a log nothing is re-added and no note; a snapshot of another log, or one whose segments
+    this log never held (its directory older than the snapshot), says what was not re-added."""
+    plain = make_core()
+    plain.ingest([synthetic_group(0, 0)])
+    assert plain.snapshot(tmp_path / "plain.arrow").startswith("replay snapshot at version 0: 1 groups held")
+    assert read_state(tmp_path / "plain.arrow").wal_segment == 0
+    assert plain.restore(tmp_path / "plain.arrow") == ("replay restored to version 0: 1 groups held, 0 accepted "
+                                                       "after the snapshot re-added, 0 dropped as rewound")
+    other = make_core(tmp_path / "other")
+    assert other.restore(tmp_path / "plain.arrow").endswith(
+        "0 dropped as rewound; snapshot of another log, groups accepted after it were not re-added")
+    core = make_core(tmp_path / "log")
+    core.ingest([synthetic_group(0, 1)])
+    shutil.copytree(tmp_path / "log", tmp_path / "older")  # a copy of the log made before the snapshots
+    core.snapshot(tmp_path / "first")
+    core.snapshot(tmp_path / "ckpt")
+    assert read_state(tmp_path / "ckpt").wal_segment == core.wal.segment == 2
+    older = make_core(tmp_path / "older")  # its recovery starts segment 1: segment 2 was never written here
+    assert older.restore(tmp_path / "ckpt").endswith(
+        "0 dropped as rewound; log segments after the snapshot are gone, groups accepted after it are lost")
+
+
+def test_a_batch_and_its_resend_carry_the_request_and_the_counts_move_by_exactly_what_was_served():
+    core = make_core(max_staleness=1)
+    core.ingest([synthetic_group(0, i, n=1 + i, tokens=2, version=0) for i in range(4)])
+    core.ingest([synthetic_group(0, 0)])  # a duplicate
+    batch = core.request(BatchRequest(1, 2, 0.0, request_id=7))
+    assert (batch.version, batch.request_id, batch.drops, [g.seq for g in batch.groups]) == (1, 7, {}, [0, 1])
+    again = core.request(BatchRequest(1, 2, 0.0, request_id=7))
+    assert (again.version, again.request_id, again.drops, [g.seq for g in again.groups]) == (1, 7, {}, [0, 1])
+    stats = core.stats()
+    assert (stats.accepted, stats.duplicates, stats.served.batches, stats.served.batches_resent,
+            stats.served.groups, stats.served.samples, stats.mix.last_batch_fresh_samples) == (4, 1, 1, 1, 2, 3, 3)
+    assert stats.staleness_hist == {1: 2}
+    last = core.request(BatchRequest(3, 4, 0.0, request_id=8))  # version 3: the two left are too old
+    assert (last.groups, last.drops) == ([], {"stale": 2})
+    stats = core.stats()
+    assert (stats.served.batches, stats.served.groups, stats.served.used_up, stats.tickets.admitted) == (2, 2, 2, 2)
+
+
+def test_a_request_that_may_wait_waits_for_a_full_batch_and_one_that_may_not_takes_what_there_is():
+    core = make_core()
+    core.ingest([synthetic_group(0, 0)])
+    assert core.request(BatchRequest(0, 2, 1.0, request_id=1)) is None
+    assert [g.seq for g in core.request(BatchRequest(0, 2, 0.0, request_id=2)).groups] == [0]
+    core.ingest([synthetic_group(0, i) for i in (1, 2)])
+    assert [g.seq for g in core.request(BatchRequest(0, 2, 1.0, request_id=3)).groups] == [1, 2]
+
+
+def test_groups_are_served_again_only_while_max_reuse_allows_and_drops_count_admitted_ones_once(tmp_path):
+    """max_reuse 2: a group comes back after its first batch, not after its second. A reusable group
+    that expires was admitted and served: it no longer counts against admission only once."""
+    core = make_core(max_reuse=2, max_staleness=1)
+    core.ingest([synthetic_group(0, 0, version=0)])
+    assert [g.seq for g in core.request(BatchRequest(0, 1, 0.0, request_id=1)).groups] == [0]
+    assert core.request(BatchRequest(0, 0, 0.0, request_id=2)).groups == []  # confirms the first
+    core.snapshot(tmp_path / "reused.arrow")  # (0, 0) served once, reusable
+    assert [g.seq for g in core.request(BatchRequest(0, 1, 0.0, request_id=3)).groups] == [0]
+    assert core.request(BatchRequest(0, 1, 0.0, request_id=4)).groups == []
+    core.ingest([synthetic_group(0, i, version=0) for i in (1, 2)])
+    core.request(BatchRequest(0, 1, 0.0, request_id=5))  # (0, 1) served once, then reusable
+    core.request(BatchRequest(2, 0, 0.0, request_id=6))  # version 2: both too old
+    assert core.stats().drops == {"stale": 1, "stale_reused": 1}
+    assert core.stats().tickets.admitted == 2  # three accepted, one dropped unserved
+    once = make_core(max_reuse=1)  # a group served once under max_reuse 2, restored where groups are used once
+    once.restore(tmp_path / "reused.arrow")
+    assert len(once.store) == 1 and once.request(BatchRequest(0, 1, 0.0, request_id=7)).groups == []
+
+
+def test_tickets_and_resume_answer_for_the_actor_at_the_replays_version():
+    core = make_core(admission=True, max_staleness=1)
+    core.request(BatchRequest(3, 0, 0.0, request_id=1))
+    assert core.tickets(TicketRequest(5, 2, 0, weights_version=3)) == TicketGrant(5, 2, 3)
+    assert core.stats().tickets.granted == 2
+    core.ingest([synthetic_group(5, 0, version=3)])
+    assert core.resume(5) == ResumeInfo(5, 1, [], 3)
+    assert core.stats().tickets.voided == 1
+
+
+def test_a_ticketless_group_dropped_or_quarantined_leaves_the_ticketless_budget(tmp_path, monkeypatch):
+    core = make_core(admission=True, max_staleness=1)
+    core.ingest([synthetic_group(9, 0, version=0)])  # no ticket: held apart
+    assert len(core.ticketless) == 1 and core.stats().tickets.admitted == 0
+    core.request(BatchRequest(2, 0, 0.0, request_id=1))
+    assert core.stats().drops == {"stale": 1} and core.ticketless == {} and core.stats().tickets.admitted == 0
+    monkeypatch.setattr(core_module, "problem", lambda *a: None)  # a build that accepted anything
+    bad = synthetic_group(9, 1, version=2)
+    bad.sampling = msgspec.structs.replace(bad.sampling, top_k=2**64 - 1)  # cannot be stored
+    core.ingest([bad])
+    core.snapshot(tmp_path / "s.arrow")
+    assert core.ticketless == {} and core.stats().tickets.admitted == 0 and len(core.store) == 0
+
+
+def test_no_reference_sample_is_due_at_a_ratio_of_zero():
+    core = ReplayCore(ReplayConfig(reference_ratio=0.0, wal_dir=None, admission=False), 4,
+                      reference=ReferencePool([ReferenceSample("r", np.zeros(2, np.int32), np.zeros(1, np.int32),
+                                                               np.zeros(1, np.float32), 1.0, "math")]))
+    core.ingest([synthetic_group(0, 0)])
+    assert core.request(BatchRequest(0, 1, 0.0, request_id=1)).reference == []
+
+
+def test_a_lower_bound_keeps_the_higher_one_for_the_batches_admitted_under_it_also_while_batches_wait():
+    core = make_core(admission=True, max_staleness="auto", staleness_min=1, staleness_max=4)
+    assert core.set_max_staleness(4) == "max_staleness 1 -> 4"  # the highest allowed
+    assert core.set_max_staleness(2) == "max_staleness 4 -> 2"
+    core.ingest([synthetic_group(0, 0, version=0)])
+    batch = core.request(BatchRequest(4, 1, 5.0, request_id=1))  # staleness 4: the grace's bound
+    assert [g.seq for g in batch.groups] == [0]
