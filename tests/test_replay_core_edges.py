@@ -5,6 +5,7 @@ by exactly what happened."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import msgspec
@@ -13,10 +14,21 @@ import numpy as np
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, ReferenceSample, ResumeInfo, TicketGrant, TicketRequest
+from dph_async.replay_stats import (
+    IngestRate,
+    Mix,
+    Occupancy,
+    Refusals,
+    ReplayStats,
+    Served,
+    Tickets,
+    WalStats,
+)
 from replay import core as core_module
 from replay.core import MiB, ReplayCore
 from replay.reference_pool import ReferencePool
 from replay.state import read_state
+from replay.store import resident_cost
 from replay.wal import WriteAheadLog
 
 
@@ -87,7 +99,7 @@ def test_a_restore_without_a_log_and_its_notes_word_for_word(tmp_path):
     plain = make_core()
     plain.ingest([synthetic_group(0, 0)])
     assert plain.snapshot(tmp_path / "plain.arrow").startswith("replay snapshot at version 0: 1 groups held")
-    assert read_state(tmp_path / "plain.arrow").wal_segment == 0
+    assert (read_state(tmp_path / "plain.arrow").wal_segment, read_state(tmp_path / "plain.arrow").wal_id) == (0, "")
     assert plain.restore(tmp_path / "plain.arrow") == ("replay restored to version 0: 1 groups held, 0 accepted "
                                                        "after the snapshot re-added, 0 dropped as rewound")
     other = make_core(tmp_path / "other")
@@ -129,6 +141,8 @@ def test_a_request_that_may_wait_waits_for_a_full_batch_and_one_that_may_not_tak
     assert [g.seq for g in core.request(BatchRequest(0, 2, 0.0, request_id=2)).groups] == [0]
     core.ingest([synthetic_group(0, i) for i in (1, 2)])
     assert [g.seq for g in core.request(BatchRequest(0, 2, 1.0, request_id=3)).groups] == [1, 2]
+    assert core.request(BatchRequest(0, 2, 1.0, request_id=4)) is None  # batch 3 confirmed, none pending
+    assert core.pending is None and core.request(BatchRequest(0, 2, 1.0, request_id=4)) is None
 
 
 def test_groups_are_served_again_only_while_max_reuse_allows_and_drops_count_admitted_ones_once(tmp_path):
@@ -175,10 +189,13 @@ def test_a_ticketless_group_dropped_or_quarantined_leaves_the_ticketless_budget(
     assert core.ticketless == {} and core.stats().tickets.admitted == 0 and len(core.store) == 0
 
 
+def pool(k: int) -> ReferencePool:
+    return ReferencePool([ReferenceSample(f"r{i}", np.zeros(2, np.int32), np.zeros(1, np.int32),
+                                          np.zeros(1, np.float32), 1.0, "math") for i in range(k)])
+
+
 def test_no_reference_sample_is_due_at_a_ratio_of_zero():
-    core = ReplayCore(ReplayConfig(reference_ratio=0.0, wal_dir=None, admission=False), 4,
-                      reference=ReferencePool([ReferenceSample("r", np.zeros(2, np.int32), np.zeros(1, np.int32),
-                                                               np.zeros(1, np.float32), 1.0, "math")]))
+    core = ReplayCore(ReplayConfig(reference_ratio=0.0, wal_dir=None, admission=False), 4, reference=pool(1))
     core.ingest([synthetic_group(0, 0)])
     assert core.request(BatchRequest(0, 1, 0.0, request_id=1)).reference == []
 
@@ -190,3 +207,59 @@ def test_a_lower_bound_keeps_the_higher_one_for_the_batches_admitted_under_it_al
     core.ingest([synthetic_group(0, 0, version=0)])
     batch = core.request(BatchRequest(4, 1, 5.0, request_id=1))  # staleness 4: the grace's bound
     assert [g.seq for g in batch.groups] == [0]
+
+
+def test_the_stats_say_exactly_what_happened():
+    core = ReplayCore(ReplayConfig(max_staleness=1, max_reuse=2, reference_ratio=0.5, wal_dir=None, admission=False),
+                      groups_per_batch=4, reference=pool(3))
+    groups = [synthetic_group(0, 0, n=2, tokens=3), synthetic_group(0, 1, n=1, tokens=3),
+              synthetic_group(0, 2, n=3, tokens=3, version=1)]
+    core.ingest(groups)
+    core.ingest([synthetic_group(0, 0)])
+    core.request(BatchRequest(1, 2, 0.0, request_id=1))  # (0, 0) and (0, 1): 3 samples, 2 references
+    core.request(BatchRequest(1, 2, 0.0, request_id=1))  # the reply was lost: sent again
+    stats = core.stats()
+    assert stats.ingest.groups_per_s == 3 / 10  # arrivals over the last 10 s
+    assert stats.ingest.mb_per_s == sum(g.nbytes for g in groups) / 10 / 1e6
+    assert stats == ReplayStats(
+        version=1,
+        occupancy=Occupancy(groups=3, unserved=1, reusable=0, pending=2, samples=6, tokens=18,
+                            bytes=sum(resident_cost(g) for g in groups)),
+        ingest=stats.ingest, accepted=3, duplicates=1, drops={}, refused=Refusals(), deferred={},
+        staleness_hist={1: 2},
+        served=Served(batches=1, batches_resent=1, groups=2, samples=3, reference=2, used_up=0),
+        mix=Mix(reference_per_fresh_sample=2 / 3, last_batch_fresh_samples=3, last_batch_reference=2),
+        tickets=Tickets(granted=0, voided=0, in_flight=0, capacity=(1 + 1 + 1) * 4 - 3, admitted=3, overclaimed=0),
+        reference_pool=3, wal=WalStats(), replies_dropped=0, gate_restarts=0)
+    assert stats.ingest != IngestRate()
+
+
+def test_a_recovered_replay_counts_holds_and_serves_what_the_crashed_one_would(tmp_path):
+    """Recovery redoes the log from the newest base on, not from the older segments a snapshot keeps:
+    the same groups, drops, counts and reference draws as the replay had when it was killed."""
+    def replay(directory) -> ReplayCore:
+        config = ReplayConfig(max_staleness=1, admission=False, reference_ratio=0.5, wal_compact_mb=0.01)
+        return ReplayCore(config, groups_per_batch=4, reference=pool(5), wal=WriteAheadLog(directory))
+
+    core = replay(tmp_path / "log")
+    core.ingest([synthetic_group(0, i, n=2, tokens=3, version=0) for i in range(3)])
+    core.request(BatchRequest(0, 1, 0.0, request_id=1))
+    core.snapshot(tmp_path / "ckpt")  # keeps the segments from here on
+    core.ingest([synthetic_group(0, i, n=2, tokens=3, version=1) for i in range(3, 6)])
+    core.request(BatchRequest(2, 1, 0.0, request_id=2))  # (0, 1) and (0, 2) dropped as stale
+    core.ingest([synthetic_group(0, i, n=50, tokens=30, version=2) for i in range(6, 9)])  # a base: compacted
+    core.request(BatchRequest(2, 2, 0.0, request_id=3))
+    core.ingest([synthetic_group(0, 9, version=2)])
+    core.request(BatchRequest(4, 1, 0.0, request_id=4))  # (0, 6) to (0, 9) dropped as stale, after the base
+    bases = sorted(p.name for p in (tmp_path / "log").glob("base-*"))
+    assert len(bases) == 1 and (tmp_path / "log" / "seg-00000001.wal").exists()  # older segments kept
+    recovered = replay(tmp_path / "log")
+    assert recovered.recovered == 3  # the two batches and the ingest after the base
+    assert dataclasses.replace(recovered.stats(), ingest=IngestRate(), wal=WalStats()) == \
+        dataclasses.replace(core.stats(), ingest=IngestRate(), wal=WalStats())
+    assert held(recovered) == held(core) and recovered.pending == core.pending
+    assert recovered.stats().drops == {"stale": 6} and held(recovered) == []
+    for c in (core, recovered):
+        c.ingest([synthetic_group(0, 10, version=4)])
+    ids = [[r.sample_id for r in c.request(BatchRequest(4, 1, 0.0, request_id=5)).reference] for c in (core, recovered)]
+    assert ids[0] == ids[1] and ids[0]
