@@ -87,7 +87,39 @@ _WIRE_DEFAULTS = ("a recorded batch reached the learner through the replay clien
 _RECORD_LIMITS = "msg = decode(frames, Limits(max_bytes=len(payload), max_header_bytes=len(payload), max_frames=n,"
 _FAST_PATH = ("the joined check is a fast path: a group it passes passes the check per completion, and one it "
               "fails is checked per completion after it; which groups take it changes only the time")
+_SERVE_COLUMNS = ("[record.request_id]", "[record.version]", "[[a for a, _ in record.group_ids]]",
+                  "[[s for _, s in record.group_ids]]", "[record.reference_ids]",
+                  "[[gid[0] for gid, _ in record.dropped]]", "[[gid[1] for gid, _ in record.dropped]]",
+                  "[[reason for _, reason in record.dropped]]")
+_PROTOCOL_KIND = ("parse_record keeps only str(e), the detail: the kind, a metrics category of the wire's decoder, "
+                  "is never read")
 EQUIVALENT: dict[tuple[str, str], str] = {
+    **{("replay/wal.py", f"pa.array({column}, {t}),"):
+       "RecordBatch.from_arrays casts each column to WAL_SCHEMA's type: an inferred int64, string or (empty list) "
+       "null column is written as the same bytes" for column in _SERVE_COLUMNS for t in ("None", "")},
+    ("replay/wal.py", "while start <= size:"): "at start == size the window is empty: nothing found, the loop ends",
+    ("replay/wal.py", "window = bytes(view[start : min(size, start + SEARCH_BYTES + len(_SYNC) + 1)])"):
+        "a wider overlap finds a sync starting past the window's end one window early, where it would be the "
+        "first found in the next window anyway: the same record",
+    ("replay/wal.py", "at = window.find(_SYNC, at + 2)"):
+        "a sync cannot start one byte after another (its second byte is not its first)",
+    ("replay/wal.py", "self.truncated_bytes = size - damage.offset"):
+        "one truncation per log at most: only recovery repairs, and only the live segment's last damage, with "
+        "nothing sound after it, lies past its acknowledged end",
+    ("replay/wal.py", "size = path.stat().st_size if path.exists() else 1"):
+        "a missing file's 0 or 1 bytes are both below what was acknowledged, which counts the 8-byte magic",
+    ("replay/wal.py", "if sealed is None and size < len(MAGIC) or MAGIC.startswith(bytes(view)):"):
+        "bytes that begin the magic are fewer than 8, which only the live segment can be: a sealed one's length "
+        "is checked against the manifest's, at least 8",
+    ("replay/wal.py", "if sealed is None and size <= len(MAGIC) and MAGIC.startswith(bytes(view)):"):
+        "8 bytes that begin the magic are the magic, which the check before has passed",
+    ("replay/wal.py", '(n,) = struct.unpack_from("<I", payload, )'): "the offset's default is 0",
+    **{("replay/wal.py", f'raise ProtocolError({k}, f"group record header: {{e}}") from None'): _PROTOCOL_KIND
+       for k in ("None", '"XXframesXX"', '"FRAMES"')},
+    **{("replay/wal.py", f'raise ProtocolError({k}, f"group record of {{len(payload)}} bytes holds {{at}}")'):
+       _PROTOCOL_KIND for k in ("None", '"XXframesXX"', '"FRAMES"')},
+    ("replay/wal.py", "for at in range(0, len(data) - _SLOT + 2, _SLOT) if len(data) == 2 * _SLOT else ():"):
+        "the file is two slots long there: the range starts 0 and _SLOT either way",
     **{("replay/store.py", f'if entry is not None and entry.place != "{p}":'):
        "claiming a pending group again moves it from pending to pending: the same counts and place"
        for p in ("XXpendingXX", "PENDING")},

@@ -136,7 +136,8 @@ UNREADABLE = {
         group_frames_payload([encode(synthetic_group(0, 0, n=1, tokens=2))]) + b"\0",
         r"^group record of \d+ bytes holds \d+$"),
     "a group record of another message": (group_frames_payload([encode(BatchRequest(0, 4, 0.0))]), "BatchRequest"),
-    "a group record's counts cut short": (b"G" + struct.pack("<I", 3), r"^group record header: unpack_from"),
+    "a group record's counts cut short": (b"G" + struct.pack("<I", 3), r"^group record header: unpack_from requires"),
+    "a group record of 2^31 groups": (b"G" + struct.pack("<I", 1 << 31), r"^group record header: unpack_from requires"),
     "a serve record of more actors than seqs": (serve_payload(group_actor=[[1, 2]], group_seq=[[3]]),
                                                 "zip.*argument 2 is shorter"),
     "a serve record of more drops than reasons": (
