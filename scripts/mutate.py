@@ -97,6 +97,14 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     **{("replay/wal.py", f"pa.array({column}, {t}),"):
        "RecordBatch.from_arrays casts each column to WAL_SCHEMA's type: an inferred int64, string or (empty list) "
        "null column is written as the same bytes" for column in _SERVE_COLUMNS for t in ("None", "")},
+    ("replay/core.py", "if eta <= before:"):
+        "a grace of the bound already in force: expiry takes the highest, and any later change to a lower bound "
+        "adds a grace at least as high for at least as long",
+    ("replay/core.py", "def state(self, wal_segment: int = 1) -> ReplayState:"):
+        "every caller passes the segment (_write_state)",
+    **{("replay/core.py", f"for g, served in zip(state.groups, state.served, {strict}):"):
+       "a state's groups and served counts are read from the rows of one table (replay/state.py): one length"
+       for strict in ("strict=None", "", "strict=False")},
     ("replay/wal.py", "while start <= size:"): "at start == size the window is empty: nothing found, the loop ends",
     ("replay/wal.py", "window = bytes(view[start : min(size, start + SEARCH_BYTES + len(_SYNC) + 1)])"):
         "a wider overlap finds a sync starting past the window's end one window early, where it would be the "

@@ -6,6 +6,8 @@ by exactly what happened."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 import shutil
 
 import msgspec
@@ -29,7 +31,7 @@ from replay.core import MiB, ReplayCore
 from replay.reference_pool import ReferencePool
 from replay.state import read_state
 from replay.store import resident_cost
-from replay.wal import WriteAheadLog
+from replay.wal import MAGIC, WriteAheadLog
 
 
 def make_core(wal_dir=None, **cfg) -> ReplayCore:
@@ -175,7 +177,7 @@ def test_tickets_and_resume_answer_for_the_actor_at_the_replays_version():
     assert core.stats().tickets.voided == 1
 
 
-def test_a_ticketless_group_dropped_or_quarantined_leaves_the_ticketless_budget(tmp_path, monkeypatch):
+def test_a_ticketless_group_dropped_or_quarantined_leaves_the_ticketless_budget(tmp_path, monkeypatch, caplog):
     core = make_core(admission=True, max_staleness=1)
     core.ingest([synthetic_group(9, 0, version=0)])  # no ticket: held apart
     assert len(core.ticketless) == 1 and core.stats().tickets.admitted == 0
@@ -185,7 +187,10 @@ def test_a_ticketless_group_dropped_or_quarantined_leaves_the_ticketless_budget(
     bad = synthetic_group(9, 1, version=2)
     bad.sampling = msgspec.structs.replace(bad.sampling, top_k=2**64 - 1)  # cannot be stored
     core.ingest([bad])
-    core.snapshot(tmp_path / "s.arrow")
+    with caplog.at_level(logging.ERROR, logger="replay.core"):
+        core.snapshot(tmp_path / "s.arrow")
+    assert re.fullmatch(r"replay: group \(9, 1\) quarantined: it cannot be stored \(.+\); dropped, its position "
+                        "open again", caplog.messages[0])
     assert core.ticketless == {} and core.stats().tickets.admitted == 0 and len(core.store) == 0
 
 
@@ -263,3 +268,51 @@ def test_a_recovered_replay_counts_holds_and_serves_what_the_crashed_one_would(t
         c.ingest([synthetic_group(0, 10, version=4)])
     ids = [[r.sample_id for r in c.request(BatchRequest(4, 1, 0.0, request_id=5)).reference] for c in (core, recovered)]
     assert ids[0] == ids[1] and ids[0]
+
+
+def test_the_stats_of_an_empty_replay_are_zero_and_every_count_of_a_busy_one_is_its_own(tmp_path):
+    """Every field of the stats non-zero once (admission, reuse, references, the log, the service's counts),
+    so a field read from another count, or left at its default, shows."""
+    empty = make_core(admission=False, max_staleness=1)
+    assert empty.stats() == ReplayStats(tickets=Tickets(capacity=(1 + 0 + 1) * 4))
+    config = ReplayConfig(max_staleness=1, max_reuse=2, reference_ratio=0.5, admission=True, max_ticketless=1)
+    core = ReplayCore(config, groups_per_batch=4, reference=pool(3), wal=WriteAheadLog(tmp_path))
+    assert core.tickets(TicketRequest(0, 3, 0, weights_version=0)).granted == 3
+    ticketed = [synthetic_group(0, 0, n=2, tokens=3), synthetic_group(0, 1, n=1, tokens=3)]
+    ticketless = synthetic_group(9, 0, n=3, tokens=3, version=1)
+    assert [(v.group_id, v.status) for v in core.ingest([*ticketed, ticketed[0]])] == [
+        ((0, 0), "ok"), ((0, 1), "ok"), ((0, 0), "duplicate")]
+    assert [(v.group_id, v.status) for v in core.ingest([ticketless, synthetic_group(9, 1)])] == [
+        ((9, 0), "ok"), ((9, 1), "retry")]
+    core.request(BatchRequest(1, 2, 0.0, request_id=1))  # (0, 0) and (0, 1): 3 samples, 2 references
+    core.request(BatchRequest(1, 2, 0.0, request_id=1))  # sent again
+    core.request(BatchRequest(1, 0, 0.0, request_id=2))  # confirms it: both reusable
+    core.tickets(TicketRequest(0, 0, 5, weights_version=1))  # claims 5 held of the 1 it holds: ignored
+    core.metrics.count("replies_dropped", 2)  # the service's own counts
+    core.metrics.count("gate_restarts")
+    groups = [*ticketed, ticketless]
+    stats = core.stats()
+    assert stats == ReplayStats(
+        version=1,
+        occupancy=Occupancy(groups=3, unserved=1, reusable=2, pending=0, samples=6, tokens=18,
+                            bytes=sum(resident_cost(g) for g in groups)),
+        ingest=stats.ingest, accepted=3, duplicates=1, drops={}, refused=Refusals(), deferred={"no_ticket": 1},
+        staleness_hist={1: 2},
+        served=Served(batches=2, batches_resent=1, groups=2, samples=3, reference=2, used_up=0),
+        mix=Mix(reference_per_fresh_sample=2 / 3, last_batch_fresh_samples=0, last_batch_reference=0),
+        # 3 granted, 2 used; admitted: 3 accepted less the ticketless one; capacity (eta + v + 1) B less both
+        tickets=Tickets(granted=3, voided=0, in_flight=1, capacity=(1 + 1 + 1) * 4 - 2 - 1, admitted=2,
+                        overclaimed=1),
+        reference_pool=3,
+        wal=WalStats(segment=0, bytes_since_base=(tmp_path / "seg-00000000.wal").stat().st_size - len(MAGIC)),
+        replies_dropped=2, gate_restarts=1)
+    recovered = ReplayCore(config, groups_per_batch=4, reference=pool(3), wal=WriteAheadLog(tmp_path))
+    assert recovered.ticketless == {} and recovered.stats().tickets.admitted == 3  # after a restart all ticketed
+
+
+def test_groups_of_one_call_share_the_store_budget():
+    g, h = synthetic_group(0, 0, n=3, tokens=5), synthetic_group(0, 1, n=3, tokens=5)
+    core = make_core(max_store_mb=1.5 * resident_cost(g) / MiB)
+    assert [v.status for v in core.ingest([g, h])] == ["ok", "retry"]
+    refused = synthetic_group(0, 2, version=1000)  # beyond the allowed lead
+    assert [(v.group_id, v.status) for v in core.ingest([refused])] == [((0, 2), "error")]
