@@ -105,6 +105,9 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     **{("replay/core.py", f"for g, served in zip(state.groups, state.served, {strict}):"):
        "a state's groups and served counts are read from the rows of one table (replay/state.py): one length"
        for strict in ("strict=None", "", "strict=False")},
+    **{("replay/wal.py", line): "only the first check of a log, in its constructor, finds the loss (it lowers the "
+       "acknowledged bytes to the file's), and the counts are 0 before it"
+       for line in ("self.damaged_records = 1", "self.skipped_bytes = acked - size")},
     ("replay/wal.py", "while start <= size:"): "at start == size the window is empty: nothing found, the loop ends",
     ("replay/wal.py", "window = bytes(view[start : min(size, start + SEARCH_BYTES + len(_SYNC) + 1)])"):
         "a wider overlap finds a sync starting past the window's end one window early, where it would be the "
