@@ -118,7 +118,8 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "one truncation per log at most: only recovery repairs, and only the live segment's last damage, with "
         "nothing sound after it, lies past its acknowledged end",
     ("replay/wal.py", "size = path.stat().st_size if path.exists() else 1"):
-        "a missing file's 0 or 1 bytes are both below what was acknowledged, which counts the 8-byte magic",
+        "a missing file's 0 or 1 bytes are both below what was acknowledged, which counts the 8-byte magic, and "
+        "below the magic that sealing writes whole",
     ("replay/wal.py", "if sealed is None and size < len(MAGIC) or MAGIC.startswith(bytes(view)):"):
         "bytes that begin the magic are fewer than 8, which only the live segment can be: a sealed one's length "
         "is checked against the manifest's, at least 8",
