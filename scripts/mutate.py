@@ -108,6 +108,14 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     **{("replay/wal.py", line): "only the first check of a log, in its constructor, finds the loss (it lowers the "
        "acknowledged bytes to the file's), and the counts are 0 before it"
        for line in ("self.damaged_records = 1", "self.skipped_bytes = acked - size")},
+    **{("replay/wal.py", f'if isinstance(fields, dict) and "{k}" not in fields and set(fields) <= '
+        '{"wal_id", "keep_from", "crc32"}:'): "fields within {wal_id, keep_from, crc32} hold no format field anyway"
+       for k in ("XXformatXX", "FORMAT")},
+    ("replay/wal.py", 'assert self._file is not None or self._ack_fd is not None, "WriteAheadLog.open() first"'):
+        "the segment and wal.ack are opened (_next_segment) and closed (close) together: both or neither",
+    **{("replay/wal.py", f"path.unlink(missing_ok={m})"):
+       "every file dropped was named by the manifest until the rewrite just before, and checked there when the log "
+       "opened; nothing else deletes a log's files" for m in ("None", "False")},
     ("replay/wal.py", "while start <= size:"): "at start == size the window is empty: nothing found, the loop ends",
     ("replay/wal.py", "window = bytes(view[start : min(size, start + SEARCH_BYTES + len(_SYNC) + 1)])"):
         "a wider overlap finds a sync starting past the window's end one window early, where it would be the "

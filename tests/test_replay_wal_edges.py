@@ -10,6 +10,7 @@ import struct
 import zlib
 from pathlib import Path
 
+import msgspec
 import pyarrow as pa
 import pytest
 from hypothesis import example, given, settings
@@ -367,3 +368,107 @@ def test_segments_are_missing_when_dropped_or_never_written_here(tmp_path):
     assert [log.missing_segments(n) for n in range(3)] == [True, False, True]
     log.roll()
     assert [log.missing_segments(n) for n in range(4)] == [True, False, False, True]
+
+
+def test_a_manifest_is_read_up_to_its_size_limit_and_refused_one_byte_past_it(tmp_path):
+    manifest = tmp_path / "wal.json"
+    manifest.write_bytes(b" " * wal._MAX_MANIFEST)
+    with pytest.raises(WalFormatError, match=r"wal\.json: damaged write-ahead log manifest \("):
+        wal.read_manifest(manifest)
+    manifest.write_bytes(b" " * (wal._MAX_MANIFEST + 1))
+    with pytest.raises(WalFormatError) as e:
+        wal.read_manifest(manifest)
+    assert str(e.value) == f"{manifest}: {wal._MAX_MANIFEST + 1} bytes, more than a manifest holds; {wal._UNTOUCHED}"
+
+
+def signed(fields: dict) -> bytes:
+    """A manifest's bytes with its checksum, as a writer would sign them."""
+    fields = {**fields, "crc32": 0}
+    return msgspec.json.encode({**fields, "crc32": wal._manifest_crc(fields)})
+
+
+MANIFESTS = {
+    "of another format": ({"format": 5, "wal_id": "x"},
+                          "a write-ahead log of format 5; this build reads format 4; {untouched}"),
+    "of a field out of range": ({"format": 4, "wal_id": "x", "live": -1},
+                                "not a write-ahead log manifest (Expected `int` >= 0 - at `$.live`); {untouched}"),
+    "of segments with a gap": ({"format": 4, "wal_id": "x", "sealed": [[1, 8, 0]], "live": 3},
+                               "segments [1, 3] and base None are not a log's (consecutive segments, the base at one "
+                               "of them); {untouched}"),
+    "of a base at no segment": ({"format": 4, "wal_id": "x", "base": [2, 8, 0], "live": 3},
+                                "segments [3] and base 2 are not a log's (consecutive segments, the base at one of "
+                                "them); {untouched}"),
+    "of an earlier build": ({"wal_id": "x", "keep_from": None},
+                            "the index of an earlier build's log (format 3 or before, no manifest of its files); this "
+                            "build reads format 4; finish its run with that build, or move the directory away to start "
+                            "a new log"),
+}
+
+
+@pytest.mark.parametrize("case", MANIFESTS)
+def test_a_signed_manifest_that_is_not_this_builds_is_refused_in_full_words(tmp_path, case):
+    fields, words = MANIFESTS[case]
+    manifest = tmp_path / "wal.json"
+    manifest.write_bytes(signed(fields))
+    with pytest.raises(WalFormatError) as e:
+        wal.read_manifest(manifest)
+    assert str(e.value) == f"{manifest}: " + words.format(untouched=wal._UNTOUCHED)
+
+
+def test_a_manifest_that_fails_its_checksum_names_all_its_bytes(tmp_path):
+    manifest = tmp_path / "wal.json"
+    data = signed({"format": 4, "wal_id": "x"}).replace(b'"x"', b'"y"')
+    manifest.write_bytes(data)
+    with pytest.raises(WalFormatError) as e:
+        wal.read_manifest(manifest)
+    assert str(e.value) == (f"{manifest}: damaged write-ahead log manifest (bytes 0-{len(data) - 1} do not match their "
+                            f"checksum); {wal._UNTOUCHED}")
+
+
+def test_a_log_opened_twice_before_its_first_segment_reads_back_empty(tmp_path):
+    WriteAheadLog(tmp_path)
+    assert list(WriteAheadLog(tmp_path).records()) == []
+
+
+def test_a_base_of_other_bytes_is_named_by_its_last_byte(tmp_path):
+    log = WriteAheadLog(tmp_path)
+    log.open()
+    log.write_base(ReplayCore(ReplayConfig(), groups_per_batch=1)._write_state)
+    base = tmp_path / "base-00000001.arrow"
+    data = bytearray(base.read_bytes())
+    data[-9] ^= 1  # the trailer's checksum, before its 8-byte magic
+    base.write_bytes(bytes(data))
+    with pytest.raises(WalFormatError) as e:
+        WriteAheadLog(tmp_path).latest_base()
+    assert str(e.value) == (f"{base}: not the base {tmp_path / 'wal.json'} names (its checksum trailer ending at byte "
+                            f"{len(data) - 1} differs); {wal._UNTOUCHED}")
+
+
+def test_damage_at_the_end_of_a_sealed_segment_is_acknowledged_data_lost_not_a_torn_write(tmp_path):
+    log = WriteAheadLog(tmp_path)
+    log.open()
+    for seq in range(2):
+        start = log._written
+        log.append(IngestRecord([synthetic_group(0, seq, n=1, tokens=2)]))
+    end = log._written
+    log.roll()
+    del log
+    sealed = tmp_path / "seg-00000000.wal"
+    data = bytearray(sealed.read_bytes())
+    data[end - 1] ^= 1
+    sealed.write_bytes(bytes(data))
+    recovered = WriteAheadLog(tmp_path)
+    assert [r.groups[0].seq for r in recovered.records(repair=True)] == [0]
+    assert (recovered.damaged_records, recovered.skipped_bytes, recovered.truncated_bytes) == (1, end - start, 0)
+    assert sealed.read_bytes() == bytes(data)
+
+
+def test_appending_before_open_or_a_short_write_is_an_error_naming_it(tmp_path, monkeypatch):
+    log = WriteAheadLog(tmp_path)
+    record = IngestRecord([synthetic_group(0, 0, n=1, tokens=2)])
+    with pytest.raises(AssertionError, match=r"^WriteAheadLog\.open\(\) first$"):
+        log.append(record)
+    log.open()
+    monkeypatch.setattr(os, "writev", lambda fd, buffers: 1)
+    with pytest.raises(OSError, match=rf"^write-ahead log {tmp_path / 'seg-00000000.wal'}: short write$"):
+        log.append(record)
