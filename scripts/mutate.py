@@ -100,6 +100,8 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("replay/core.py", "if eta <= before:"):
         "a grace of the bound already in force: expiry takes the highest, and any later change to a lower bound "
         "adds a grace at least as high for at least as long",
+    ("replay/core.py", '+ "XXXX".join(f"; {n}" for n in notes)'):
+        "a restore has one note at most: the two come from the two branches of one if",
     ("replay/core.py", "def state(self, wal_segment: int = 1) -> ReplayState:"):
         "every caller passes the segment (_write_state)",
     **{("replay/core.py", f"for g, served in zip(state.groups, state.served, {strict}):"):

@@ -316,3 +316,16 @@ def test_groups_of_one_call_share_the_store_budget():
     assert [v.status for v in core.ingest([g, h])] == ["ok", "retry"]
     refused = synthetic_group(0, 2, version=1000)  # beyond the allowed lead
     assert [(v.group_id, v.status) for v in core.ingest([refused])] == [((0, 2), "error")]
+
+
+def test_what_the_store_and_the_ticketless_groups_hold_already_counts_against_the_next_call():
+    g = [synthetic_group(9, seq, n=3, tokens=5) for seq in range(4)]
+    cost = resident_cost(g[0])
+    store = make_core(max_store_mb=1.5 * cost / MiB)
+    assert [(v.status, v.error) for v in store.ingest(g[:1]) + store.ingest(g[1:2])] == [("ok", ""),
+                                                                                        ("retry", "store_full")]
+    by_count = make_core(admission=True, max_ticketless=1)
+    assert [(v.status, v.error) for v in by_count.ingest(g[:1]) + by_count.ingest(g[1:2])] == [("ok", ""),
+                                                                                              ("retry", "no_ticket")]
+    by_bytes = make_core(admission=True, max_ticketless=4, max_ticketless_mb=1.5 * cost / MiB)
+    assert [v.status for v in by_bytes.ingest(g[:1]) + by_bytes.ingest(g[1:2])] == ["ok", "retry"]
