@@ -145,7 +145,8 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     **{("replay/store.py", f'if entry is not None and entry.place != "{p}":'):
        "claiming a pending group again moves it from pending to pending: the same counts and place"
        for p in ("XXpendingXX", "PENDING")},
-    ("replay/store.py", "self._pushes += 2"): "push numbers only order a group's heap items: any increasing count does",
+    **{("replay/store.py", line): "push numbers only order a group's heap items: any increasing count does"
+       for line in ("self._pushes += 2", "self._pushes = 1")},
     **{("replay/store.py", f"for c, start, end in zip(comps, starts.tolist(), ends.tolist(), {strict}):"):
        "starts and ends are made from the completions' own lengths: the three always have one length"
        for strict in ("strict=None", "", "strict=False")},
