@@ -118,6 +118,15 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     **{("replay/wal.py", f"path.unlink(missing_ok={m})"):
        "every file dropped was named by the manifest until the rewrite just before, and checked there when the log "
        "opened; nothing else deletes a log's files" for m in ("None", "False")},
+    **{("replay/wal.py", line): "open() and _next_segment set it before anything reads it"
+       for line in ("self._written = 1", "self._crc = 1  # of the segment being written, as the manifest will keep it",
+                    "self.bytes_since_base = 1")},
+    ("replay/wal.py", "started = (m.live is None or n >= m.live) and path.stat().st_size <= len(MAGIC) and "
+                      "MAGIC.startswith("):
+        "the live segment of its magic or less, deleted as a leftover, is written again as its magic when it is "
+        "sealed right after: the same sealed segment",
+    ("replay/wal.py", 'self._file = ""'): "_next_segment, _seal's one caller, opens the next segment right after",
+    ("replay/wal.py", "with open(path, ) as f:"): "the file is opened only to fsync its descriptor: text or binary alike",
     ("replay/wal.py", "while start <= size:"): "at start == size the window is empty: nothing found, the loop ends",
     ("replay/wal.py", "window = bytes(view[start : min(size, start + SEARCH_BYTES + len(_SYNC) + 1)])"):
         "a wider overlap finds a sync starting past the window's end one window early, where it would be the "

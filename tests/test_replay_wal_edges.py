@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import uuid
 import zlib
 from pathlib import Path
 
@@ -285,6 +286,7 @@ def test_a_base_starts_the_count_of_bytes_since_it_from_nothing(tmp_path):
 
 def test_close_closes_both_files_once_and_again_is_harmless(tmp_path):
     log = WriteAheadLog(tmp_path)
+    assert not log.fsync  # by default a record is acknowledged once the OS has it (replay.wal_fsync=false)
     log.open()
     segment, ack = log._file.fileno(), log._ack_fd
     log.close()
@@ -311,6 +313,9 @@ def test_a_live_segment_named_but_never_written_to_disk_comes_back_empty(tmp_pat
     assert recovered.damaged_records == 0
     recovered.open()
     assert live.read_bytes() == MAGIC and wal.read_manifest(tmp_path / "wal.json").sealed[-1].bytes == len(MAGIC)
+    del recovered
+    WriteAheadLog(tmp_path).open()  # the sealed segment of its magic alone is the log's, not a leftover
+    assert [r.groups[0].seq for r in WriteAheadLog(tmp_path).records()] == [0]
 
 
 def test_a_damaged_record_in_a_sealed_segment_is_skipped_on_restore_not_taken_for_reordering(tmp_path, caplog):
@@ -472,3 +477,62 @@ def test_appending_before_open_or_a_short_write_is_an_error_naming_it(tmp_path, 
     monkeypatch.setattr(os, "writev", lambda fd, buffers: 1)
     with pytest.raises(OSError, match=rf"^write-ahead log {tmp_path / 'seg-00000000.wal'}: short write$"):
         log.append(record)
+
+
+def test_the_boot_id_is_the_machines_or_zeros_where_it_has_none(monkeypatch):
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    if boot.exists():
+        assert wal._boot_id() == uuid.UUID(boot.read_text().strip()).bytes
+    monkeypatch.setattr(Path, "read_text", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
+    assert wal._boot_id() == bytes(16)
+
+
+def test_a_crash_before_dropped_files_are_deleted_leaves_them_to_the_next_start(tmp_path, monkeypatch, caplog):
+    """A base drops the segments before it from the manifest, then deletes them: killed in between, the next
+    start deletes them, as it deletes a manifest written to its temporary name but never renamed."""
+    log = WriteAheadLog(tmp_path)
+    log.open()
+    log.append(IngestRecord([synthetic_group(0, 0, n=1, tokens=2)]))
+    with monkeypatch.context() as m:
+        m.setattr(Path, "unlink", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("killed")))
+        with pytest.raises(RuntimeError):
+            log.write_base(ReplayCore(ReplayConfig(), groups_per_batch=1)._write_state)
+        m.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(RuntimeError("killed")))
+        with pytest.raises(RuntimeError):
+            log.roll()
+    del log
+    assert {"seg-00000000.wal", "wal.json.tmp"} <= {p.name for p in tmp_path.iterdir()}
+    restarted = WriteAheadLog(tmp_path)
+    with caplog.at_level(logging.INFO, logger="replay.wal"):
+        restarted.open()
+    assert not (tmp_path / "seg-00000000.wal").exists() and not (tmp_path / "wal.json.tmp").exists()
+    assert f"write-ahead log: deleting {tmp_path / 'seg-00000000.wal'}, which its manifest no longer or not yet " \
+           "names" in caplog.messages
+
+
+def test_wal_ack_naming_a_segment_newer_than_the_manifests_is_refused(tmp_path):
+    log = WriteAheadLog(tmp_path)
+    log.open()
+    log.close()
+    ack = wal.read_ack(tmp_path / "wal.ack")
+    ack.segment = 5
+    (tmp_path / "wal.ack").write_bytes(ack.pack() * 2)
+    with pytest.raises(WalFormatError) as e:
+        WriteAheadLog(tmp_path)
+    assert str(e.value) == (f"{tmp_path / 'wal.ack'}: acknowledges segment 5, newer than any {tmp_path / 'wal.json'} "
+                            f"names; {wal._UNTOUCHED}")
+
+
+def test_a_restart_counts_the_bytes_since_the_base_from_the_files(tmp_path):
+    log = WriteAheadLog(tmp_path)
+    log.open()
+    log.write_base(ReplayCore(ReplayConfig(), groups_per_batch=1)._write_state)  # at segment 1
+    for seq in range(2):
+        log.append(IngestRecord([synthetic_group(0, seq, n=1, tokens=2)]))
+        log.roll()
+    log.append(IngestRecord([synthetic_group(0, 2, n=1, tokens=2)]))
+    del log  # segments 1 and 2 sealed, 3 live
+    since = sum((tmp_path / f"seg-{n:08d}.wal").stat().st_size for n in (1, 2, 3))
+    restarted = WriteAheadLog(tmp_path)
+    restarted.open()
+    assert restarted.bytes_since_base == since
