@@ -126,7 +126,8 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "the live segment of its magic or less, deleted as a leftover, is written again as its magic when it is "
         "sealed right after: the same sealed segment",
     ("replay/wal.py", 'self._file = ""'): "_next_segment, _seal's one caller, opens the next segment right after",
-    ("replay/wal.py", "with open(path, ) as f:"): "the file is opened only to fsync its descriptor: text or binary alike",
+    ("replay/wal.py", "with open(path, ) as f:"):
+        "the file is opened only to fsync its descriptor: text or binary alike",
     ("replay/wal.py", "while start <= size:"): "at start == size the window is empty: nothing found, the loop ends",
     ("replay/wal.py", "window = bytes(view[start : min(size, start + SEARCH_BYTES + len(_SYNC) + 1)])"):
         "a wider overlap finds a sync starting past the window's end one window early, where it would be the "
