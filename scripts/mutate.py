@@ -118,9 +118,15 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     **{("replay/wal.py", f"path.unlink(missing_ok={m})"):
        "every file dropped was named by the manifest until the rewrite just before, and checked there when the log "
        "opened; nothing else deletes a log's files" for m in ("None", "False")},
-    **{("replay/wal.py", line): "open() and _next_segment set it before anything reads it"
-       for line in ("self._written = 1", "self._crc = 1  # of the segment being written, as the manifest will keep it",
-                    "self.bytes_since_base = 1")},
+    **{("replay/wal.py", f"{field} = {v}"): "open() and _next_segment set it before anything reads it"
+       for field in ("self._written", "self.bytes_since_base") for v in ("1", "None")},
+    ("replay/wal.py", "self._crc = 1  # of the segment being written, as the manifest will keep it"):
+        "_next_segment sets it before anything reads it",
+    ("replay/wal.py", "self._ack = Ack(0, -2, 0, self._boot, fsync)"):
+        "no segment is numbered below 0: -1 and -2 both acknowledge none",
+    ("replay/wal.py", "if size <= len(MAGIC):"):
+        "8 bytes here are the magic (records() read the segment before and refused anything else): written again, "
+        "the same bytes",
     ("replay/wal.py", "started = (m.live is None or n >= m.live) and path.stat().st_size <= len(MAGIC) and "
                       "MAGIC.startswith("):
         "the live segment of its magic or less, deleted as a leftover, is written again as its magic when it is "

@@ -536,3 +536,27 @@ def test_a_restart_counts_the_bytes_since_the_base_from_the_files(tmp_path):
     restarted = WriteAheadLog(tmp_path)
     restarted.open()
     assert restarted.bytes_since_base == since
+
+
+def test_no_record_is_read_inside_the_sound_record_before_damage():
+    """A sound record ending in the sync's first byte, then bytes that would complete a sound record started
+    one byte earlier: the search after the damage starts past the damage's first byte, never inside the record
+    before it."""
+    after = (record_header(b"q") + b"q")[1:]
+    data = bytes(segment(b"p" + SYNC[:1])) + after
+    damage = Damage(30, len(data), "record header fails its checksum")
+    assert list(scan(memoryview(data), len(data))) == [(28, 2), damage]
+
+
+def test_a_log_that_names_no_segment_yet_acknowledges_none_and_holds_no_file_without_its_manifest(tmp_path):
+    WriteAheadLog(tmp_path)  # never opened: no segment named
+    ack = wal.read_ack(tmp_path / "wal.ack")
+    ack.segment = 0
+    (tmp_path / "wal.ack").write_bytes(ack.pack() * 2)
+    with pytest.raises(WalFormatError, match=r"wal\.ack: acknowledges segment 0, newer than any"):
+        WriteAheadLog(tmp_path)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "base-00000001.arrow").write_bytes(b"")
+    with pytest.raises(WalFormatError, match=r"wal\.json: missing, yet the directory holds log files "
+                                             r"\(base-00000001\.arrow, \.\.\.\)"):
+        WriteAheadLog(tmp_path / "old")
