@@ -120,8 +120,10 @@ EQUIVALENT: dict[tuple[str, str], str] = {
        "opened; nothing else deletes a log's files" for m in ("None", "False")},
     **{("replay/wal.py", f"{field} = {v}"): "open() and _next_segment set it before anything reads it"
        for field in ("self._written", "self.bytes_since_base") for v in ("1", "None")},
-    ("replay/wal.py", "self._crc = 1  # of the segment being written, as the manifest will keep it"):
-        "_next_segment sets it before anything reads it",
+    **{("replay/wal.py", f"self._crc = {v}  # of the segment being written, as the manifest will keep it"):
+       "_next_segment sets it before anything reads it" for v in ("1", "None")},
+    ("replay/wal.py", "self._ack = Ack(0, -1, 1, self._boot, fsync)"):
+        "the bytes of an acknowledgement of no segment are never read: only the live segment's are",
     ("replay/wal.py", "self._ack = Ack(0, -2, 0, self._boot, fsync)"):
         "no segment is numbered below 0: -1 and -2 both acknowledge none",
     ("replay/wal.py", "if size <= len(MAGIC):"):

@@ -560,3 +560,25 @@ def test_a_log_that_names_no_segment_yet_acknowledges_none_and_holds_no_file_wit
     with pytest.raises(WalFormatError, match=r"wal\.json: missing, yet the directory holds log files "
                                              r"\(base-00000001\.arrow, \.\.\.\)"):
         WriteAheadLog(tmp_path / "old")
+
+
+def test_a_segment_rolls_once_it_reaches_its_size_not_one_byte_before(tmp_path):
+    record = IngestRecord([synthetic_group(0, 0, n=1, tokens=2)])
+    size = len(MAGIC) + HEADER_BYTES + len(wal._payload(record))
+    for limit, segment_after in ((size, 1), (size + 1, 0)):
+        log = WriteAheadLog(tmp_path / str(limit), segment_bytes=limit)
+        log.open()
+        log.append(record)
+        assert log.segment == segment_after, limit
+
+
+def test_a_segment_is_on_disk_once_sealed_even_without_fsync_per_record(tmp_path, monkeypatch):
+    log = WriteAheadLog(tmp_path, fsync=False)
+    log.open()
+    segment = log._file.fileno()
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+    log.append(IngestRecord([synthetic_group(0, 0, n=1, tokens=2)]))
+    assert segment not in synced  # acknowledged once the OS has it
+    log.roll()
+    assert segment in synced
