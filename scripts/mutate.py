@@ -122,8 +122,11 @@ EQUIVALENT: dict[tuple[str, str], str] = {
        for field in ("self._written", "self.bytes_since_base") for v in ("1", "None")},
     **{("replay/wal.py", f"self._crc = {v}  # of the segment being written, as the manifest will keep it"):
        "_next_segment sets it before anything reads it" for v in ("1", "None")},
-    ("replay/wal.py", "self._ack = Ack(0, -1, 1, self._boot, fsync)"):
-        "the bytes of an acknowledgement of no segment are never read: only the live segment's are",
+    **{("replay/wal.py", f"self._ack = Ack(0, -1, {b}, self._boot, {d})"):
+       "the bytes and durability of an acknowledgement of no segment are never read: only the live segment's are"
+       for b, d in (("1", "fsync"), ("0", "None"))},
+    ("replay/wal.py", "self._leftovers = None"):
+        "read only in the branch that runs once, before wal.ack's descriptor is opened",
     ("replay/wal.py", "self._ack = Ack(0, -2, 0, self._boot, fsync)"):
         "no segment is numbered below 0: -1 and -2 both acknowledge none",
     ("replay/wal.py", "if size <= len(MAGIC):"):

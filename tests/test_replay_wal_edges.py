@@ -526,12 +526,15 @@ def test_wal_ack_naming_a_segment_newer_than_the_manifests_is_refused(tmp_path):
 def test_a_restart_counts_the_bytes_since_the_base_from_the_files(tmp_path):
     log = WriteAheadLog(tmp_path)
     log.open()
+    log.append(IngestRecord([synthetic_group(0, 9, n=1, tokens=2)]))
+    log.keep_from(0)  # a snapshot keeps segment 0, before the base
     log.write_base(ReplayCore(ReplayConfig(), groups_per_batch=1)._write_state)  # at segment 1
     for seq in range(2):
         log.append(IngestRecord([synthetic_group(0, seq, n=1, tokens=2)]))
         log.roll()
     log.append(IngestRecord([synthetic_group(0, 2, n=1, tokens=2)]))
     del log  # segments 1 and 2 sealed, 3 live
+    assert (tmp_path / "seg-00000000.wal").exists()
     since = sum((tmp_path / f"seg-{n:08d}.wal").stat().st_size for n in (1, 2, 3))
     restarted = WriteAheadLog(tmp_path)
     restarted.open()
