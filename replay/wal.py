@@ -591,9 +591,10 @@ class WriteAheadLog:
         os.truncate(path, damage.offset)
 
     def missing_segments(self, start: int) -> bool:
-        """True if segments from `start` on were already dropped (or never written here)."""
-        numbers = self._meta.numbers
-        return start not in numbers and (not numbers or numbers[0] > start)
+        """True if segments from `start` on were already dropped or never written here (a log directory
+        older than the snapshot naming `start`): the log's segments are consecutive, so either way
+        `start` is not one of them."""
+        return start not in self._meta.numbers
 
     def open(self) -> None:
         """Start writing: a new segment after every existing one (a torn one is never appended to); the
