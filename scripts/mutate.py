@@ -110,6 +110,8 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "a fast path: with no tickets of that basis, or no anonymous actor, the sum it skips is 0")
        for line in ("if coming or len(self.trusted) < len(self.in_flight):",
                     "if coming and len(self.trusted) <= len(self.in_flight):")},
+    ("replay/staleness.py", "elif room <= self.groups_per_batch and (anonymous := self._anonymous_in_flight()):"):
+        "at room == B the rule gives max(B, min(B, left) - held) = B: the room it had",
     **{("replay/wal.py", f"pa.array({column}, {t}),"):
        "RecordBatch.from_arrays casts each column to WAL_SCHEMA's type: an inferred int64, string or (empty list) "
        "null column is written as the same bytes" for column in _SERVE_COLUMNS for t in ("None", "")},
