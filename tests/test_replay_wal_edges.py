@@ -217,15 +217,21 @@ def test_a_torn_write_in_a_segment_started_after_the_last_acknowledgement_is_cut
     assert (tmp_path / "seg-00000001.wal").read_bytes() == MAGIC
 
 
-def three_records_and_a_torn_tail(directory: Path) -> tuple[list[int], int]:
-    """A segment of four ingest records, the first and third damaged, then a torn fifth: where each
-    record starts and the segment's length."""
+def logged(directory: Path, n: int) -> tuple[WriteAheadLog, list[int]]:
+    """An open log of n one-group ingest records (seqs 0..n-1), and where each record starts."""
     log = WriteAheadLog(directory)
     log.open()
     starts = []
-    for seq in range(4):
+    for seq in range(n):
         starts.append(log._written)
         log.append(IngestRecord([synthetic_group(0, seq, n=1, tokens=2)]))
+    return log, starts
+
+
+def three_records_and_a_torn_tail(directory: Path) -> tuple[list[int], int]:
+    """A segment of four ingest records, the first and third damaged, then a torn fifth: where each
+    record starts and the segment's length."""
+    log, starts = logged(directory, 4)
     starts.append(log._written)
     path = directory / "seg-00000000.wal"
     with open(path, "ab") as f:
@@ -321,12 +327,7 @@ def test_a_live_segment_named_but_never_written_to_disk_comes_back_empty(tmp_pat
 def test_a_damaged_record_in_a_sealed_segment_is_skipped_on_restore_not_taken_for_reordering(tmp_path, caplog):
     """A sealed segment's checksum covers its records; with one of them damaged (and skipped, loudly),
     the rest are still the log's own, not records replaced or reordered."""
-    log = WriteAheadLog(tmp_path)
-    log.open()
-    starts = []
-    for seq in range(3):
-        starts.append(log._written)
-        log.append(IngestRecord([synthetic_group(0, seq, n=1, tokens=2)]))
+    log, starts = logged(tmp_path, 3)
     log.roll()
     log.close()
     sealed = tmp_path / "seg-00000000.wal"
