@@ -81,8 +81,10 @@ class Admission:
     def _limit(self, learner_version: int, weights_version: int) -> int:
         return (self.max_staleness + self.basis(learner_version, weights_version) + 1) * self.groups_per_batch
 
-    def _anonymous_in_flight(self) -> int:
-        return sum(n for a, chunks in self.in_flight.items() if a not in self.trusted for _, n in chunks)
+    def _anonymous_in_flight(self, basis: int | None = None) -> int:
+        """Tickets in flight to actors granted without the token (of one basis, if given)."""
+        return sum(n for a, chunks in self.in_flight.items() if a not in self.trusted
+                   for b, n in chunks if basis is None or b == basis)
 
     def held(self, actor: int) -> int:
         return sum(n for _, n in self.in_flight.get(actor, ()))
@@ -94,8 +96,7 @@ class Admission:
         basis = batch_version - bound
         coming = self.by_version.get(basis, 0)
         if coming and len(self.trusted) < len(self.in_flight):
-            coming -= sum(n for a, chunks in self.in_flight.items() if a not in self.trusted
-                          for b, n in chunks if b == basis)
+            coming -= self._anonymous_in_flight(basis)
         return coming
 
     def _add(self, actor: int, basis: int, n: int) -> None:
