@@ -7,9 +7,10 @@ import msgpack
 import msgspec
 import numpy as np
 import pytest
+import zmq
 from hypothesis import given
 from hypothesis import strategies as st
-from test_protocol import _error, _header
+from test_protocol import _error, _header, assert_same
 
 from dph_async import protocol as P
 from dph_async.app.bench.transport import synthetic_group
@@ -266,7 +267,9 @@ def test_a_frame_number_one_past_the_last_is_refused_naming_the_field():
 
 
 def test_an_array_field_decoded_outside_the_protocol_s_decoder_is_refused():
-    head, _ = _header(group(completion(2)))
+    """Also right after a message was decoded in the same thread: its frames are not lent on."""
+    head, arrays = _header(group(completion(2)))
+    P.decode([msgpack.packb(head), *arrays])
     with pytest.raises(msgspec.ValidationError) as info:
         msgspec.msgpack.decode(msgpack.packb(head["m"]["completions"][0]), type=P.Completion)
     assert str(info.value) == "an array descriptor outside decoding"
@@ -300,3 +303,109 @@ def test_a_tensor_of_a_dtype_no_bucket_carries_is_named_with_every_dtype_one_may
     head["m"]["arrays"][0][0] = "complex64"
     e = _error([msgpack.packb(head), *arrays])
     assert (e.kind, str(e)) == ("array", f"WeightsBucket.arrays[0]: dtype 'complex64' not allowed (allowed: {dtypes})")
+
+
+class BufferOnly:
+    """A frame whose bytes are reachable only as `.buffer`: pyzmq's cffi Frame before Python 3.12."""
+
+    def __init__(self, data: bytes):
+        self.buffer = memoryview(data)
+
+
+def viewed(data: bytes, dtype: str, rows: int = 0) -> memoryview:
+    """`data` in a buffer of another item format (and 2-d with `rows`), as a caller's array may hold it."""
+    a = np.frombuffer(data, np.uint8).view(dtype)
+    return memoryview(a.reshape(rows, -1) if rows else a)
+
+
+# How the header and how each array frame is held (the header's length need be no multiple of 2 or 4).
+HOLDERS = {
+    "bytes": (bytes, bytes), "bytearray": (bytearray, bytearray), "zmq.Frame": (zmq.Frame, zmq.Frame),
+    "buffer-only": (BufferOnly, BufferOnly),
+    "float32": (lambda b: viewed(b, "uint8", 1), lambda b: viewed(b, "float32")),
+    "int16-2d": (lambda b: viewed(b, "uint8"), lambda b: viewed(b, "int16", 2)),
+    "uint8-2d": (lambda b: viewed(b, "uint8", 1), lambda b: viewed(b, "uint8", 2)),
+}
+
+
+@pytest.mark.parametrize("holders", HOLDERS.values(), ids=HOLDERS.keys())
+def test_a_frame_is_read_as_its_bytes_whatever_holds_them(holders):
+    head_as, array_as = holders
+    msg = group(completion(4), completion(2))
+    head, *arrays = (bytes(f) for f in P.encode(msg))
+    assert_same(P.decode([head_as(head), *map(array_as, arrays)]), msg)
+
+
+def strided(dtype: str, rows: int = 0) -> memoryview:
+    """Every other item of a buffer: no contiguous run of bytes."""
+    a = np.zeros((rows or 1, 16), dtype)[:, ::2]
+    return memoryview(a if rows else a[0])
+
+
+@pytest.mark.parametrize("at", [0, 1], ids=["header", "array"])
+@pytest.mark.parametrize("frame", [strided("float32"), strided("int8"), strided("uint8", 2)],
+                         ids=["float32", "int8", "uint8-2d"])
+def test_a_strided_frame_is_refused_as_no_byte_buffer(at, frame):
+    frames = [bytes(f) for f in P.encode(group(completion(2)))]
+    frames[at] = frame
+    e = _error(frames)
+    assert (e.kind, str(e)) == ("frames", "a frame is not a byte buffer (memoryview: casts are restricted to "
+                                          "C-contiguous views)")
+
+
+def test_a_header_that_is_no_byte_buffer_is_named():
+    e = _error([object()])
+    assert (e.kind, str(e)) == ("frames", "a frame is not a byte buffer (memoryview: a bytes-like object is "
+                                          "required, not 'object')")
+
+
+def test_an_empty_message_is_refused_in_words():
+    e = _error([])
+    assert (e.kind, str(e)) == ("frames", "empty message (no frames)")
+
+
+def test_a_header_alone_of_exactly_its_limits_is_decoded_and_one_byte_more_is_not():
+    """A message without arrays is its header: both the header's limit and the message's bind it."""
+    frames = P.encode(P.Ack([(1, 2)], "ok"))
+    n = len(frames[0])
+    assert len(frames) == 1
+    for limits in (P.Limits(max_header_bytes=n), P.Limits(max_bytes=n)):
+        assert P.decode(frames, limits).group_ids == [(1, 2)]
+    e = _error(frames, P.Limits(max_header_bytes=n - 1))
+    assert (e.kind, str(e)) == ("size", f"header of {n} bytes exceeds the limit of {n - 1}")
+    e = _error(frames, P.Limits(max_bytes=n - 1))
+    assert (e.kind, str(e)) == ("size", f"Ack header of {n} bytes exceeds the message's limit of {n - 1}")
+
+
+def test_exactly_the_limit_of_array_frames_is_decoded_and_one_more_is_not_sent_or_announced():
+    msg = P.WeightsBucket(1, 0, ["a", "b", "c"], [np.zeros(1, np.float32)] * 3, "c")
+    frames = P.encode(msg)
+    assert len(P.decode(frames, P.Limits(max_frames=3)).arrays) == 3
+    e = _error(frames, P.Limits(max_frames=2))
+    assert (e.kind, str(e)) == ("frames", "3 array frames exceed the limit of 2")
+    head, arrays = _header(msg)
+    head["n"] = 4  # one more announced than came, which is the limit
+    e = _error([msgpack.packb(head), *arrays], P.Limits(max_frames=3))
+    assert (e.kind, str(e)) == ("frames", "header announces 4 array frames (allowed: 0 to 3)")
+
+
+def test_frames_described_by_no_field_are_listed_up_to_ten():
+    head, _ = _header(P.ErrorReply("x"))
+    head["n"] = 11
+    e = _error([msgpack.packb(head), *[b""] * 11])
+    assert (e.kind, str(e)) == ("frames", f"ErrorReply: array frame(s) {list(range(10))} described by no field")
+
+
+def test_fields_with_a_string_not_in_utf_8_are_refused_naming_the_type():
+    head, _ = _header(P.ErrorReply("x"))
+    frame = msgpack.packb(head).replace(b"\xa1x", b"\xa1\xff")  # the one-byte string "x", its byte not UTF-8
+    e = _error([frame])
+    assert (e.kind, e.where, str(e)) == ("header", "ErrorReply", "ErrorReply: fields are not valid msgpack ('utf-8' "
+                                         "codec can't decode byte 0xff in position 0: invalid start byte)")
+
+
+def test_a_decoded_message_whose_fields_do_not_fit_together_is_refused_naming_its_type():
+    head, _ = _header(P.Control("set_staleness", max_staleness=3))
+    head["m"]["max_staleness"] = -5
+    e = _error([msgpack.packb(head)])
+    assert (e.kind, e.where, e.detail) == ("value", "Control", "set_staleness needs a bound in [0, 2^31), got -5")
