@@ -750,13 +750,10 @@ def encode(msg: Message) -> list[bytes | memoryview]:
 
 
 def _bytes_view(frame: Any) -> memoryview:
-    """A flat byte view of a frame (zmq.Frame, bytes, memoryview), without copying."""
-    view = getattr(frame, "buffer", None)  # a zmq.Frame's buffer is already flat bytes
-    if view is None:
-        view = memoryview(frame)
-        if view.format != "B" or view.ndim != 1:
-            view = view.cast("B")
-    return view
+    """A flat byte view of a frame (zmq.Frame, bytes, memoryview), without copying. TypeError for
+    anything else: no buffer, or a strided one (cast takes only C-contiguous views). A zmq.Frame's
+    bytes are its .buffer."""
+    return memoryview(getattr(frame, "buffer", frame)).cast("B")
 
 
 def _brief(value: object) -> str:

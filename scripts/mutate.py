@@ -230,7 +230,7 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         'view = memoryview(obj).cast(None)', 'view = memoryview(None).cast("B")',
         'view = memoryview(np.ascontiguousarray(obj).reshape(None)).cast("B")',
         'view = memoryview(np.ascontiguousarray(obj).reshape(-2)).cast("B")')},
-    ("dph_async/protocol.py", 'view = view.cast("b")'):
+    ("dph_async/protocol.py", 'return memoryview(getattr(frame, "buffer", frame)).cast("b")'):
         "msgspec and np.frombuffer read a buffer's bytes whatever its item format: a view of signed bytes gives "
         "the same header and arrays, and a strided one is refused by cast alike",
     ("dph_async/protocol.py", "used[i] = 2"): "the marks are only tested for truth: 2 is as true as 1",
