@@ -47,6 +47,9 @@ RESERVED = 4
 # Beside the announce files; grants nothing but the reserved connections of read-only endpoints.
 ACCESS_TOKEN_FILE = "access.token"
 RENDER_INTERVAL_S = 1.0
+# How often the server thread looks at close()'s request: close() waits up to this long. socketserver's
+# default (0.5 s) was most of a short run's end (two endpoints in the learner, one per actor).
+SHUTDOWN_POLL_S = 0.05
 
 
 class ThreadsCollector(Collector):
@@ -185,7 +188,8 @@ class MetricsEndpoint:
         self._server = server = _Server((host, port), Handler)
         bound_host, bound_port = self._server.server_address[:2]
         self.url = f"http://{'[' + bound_host + ']' if ':' in bound_host else bound_host}:{bound_port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name=f"metrics-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_S},
+                                        name=f"metrics-{name}", daemon=True)
         self._thread.start()
 
     def announce(self, directory: Path) -> Path:
