@@ -1,6 +1,6 @@
 """`dph-async bench peer` and `bench weights`: the single-process loop's pieces against brute force,
-the summaries against their closed forms, a short run of the loop on a tiny model, and a short bench
-of dph-async's real processes beside the loop."""
+the summaries against their closed forms, a short run of the loop on a tiny model. A short bench of
+dph-async's real processes beside the loop is the cell of tests/test_bench_scale.py's tiny grid."""
 
 from __future__ import annotations
 
@@ -15,16 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL, copy_base
 
-from dph_async.app.bench.peer import PeerRun, ensure_trl, intervals, markdown, summarise
-from dph_async.app.bench.peer import run as run_peer_bench
+from dph_async.app.bench.peer import PeerRun, ensure_trl, intervals, summarise
 from dph_async.app.bench.peer_limit import limit_lines, limit_of, parts_of
 from dph_async.app.bench.peer_loop import completion_mask, response_logprobs
 from dph_async.app.bench.peer_spec import PeerSpec
 from dph_async.app.bench.weights import Round, _summary
-from dph_async.app.pipeline import validate
-from dph_async.config import load_config
 
 
 def test_completion_mask_keeps_tokens_up_to_the_first_eos():
@@ -200,31 +196,6 @@ def test_loop_runs_the_work_and_times_its_phases(tmp_path):
         phases = sum(s[p] for p in ("generate", "reward", "forward", "backward", "optimizer"))
         assert 0 < phases <= s["step_s"] + 1e-9
         assert 0 < s["cpu_s"] <= out["threads"] * s["step_s"] + 0.05  # torch's threads, busy at most
-
-
-@pytest.mark.slow
-def test_peer_bench_runs_dph_async_beside_the_loop_and_bounds_its_step(small_base, tmp_path):
-    """dph-async's processes and the loop, one short run each: the limit reads the actor's clocks
-    over the steady state, and no bound falls below the ratio the runs measured."""
-    out = tmp_path / "peer"
-    copy_base(small_base, out)
-    given = ["actors.share_prefill=false"]  # a setting given with --set is recorded with the workload
-    # "grpo": the bench's preset.
-    cfg = validate(load_config("grpo", [*SMALL, f"output_dir={out}", "learner.steps=8", *given]), [])
-    res = run_peer_bench(cfg, out, repeats=1, skip=2, machine={"cores": 2}, systems=["dph-async", "loop"],
-                         cache=tmp_path / "cache", log=lambda *_: None, settings=given)
-    dph = next(r for r in res.runs if r.system == "dph-async")
-    (actor,) = dph.detail["actor_cpu_s"]
-    assert 0 < actor["forward"] <= actor["engine"] <= actor["thread"] <= dph.step_s + 0.01, actor
-    lim = res.limit
-    assert lim.threads == pytest.approx({"the busiest actor's thread, as measured": actor["thread"],
-                                         "the busiest actor's thread, its engine steps alone": actor["engine"]})
-    # A run cannot beat its own costs: one thread's CPU fits in the wall time, the processes' in the cores'.
-    measured = res.ratios["loop"]
-    for bound in ("the busiest actor's thread, as measured", "every part, as measured"):
-        assert lim.peers["loop"].ceilings[bound] >= 0.95 * measured, bound
-    assert "| the busiest actor's thread, as measured |" in markdown(res)
-    assert res.workload["settings"] == given and "settings given: actors.share_prefill=false." in markdown(res)
 
 
 @pytest.mark.slow

@@ -1,19 +1,20 @@
 """`dph-async bench scale`: the grid's plan, a cell's record and the refusal of one measured with other
 work, the projection against the scaling model, the report and plot, each process's peak memory, and
-a tiny grid through dph-async's real processes and the loop that resumes without running a finished
-cell again."""
+the resume rules (a finished cell not run again, a grown grid running only its new cell) around a
+stand-in for the runs, and a tiny grid through dph-async's real processes and the loop."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 
 from dph_async.app import scaling
+from dph_async.app.bench import scale
 from dph_async.app.bench.cpu import Memory, ProcessTreeCPU, memory_of
 from dph_async.app.bench.peer import PeerBench, PeerRun
 from dph_async.app.bench.scale import (
@@ -30,6 +31,7 @@ from dph_async.app.bench.scale import (
     projection,
 )
 from dph_async.app.bench.scale_report import markdown, plot
+from dph_async.app.cli import main
 
 
 def test_the_grid_runs_size_by_size_and_keeps_a_steps_completion_tokens_near_the_budget():
@@ -151,46 +153,83 @@ def test_each_processs_peak_memory_is_this_runs_and_kept_by_component():
         "actors": Memory(2.0, 2.0, 1), "learner": Memory(3.0, 4.0, 2)}
 
 
-def _scale(out: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "dph_async.app.cli", "bench", "scale", "-o", str(out), "--sizes", "32x1",
-           "--vocab", "512", "--tokens-per-step", "16", "--n", "2", "--steps", "4", "--skip", "1",
-           "--systems", "dph-async", "loop", "--set", "actors.compile=false", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc  # the progress log is on stderr, as every command's
+SCALE = ["bench", "scale", "--sizes", "32x1", "--vocab", "512", "--tokens-per-step", "16", "--n", "2", "--steps", "8",
+         "--skip", "2", "--systems", "dph-async", "loop", "--set", "actors.compile=false"]
+
+
+def test_a_grid_runs_only_the_cells_not_finished_and_refuses_one_recorded_with_other_work(tmp_path, monkeypatch):
+    """The resume rules of run_grid, around a stand-in for the runs (the real ones: the test below):
+    the same grid again runs no cell, a grown grid runs only its new cell, a finished cell recorded
+    with other work is refused before any cell runs."""
+    ran: list[int] = []
+
+    def run(cfg, cell_dir, repeats, skip, machine, systems, cache, log, settings):
+        ran.append(cfg.sampling.max_tokens)
+        cell_dir.mkdir(parents=True)  # as the real one does
+        bench = _bench(q=cfg.learner.groups_per_step)
+        bench.workload.update(n=2, max_tokens=cfg.sampling.max_tokens, lr=1e-3, temperature=1.0, steps=4, model="m",
+                              data="d", objective="grpo", actors=1, settings=[])
+        return bench
+
+    monkeypatch.setattr(scale.peer, "run", run)
+    monkeypatch.setattr(scale, "ray_cluster", lambda cfg, prestart: contextlib.nullcontext())
+    out = tmp_path / "scale"
+
+    def grid(lengths: list[int], steps: int = 4) -> list[str]:
+        return [c.key for c in scale.run_grid([parse_size("32x1")], lengths, out, preset="grpo", overrides=[],
+                                              tokens_per_step=16, n=2, steps=steps, skip=1, systems=["dph-async"],
+                                              cache=tmp_path, machine={}, vocab=512, log=lambda m: None).cells]
+
+    assert grid([4]) == ["32x1-L4"] and ran == [4]
+    stamp = (out / "cells" / "32x1-L4" / "cell.json").stat().st_mtime_ns
+    assert grid([4]) == ["32x1-L4"] and ran == [4]
+    assert grid([8, 4]) == ["32x1-L4", "32x1-L8"] and ran == [4, 8]
+    assert (out / "cells" / "32x1-L4" / "cell.json").stat().st_mtime_ns == stamp
+    assert [c["key"] for c in json.loads((out / "bench.json").read_text())["cells"]] == ["32x1-L4", "32x1-L8"]
+    with pytest.raises(GridError, match="32x1-L4 is recorded with other work"):
+        grid([4, 8, 16], steps=5)
+    assert ran == [4, 8]  # refused before the new cell ran
 
 
 @pytest.mark.slow
-def test_a_tiny_grid_writes_its_report_and_runs_only_the_cells_not_finished(tmp_path):
-    """Through the command: a cell of dph-async's real processes and the loop; the same command again
-    runs no cell; a grown grid runs only its new cell; other work in a finished cell is refused."""
+def test_a_tiny_grid_writes_its_report(tmp_path, capsys, ray_session):
+    """Through the command, in the suite's Ray cluster: a cell of dph-async's real processes and the
+    loop (the runs of `bench peer`, which the cell is), its figures, report and plot; the limit read
+    from the actor's clocks over the steady state, no bound below the ratio the runs measured; the
+    same command with other work is refused."""
     out = tmp_path / "scale"
-    first = _scale(out, "--lengths", "4")
-    assert "cell 1/1: 32x1-L4" in first.stderr
-    stamps = {"32x1-L4": (out / "cells" / "32x1-L4" / "cell.json").stat().st_mtime_ns}
-    again = _scale(out, "--lengths", "4")
-    assert "cell " not in again.stderr
-    grown = _scale(out, "--lengths", "4", "8")
-    assert "cell 2/2: 32x1-L8" in grown.stderr and "cell 1/2" not in grown.stderr
-    assert {c: (out / "cells" / c / "cell.json").stat().st_mtime_ns for c in stamps} == stamps
+    assert main([*SCALE, "-o", str(out), "--lengths", "4"]) == 0
+    assert "cell 1/1: 32x1-L4" in capsys.readouterr().err  # the progress log is on stderr, as every command's
 
     res = json.loads((out / "bench.json").read_text())
-    assert [c["key"] for c in res["cells"]] == ["32x1-L4", "32x1-L8"]
-    for cell in res["cells"]:
-        assert set(cell["systems"]) == {"dph-async", "loop"} and set(cell["ratios"]) == {"loop"}
-        dph = cell["systems"]["dph-async"]
-        # Every completion as long as the cell asks: a random model over 512 tokens seldom ends one sooner.
-        assert dph["tokens_per_s"] / dph["completions_per_s"] == pytest.approx(cell["length"], rel=0.3)
-        assert cell["prompts_per_step"] == max(1, 16 // (2 * cell["length"])) and cell["params"] > 0
-        assert {"learner", "actor", "Ray and the driver"} <= set(dph["peak_rss_mb"])
-        assert cell["systems"]["loop"]["peak_rss_mb"]["loop"] > 100
-        assert cell["parts"] and cell["projection"][0]["cores"] == 2
-    text = (out / "bench.md").read_text()
-    assert all(f"| {res['cells'][0]['params'] / 1e6:.1f} M, {n} |" in text for n in (4, 8))
+    (cell,) = res["cells"]
+    assert cell["key"] == "32x1-L4"
+    assert set(cell["systems"]) == {"dph-async", "loop"} and set(cell["ratios"]) == {"loop"}
+    dph = cell["systems"]["dph-async"]
+    # Every completion as long as the cell asks: a random model over 512 tokens seldom ends one sooner.
+    assert dph["tokens_per_s"] / dph["completions_per_s"] == pytest.approx(cell["length"], rel=0.3)
+    assert cell["prompts_per_step"] == max(1, 16 // (2 * cell["length"])) and cell["params"] > 0
+    assert {"learner", "actor", "Ray and the driver"} <= set(dph["peak_rss_mb"])
+    assert cell["systems"]["loop"]["peak_rss_mb"]["loop"] > 100
+    assert cell["parts"] and cell["projection"][0]["cores"] == 2
+    assert f"| {cell['params'] / 1e6:.1f} M, 4 |" in (out / "bench.md").read_text()
     assert (out / "scale.png").read_bytes()[:4] == b"\x89PNG"
 
-    cmd = [sys.executable, "-m", "dph_async.app.cli", "bench", "scale", "-o", str(out), "--sizes", "32x1",
-           "--vocab", "512", "--tokens-per-step", "16", "--n", "2", "--steps", "5", "--skip", "1",
-           "--systems", "dph-async", "loop", "--lengths", "4"]
-    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
-    assert refused.returncode == 2 and "32x1-L4 is recorded with other work" in refused.stderr
+    peer = json.loads((out / "cells" / "32x1-L4" / "bench.json").read_text())  # the cell's `bench peer`
+    dph = next(r for r in peer["runs"] if r["system"] == "dph-async")
+    (actor,) = dph["detail"]["actor_cpu_s"]
+    assert 0 < actor["forward"] <= actor["engine"] <= actor["thread"] <= dph["step_s"] + 0.01, actor
+    assert cell["threads"] == pytest.approx({"the busiest actor's thread, as measured": actor["thread"],
+                                             "the busiest actor's thread, its engine steps alone": actor["engine"]})
+    # A run cannot beat its own costs: one thread's CPU fits in the wall time, the processes' in the cores'.
+    for bound in ("the busiest actor's thread, as measured", "every part, as measured"):
+        assert cell["ceilings"]["loop"][bound] >= 0.95 * cell["ratios"]["loop"], bound
+    text = " ".join((out / "cells" / "32x1-L4" / "bench.md").read_text().split())
+    assert "| the busiest actor's thread, as measured |" in text
+    # A setting given with --set is recorded with the workload.
+    assert peer["workload"]["settings"] == ["actors.compile=false"] and "settings given: actors.compile=false." in text
+
+    other = [*SCALE, "-o", str(out), "--lengths", "4"]
+    other[other.index("--steps") + 1] = "5"
+    assert main(other) == 2
+    assert "32x1-L4 is recorded with other work" in capsys.readouterr().err
