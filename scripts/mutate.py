@@ -410,6 +410,8 @@ def run_module(module: str, budget_s: float, fresh: bool) -> tuple[dict[str, str
     if not stamp.is_file():
         stamp.write_text(tests)
     stale = stamp.read_text() != tests
+    if stale:  # mutmut keeps its first record of which tests reach each function, blind to tests added since
+        (work / "mutants" / "mutmut-stats.json").unlink(missing_ok=True)
     done = mutmut(work, ["run", "--max-children", "1"], deadline)
     if done and stale:
         again = [k for k, s in statuses(work).items() if s in ("survived", "no tests", "suspicious")]
