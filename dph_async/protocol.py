@@ -750,10 +750,14 @@ def encode(msg: Message) -> list[bytes | memoryview]:
 
 
 def _bytes_view(frame: Any) -> memoryview:
-    """A flat byte view of a frame (zmq.Frame, bytes, memoryview), without copying. TypeError for
-    anything else: no buffer, or a strided one (cast takes only C-contiguous views). A zmq.Frame's
-    bytes are its .buffer."""
-    return memoryview(getattr(frame, "buffer", frame)).cast("B")
+    """A flat byte view of a frame (zmq.Frame, bytes, memoryview), without copying. ProtocolError for
+    anything else: no buffer (TypeError), a strided one (cast takes only C-contiguous views), one that
+    cannot be had (ValueError: a released view, a closed mmap, a numpy dtype with no buffer format),
+    or a .buffer that raises. A zmq.Frame's bytes are its .buffer."""
+    try:
+        return memoryview(getattr(frame, "buffer", frame)).cast("B")
+    except Exception as e:  # whatever the frame raises, decode raises ProtocolError only
+        raise ProtocolError("frames", f"a frame is not a byte buffer ({e})") from None
 
 
 def _brief(value: object) -> str:
@@ -774,10 +778,7 @@ class Header:
 def read_header(frame: Any, limits: Limits = DEFAULT_LIMITS) -> Header:
     """Steps 1-3 of decoding (module docstring): everything that can be checked before the array
     frames are looked at or any field is built."""
-    try:
-        buf = _bytes_view(frame)
-    except TypeError as e:
-        raise ProtocolError("frames", f"a frame is not a byte buffer ({e})") from None
+    buf = _bytes_view(frame)
     if buf.nbytes > limits.max_header_bytes:
         raise ProtocolError("size", f"header of {buf.nbytes} bytes exceeds the limit of {limits.max_header_bytes}")
     try:
@@ -816,10 +817,7 @@ def decode_fields(header: Header, arrays: Sequence[Any]) -> Message:
     name = header.cls.__name__
     if len(arrays) != header.frames:
         raise ProtocolError("frames", f"{name}: header announces {header.frames} array frames, {len(arrays)} came")
-    try:
-        bufs = [_bytes_view(a) for a in arrays]
-    except TypeError as e:
-        raise ProtocolError("frames", f"a frame is not a byte buffer ({e})") from None
+    bufs = [_bytes_view(a) for a in arrays]
     total = header.nbytes + sum(b.nbytes for b in bufs)
     if total > header.cap:
         raise ProtocolError("size", f"{name} of {total} bytes exceeds its limit of {header.cap}")

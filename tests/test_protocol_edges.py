@@ -3,6 +3,7 @@ next one, each refusal's words whole, and the rules that relate fields for any i
 
 from __future__ import annotations
 
+import mmap
 from types import SimpleNamespace
 
 import msgpack
@@ -360,6 +361,36 @@ def test_a_strided_frame_is_refused_as_no_byte_buffer(at, frame):
 def test_a_header_that_is_no_byte_buffer_is_named(frame):
     e = _error([frame])
     assert e.kind == "frames" and str(e).startswith("a frame is not a byte buffer (memoryview: a bytes-like object")
+
+
+def released() -> memoryview:
+    view = memoryview(b"abcdef")
+    view.release()
+    return view
+
+
+def closed_mmap() -> mmap.mmap:
+    m = mmap.mmap(-1, 16)
+    m.close()
+    return m
+
+
+class _BufferFails:
+    @property
+    def buffer(self) -> bytes:
+        raise RuntimeError("no buffer to give")
+
+
+@pytest.mark.parametrize("at", [0, 1], ids=["header", "array"])
+@pytest.mark.parametrize("frame", [released(), closed_mmap(), np.zeros(4, "datetime64[s]"), _BufferFails()],
+                         ids=["released-memoryview", "closed-mmap", "datetime64", "buffer-raises"])
+def test_a_frame_whose_buffer_cannot_be_had_is_refused_as_no_byte_buffer(at, frame):
+    """memoryview() raises ValueError for a released view, a closed mmap or a numpy dtype with no buffer
+    format, and a .buffer may raise anything: each is still a ProtocolError, never the error itself."""
+    frames: list = [bytes(f) for f in P.encode(group(completion(2)))]
+    frames[at] = frame
+    e = _error(frames)
+    assert e.kind == "frames" and str(e).startswith("a frame is not a byte buffer (")
 
 
 def test_an_empty_message_is_refused_in_words():
