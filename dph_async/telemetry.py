@@ -27,6 +27,7 @@ import json
 import math
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -134,6 +135,12 @@ class _Server(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self.connections.close(self.tickets.pop(request))
+
+    def handle_error(self, request, client_address) -> None:  # type: ignore[override]
+        """A client that hung up or was cut off is no error of the process's: socketserver would print
+        a traceback to stderr for each, a log any client could flood."""
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)
 
 
 def _shut(sock: socket.socket) -> None:

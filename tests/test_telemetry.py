@@ -496,3 +496,27 @@ def test_a_scrape_burst_renders_the_metrics_at_most_once_per_interval(tmp_path):
         endpoint.close()
     assert len(answered) == 200 and all(answered)
     assert counting.collections <= elapsed / RENDER_INTERVAL_S + 2, (counting.collections, elapsed)
+
+
+def test_a_client_that_hung_up_prints_no_traceback_and_another_error_does(capfd):
+    """socketserver prints a traceback for every error of a connection's handler: for a client that
+    reset or was cut off, a log any client could flood; the process's own errors still print."""
+    from prometheus_client import CollectorRegistry
+
+    from dph_async.telemetry import MetricsEndpoint
+
+    endpoint = MetricsEndpoint("t", CollectorRegistry(), health=dict)
+    try:
+        for error in (ConnectionResetError(104, "reset"), BrokenPipeError(32, "pipe"), TimeoutError("slow")):
+            try:
+                raise error
+            except OSError:
+                endpoint._server.handle_error(None, ("127.0.0.1", 1))
+        assert capfd.readouterr().err == ""
+        try:
+            raise ValueError("the handler's own bug")
+        except ValueError:
+            endpoint._server.handle_error(None, ("127.0.0.1", 1))
+        assert "ValueError: the handler's own bug" in capfd.readouterr().err
+    finally:
+        endpoint.close()
