@@ -22,6 +22,8 @@ from dph_async.config import RunConfig
 from dph_async.tasks.embedded import ALPHABET, Problem
 from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer
 
+WARMUP_FROM = 20  # steps from which the lr follows one cycle
+
 
 def _wrong_answer(p: Problem, rng: random.Random) -> str:
     k = 2 if p.op == "-" else rng.randint(2, 3)
@@ -56,7 +58,10 @@ def warm_start(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, problems: 
     rng = random.Random(cfg.seed + 1)
     torch.manual_seed(cfg.seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=ws.lr, total_steps=max(ws.steps, 1), pct_start=0.1)
+    # One cycle, a tenth of it warming up. Under WARMUP_FROM steps that tenth is under two steps (at
+    # exactly one, 10 steps, torch divides by zero): the lr stays constant there.
+    sched = (torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=ws.lr, total_steps=ws.steps, pct_start=0.1)
+             if ws.steps >= WARMUP_FROM else None)
     losses = []
     encode = _encoder(tok)
     model.train()
@@ -71,7 +76,8 @@ def warm_start(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, problems: 
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            sched.step()
+            if sched is not None:
+                sched.step()
             losses.append(loss.item())
             bar.update(task, advance=1, description=f"warm start (SFT) loss {loss.item():.3f}")
     model.eval()
