@@ -1,7 +1,8 @@
 """A tiny staleness sweep with the real processes (Ray, vLLM actors, DeepSpeed learner), as
-docs/ablations.md describes it: a cell killed midway resumes from its checkpoint; a grown grid runs
-only the new cell; the summary table, summary.json and the plots hold the figures of the cells' own
-records; `--report-only` rewrites the summary and runs nothing; a different base config in the same
+docs/ablations.md describes it: a cell killed midway resumes from its checkpoint beside a new cell
+of a grown grid; finished cells do not run again; the summary table, summary.json and the plots
+hold the figures of the cells' own records; `--report-only` rewrites the summary and runs nothing;
+a different base config in the same
 `--out` is refused, unless `--fresh`, which starts over (there a divergence sweep, whose pi_0 is
 evaluated twice, on two draws of its samples).
 """
@@ -77,17 +78,18 @@ def test_tiny_staleness_sweep_resumes_grows_and_reports(small_base, tmp_path, fi
     copy_base(small_base, out)  # the same base config: the sweep's warm start and pre-sampling are skipped
     first = out / "rl" / "eta1-decoupled-seed0"
     kill_midway(out, first.name)
-    assert main(args(out, ["1"])) == 0  # the same command: the stopped cell resumes
+    # The command again, its grid grown by one cell (one invocation: one actor process for both): the
+    # stopped cell resumes, the new one runs from its start.
+    assert main(args(out, ["0", "1"])) == 0
     assert json.loads((first / "cell.json").read_text())["resumed"] is True
     rows = [json.loads(x) for x in (first / "metrics.jsonl").read_text().splitlines()]
     assert [r["learner/version"] for r in rows] == [float(v) for v in range(1, STEPS + 1)]  # none twice
-    before = stamps(first)
-
-    # The grid grows by one cell: only that one runs, the finished one is left as it was.
-    assert main(args(out, ["0", "1"])) == 0
-    assert stamps(first) == before
     second = out / "rl" / "eta0-decoupled-seed0"
     assert json.loads((second / "cell.json").read_text())["resumed"] is False
+    # Once more: both cells finished, neither runs again.
+    before = {c: stamps(c) for c in (first, second)}
+    assert main(args(out, ["0", "1"])) == 0
+    assert {c: stamps(c) for c in (first, second)} == before
 
     summary = json.loads((out / "summary.json").read_text())
     assert [g["name"] for g in summary["groups"]] == ["eta0-decoupled", "eta1-decoupled"]

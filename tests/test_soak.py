@@ -124,7 +124,7 @@ def test_a_30_second_soak(small_base, tmp_path: Path):
         "task.num_test=16", "learner.groups_per_step=4", "sampling.n=4", "sampling.max_tokens=10",
         "actors.max_inflight_prompts=4", "logging.wandb_mode=disabled", "learner.steps=1000000000",
         "learner.checkpoint_every=10", "learner.keep_checkpoints=2", "replay.wal_segment_mb=1",
-        "replay.wal_compact_mb=2"])
+        "replay.wal_compact_mb=2", "actors.compile=false"])  # what is watched is the processes over time
     result = run_soak(cfg, minutes=0.5, interval_s=4.0, warmup_s=8.0)
     write_report(result, tmp_path / "soak")
     samples = result.samples
