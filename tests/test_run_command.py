@@ -485,7 +485,7 @@ def test_a_run_that_fails_midway_leaves_no_process_socket_or_shared_memory(small
     socket, no /dev/shm segment."""
     out = tmp_path / "out"
     copy_base(small_base, out)
-    checkpoint = 200
+    checkpoint = 60  # steps: seconds of training to place the file first, at the rate of a loaded machine too
     with (tmp_path / "run.log").open("w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "dph_async.app.cli", "run", "--output", str(out), *SMALL,
                                  "learner.steps=100000", f"learner.checkpoint_every={checkpoint}"],
