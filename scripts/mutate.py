@@ -72,6 +72,7 @@ MODULES: dict[str, list[str]] = {
     "dph_async/app/rerun.py": ["tests/test_rerun_edges.py",
                                "tests/test_rerun.py::test_a_metrics_line_cut_short_is_one_error_naming_file_and_line"],
     "dph_async/app/core_claims.py": ["tests/test_core_claims.py"],
+    "dph_async/app/warmstart.py": ["tests/test_warmstart.py"],
     # The app around a stand-in pool (the real pool's workers take seconds to start; the pool has its own tests).
     "dph_async/rewards/service.py": [
         "tests/test_scorer_edges.py",
@@ -106,6 +107,24 @@ _SERVE_COLUMNS = ("[record.request_id]", "[record.version]", "[[a for a, _ in re
 _PROTOCOL_KIND = ("parse_record keeps only str(e), the detail: the kind, a metrics category of the wire's decoder, "
                   "is never read")
 EQUIVALENT: dict[tuple[str, str], str] = {
+    **{("dph_async/app/warmstart.py", f"return functools.cache(functools.partial(tok.encode, {arg}))"):
+        "the embedded tokenizers have no template: encode adds no special token either way"
+        for arg in ("", "add_special_tokens=True")},
+    ("dph_async/app/warmstart.py",
+     "answer = _wrong_answer(p, rng) if rng.random() <= noise else rng.choice(p.solutions())"):
+        "rng.random() equals the noise share with probability 2**-53 at most",
+    ("dph_async/app/warmstart.py", "opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, )"):
+        "torch's AdamW decays weights by 0.01 by default",
+    ("dph_async/app/warmstart.py", "loss = (nll * mask[:, 1:]).sum() / mask[:, 2:].sum()"):
+        "the mask's first two positions are the prompt's (BOS and at least one token): counted by neither",
+    **{("dph_async/app/warmstart.py", f"torch.manual_seed(cfg.seed {d})"): (
+        "nothing in the warm start draws from torch's generator: the model is built before, with its own "
+        "seed, and has no dropout") for d in ("- 1", "+ 2")},
+    **{("dph_async/app/warmstart.py", f"opt.zero_grad(set_to_none={v})"):
+        "the gradients are zeroed or dropped before each backward: the same step" for v in ("None", "False")},
+    **{("dph_async/app/warmstart.py", f"torch.set_num_threads(max({lo}, cfg.learner.threads {by}))"):
+        "how many threads compute, not what: the same losses and weights to the tests' tolerance"
+        for lo, by in (("2", "* 2"), ("1", "/ 2"), ("1", "* 3"))},
     **{("replay/staleness.py", line): (
         "a fast path: with no tickets of that basis, or no anonymous actor, the sum it skips is 0")
        for line in ("if coming or len(self.trusted) < len(self.in_flight):",

@@ -25,6 +25,7 @@ def test_batches_hold_the_tokenizers_encoding_and_mask_the_target(noise):
         picked = rng.sample(problems, 8)
         assert again.sample(problems, 8) == picked
         ids, mask = _batch(picked, tok, encode, rng, noise)
+        assert mask.dtype == torch.float32  # the loss's weights, not counts
         width = ids.shape[1]
         for row, m, p in zip(ids.tolist(), mask.tolist(), picked, strict=True):
             # The answer drawn as _batch draws it, from a generator in the same state.
@@ -60,4 +61,64 @@ def test_a_warm_start_of_any_length_trains_that_many_steps(tmp_path, steps):
     if steps < 20:
         assert lrs == [cfg.warmstart.lr] * steps
     else:
-        assert 0.9 * cfg.warmstart.lr < max(lrs) <= cfg.warmstart.lr and lrs[0] < lrs[1] and lrs[-1] < lrs[-2]
+        # a tenth of the steps warming up: the peak by the third step
+        assert 0.9 * cfg.warmstart.lr < max(lrs) <= cfg.warmstart.lr and lrs.index(max(lrs)) <= 2 and lrs[-1] < lrs[-2]
+
+
+def _tiny_cfg(steps: int, seed: int):
+    from dph_async.config import load_config
+
+    return load_config("default", [f"warmstart.steps={steps}", "warmstart.batch_size=4", "model.tiny_hidden=32",
+                                   "model.tiny_layers=1", "model.tiny_heads=1", f"seed={seed}"])
+
+
+def test_a_warm_start_step_is_the_masked_mean_nll_and_one_clipped_adamw_step(tmp_path):
+    """Against a float64 loss and a reference step made here: the loss is the mean NLL over the target
+    tokens only, of the batch the run's generator (seed + 1) draws; the step clips the gradient's norm
+    to 1 and is AdamW's at warmstart.lr with weight decay 0.01. The model lands in a new nested
+    directory, and again in the same one."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from dph_async.app.warmstart import warm_start
+    from dph_async.tasks.tiny_model import build_tiny_llama
+
+    cfg = _tiny_cfg(1, random.randrange(1000))
+    tok = build_tokenizer(ALPHABET)
+    problems = make_splits(cfg.seed, 32, 4)["warmstart"]
+    model = build_tiny_llama(cfg.model, len(tok), cfg.seed)
+    before = copy.deepcopy(model)
+    rng = random.Random(cfg.seed + 1)
+    ids, mask = _batch(rng.sample(problems, 4), tok, _encoder(tok), rng, 0.0)
+
+    def loss_of(m: torch.nn.Module) -> torch.Tensor:
+        logits = m(input_ids=ids).logits[:, :-1]
+        nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        return (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+
+    with torch.no_grad():
+        want = loss_of(copy.deepcopy(before).double()).item()
+    ref = copy.deepcopy(before).train()
+    loss_of(ref).backward()
+    assert torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0) > 1.0  # the clip changes this step
+    torch.optim.AdamW(ref.parameters(), lr=cfg.warmstart.lr, weight_decay=0.01).step()
+
+    losses = warm_start(model, tok, problems, cfg, tmp_path / "a" / "base")
+    assert losses[0] == pytest.approx(want, rel=1e-5)
+    for (name, got), (_, exp) in zip(model.state_dict().items(), ref.state_dict().items(), strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-7, msg=name)
+    warm_start(build_tiny_llama(cfg.model, len(tok), cfg.seed), tok, problems, cfg, tmp_path / "a" / "base")
+    assert (tmp_path / "a" / "base" / "config.json").is_file()
+
+
+def test_a_wrong_answer_joins_two_or_three_of_the_problems_digits_two_for_a_difference():
+    """A difference of three numbers is another problem's shape; sums and products take two or three."""
+    rng = random.Random(random.randrange(1 << 30))
+    problems = make_splits(rng.randrange(1000), 64, 4)["warmstart"]
+    sizes: dict[bool, set[int]] = {True: set(), False: set()}
+    for p in problems * 4:
+        parts = _wrong_answer(p, rng).split(p.op)
+        assert set(parts) <= {str(d) for d in p.digits}
+        sizes[p.op == "-"].add(len(parts))
+    assert sizes[True] == {2} and sizes[False] == {2, 3}
