@@ -73,6 +73,7 @@ class WarmStartConfig(Section):
     enabled: bool = True
     steps: int = Field(1500, ge=0)
     batch_size: int = Field(64, ge=1)
+    # The peak of a one-cycle schedule (a tenth warming up) from 20 steps; constant under 20.
     lr: float = Field(3e-3, gt=0)
     # Share of warm-start targets replaced by a well-formed wrong answer (0: short training alone
     # keeps pi_0 imperfect, and leaves prompts it always solves for D_pef).
