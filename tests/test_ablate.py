@@ -2,9 +2,8 @@
 docs/ablations.md describes it: a cell killed midway resumes from its checkpoint beside a new cell
 of a grown grid; finished cells do not run again; the summary table, summary.json and the plots
 hold the figures of the cells' own records; `--report-only` rewrites the summary and runs nothing;
-a different base config in the same
-`--out` is refused, unless `--fresh`, which starts over (there a divergence sweep, whose pi_0 is
-evaluated twice, on two draws of its samples).
+a different base config in the same `--out` is refused, unless `--fresh`, which starts over (there a
+divergence sweep, whose pi_0 is evaluated twice, on two draws of its samples).
 """
 
 from __future__ import annotations

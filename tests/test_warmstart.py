@@ -3,15 +3,18 @@ target only, whether an encoding is computed or remembered."""
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from dph_async.app.warmstart import _batch, _encoder, _wrong_answer
+from dph_async.app.warmstart import _batch, _encoder, _wrong_answer, warm_start, warm_start_tiny
+from dph_async.config import load_config
 from dph_async.tasks.embedded import ALPHABET, make_splits
-from dph_async.tasks.tiny_model import build_tokenizer
+from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.5])
@@ -37,15 +40,16 @@ def test_batches_hold_the_tokenizers_encoding_and_mask_the_target(noise):
             assert m == [0.0] * len(prompt) + [1.0] * len(target) + [0.0] * pad
 
 
+def _tiny_cfg(steps: int, seed: int):
+    return load_config("default", [f"warmstart.steps={steps}", "warmstart.batch_size=4", "model.tiny_hidden=32",
+                                   "model.tiny_layers=1", "model.tiny_heads=1", f"seed={seed}"])
+
+
 @pytest.mark.parametrize("steps", [1, 10, 20, 21])
 def test_a_warm_start_of_any_length_trains_that_many_steps(tmp_path, steps):
     """Short ones too: at 10 steps the one-cycle schedule's warm-up was one step, where torch divides
     by zero; under 20 the lr stays constant, from 20 it rises and falls."""
-    from dph_async.app.warmstart import warm_start_tiny
-    from dph_async.config import load_config
-
-    cfg = load_config("default", [f"warmstart.steps={steps}", "warmstart.batch_size=2", "model.tiny_hidden=32",
-                                  "model.tiny_layers=1", "model.tiny_heads=1"])
+    cfg = _tiny_cfg(steps, 0)
     lrs = []
     step = torch.optim.AdamW.step
 
@@ -65,25 +69,11 @@ def test_a_warm_start_of_any_length_trains_that_many_steps(tmp_path, steps):
         assert 0.9 * cfg.warmstart.lr < max(lrs) <= cfg.warmstart.lr and lrs.index(max(lrs)) <= 2 and lrs[-1] < lrs[-2]
 
 
-def _tiny_cfg(steps: int, seed: int):
-    from dph_async.config import load_config
-
-    return load_config("default", [f"warmstart.steps={steps}", "warmstart.batch_size=4", "model.tiny_hidden=32",
-                                   "model.tiny_layers=1", "model.tiny_heads=1", f"seed={seed}"])
-
-
 def test_a_warm_start_step_is_the_masked_mean_nll_and_one_clipped_adamw_step(tmp_path):
     """Against a float64 loss and a reference step made here: the loss is the mean NLL over the target
     tokens only, of the batch the run's generator (seed + 1) draws; the step clips the gradient's norm
     to 1 and is AdamW's at warmstart.lr with weight decay 0.01. The model lands in a new nested
     directory, and again in the same one."""
-    import copy
-
-    import torch.nn.functional as F
-
-    from dph_async.app.warmstart import warm_start
-    from dph_async.tasks.tiny_model import build_tiny_llama
-
     cfg = _tiny_cfg(1, random.randrange(1000))
     tok = build_tokenizer(ALPHABET)
     problems = make_splits(cfg.seed, 32, 4)["warmstart"]
