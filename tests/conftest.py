@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from head_starts import BUILD_DEEPSPEED_OP, Job, Zygote
 from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +51,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             limits = [s for name, s in TIMEOUT_BY_MARKER.items() if item.get_closest_marker(name)]
             if limits:
                 item.add_marker(pytest.mark.timeout(max(limits)))
+    # Modules without a slow test first, each module whole (its fixtures made once): their minutes
+    # leave a core idle for the head starts (tests/head_starts.py), and a fast failure shows early.
+    slow = {item.getparent(pytest.Module) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.getparent(pytest.Module) in slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def head_starts(request, tmp_path_factory, private_core_claims) -> Iterator[dict[str, Job | Zygote]]:
+    """The head starts the session's tests ask for, started now (tests/head_starts.py): by fixture name,
+    and DeepSpeed's op wherever a slow test runs (most start a learner)."""
+    items = request.session.items
+    wanted = {name for item in items for name in item.fixturenames}
+    logs = tmp_path_factory.mktemp("head-starts")
+    started: dict[str, Job | Zygote] = {}
+    if any(item.get_closest_marker("slow") for item in items):
+        started["deepspeed_op"] = Job(BUILD_DEEPSPEED_OP, logs, logs / "deepspeed_op.log", killable=False)
+    if "engine_zygote" in wanted:
+        started["engine_zygote"] = Zygote(logs / "engine_zygote.log")
+    if "critic_base" in wanted:
+        started["critic_base"] = Job("import sys; from test_e2e_critic import warm_base; warm_base(sys.argv[1])",
+                                     logs / "critic", logs / "critic.log", killable=True)
+    yield started
+    for head_start in started.values():
+        head_start.close()
+
+
+@pytest.fixture(scope="session")
+def engine_zygote(head_starts) -> Zygote:
+    """tests/engine_zygote.py: vLLM imported once for the engine tests, `run_child(..., zygote=engine_zygote)`."""
+    return head_starts["engine_zygote"]
 
 # The small size of every end-to-end run: seconds per stage on two cores. So short a warm start
 # leaves pi_0 right a few percent of the time: a prompt joins D_pef with one correct sample of its
@@ -119,11 +150,17 @@ def save_tiny_llama(out: Path, seed: int = 0) -> Path:
     return save_tiny_model(LlamaForCausalLM(LlamaConfig(**TINY_VLLM_CONFIG)), out)
 
 
-def run_child(source: str, tmp_path: Path, *args: str, timeout: float = 900) -> dict:
+def run_child(source: str, tmp_path: Path, *args: str, timeout: float = 900, zygote: Zygote | None = None) -> dict:
     """Run `source` as a script in a child process of its own (as an actor's vLLM engine lives), as
-    `python script OUT *args` from the repository; return the JSON it wrote to OUT."""
+    `python script OUT *args` from the repository, or forked from `zygote` (vLLM already imported);
+    return the JSON it wrote to OUT."""
     script, out = tmp_path / "child.py", tmp_path / "out.json"
     script.write_text(source)
+    if zygote is not None:
+        log = tmp_path / "child.log"
+        code = zygote.run(script, [str(out), *args], log, timeout)
+        assert code == 0, log.read_text(errors="replace")[-3000:]
+        return json.loads(out.read_text())
     proc = subprocess.run([sys.executable, str(script), str(out), *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -57,9 +57,9 @@ def assert_same_samples(got: list, want: list) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_engine_samples_as_eager_and_loads_weights_in_place(tmp_path):
+def test_compiled_engine_samples_as_eager_and_loads_weights_in_place(tmp_path, engine_zygote):
     models = [save_tiny_llama(tmp_path / name, seed) for name, seed in (("a", 0), ("b", 1))]
-    res = run_child(CHILD, tmp_path, *map(str, models))
+    res = run_child(CHILD, tmp_path, *map(str, models), zygote=engine_zygote)
 
     assert_same_samples(res["compiled"], res["eager"])
     assert res["loads"] == {"inplace": 1, "reload": 0}

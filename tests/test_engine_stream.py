@@ -70,9 +70,9 @@ if __name__ == "__main__":
 """
 
 
-def test_streamed_samples_are_vllms_and_abort_leaves_nothing(tmp_path):
+def test_streamed_samples_are_vllms_and_abort_leaves_nothing(tmp_path, engine_zygote):
     model = save_tiny_llama(tmp_path / "model")
-    res = run_child(CHILD, tmp_path, str(model), timeout=600)
+    res = run_child(CHILD, tmp_path, str(model), timeout=600, zygote=engine_zygote)
 
     expected = {f"g{i}/{j}": s for i, group in enumerate(res["vllm"]) for j, s in enumerate(group)}
     assert res["streamed"] == expected  # same tokens, bit-identical log-probs, finish reasons, texts

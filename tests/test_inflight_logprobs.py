@@ -62,11 +62,11 @@ def peaked_llama(seed: int, out):
     return save_tiny_model(model, out)
 
 
-def test_logprobs_at_temperature_are_those_sampled_across_a_weight_load(tmp_path):
+def test_logprobs_at_temperature_are_those_sampled_across_a_weight_load(tmp_path, engine_zygote):
     from transformers import AutoModelForCausalLM
 
     a, b = peaked_llama(0, tmp_path / "a"), peaked_llama(1, tmp_path / "b")
-    res = run_child(CHILD, tmp_path, str(a), str(b), str(TEMPERATURE))
+    res = run_child(CHILD, tmp_path, str(a), str(b), str(TEMPERATURE), zygote=engine_zygote)
     assert res["loads"] == {"inplace": 1, "reload": 0}
     models = {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for v, d in ((0, a), (1, b))}
     samples = {}

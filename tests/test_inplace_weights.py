@@ -116,10 +116,10 @@ def _pair(arch: str, tmp: Path) -> tuple[Path, Path]:
 CASES = (("llama", "onednn"), ("qwen2", "onednn"), ("llama", "torch"))
 
 
-def test_inplace_load_matches_a_fresh_engine(tmp_path):
+def test_inplace_load_matches_a_fresh_engine(tmp_path, engine_zygote):
     models = {arch: _pair(arch, tmp_path) for arch in ("llama", "qwen2")}
     cases = [str(x) for arch, gemm in CASES for x in (arch, gemm, *models[arch])]
-    results = run_child(CHILD, tmp_path, *cases)
+    results = run_child(CHILD, tmp_path, *cases, zygote=engine_zygote)
     assert set(results) == {f"{arch}/{gemm}" for arch, gemm in CASES}
     for case, res in results.items():
         assert res["loads"] == {"inplace": 4, "reload": 0}, case

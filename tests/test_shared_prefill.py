@@ -56,9 +56,9 @@ if __name__ == "__main__":
 """
 
 
-def test_completions_sharing_a_prompts_kv_draw_what_they_would_have_drawn(tmp_path):
+def test_completions_sharing_a_prompts_kv_draw_what_they_would_have_drawn(tmp_path, engine_zygote):
     model = save_tiny_llama(tmp_path / "model")
-    res = run_child(CHILD, tmp_path, str(model), timeout=600)
+    res = run_child(CHILD, tmp_path, str(model), timeout=600, zygote=engine_zygote)
 
     plain, shared = res["plain"], res["shared"]
     assert sorted(plain) == sorted(shared) and len(plain) == 12 * 6
