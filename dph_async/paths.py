@@ -23,10 +23,6 @@ class RunPaths:
         return self.root / "data"
 
     @property
-    def train_data(self) -> Path:
-        return self.data / "train.parquet"
-
-    @property
     def base_model(self) -> Path:
         """pi_0: the warm-started embedded model, or a copy-free pointer to --model."""
         return self.root / "base_model"

@@ -91,10 +91,6 @@ class MicroBatch:
     def shares_prompts(self) -> bool:
         return self.prompt_ids.shape[0] < self.response_ids.shape[0]
 
-    @property
-    def num_sequences(self) -> int:
-        return self.response_ids.shape[0]
-
     def prox(self) -> torch.Tensor | None:
         """[B, T] log pi_prox if every sequence has it recorded, else None."""
         return self.token_field("prox")

@@ -17,7 +17,7 @@ from typing import Annotated
 import msgspec
 
 from dph_async.rewards.result import RewardResult
-from dph_async.rewards.worker import JsonText, ScoreRequest
+from dph_async.rewards.worker import ScoreRequest
 
 # The environment variable holding the shared token the service requires and the client sends.
 TOKEN_ENV = "DPH_SCORER_TOKEN"
@@ -30,10 +30,6 @@ class ScoreItem(msgspec.Struct, forbid_unknown_fields=True):
     # /openapi.json), and a Raw value has no JSON form there.
     ground_truth: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"null"))
     extra_info: msgspec.Raw = msgspec.field(default_factory=lambda: msgspec.Raw(b"{}"))
-
-    def to_request(self) -> ScoreRequest:
-        return ScoreRequest(self.data_source, self.response, JsonText(self.ground_truth),
-                            JsonText(self.extra_info))
 
     @classmethod
     def from_request(cls, req: ScoreRequest) -> ScoreItem:
