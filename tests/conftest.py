@@ -66,12 +66,9 @@ def head_starts(request, tmp_path_factory, private_core_claims) -> Iterator[dict
     logs = tmp_path_factory.mktemp("head-starts")
     started: dict[str, Job | Zygote] = {}
     if any(item.get_closest_marker("slow") for item in items):
-        started["deepspeed_op"] = Job(BUILD_DEEPSPEED_OP, logs, logs / "deepspeed_op.log", killable=False)
+        started["deepspeed_op"] = Job(BUILD_DEEPSPEED_OP, logs / "deepspeed_op.log")
     if "engine_zygote" in wanted:
         started["engine_zygote"] = Zygote(logs / "engine_zygote.log")
-    if "critic_base" in wanted:
-        started["critic_base"] = Job("import sys; from test_e2e_critic import warm_base; warm_base(sys.argv[1])",
-                                     logs / "critic", logs / "critic.log", killable=True)
     yield started
     for head_start in started.values():
         head_start.close()

@@ -2,14 +2,20 @@
 
 Most of the suite's time is processes starting and what they build (docs/testing.md, Time budget).
 What does not need a test's own process starts with the session instead, in processes of its own:
-DeepSpeed's CPU communication op (the first learner would build it: about 27 s), a zygote with vLLM
-imported for the engine tests (tests/engine_zygote.py) and the critic test's warm start. The fast
-tests run first (tests/conftest.py orders them) and keep about one core of two busy meanwhile; a test
-asks for a head start by its fixture and waits for it where it would have done the work itself.
+DeepSpeed's CPU communication op (the first learner would build it: about 27 s) and a zygote with
+vLLM imported for the engine tests (tests/engine_zygote.py). The fast tests run first (tests/conftest.py
+orders them) and mostly keep one core of two busy meanwhile; a test asks for a head start by its
+fixture and waits for it where it would have done the work itself.
+
+Only single-threaded work, at the lowest priority: a fast test running torch on both cores waits at
+every parallel region for its slower thread, so a head start that takes a share of either core
+slows it far more than its own CPU time (a warm start of 800 steps on two threads as a head start
+made one such test 5 times slower and the suite 70 s slower, not faster).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -27,6 +33,13 @@ EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(os.environ.get("
 BUILD_DEEPSPEED_OP = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 
 
+# Starts argv in a session of its own and exits at once, so that init adopts it: tests that sample
+# this process's descendants (CPU by component, peak memory, processes left behind) never see a head
+# start. Its pid goes to the file named first.
+DETACH = ("import subprocess, sys; "
+          "open(sys.argv[1], 'w').write(str(subprocess.Popen(sys.argv[2:], start_new_session=True).pid))")
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
 
@@ -35,39 +48,48 @@ def _tail(path: Path) -> str:
     return path.read_text(errors="replace")[-3000:] if path.is_file() else ""
 
 
+def _detach(argv: list[str], pid_file: Path, **popen) -> tuple[subprocess.Popen, int]:
+    """argv started outside this process's tree (DETACH) with Popen's `popen` streams: (the launcher,
+    whose pipes stay connected to the process it started; that process's pid, its session's id)."""
+    launcher = subprocess.Popen([sys.executable, "-c", DETACH, str(pid_file), *argv], cwd=ROOT, **popen)
+    assert launcher.wait(timeout=60) == 0, "could not start a head start"
+    return launcher, int(pid_file.read_text())
+
+
+def _kill(session: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(session, signal.SIGKILL)
+
+
 class Job:
-    """`python -c CODE OUT` at low priority, in a session of its own (a Ctrl-C of the suite does not
-    cut a build short: torch's extension builds leave a lock behind that every later build waits on).
-    `wait()` returns OUT once the job has succeeded."""
+    """`python -c CODE` at the lowest priority, one compiler at a time (MAX_JOBS, read by torch's
+    extension builds), detached (_detach), in a session of its own: a Ctrl-C of the suite does not
+    cut a build short (torch's extension builds leave a lock behind that every later build waits on).
+    Nothing waits for it but `close`: a learner that needs the op meanwhile waits on that lock."""
 
-    def __init__(self, code: str, out: Path, log: Path, killable: bool) -> None:
-        self.code, self.out, self.log, self.killable = code, out, log, killable
+    def __init__(self, code: str, log: Path) -> None:
+        self.status = log.with_suffix(".status")  # its exit status, written when it ends
+        env = {**_env(), "TORCH_EXTENSIONS_DIR": EXTENSIONS, "MAX_JOBS": "1"}
         with log.open("w") as sink:
-            self.proc = subprocess.Popen(["nice", "-n", "10", sys.executable, "-c", code, str(out)], cwd=ROOT,
-                                         env={**_env(), "TORCH_EXTENSIONS_DIR": EXTENSIONS}, stdin=subprocess.DEVNULL,
-                                         stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+            _detach(["sh", "-c", 'nice -n 19 "$@"; echo $? > "$0"', str(self.status), sys.executable, "-c", code],
+                    log.with_suffix(".pid"), env=env, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT)
 
-    def wait(self, timeout: float = 1200) -> Path:
-        code = self.proc.wait(timeout=timeout)
-        if code != 0:
-            raise RuntimeError(f"head start `{self.code}` exited {code}:\n{_tail(self.log)}")
-        return self.out
-
-    def close(self) -> None:
-        if self.killable:
-            self.proc.kill()
-        self.proc.wait(timeout=1200)
+    def close(self, timeout: float = 1200) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.status.is_file() and self.status.read_text().endswith("\n")) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 class Zygote:
-    """tests/engine_zygote.py and its channel: `run` forks a child with vLLM already imported per script."""
+    """tests/engine_zygote.py, detached (_detach), and its channel: `run` forks a child with vLLM
+    already imported per script."""
 
     def __init__(self, log: Path) -> None:
         self.log = log
         with log.open("w") as sink:
-            self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "engine_zygote.py")], cwd=ROOT,
-                                         env=_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink,
-                                         bufsize=0)
+            self.proc, self.session = _detach([sys.executable, str(ROOT / "tests" / "engine_zygote.py")],
+                                              log.with_suffix(".pid"), env=_env(), stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE, stderr=sink, bufsize=0)
         self.buffer = b""
         self.ready = False
 
@@ -80,7 +102,7 @@ class Zygote:
                 raise TimeoutError
             chunk = os.read(self.proc.stdout.fileno(), 4096)
             if not chunk:
-                raise RuntimeError(f"the engine zygote ended (exit {self.proc.wait()}):\n{_tail(self.log)}")
+                raise RuntimeError(f"the engine zygote ended:\n{_tail(self.log)}")
             self.buffer += chunk
         line, _, self.buffer = self.buffer.partition(b"\n")
         return line.decode()
@@ -102,7 +124,6 @@ class Zygote:
             raise AssertionError(f"{script} ran over {timeout} s:\n{_tail(log)}") from None
 
     def close(self) -> None:
-        self.proc.kill()  # between scripts it holds nothing; run() has waited for every child
-        self.proc.wait(timeout=60)
+        _kill(self.session)  # between scripts it holds nothing; run() has waited for every child
         self.proc.stdin.close()
         self.proc.stdout.close()

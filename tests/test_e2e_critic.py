@@ -4,23 +4,20 @@ the DeepSpeed learner), asynchronous with staleness up to 1: reward rises and th
 The shared small base of the other end-to-end tests (100 warm-start steps) is right about 4% of the
 time, too rarely for any objective to learn in a short run: plain GRPO stayed flat there too (0.05 in
 the first quarter of 30 steps, 0.04 in the last). This module warms its own base up to about a third
-right, where GRPO rises within 40 steps of 64 samples (the warm start runs while the fast tests do:
-`warm_base`, a head start of tests/head_starts.py), and trains PPO with the critic under the same
+right, where GRPO rises within 40 steps of 64 samples, and trains PPO with the critic under the same
 settings.
 """
 
 from __future__ import annotations
 
-import shutil
 import statistics
-from pathlib import Path
 
 import pytest
 from conftest import small_config
 
 from dph_async.app.cluster import ray_cluster
 from dph_async.app.launcher import run_rl
-from dph_async.app.pipeline import StageTimer, prepare, prepare_embedded
+from dph_async.app.pipeline import StageTimer, prepare
 from dph_async.app.specs import RunSpec
 from dph_async.paths import RunPaths
 
@@ -31,21 +28,9 @@ SETTINGS = ("warmstart.steps=800", "learner.steps=40", "learner.groups_per_step=
 K = 10  # steps averaged at each end: one batch's reward has a standard error near 0.06
 
 
-def warm_base(root: str) -> None:
-    """pi_0 warmed at SETTINGS into ROOT/base_model: what the `critic_base` head start runs, in a process
-    of its own while the fast tests run (tests/head_starts.py); `prepare` below then skips its warm start."""
-    prepare_embedded(small_config(Path(root), *SETTINGS), RunPaths(Path(root)), StageTimer())
-
-
-@pytest.fixture
-def critic_base(head_starts) -> Path:
-    return head_starts["critic_base"].wait() / "base_model"
-
-
-def test_ppo_with_a_learned_critic_raises_reward_and_its_critic_learns(ray_session, critic_base, tmp_path):
+def test_ppo_with_a_learned_critic_raises_reward_and_its_critic_learns(ray_session, tmp_path):
     cfg = small_config(tmp_path, *SETTINGS)
     spec = RunSpec.parse("grpo")
-    shutil.copytree(critic_base, RunPaths(tmp_path).base_model)
     with ray_cluster(cfg):
         prep = prepare(cfg, RunPaths(tmp_path), StageTimer(), need_presample=False)
         cfg = spec.apply(small_config(tmp_path, *SETTINGS, "learner.critic.enabled=true"))
