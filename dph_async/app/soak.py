@@ -13,12 +13,22 @@ the checks are:
     fds, shm     never more than the first sample after warm-up plus a little (+8 fds, +2 files)
     WAL          never more than replay.wal_compact_mb + 2 * replay.wal_segment_mb
     checkpoints  never more than learner.keep_checkpoints + learner.keep_versions + 1
-    throughput   learner steps/s of every interval within ±10 % of the median interval (reported with
-                 each process's CPU-seconds per step: a slower machine raises them all at once)
+    pace         the processes' CPU-seconds per second of every interval (how busy the system keeps
+                 the machine) within ±10 % of the median interval: a stall lowers it
+    work         each process's CPU-seconds per learner step over the other processes', within ±10 %
+                 of its median (judged for processes with 5 % of the CPU-seconds or more): a process
+                 doing more per step raises it
     gate restarts  none during the whole soak (only a peer exhausting a gate's memory ends one)
 
 The services' gate processes (dph_async/gate.py) are sampled from /proc as processes of their own
 ("replay gate", "weights gate"), and judged as the others.
+
+Learner steps/s are reported, not judged: steps/s = pace / CPU-seconds per step, and a slower
+machine raises every process's CPU-seconds per step at once (a 60-minute soak on a 2-core guest saw
+steps/s 12% under and 14% over its median while the actor stayed 98% busy to within 0.6%,
+docs/benchmarks.md). A system that slows itself either waits (pace) or does more per step in some
+process (work); what cannot be told from a slower machine is every process doing more per step in
+the same proportion.
 
 Results: <out>/soak/soak.json (every sample, the checks, the machine's load), soak.md, soak.png.
 """
@@ -46,7 +56,9 @@ from dph_async.config import RunConfig
 from dph_async.paths import RunPaths, checkpoint_dir, endpoints_dir
 
 RSS_TOLERANCE = 0.05
-THROUGHPUT_TOLERANCE = 0.10
+PACE_TOLERANCE = 0.10
+WORK_TOLERANCE = 0.10
+WORK_JUDGED_FROM = 0.05  # share of the CPU-seconds: below it a process's per-interval CPU is a few clock ticks
 FD_SLACK = 8
 SHM_SLACK = 2
 
@@ -192,6 +204,29 @@ def cpu_per_step(samples: list[Sample], name: str) -> list[tuple[float, float]]:
             and 0 < a.processes[name].cpu_seconds <= b.processes[name].cpu_seconds]  # 0: not sampled; less: restarted
 
 
+@dataclass
+class Interval:
+    t: float  # its end, seconds since the soak began
+    seconds: float
+    steps: float  # learner steps
+    cpu: dict[str, float]  # CPU-seconds of each process
+
+
+def intervals(samples: list[Sample]) -> list[Interval]:
+    """The intervals between samples in which the learner stepped and every process was sampled at
+    both ends without restarting (its CPU counter did not go back): those pace and work are judged on."""
+    out = []
+    for a, b in itertools.pairwise(samples):
+        names = a.processes.keys() | b.processes.keys()
+        if b.t <= a.t or b.learner_version <= a.learner_version or not names or any(
+                n not in a.processes or n not in b.processes
+                or not 0 < a.processes[n].cpu_seconds <= b.processes[n].cpu_seconds for n in names):
+            continue
+        out.append(Interval(b.t, b.t - a.t, b.learner_version - a.learner_version,
+                            {n: b.processes[n].cpu_seconds - a.processes[n].cpu_seconds for n in names}))
+    return out
+
+
 def _worst(deviations: list[float]) -> float:
     """The deviation farthest from 0, with its sign (a slower interval reads -20%, not +20%)."""
     return max(deviations, key=abs)
@@ -243,14 +278,27 @@ def evaluate(samples: list[Sample], warmup_s: float, cfg: RunConfig) -> list[Che
     restarts = max(s.gate_restarts for s in samples) - samples[0].gate_restarts
     checks.append(Check("gate restarts", restarts == 0,
                         f"{restarts:.0f} gate processes started again during the soak (honest peers never end one)"))
-    rates = [r for t, r in throughputs(after)]
-    if rates:
-        median, worst = _off_median(rates)
-        cpu = {name: [c for _, c in cpu_per_step(after, name)] for name in sorted(first.processes)}
-        cpu_note = "; ".join(f"{name} {_spread(v)}" for name, v in cpu.items() if v)
-        checks.append(Check("throughput", abs(worst) <= THROUGHPUT_TOLERANCE,
-                            f"learner {median:.2f} steps/s median over {len(rates)} intervals, worst {worst:+.1%} "
-                            f"(limit ±{THROUGHPUT_TOLERANCE:.0%}); CPU-s per step: {cpu_note or 'not sampled'}"))
+    judged = intervals(after)
+    if not judged:
+        return [*checks, Check("pace", False, "no interval after the warm-up with learner steps and every "
+                                              "process sampled at both ends")]
+    median, worst = _off_median([sum(i.cpu.values()) / i.seconds for i in judged])
+    rates = _spread([i.steps / i.seconds for i in judged])
+    cpu = "; ".join(f"{n} {_spread([i.cpu[n] / i.steps for i in judged])}" for n in sorted(judged[0].cpu))
+    checks.append(Check("pace", abs(worst) <= PACE_TOLERANCE,
+                        f"the processes busy {median:.2f} CPUs (median of {len(judged)} intervals), worst "
+                        f"{worst:+.1%} (limit ±{PACE_TOLERANCE:.0%}); not judged, as the machine's speed moves "
+                        f"them: learner steps/s {rates}, CPU-s per step {cpu}"))
+    total = sum(sum(i.cpu.values()) for i in judged)
+    for name in sorted(judged[0].cpu):
+        share = sum(i.cpu[name] for i in judged) / total
+        if len(judged[0].cpu) < 2 or share < WORK_JUDGED_FROM:
+            continue
+        ratios = [i.cpu[name] / others for i in judged if (others := sum(i.cpu.values()) - i.cpu[name]) > 0]
+        median, worst = _off_median(ratios)
+        checks.append(Check(f"work {name}", abs(worst) <= WORK_TOLERANCE,
+                            f"{share:.0%} of the CPU-seconds; per step {median:.2f}× the other processes', "
+                            f"worst {worst:+.1%} (limit ±{WORK_TOLERANCE:.0%})"))
     return checks
 
 
