@@ -92,6 +92,7 @@ class Zygote:
                                               stdout=subprocess.PIPE, stderr=sink, bufsize=0)
         self.buffer = b""
         self.ready = False
+        self.broken = False  # a child's status left unread: every later status would be off by one
 
     def _line(self, timeout: float) -> str:
         """The zygote's next line, read unbuffered so that a line already read is never waited for."""
@@ -109,7 +110,10 @@ class Zygote:
 
     def run(self, script: Path, args: list[str], log: Path, timeout: float) -> int:
         """Run `script` with `args` in a forked child (stdout and stderr into `log`); its exit status.
-        A child still running after `timeout` seconds is killed and fails the test."""
+        A child still running after `timeout` seconds is killed and fails the test; one whose wait is
+        interrupted (a test's time limit, Ctrl-C) is killed too, and its status read, so that the next
+        script's status is its own."""
+        assert not self.broken, f"the engine zygote lost track of a child before:\n{_tail(self.log)}"
         if not self.ready:
             assert self._line(600) == "ready", _tail(self.log)
             self.ready = True
@@ -118,10 +122,17 @@ class Zygote:
         pid = json.loads(self._line(60))["pid"]
         try:
             return json.loads(self._line(timeout))["rc"]
-        except TimeoutError:
-            os.kill(pid, signal.SIGKILL)
-            self._line(60)
-            raise AssertionError(f"{script} ran over {timeout} s:\n{_tail(log)}") from None
+        except BaseException as e:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            try:
+                self._line(60)
+            except BaseException:
+                self.broken = True
+                raise
+            if isinstance(e, TimeoutError):
+                raise AssertionError(f"{script} ran over {timeout} s:\n{_tail(log)}") from None
+            raise
 
     def close(self) -> None:
         _kill(self.session)  # between scripts it holds nothing; run() has waited for every child

@@ -90,9 +90,8 @@ def test_a_slower_machine_passes_and_a_process_doing_more_per_step_fails():
     assert [round(c, 6) for _, c in cpu_per_step(slower, "learner")] == [0.1, 0.1, 0.125, 0.1]
     checks = {c.name: c for c in judged(slower)}
     assert all(c.ok for c in checks.values()), checks
-    assert "CPU-s per step actor0 0.200-0.250 (worst +25.0% of the median); learner 0.100-0.125" \
-        in checks["pace"].detail
-    assert "steps/s 8.000-10.000 (worst -20.0% of the median)" in checks["pace"].detail
+    assert "actor0 0.200-0.250 (worst +25.0% of the median); learner 0.100-0.125" in checks["pace"].detail
+    assert "steps/s 8.000-10.000 (worst -20.0% of the median)" in checks["progress"].detail
     # The actor, setting the pace, does a quarter more per step on the same machine: 20% fewer steps,
     # the learner idle for them.
     more = series([1000] * 5, steps_per_interval=[600, 600, 600, 480, 600],
@@ -101,11 +100,44 @@ def test_a_slower_machine_passes_and_a_process_doing_more_per_step_fails():
     assert not checks["work actor0"].ok and "worst +25.0%" in checks["work actor0"].detail
     assert not checks["work learner"].ok  # two processes: each is the other's reference
     assert checks["pace"].ok  # -6.7%: busy as it was, but on more work
-    # A process that restarted (its counter went back) leaves its interval out of both checks.
+    # A process that restarted (its counter went back): its interval left out of pace and work, and
+    # named by a failing check of its own.
     for s in slower[2:]:
         s.processes["learner"].cpu_seconds -= 100
     assert [round(c, 6) for _, c in cpu_per_step(slower, "learner")] == [0.1, 0.125, 0.1]
-    assert [i.t for i in intervals(slower)] == [60.0, 180.0, 240.0]
+    kept, left_out = intervals(slower)
+    assert [i.t for i in kept] == [60.0, 180.0, 240.0] and left_out == ["60-120 s: learner restarted"]
+    assert not verdicts(slower)["intervals"]
+
+
+def test_a_stall_fails_whether_the_processes_idle_or_keep_busy():
+    # Three intervals without a step, the processes idle: pace falls, progress fails.
+    idle = series([1000] * 8, steps_per_interval=[600, 600, 600, 0, 0, 0, 600, 600])
+    got = verdicts(idle)
+    assert not got["progress"] and not got["pace"], got
+    # The same, the processes polling as busily as they trained: only progress sees it.
+    busy = series([1000] * 8, steps_per_interval=[600, 600, 600, 60, 60, 60, 600, 600],
+                  cpu_per_step=[0.1] * 3 + [1.0] * 3 + [0.1] * 2, others={"actor0": [0.2] * 3 + [2.0] * 3 + [0.2] * 2})
+    got = verdicts(busy)
+    assert not got["progress"] and got["pace"] and got["work actor0"], got
+
+
+def test_a_process_missing_from_samples_fails_by_name_and_does_not_break_the_verdict():
+    samples = series([1000] * 8, others={"actor0": [0.2] * 8, "replay gate": [0.01] * 8})
+    for s in samples[5:7]:  # absent from two samples in a row
+        del s.processes["actor0"]
+    for s in samples[6:]:  # gone for good
+        del s.processes["replay gate"]
+    checks = {c.name: c for c in judged(samples)}
+    assert not checks["intervals"].ok and "actor0 not sampled" in checks["intervals"].detail
+    assert "replay gate not sampled" in checks["intervals"].detail
+    assert checks["pace"].ok  # on the intervals where every process was sampled
+
+
+def test_counters_that_never_move_fail_pace_without_dividing_by_zero():
+    flat = series([1000] * 5, cpu_per_step=[0.0] * 5, others={"actor0": [0.0] * 5})
+    got = verdicts(flat)
+    assert not got["pace"] and "work actor0" not in got and got["progress"], got
 
 
 def test_too_few_samples_after_warm_up_fail():
