@@ -5,6 +5,7 @@
 `small_base`: one warm-started tiny base model with its pre-sampled pools (D_pef, D_exp), made once
 per session and reused by every end-to-end module (they copy it or train from it, never change it).
 `scorer_process`: the scorer service in a process of its own.
+`head_starts`, `engine_zygote`: work started with the session for the slow tests (tests/head_starts.py).
 `ipc`: ipc:// endpoints in Linux's abstract socket namespace: no file, so no 107-byte path limit
 however long TMPDIR is, and nothing left behind.
 """
