@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch loads only where weights are read, not wherever a path is needed
     import torch
+
+
+def torch_extensions_dir() -> str:
+    """Where DeepSpeed's compiled ops are built and found (TORCH_EXTENSIONS_DIR, read when DeepSpeed is
+    imported): the variable if set, else DPH_CACHE_DIR's (default `.cache`) torch_extensions."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(os.environ.get("DPH_CACHE_DIR", ".cache"))
+                                                        / "torch_extensions")
 
 
 @dataclass(frozen=True)

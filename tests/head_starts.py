@@ -25,11 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+from dph_async.paths import torch_extensions_dir
+
 ROOT = Path(__file__).resolve().parent.parent
-# What the learner's processes see (dph_async/app/learner_trainer.py sets the same default when
-# imported), so that the op built here is the one they load.
-EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path(os.environ.get("DPH_CACHE_DIR", ".cache"))
-                                                          / "torch_extensions")
 BUILD_DEEPSPEED_OP = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 
 
@@ -49,8 +47,8 @@ def _tail(path: Path) -> str:
 
 
 def _detach(argv: list[str], pid_file: Path, **popen) -> tuple[subprocess.Popen, int]:
-    """argv started outside this process's tree (DETACH) with Popen's `popen` streams: (the launcher,
-    whose pipes stay connected to the process it started; that process's pid, its session's id)."""
+    """argv started outside this process's tree (DETACH) with Popen's `popen` streams: the launcher
+    (its pipes stay connected to the process it started) and that process's pid, its session's id."""
     launcher = subprocess.Popen([sys.executable, "-c", DETACH, str(pid_file), *argv], cwd=ROOT, **popen)
     assert launcher.wait(timeout=60) == 0, "could not start a head start"
     return launcher, int(pid_file.read_text())
@@ -69,7 +67,8 @@ class Job:
 
     def __init__(self, code: str, log: Path) -> None:
         self.status = log.with_suffix(".status")  # its exit status, written when it ends
-        env = {**_env(), "TORCH_EXTENSIONS_DIR": EXTENSIONS, "MAX_JOBS": "1"}
+        # Where the learners look (their cwd is ROOT too), so that the op built here is the one they load.
+        env = {**_env(), "TORCH_EXTENSIONS_DIR": torch_extensions_dir(), "MAX_JOBS": "1"}
         with log.open("w") as sink:
             _detach(["sh", "-c", 'nice -n 19 "$@"; echo $? > "$0"', str(self.status), sys.executable, "-c", code],
                     log.with_suffix(".pid"), env=env, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT)

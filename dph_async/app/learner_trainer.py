@@ -8,11 +8,11 @@ start the processes, never does.
 from __future__ import annotations
 
 import os
-from pathlib import Path
+
+from dph_async.paths import torch_extensions_dir
 
 # DeepSpeed reads TORCH_EXTENSIONS_DIR (where its compiled ops are) when imported: set before it is.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(os.environ.get("DPH_CACHE_DIR", ".cache"))
-                                                    / "torch_extensions"))
+os.environ["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir()
 
 import deepspeed  # noqa: F401  (with this module, ahead of the trainer's build)
 import torch

@@ -295,22 +295,24 @@ def evaluate(samples: list[Sample], warmup_s: float, cfg: RunConfig) -> list[Che
     if not judged:
         return checks
     rates = [i.steps / i.seconds for i in judged]
-    slowest = min(rates) / statistics.median(rates) - 1 if statistics.median(rates) > 0 else -1.0
+    median = statistics.median(rates)
+    slowest = min(rates) / median - 1 if median > 0 else -1.0
     checks.append(Check("progress", slowest >= -PROGRESS_FLOOR,
                         f"learner steps/s {_spread(rates)}; the slowest interval at least {1 - PROGRESS_FLOOR:.0%} "
                         f"of the median (a wider fall than this machine's own swings, ±14% in an hour)"))
     median, worst = _off_median([sum(i.cpu.values()) / i.seconds for i in judged])
-    cpu = "; ".join(f"{n} {_spread([i.cpu[n] / i.steps for i in judged if i.steps])}"
-                    for n in sorted(judged[0].cpu) if any(i.steps for i in judged))
+    names = list(judged[0].cpu)  # every interval has every process (intervals())
+    stepped = [i for i in judged if i.steps]
+    cpu = "; ".join(f"{n} {_spread([i.cpu[n] / i.steps for i in stepped])}" for n in names) if stepped else ""
     checks.append(Check("pace", abs(worst) <= PACE_TOLERANCE,
                         f"the processes busy {median:.2f} CPUs (median of {len(judged)} intervals), worst "
                         f"{worst:+.1%} (limit ±{PACE_TOLERANCE:.0%}); CPU-s per step, not judged (the machine's "
                         f"speed moves them): {cpu or 'no steps'}"))
     total = sum(sum(i.cpu.values()) for i in judged)
-    for name in sorted(judged[0].cpu):
+    for name in names if len(names) > 1 else []:  # one process has no others to be judged against
         share = sum(i.cpu[name] for i in judged) / total if total > 0 else 0.0
         ratios = [i.cpu[name] / others for i in judged if (others := sum(i.cpu.values()) - i.cpu[name]) > 0]
-        if len(judged[0].cpu) < 2 or share < WORK_JUDGED_FROM or not ratios:
+        if share < WORK_JUDGED_FROM or not ratios:
             continue
         median, worst = _off_median(ratios)
         checks.append(Check(f"work {name}", abs(worst) <= WORK_TOLERANCE,
