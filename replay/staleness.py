@@ -1,4 +1,4 @@
-"""The staleness bound (eta) and admission control (AReaL's rule), DESIGN.md §5.
+"""The staleness bound (eta) and admission control (AReaL's rule), docs/data_plane.md §3.
 
 Staleness of a group consumed at learner version v is v minus the oldest policy version among its
 tokens. A group is served only while that is <= eta; older ones are dropped and counted by reason:

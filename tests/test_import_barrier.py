@@ -1,6 +1,7 @@
 """Every Ray process of a run imports its heavy modules in its __init__, on one thread, before Ray
-runs any call (DESIGN.md section 10): a spare actor process that pre-samples once failed with
-`ImportError: cannot import name 'AutoModelForCausalLM' from 'transformers'`, its pre-sampling call
+runs any call (docs/decisions.md, A fresh invocation reaches its cluster before its heavy imports):
+a spare actor process that pre-samples once failed with `ImportError: cannot import name
+'AutoModelForCausalLM' from 'transformers'`, its pre-sampling call
 importing transformers while its `preload` call imported vLLM in another thread.
 
 The heavy modules are stand-ins here (a seconds-long import of vLLM per try would make twenty tries
