@@ -11,7 +11,7 @@ from dph_async.app import pipeline
 from dph_async.app.cli import main
 from dph_async.app.pipeline import validate
 from dph_async.app.specs import RunSpec
-from dph_async.config import ConfigError, LearnerConfig, load_config, presets
+from dph_async.config import ConfigError, LearnerConfig, dump_config, load_config, presets, with_overrides
 
 
 def refusal(overrides: list[str], preset: str = "default") -> str:
@@ -57,6 +57,21 @@ def test_unknown_preset_and_malformed_override():
     assert "not of the form key=value" in refusal(["learner.steps"])
     assert "config file not found" in refusal([], preset="missing.yaml")
 
+
+
+@pytest.mark.parametrize("preset", presets())
+def test_overrides_on_a_loaded_config_equal_loading_with_them(preset):
+    """A sweep parses its preset once and derives each cell from it: the same config as loading the
+    preset with the sweep's overrides followed by the cell's, for every preset; a bad cell override is
+    refused by name as on the command line."""
+    sweep, cell = ["learner.steps=100", "seed=3"], ["replay.max_staleness=4", "learner.loss.coeff=200", "seed=7"]
+    derived = with_overrides(load_config(preset, sweep), cell)
+    assert dump_config(derived) == dump_config(load_config(preset, [*sweep, *cell]))
+    assert derived.seed == 7 and derived.replay.max_staleness == 4
+    with pytest.raises(ConfigError, match=r"learner\.stepz: unknown key"):
+        with_overrides(derived, ["learner.stepz=3"])
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        with_overrides(derived, ["seed"])
 
 @pytest.mark.parametrize(("override", "says"), [
     ("sampling.top_p=0.9", "sampling.top_p must be 1 and sampling.top_k -1"),

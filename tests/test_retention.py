@@ -6,6 +6,7 @@ import pytest
 
 from dph_async.app.ablate.cells import staleness_sweep
 from dph_async.app.ablate.sweep import cell_config, eval_versions
+from dph_async.config import load_config
 from learner.retention import checkpoints, prune, to_delete
 
 
@@ -35,7 +36,7 @@ def test_prune_deletes_whole_checkpoints_and_spares_the_rest(tmp_path):
 
 def test_an_ablation_keeps_the_checkpoints_it_evaluates():
     cell = staleness_sweep([1], ["decoupled"], [0], "grpo").cells[0]
-    cfg = cell_config("default", ["learner.steps=100"], cell, eval_points=3)
+    cfg = cell_config(load_config("default", ["learner.steps=100"]), cell, eval_points=3)
     assert cfg.learner.keep_versions == eval_versions(100, 3) == [34, 68, 100]
     versions = list(range(cfg.learner.checkpoint_every, 101, cfg.learner.checkpoint_every))
     assert versions == [34, 68]

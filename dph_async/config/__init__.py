@@ -421,13 +421,7 @@ def _first_line(e: Exception) -> str:
 def load_config(preset: str = "default", overrides: list[str] | None = None) -> RunConfig:
     """Load a preset (a name from `presets()` or a YAML path), apply dotted `key=value` overrides, validate."""
     source, text = _preset_text(preset)
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. learner.steps=40)")
-        try:
-            OmegaConf.from_dotlist([item])
-        except (OmegaConfBaseException, yaml.YAMLError) as e:
-            raise ConfigError(f"override {item!r}: not a valid value ({_first_line(e)})") from None
+    _check_overrides(overrides)
     try:
         base = OmegaConf.create(text or "{}")
     except (OmegaConfBaseException, yaml.YAMLError) as e:
@@ -436,6 +430,27 @@ def load_config(preset: str = "default", overrides: list[str] | None = None) -> 
         base = None
     if not isinstance(base, DictConfig):  # a list or a value: merging it raised TypeError, or the above
         raise ConfigError(f"{source}: not a mapping of settings (its top level is a list or a single value)")
+    return _merged(source, base, overrides)
+
+
+def with_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """`cfg` with more dotted `key=value` overrides, validated: the same as loading its preset with the
+    overrides it was loaded with followed by these (a sweep's cells, without parsing the preset again)."""
+    _check_overrides(overrides)
+    return _merged("the base config", OmegaConf.create(cfg.model_dump(mode="json")), overrides)
+
+
+def _check_overrides(overrides: list[str] | None) -> None:
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. learner.steps=40)")
+        try:
+            OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as e:
+            raise ConfigError(f"override {item!r}: not a valid value ({_first_line(e)})") from None
+
+
+def _merged(source: str, base: DictConfig, overrides: list[str] | None) -> RunConfig:
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides or [])))
         data = OmegaConf.to_container(merged, resolve=True)

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, make_sweep: Callable[[str, RunConfig], object]
         if args.fresh and (args.output / "rl").exists():
             shutil.rmtree(args.output / "rl")
         if not args.report_only:
-            run_sweep(args.preset, overrides, sweep, args.output, args.eval_points, fresh=args.fresh)
+            run_sweep(cfg, sweep, args.output, args.eval_points, fresh=args.fresh)
         write_summary(args.output)
         console.print(f"report: {args.output / 'summary.md'}")
 

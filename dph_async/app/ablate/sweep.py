@@ -30,7 +30,7 @@ from dph_async.app.learner_process import start_learner
 from dph_async.app.pipeline import Prepared, StageTimer, evaluate_models, prepare, train_mode, validate
 from dph_async.app.progress import console
 from dph_async.app.specs import RunSpec
-from dph_async.config import ConfigError, RunConfig, dump_config, load_config
+from dph_async.config import ConfigError, RunConfig, dump_config, with_overrides
 from dph_async.paths import RunPaths, checkpoint_dir, final_model, is_learner_checkpoint
 
 
@@ -40,8 +40,9 @@ def eval_versions(steps: int, points: int) -> list[int]:
     return sorted({*range(every, steps, every), steps})
 
 
-def cell_config(preset: str, overrides: list[str], cell: Cell, eval_points: int) -> RunConfig:
-    cfg = load_config(preset, [*overrides, *cell.overrides])
+def cell_config(base: RunConfig, cell: Cell, eval_points: int) -> RunConfig:
+    """The cell's config: the sweep's base config (before `validate`) with the cell's overrides."""
+    cfg = with_overrides(base, list(cell.overrides))
     cfg.learner.checkpoint_every = -(-cfg.learner.steps // eval_points)
     cfg.learner.keep_versions = eval_versions(cfg.learner.steps, eval_points)  # exported after the run
     return validate(cfg, [RunSpec.parse(cell.mode)])
@@ -67,13 +68,13 @@ def run_cell(cfg: RunConfig, paths: RunPaths, prepared: Prepared, cell: Cell, ev
     (rl_dir / "cell.json").write_text(json.dumps(record, indent=2))
 
 
-def run_sweep(preset: str, overrides: list[str], sweep: Sweep, out: Path, eval_points: int,
-              fresh: bool = False) -> list[str]:
-    """Run the sweep's unfinished cells in `out`; return the keys of the cells run now. `fresh` (the
-    caller has deleted the cells) also lets a different base config start over, shared base included."""
+def run_sweep(cfg: RunConfig, sweep: Sweep, out: Path, eval_points: int, fresh: bool = False) -> list[str]:
+    """Run the sweep's unfinished cells in `out` from the base config `cfg` (as loaded, not yet
+    validated); return the keys of the cells run now. `fresh` (the caller has deleted the cells) also
+    lets a different base config start over, shared base included."""
     specs = [RunSpec.parse(m) for m in sorted({c.mode for c in sweep.cells})]
-    base = validate(load_config(preset, overrides), specs)
-    configs = {c.key: cell_config(preset, overrides, c, eval_points) for c in sweep.cells}  # fail before any run
+    base = validate(cfg, specs)
+    configs = {c.key: cell_config(cfg, c, eval_points) for c in sweep.cells}  # fail before any run
     paths = RunPaths(out)
     paths.root.mkdir(parents=True, exist_ok=True)
     text = dump_config(base)
