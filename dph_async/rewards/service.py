@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import msgspec
@@ -176,6 +176,37 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
+def _lifespan(cfg: RewardConfig, parser: BodyParser, pools: list[RewardPool], executor: ThreadPoolExecutor,
+              parse_threads: ThreadPoolExecutor) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the worker pool and the parsers warm before the first request, closed after."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool = RewardPool(cfg.workers, cfg.timeout_s, cfg.memory_limit_mb, config=cfg)
+        await asyncio.get_running_loop().run_in_executor(executor, pool.warm_up)
+        await asyncio.get_running_loop().run_in_executor(parse_threads, parser.warm_up)
+        pools.append(pool)
+        try:
+            yield
+        finally:
+            pool.close()
+            parser.close()
+            executor.shutdown(wait=False, cancel_futures=True)
+            parse_threads.shutdown(wait=False, cancel_futures=True)
+
+    return lifespan
+
+
+def _unknown_source(sources: list[str]) -> JSONResponse | None:
+    """A 400 naming the first data_source no reward is registered for, or None."""
+    for source in dict.fromkeys(sources):
+        try:
+            get_reward_fn(source)
+        except UnknownDataSource as e:
+            return _error(_Refused(400, "unknown_data_source", str(e)), data_source=source)
+    return None
+
+
 def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> FastAPI:
     """The service app; its pool of `cfg.workers` processes lives as long as the app runs."""
     settings = settings or ServiceSettings()
@@ -196,21 +227,7 @@ def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> Fast
     executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="scorer-batch")
     parse_threads = ThreadPoolExecutor(max_workers=settings.parsers, thread_name_prefix="scorer-parse")
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = RewardPool(cfg.workers, cfg.timeout_s, cfg.memory_limit_mb, config=cfg)
-        await asyncio.get_running_loop().run_in_executor(executor, pool.warm_up)
-        await asyncio.get_running_loop().run_in_executor(parse_threads, parser.warm_up)
-        pools.append(pool)
-        try:
-            yield
-        finally:
-            pool.close()
-            parser.close()
-            executor.shutdown(wait=False, cancel_futures=True)
-            parse_threads.shutdown(wait=False, cancel_futures=True)
-
-    app = FastAPI(title="dph-async scorer", lifespan=lifespan)
+    app = FastAPI(title="dph-async scorer", lifespan=_lifespan(cfg, parser, pools, executor, parse_threads))
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
     @app.post("/v1/score", openapi_extra=_SCORE_OPERATION)
@@ -236,12 +253,9 @@ def make_app(cfg: RewardConfig, settings: ServiceSettings | None = None) -> Fast
             metrics.record_batch(e.code)
             return _error(e)
         sources = [r.data_source for r in requests]
-        for source in set(sources):
-            try:
-                get_reward_fn(source)
-            except UnknownDataSource as e:
-                metrics.record_batch(400)
-                return _error(_Refused(400, "unknown_data_source", str(e)), data_source=source)
+        if (unknown := _unknown_source(sources)) is not None:
+            metrics.record_batch(400)
+            return unknown
         deadline = arrived + min(budget_s or settings.max_budget_s, settings.max_budget_s)
         state["in_flight"] += len(requests)
         try:

@@ -1,4 +1,5 @@
-"""A sweep's summary: summary.json (every cell and group), summary.md (tables, verdicts), plots/.
+"""A sweep's summary: summary.json (every cell and group), summary.md (tables, verdicts), plots/,
+seeds.csv (one row per cell: the raw results, `seeds.py`).
 
 Tables give mean ± standard error over seeds. The staleness verdict compares every eta with eta = 0
 of the same correction on the final model's test Pass@1 (its mean reward on held-out prompts) and on
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from dph_async.app.ablate import frontier, plots
 from dph_async.app.ablate.results import Group, Stat, load_cell, split_metrics, summarize
+from dph_async.app.ablate.seeds import write_seeds
 from dph_async.app.evaluate import DIFFICULTY, SplitResult, difficulty_of, load_results
 from dph_async.app.report import TABLE_K, markdown_table
 
@@ -200,6 +202,7 @@ def write_summary(out: Path) -> list[Group]:
     md += ["Plots: `plots/curves.png`, `plots/pass_at_k.png`, `plots/staleness.png`, `plots/summary.png`"
            + (", `plots/frontier.png`." if comparisons else "."), ""]
     (out / "summary.md").write_text("\n".join(md))
+    write_seeds(out / "seeds.csv", cells, splits, k_max)
     summary = {
         "kind": kind,
         "groups": [{"name": g.name, "factors": g.factors, "cells": [c.cell.key for c in g.cells],

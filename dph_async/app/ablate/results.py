@@ -55,6 +55,7 @@ class CellResult:
     drops: dict[str, int]
     diagnostics: dict[str, float]
     resumed: bool
+    provenance: dict = field(default_factory=dict)  # date, commit, command, machine (cells since 512191f)
 
     @property
     def final_reward(self) -> float:
@@ -88,7 +89,7 @@ def load_cell(rl_dir: Path, base_eval: dict[str, SplitResult]) -> CellResult:
             diagnostics[name] = sum(values) / len(values)
     return CellResult(cell, version, samples, wall, [r["reward/mean"] for r in rows], evals,
                       replay.staleness_hist, replay.drops, diagnostics,
-                      record["resumed"])
+                      record["resumed"], record.get("provenance", {}))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dph_async.app.ablate.cells import Cell, Sweep
+from dph_async.app.bench.machine import provenance
 from dph_async.app.cluster import ray_cluster
 from dph_async.app.evaluate import EvalJob
 from dph_async.app.learner_process import start_learner
@@ -64,7 +65,8 @@ def run_cell(cfg: RunConfig, paths: RunPaths, prepared: Prepared, cell: Cell, ev
             raise FileNotFoundError(f"no checkpoint weights in {weights} (learner.checkpoint_every must divide {v})")
         jobs.append(EvalJob(weights, out, cfg.seed))
     evaluate_models(cfg, jobs, prepared.tests, arch=prepared.base)
-    record = {**asdict(cell), "steps": steps, "resumed": resumed, "seconds": time.time() - start}
+    record = {**asdict(cell), "steps": steps, "resumed": resumed, "seconds": time.time() - start,
+              "provenance": provenance()}
     (rl_dir / "cell.json").write_text(json.dumps(record, indent=2))
 
 

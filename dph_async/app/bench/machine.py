@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -37,3 +40,23 @@ def machine() -> dict:
         info["torch"] = torch.__version__
         info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return info
+
+
+def commit() -> str | None:
+    """The checkout's commit (short hash, "+dirty" when tracked files differ from it), or None outside a
+    git checkout: results are re-derivable only from the code that made them."""
+    root = Path(__file__).resolve().parents[3]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "") if head else None
+
+
+def provenance() -> dict:
+    """Date, commit, command line and machine of a result, as the docs record every figure."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": commit(),
+            "command": "dph-async " + " ".join(sys.argv[1:]), "machine": machine()}

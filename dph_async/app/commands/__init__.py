@@ -15,6 +15,8 @@ import importlib
 from types import ModuleType
 
 COMMANDS: dict[str, str] = {
+    "ablate confirm": ("the pre-registered confirmatory test (docs/preregistration.md) from the sweeps' "
+                       "seeds.csv: paired t, Holm, verdicts"),
     "ablate divergence": ("sweep training objectives x their coefficients x seeds; "
                           "the DPH-RL paper's table on your task"),
     "ablate samplers": ("sweep the DPO samplers (online, ref, gshf, mixp) x seeds; "

@@ -1,0 +1,137 @@
+"""The pre-registered confirmatory test of docs/preregistration.md, from the sweeps' seeds.csv.
+
+Per task two sweeps: the first holds A (`grpo@d_exp`, the control) and B (`js_low_var:0.2`, DPH-JS as
+written), the second, run with `learner.loss.reference_pg_share=0.375`, holds C (`js_low_var:0.2`:
+DPH-JS as the official script's batches train it) and D (`dpef_pg`: that policy-gradient term alone).
+B and C share a group name; which sweep a row came from tells them apart.
+
+The family, per task, on the final model's in-domain Pass@k (paired by seed, two-sided Student's t at
+df = n - 1, `dph_async.stats`):
+
+    1  C - A  Pass@16        3  D - A  Pass@16        5  B - A  Pass@16
+    2  C - A  Pass@1         4  C - D  Pass@16
+
+Holm's step-down over the whole family of FAMILY_SIZE tests (two tasks x five) at 0.05; a test whose
+task was not given counts as p = 1, so fewer tasks never make a rejection easier. Verdicts, fixed in
+advance:
+
+    H1 supported     test 1 rejected with C above A, and test 2's 95% interval above -PASS1_MARGIN
+    H2 "PG term"     test 3 rejected with D above A, test 4 not rejected
+    H2 "divergence adds"   test 4 rejected with C above D
+    H2 "undecided"   otherwise
+
+A task whose arms do not all hold the pre-registered seeds gets no verdict ("incomplete"), only its
+differences so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from dph_async.app.ablate.seeds import SeedRow
+from dph_async.app.report import markdown_table
+from dph_async.stats import Difference, holm, paired, t_critical
+
+SEEDS = (100, 101, 102, 103, 104)
+FAMILY_SIZE = 10
+PASS1_MARGIN = 0.03  # "rises like GRPO's": at most 3 points of Pass@1 below the control
+SPLIT = "in_domain"
+K = 16
+# arm -> (sweep: 0 first, 1 second, group name in its seeds.csv)
+ARMS = {"A": (0, "grpo@d_exp"), "B": (0, "js_low_var:0.2"), "C": (1, "js_low_var:0.2"), "D": (1, "dpef_pg")}
+# (number, a, b, k): a - b on Pass@k
+TESTS = ((1, "C", "A", K), (2, "C", "A", 1), (3, "D", "A", K), (4, "C", "D", K), (5, "B", "A", K))
+
+
+@dataclass(frozen=True)
+class Test:
+    task: str
+    number: int
+    a: str
+    b: str
+    k: int
+    diff: Difference
+    seeds: int
+    rejected: bool = False  # by Holm over the family
+
+    def interval(self) -> tuple[float, float] | None:
+        """The unadjusted 95% interval of a - b (t at the test's df)."""
+        if self.diff.se is None or self.diff.df is None:
+            return None
+        half = t_critical(self.diff.df) * self.diff.se
+        return self.diff.delta - half, self.diff.delta + half
+
+
+@dataclass(frozen=True)
+class Verdict:
+    task: str
+    h1: str
+    h2: str
+
+
+def arm_values(sweeps: tuple[list[SeedRow], list[SeedRow]], arm: str, k: int) -> dict[int, float]:
+    """seed -> the arm's final in-domain Pass@k; a column the rows lack is named."""
+    sweep, group = ARMS[arm]
+    key = f"{SPLIT}/pass@{k}"
+    out = {}
+    for r in sweeps[sweep]:
+        if r.group == group:
+            if key not in r.metrics:
+                raise ValueError(f"arm {arm} ({group}), cell {r.cell}: no column {key}")
+            out[r.seed] = r.metrics[key]
+    return out
+
+
+def family(tasks: dict[str, tuple[list[SeedRow], list[SeedRow]]]) -> list[Test]:
+    """The five tests of every task given, with Holm's decisions over FAMILY_SIZE."""
+    if len(tasks) * len(TESTS) > FAMILY_SIZE:
+        raise ValueError(f"the pre-registered family has {FAMILY_SIZE // len(TESTS)} tasks, got {len(tasks)}")
+    tests = []
+    for task, sweeps in tasks.items():
+        for number, a, b, k in TESTS:
+            va, vb = arm_values(sweeps, a, k), arm_values(sweeps, b, k)
+            tests.append(Test(task, number, a, b, k, paired(va, vb), len(va.keys() & vb.keys())))
+    ps = [t.diff.p for t in tests] + [1.0] * (FAMILY_SIZE - len(tests))
+    rejected = holm(ps)
+    return [replace(t, rejected=r) for t, r in zip(tests, rejected, strict=False)]
+
+
+def complete(sweeps: tuple[list[SeedRow], list[SeedRow]]) -> bool:
+    """Every arm holds every pre-registered seed."""
+    return all(set(SEEDS) <= arm_values(sweeps, arm, K).keys() for arm in ARMS)
+
+
+def verdicts(tests: list[Test], tasks: dict[str, tuple[list[SeedRow], list[SeedRow]]]) -> list[Verdict]:
+    out = []
+    for task, sweeps in tasks.items():
+        if not complete(sweeps):
+            out.append(Verdict(task, "incomplete", "incomplete"))
+            continue
+        t = {x.number: x for x in tests if x.task == task}
+        low = (t[2].interval() or (float("-inf"), 0.0))[0]
+        h1 = t[1].rejected and t[1].diff.delta > 0 and low > -PASS1_MARGIN
+        if t[4].rejected and t[4].diff.delta > 0:
+            h2 = "the divergence adds"
+        elif t[3].rejected and t[3].diff.delta > 0 and not t[4].rejected:
+            h2 = "the PG term's"
+        else:
+            h2 = "undecided"
+        out.append(Verdict(task, "supported" if h1 else "not supported", h2))
+    return out
+
+
+def markdown(tests: list[Test], found: list[Verdict]) -> str:
+    """The family's table (points of Pass@k) and the verdicts."""
+    rows = []
+    for t in tests:
+        d, iv = t.diff, t.interval()
+        rows.append([t.task, str(t.number), f"{t.a} − {t.b}", f"Pass@{t.k}",
+                     f"{100 * d.delta:+.1f}" + ("" if d.se is None else f" ± {100 * d.se:.1f}"),
+                     "-" if iv is None else f"[{100 * iv[0]:+.1f}, {100 * iv[1]:+.1f}]",
+                     str(t.seeds), "-" if d.p is None else f"{d.p:.4f}", "rejected" if t.rejected else "not rejected"])
+    lines = [markdown_table(["task", "test", "arms", "metric", "difference (points) ± s.e.", "95% interval", "seeds",
+                             "p", f"Holm over {FAMILY_SIZE}"], rows), ""]
+    lines += [f"- **{v.task}**: H1 {v.h1}; H2 {v.h2}." for v in found]
+    supported = sum(v.h1 == "supported" for v in found)
+    lines += ["", f"H1 supported on {supported} of {len(found)} tasks."]
+    return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""`dph-async ablate confirm`: the pre-registered confirmatory test, from the sweeps' raw results."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dph_async.app.ablate import confirm
+from dph_async.app.ablate.seeds import read_seeds
+from dph_async.app.commands.common import fail
+
+DESCRIPTION = f"""\
+The confirmatory test of docs/preregistration.md: for each task, the first sweep (A grpo@d_exp, B
+js_low_var:0.2) and the second (run with learner.loss.reference_pg_share=0.375: C js_low_var:0.2 as
+the official script trains it, D dpef_pg), read from their seeds.csv (every sweep writes one beside
+its summary). Prints the family of paired t tests on the final models' in-domain Pass@1 and Pass@16,
+Holm's decisions over all {confirm.FAMILY_SIZE}, and the H1/H2 verdicts fixed before the runs. A task
+whose arms lack some of the seeds {" ".join(map(str, confirm.SEEDS))} is reported as incomplete.
+
+example:
+  dph-async ablate confirm --task embedded runs/prereg/embedded runs/prereg/embedded-asrun \\
+      --task digit_sets runs/prereg/digits runs/prereg/digits-asrun -o docs/data/confirm.md
+"""
+
+
+def _seeds_file(text: str) -> Path:
+    path = Path(text)
+    return path / "seeds.csv" if path.is_dir() else path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", nargs=3, action="append", required=True, metavar=("NAME", "SWEEP", "AS_RUN_SWEEP"),
+                   help="a task's name, its first sweep and its as-run sweep (directories or seeds.csv files)")
+    p.add_argument("-o", "--output", type=Path, help="also write the table and verdicts to this markdown file")
+
+
+def main(args: argparse.Namespace) -> int:
+    tasks = {}
+    for name, first, second in args.task:
+        if name in tasks:
+            return fail(f"--task {name} given twice")
+        files = (_seeds_file(first), _seeds_file(second))
+        for f in files:
+            if not f.is_file():
+                return fail(f"{f}: no such file (a sweep writes seeds.csv with its summary)")
+        try:
+            tasks[name] = (read_seeds(files[0]), read_seeds(files[1]))
+        except ValueError as e:
+            return fail(str(e))
+    try:
+        tests = confirm.family(tasks)
+    except ValueError as e:
+        return fail(str(e))
+    text = confirm.markdown(tests, confirm.verdicts(tests, tasks))
+    print(text)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
+    return 0
