@@ -196,3 +196,39 @@ def test_p_of_the_constructed_differences_is_the_one_asked_for():
     d = with_p(0.03)
     t = d.mean() / (d.std(ddof=1) / math.sqrt(5))
     assert t_two_sided_p(t, 4) == pytest.approx(0.03, rel=1e-6)
+
+
+def test_the_secondary_table_matches_arms_to_the_reverse_kl_frontier_at_their_pass_at_1():
+    """Each arm's Pass@16 minus the frontier's chord at its Pass@1, the variance every point's Pass@1
+    and Pass@16 error carried through the chord, in float64 closed form; an arm outside the frontier's
+    Pass@1 range gets no comparison; C is read from the second sweep, B from the first."""
+    rng = np.random.default_rng()
+
+    def arm(group: str, x: float, y: float) -> tuple[list[SeedRow], np.ndarray, np.ndarray]:
+        p1, p16 = x + rng.normal(0, 0.01, 5), y + rng.normal(0, 0.01, 5)
+        return rows(group, seeds(p1), seeds(p16)), p1, p16
+
+    frontier = [arm(f"reverse_kl:{c}", x, y) for c, x, y in [("0.01", 0.40, 0.95), ("0.1", 0.45, 0.92),
+                                                             ("1", 0.50, 0.88)]]
+    j, b, c, d = arm("js_low_var:200 share25", 0.43, 0.97), arm("js_low_var:0.2", 0.36, 0.96), \
+        arm("js_low_var:0.2", 0.47, 0.91), arm("dpef_pg", 0.48, 0.95)
+    first = [r for f in frontier for r in f[0]] + j[0] + b[0]
+    found = {f.arm: f for f in confirm.secondary({"embedded": (first, c[0] + d[0])})}
+    assert found["B"].gap is None  # Pass@1 0.36: left of the frontier's range
+    for name, (_, x, y) in {"J": j, "C": c, "D": d}.items():
+        se = lambda v: v.std(ddof=1) / math.sqrt(5)  # noqa: E731
+        pts = [(f[1], f[2]) for f in frontier]
+        lo, hi = (pts[0], pts[1]) if x.mean() <= pts[1][0].mean() else (pts[1], pts[2])
+        t = (x.mean() - lo[0].mean()) / (hi[0].mean() - lo[0].mean())
+        slope = (hi[1].mean() - lo[1].mean()) / (hi[0].mean() - lo[0].mean())
+        var = (se(y) ** 2 + (1 - t) ** 2 * se(lo[1]) ** 2 + t**2 * se(hi[1]) ** 2
+               + slope**2 * (se(x) ** 2 + (1 - t) ** 2 * se(lo[0]) ** 2 + t**2 * se(hi[0]) ** 2))
+        gap = found[name].gap
+        assert gap.delta == pytest.approx(y.mean() - ((1 - t) * lo[1].mean() + t * hi[1].mean()), abs=1e-12)
+        assert gap.se == pytest.approx(math.sqrt(var), rel=1e-9)
+        assert found[name].pass1.mean == pytest.approx(x.mean(), abs=1e-12)
+    # Holm within the table: J, C and D are tested, B is not.
+    ps = [found[a].gap.p for a in "JCD"]
+    rejected = [p <= 0.05 / (3 - rank) for rank, p in enumerate(sorted(ps))]
+    expect = {a: all(rejected[: sorted(ps).index(found[a].gap.p) + 1]) for a in "JCD"}
+    assert {a: found[a].rejected for a in "JCD"} == expect

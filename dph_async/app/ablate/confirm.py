@@ -22,12 +22,18 @@ advance:
 
 A task whose arms do not all hold the pre-registered seeds gets no verdict ("incomplete"), only its
 differences so far.
+
+Secondary, outside the family: J (`js_low_var:200 share25`), B, C and D against the reverse-KL
+frontier of the first sweep (`reverse_kl` at 0.01, 0.1, 1) at their own Pass@1, every Pass@1's and
+Pass@16's error carried (`frontier.Chord.gap`), Holm within each task's table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from dph_async.app.ablate.frontier import chord, fmt
+from dph_async.app.ablate.results import Stat, stat
 from dph_async.app.ablate.seeds import SeedRow
 from dph_async.app.report import markdown_table
 from dph_async.stats import Difference, holm, paired, t_critical
@@ -39,6 +45,8 @@ SPLIT = "in_domain"
 K = 16
 # arm -> (sweep: 0 first, 1 second, group name in its seeds.csv)
 ARMS = {"A": (0, "grpo@d_exp"), "B": (0, "js_low_var:0.2"), "C": (1, "js_low_var:0.2"), "D": (1, "dpef_pg")}
+SECONDARY = {"J": (0, "js_low_var:200 share25"), "B": ARMS["B"], "C": ARMS["C"], "D": ARMS["D"]}
+RIVAL = tuple((0, f"reverse_kl:{c}") for c in ("0.01", "0.1", "1"))
 # (number, a, b, k): a - b on Pass@k
 TESTS = ((1, "C", "A", K), (2, "C", "A", 1), (3, "D", "A", K), (4, "C", "D", K), (5, "B", "A", K))
 
@@ -69,9 +77,10 @@ class Verdict:
     h2: str
 
 
-def arm_values(sweeps: tuple[list[SeedRow], list[SeedRow]], arm: str, k: int) -> dict[int, float]:
-    """seed -> the arm's final in-domain Pass@k; a column the rows lack is named."""
-    sweep, group = ARMS[arm]
+def arm_values(sweeps: tuple[list[SeedRow], list[SeedRow]], arm: str | tuple[int, str], k: int) -> dict[int, float]:
+    """seed -> the arm's final in-domain Pass@k (an arm by its letter, or as (sweep, group)); a column
+    the rows lack is named."""
+    sweep, group = ARMS[arm] if isinstance(arm, str) else arm
     key = f"{SPLIT}/pass@{k}"
     out = {}
     for r in sweeps[sweep]:
@@ -120,8 +129,39 @@ def verdicts(tests: list[Test], tasks: dict[str, tuple[list[SeedRow], list[SeedR
     return out
 
 
-def markdown(tests: list[Test], found: list[Verdict]) -> str:
-    """The family's table (points of Pass@k) and the verdicts."""
+@dataclass(frozen=True)
+class AgainstFrontier:
+    task: str
+    arm: str
+    pass1: Stat
+    pass16: Stat
+    gap: Difference | None  # Pass@16 minus the reverse-KL frontier's at this Pass@1; None outside its range
+    rejected: bool = False  # by Holm within the task's table
+
+
+def _point(sweeps: tuple[list[SeedRow], list[SeedRow]], arm: tuple[int, str]) -> tuple[Stat, Stat] | None:
+    p1, p16 = arm_values(sweeps, arm, 1), arm_values(sweeps, arm, K)
+    return (stat(list(p1.values())), stat(list(p16.values()))) if p1 and p16 else None
+
+
+def secondary(tasks: dict[str, tuple[list[SeedRow], list[SeedRow]]]) -> list[AgainstFrontier]:
+    """J, B, C and D against the first sweep's reverse-KL frontier at matched Pass@1."""
+    out = []
+    for task, sweeps in tasks.items():
+        rival = [p for arm in RIVAL if (p := _point(sweeps, arm)) is not None]
+        found = []
+        for name, arm in SECONDARY.items():
+            if (point := _point(sweeps, arm)) is None:
+                continue
+            c = chord(rival, point[0].mean)
+            found.append(AgainstFrontier(task, name, *point, None if c is None else c.gap(*point)))
+        rejected = holm([None if f.gap is None else f.gap.p for f in found])
+        out += [replace(f, rejected=r) for f, r in zip(found, rejected, strict=True)]
+    return out
+
+
+def markdown(tests: list[Test], found: list[Verdict], against: list[AgainstFrontier] | None = None) -> str:
+    """The family's table (points of Pass@k), the verdicts, and the secondary table when given."""
     rows = []
     for t in tests:
         d, iv = t.diff, t.interval()
@@ -134,4 +174,19 @@ def markdown(tests: list[Test], found: list[Verdict]) -> str:
     lines += [f"- **{v.task}**: H1 {v.h1}; H2 {v.h2}." for v in found]
     supported = sum(v.h1 == "supported" for v in found)
     lines += ["", f"H1 supported on {supported} of {len(found)} tasks."]
+    if against:
+        lines += ["", "Secondary (outside the family): Pass@16 against the reverse-KL frontier at the arm's own "
+                  "Pass@1, every Pass@1's and Pass@16's error carried, Holm within each task.", "",
+                  _against_table(against)]
     return "\n".join(lines)
+
+
+def _against_table(against: list[AgainstFrontier]) -> str:
+    rows = []
+    for f in against:
+        verdict = "-" if f.gap is None else ("above" if f.gap.delta > 0 else "below") if f.rejected else "level"
+        rows.append([f.task, f.arm, str(f.pass1.n), f.pass1.fmt(100, 1), f.pass16.fmt(100, 1),
+                     "outside its Pass@1 range" if f.gap is None else fmt(f.gap),
+                     "-" if f.gap is None or f.gap.p is None else f"{f.gap.p:.4f}", verdict])
+    return markdown_table(["task", "arm", "seeds", "P@1", "P@16", "P@16 − reverse KL's at this P@1", "p", "Holm"],
+                          rows)
