@@ -45,8 +45,12 @@ def test_seeds_csv_holds_each_cells_final_figures_and_provenance(tmp_path):
         expect.append((cell, p1, p16, g, dist, ood, 0.5 + i))
     cells.append(CellResult(Cell("old-seed0", "old", {}, 0, "grpo"), [1], [8.0], [1.0], [0.0],
                             [EvalPoint(0, 0.0, 0.0, base), EvalPoint(1, 8.0, 1.0, final)], {}, {}, {}, False))
-    write_seeds(tmp_path / "seeds.csv", cells, ["in_domain", "ood"], 16)
-    rows = read_seeds(tmp_path / "seeds.csv")
+    write_seeds(tmp_path / "seeds.csv", cells, ["in_domain", "ood"], 16, base_seed=0)
+    base_row, *rows = read_seeds(tmp_path / "seeds.csv")
+    assert (base_row.cell, base_row.group, base_row.mode, base_row.seed) == ("pi_0", "pi_0", "base", 0)
+    assert base_row.metrics == {"in_domain/greedy": 0.5, "in_domain/pass@1": 0.1, "in_domain/pass@16": 0.9,
+                                "in_domain/distinct": 1.5, "ood/greedy": 0.5, "ood/pass@1": 0.1, "ood/pass@16": 0.9,
+                                "ood/distinct": 1.5}
     assert [r.cell for r in rows] == [c.cell.key for c in cells]
     for row, (cell, p1, p16, g, dist, ood, reward) in zip(rows, expect, strict=False):
         assert (row.group, row.mode, row.seed) == (cell.group, cell.mode, cell.seed)
@@ -177,9 +181,12 @@ def test_the_command_prints_the_family_and_writes_it(tmp_path, capsys):
     write_csv(tmp_path / "one" / "seeds.csv", first)
     write_csv(tmp_path / "two.csv", second)
     out = tmp_path / "docs" / "confirm.md"
+    figure = tmp_path / "figures" / "confirm.png"
     assert main(["ablate", "confirm", "--task", "embedded", str(tmp_path / "one"), str(tmp_path / "two.csv"),
-                 "-o", str(out)]) == 0
+                 "-o", str(out), "--figure", str(figure)]) == 0
     text = capsys.readouterr().out
+    png = figure.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 6.5 * 120  # one panel
     assert "| embedded | 1 | C − A | Pass@16 | +10.0" in text and "H1 supported on 1 of 1 tasks." in text
     assert "- **embedded**: H1 supported; H2 the PG term's." in text
     assert out.read_text() == text

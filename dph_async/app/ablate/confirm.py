@@ -31,10 +31,12 @@ Pass@16's error carried (`frontier.Chord.gap`), Holm within each task's table.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from dph_async.app.ablate.frontier import chord, fmt
 from dph_async.app.ablate.results import Stat, stat
-from dph_async.app.ablate.seeds import SeedRow
+from dph_async.app.ablate.seeds import BASE, SeedRow
+from dph_async.app.plot_colours import colour_map, pyplot
 from dph_async.app.report import markdown_table
 from dph_async.stats import Difference, holm, paired, t_critical
 
@@ -190,3 +192,42 @@ def _against_table(against: list[AgainstFrontier]) -> str:
                      "-" if f.gap is None or f.gap.p is None else f"{f.gap.p:.4f}", verdict])
     return markdown_table(["task", "arm", "seeds", "P@1", "P@16", "P@16 − reverse KL's at this P@1", "p", "Holm"],
                           rows)
+
+
+ARM_LABELS = {"A": "A grpo@d_exp (control)", "B": "B DPH-JS 0.2 as written", "C": "C DPH-JS 0.2 as run",
+              "D": "D PG on D_pef alone", "J": "J DPH-JS 200, pool 25%"}
+
+
+def plot(tasks: dict[str, tuple[list[SeedRow], list[SeedRow]]], out: Path) -> None:
+    """One panel per task: in-domain Pass@16 against Pass@1 of the final models, mean ± s.e. over seeds
+    on both axes; the reverse-KL frontier as a line through its three coefficients, the arms as
+    points, pi_0 as a star."""
+    plt = pyplot()
+    colour = colour_map(["reverse KL", *ARM_LABELS])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 5), squeeze=False)
+    for ax, (task, sweeps) in zip(axes[0], tasks.items(), strict=True):
+        rival = [(arm[1].split(":")[1], p) for arm in RIVAL if (p := _point(sweeps, arm)) is not None]
+        if rival:
+            _errorbar(ax, [p for _, p in rival], colour["reverse KL"], "reverse KL (0.01, 0.1, 1)", "-o")
+            for coeff, (x, y) in rival:
+                ax.annotate(coeff, (100 * x.mean, 100 * y.mean), textcoords="offset points", xytext=(4, 4),
+                            fontsize=7)
+        for name, arm in {"A": ARMS["A"], **SECONDARY}.items():
+            if (point := _point(sweeps, arm)) is not None:
+                _errorbar(ax, [point], colour[name], ARM_LABELS[name], "s")
+        base = next((r.metrics for r in sweeps[0] if r.group == BASE), None)
+        if base is not None and f"{SPLIT}/pass@{K}" in base:
+            ax.plot(100 * base[f"{SPLIT}/pass@1"], 100 * base[f"{SPLIT}/pass@{K}"], "k*", ms=12, label="π₀")
+        ax.set(title=f"{task}: in-domain Pass@{K} against Pass@1", xlabel="Pass@1 (%)", ylabel=f"Pass@{K} (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def _errorbar(ax, points: list[tuple[Stat, Stat]], colour: str, label: str, fmt: str) -> None:
+    ax.errorbar([100 * x.mean for x, _ in points], [100 * y.mean for _, y in points],
+                xerr=[100 * (x.se or 0.0) for x, _ in points], yerr=[100 * (y.se or 0.0) for _, y in points],
+                fmt=fmt, color=colour, label=label, capsize=2, ms=5)

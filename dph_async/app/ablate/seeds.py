@@ -9,7 +9,9 @@ be re-derived from these rows (`dph-async ablate confirm` reads them). Columns:
     reward, wall_s, samples                     final training reward, wall seconds, fresh samples
     <split>/greedy, <split>/pass@1, <split>/pass@<k>, <split>/distinct    the final model, per test split
 
-A cell finished before cells recorded their provenance has empty commit, date and load.
+The first row is pi_0 (cell and group `pi_0`, mode `base`, the base config's seed): the base model
+every cell starts from, its split columns only. A cell finished before cells recorded their
+provenance has empty commit, date and load.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from dph_async.app.ablate.results import CellResult, cell_metrics
+from dph_async.app.ablate.results import CellResult, cell_metrics, split_metrics
 
 IDENTITY = ("cell", "group", "mode", "seed", "coeff", "share")
 PROVENANCE = ("commit", "date", "load")
@@ -46,12 +48,21 @@ def split_columns(splits: list[str], k_max: int) -> list[str]:
     return [f"{s}/{m}" for s in splits for m in ("greedy", "pass@1", f"pass@{k_max}", "distinct")]
 
 
-def write_seeds(path: Path, cells: list[CellResult], splits: list[str], k_max: int) -> None:
-    """seeds.csv of the finished cells, in the sweep's order."""
+BASE = "pi_0"
+
+
+def write_seeds(path: Path, cells: list[CellResult], splits: list[str], k_max: int, base_seed: int) -> None:
+    """seeds.csv: pi_0's row (its evaluation is every cell's version 0), then the finished cells in the
+    sweep's order."""
     columns = [*IDENTITY, *PROVENANCE, *RUN, *split_columns(splits, k_max)]
     with path.open("w", newline="") as f:
         out = csv.writer(f)
         out.writerow(columns)
+        base = {}
+        for split, res in cells[0].evals[0].splits.items():
+            base.update(split_metrics(split, res, None))
+        out.writerow([BASE, BASE, "base", base_seed, 0.0, 0.0, "", "", "", "", "", "",
+                      *(_number(base.get(k)) for k in split_columns(splits, k_max))])
         for c in cells:
             m = cell_metrics(c)
             prov = c.provenance

@@ -20,7 +20,8 @@ whose arms lack some of the seeds {" ".join(map(str, confirm.SEEDS))} is reporte
 
 example:
   dph-async ablate confirm --task embedded runs/prereg/embedded runs/prereg/embedded-asrun \\
-      --task digit_sets runs/prereg/digits runs/prereg/digits-asrun -o docs/data/confirm.md
+      --task digit_sets runs/prereg/digits runs/prereg/digits-asrun -o docs/data/confirm.md \\
+      --figure docs/figures/confirm.png
 """
 
 
@@ -33,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", nargs=3, action="append", required=True, metavar=("NAME", "SWEEP", "AS_RUN_SWEEP"),
                    help="a task's name, its first sweep and its as-run sweep (directories or seeds.csv files)")
     p.add_argument("-o", "--output", type=Path, help="also write the table and verdicts to this markdown file")
+    p.add_argument("--figure", type=Path, help="draw Pass@16 against Pass@1 per task to this PNG")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -57,4 +59,6 @@ def main(args: argparse.Namespace) -> int:
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text + "\n")
+    if args.figure is not None:
+        confirm.plot(tasks, args.figure)
     return 0
