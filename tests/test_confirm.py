@@ -1,13 +1,16 @@
-"""The pre-registered confirmatory test (docs/preregistration.md) and the raw per-seed data it reads:
-seeds.csv written from finished cells and read back exactly; the family's paired differences against
-their float64 closed form; Holm over all ten tests even when one task is given; every verdict branch
-fixed in advance; an arm of one sweep never taken for the same-named arm of the other; a task without
-every seed gets no verdict; the command names a missing file or column.
+"""The pre-registered confirmatory test (docs/preregistration.md, design 1) and the raw per-seed data
+it reads: seeds.csv written from finished cells and read back exactly, non-finite values refused;
+the family's paired differences against their float64 closed form; Holm over all ten tests, a
+missing task, an incomplete task and a test without a standard error each entering as p = 1; every
+verdict branch and the Pass@1 bound's edges; only the pre-registered seeds analysed; rows of the
+wrong share, task, step count or pi_0, or a seed twice, refused; the secondary gap per seed against
+its closed form with Holm over the one table; the command's output and errors.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,44 +21,49 @@ from dph_async.app.ablate.results import CellResult, EvalPoint
 from dph_async.app.ablate.seeds import SeedRow, read_seeds, write_seeds
 from dph_async.app.cli import main
 from dph_async.app.evaluate import SplitResult
-from dph_async.stats import t_critical, t_two_sided_p
+from dph_async.config import load_config
+from dph_async.stats import holm, t_critical, t_two_sided_p
 
 SEEDS = list(confirm.SEEDS)
+BASE_METRICS = {"in_domain/pass@1": 0.4, "in_domain/pass@16": 0.98, "ood/pass@1": 0.9, "ood/pass@16": 1.0}
 
 
 def split(name: str, p1: float, p16: float, greedy: float = 0.5, distinct: float = 1.5) -> SplitResult:
     return SplitResult(name, 10, greedy, {1: p1, 16: p16}, p1, distinct, 1.0, samples=16)
 
 
-def test_seeds_csv_holds_each_cells_final_figures_and_provenance(tmp_path):
+def test_seeds_csv_holds_each_cells_final_figures_config_and_provenance(tmp_path):
     rng = np.random.default_rng()
+    cfg = load_config("default", ["learner.loss.reference_pg_share=0.375", "task.name=digit_sets", "seed=3"])
+    base = {s: split(s, 0.1, 0.9) for s in ("in_domain", "ood")}
     cells, expect = [], []
     for i, (group, mode) in enumerate([("grpo@d_exp", "grpo@d_exp"), ("js_low_var:200 share25", "js_low_var:200")]):
-        p1, p16, g, dist = (float(x) for x in rng.uniform(0, 1, 4))
-        ood = float(rng.uniform(0, 1))
+        p1, p16, g, dist, ood = (float(x) for x in rng.uniform(0, 1, 5))
         final = {"in_domain": split("in_domain", p1, p16, g, dist), "ood": split("ood", ood, 1.0)}
-        base = {s: split(s, 0.1, 0.9) for s in final}
         prov = {"commit": f"abc{i}", "date": "2026-11-29 07:00 UTC", "machine": {"load_avg": [1.234, 1.0, 1.0]}}
         cell = Cell(f"{group}-seed{100 + i}", group, {"mode": mode, "coeff": 200.0 * i, "share": 0.25 * i}, 100 + i,
                     mode)
-        reward = [0.1, 0.2, 0.3, 0.4, 0.5 + i]
         cells.append(CellResult(cell, [1, 2, 3, 4, 5], [8.0, 16.0, 24.0, 32.0, 40.0], [1.0, 2.0, 3.0, 4.0, 5.5],
-                                reward, [EvalPoint(0, 0.0, 0.0, base), EvalPoint(5, 40.0, 5.5, final)], {}, {}, {},
-                                False, prov))
+                                [0.1, 0.2, 0.3, 0.4, 0.5 + i], [EvalPoint(0, 0.0, 0.0, base),
+                                                                EvalPoint(5, 40.0, 5.5, final)],
+                                {}, {}, {}, bool(i), prov))
         expect.append((cell, p1, p16, g, dist, ood, 0.5 + i))
     cells.append(CellResult(Cell("old-seed0", "old", {}, 0, "grpo"), [1], [8.0], [1.0], [0.0],
                             [EvalPoint(0, 0.0, 0.0, base), EvalPoint(1, 8.0, 1.0, final)], {}, {}, {}, False))
-    write_seeds(tmp_path / "seeds.csv", cells, ["in_domain", "ood"], 16, base_seed=0)
+    write_seeds(tmp_path / "seeds.csv", cells, ["in_domain", "ood"], 16, cfg)
     base_row, *rows = read_seeds(tmp_path / "seeds.csv")
-    assert (base_row.cell, base_row.group, base_row.mode, base_row.seed) == ("pi_0", "pi_0", "base", 0)
+    assert (base_row.cell, base_row.group, base_row.mode, base_row.seed) == ("pi_0", "pi_0", "base", 3)
     assert base_row.metrics == {"in_domain/greedy": 0.5, "in_domain/pass@1": 0.1, "in_domain/pass@16": 0.9,
                                 "in_domain/distinct": 1.5, "ood/greedy": 0.5, "ood/pass@1": 0.1, "ood/pass@16": 0.9,
                                 "ood/distinct": 1.5}
     assert [r.cell for r in rows] == [c.cell.key for c in cells]
+    assert all((r.task, r.pg_share, r.steps) == ("digit_sets", 0.375, cfg.learner.steps)
+               for r in [base_row, *rows])
     for row, (cell, p1, p16, g, dist, ood, reward) in zip(rows, expect, strict=False):
         assert (row.group, row.mode, row.seed) == (cell.group, cell.mode, cell.seed)
         assert (row.coeff, row.share) == (cell.factors["coeff"], cell.factors["share"])
         assert row.commit == f"abc{cell.seed - 100}" and row.date.startswith("2026-11-29") and row.load == 1.23
+        assert row.resumed is (cell.seed == 101)
         m = row.metrics
         assert (m["in_domain/pass@1"], m["in_domain/pass@16"], m["in_domain/greedy"]) == (p1, p16, g)
         assert (m["in_domain/distinct"], m["ood/pass@1"], m["ood/pass@16"]) == (dist, ood, 1.0)
@@ -63,9 +71,14 @@ def test_seeds_csv_holds_each_cells_final_figures_and_provenance(tmp_path):
     assert rows[-1].commit == "" and rows[-1].load is None  # a cell from before provenance was recorded
 
 
+HEADER = "cell,group,mode,seed,coeff,share,task,pg_share,steps,commit,date,load,resumed,in_domain/pass@1"
+
+
 @pytest.mark.parametrize(("text", "says"), [
-    ("cell,group\nx,y\n", "no column mode, seed, coeff, share, commit, date, load"),
-    ("cell,group,mode,seed,coeff,share,commit,date,load,reward\nc,g,m,one,0,0,,,,0.5\n", "line 2"),
+    ("cell,group\nx,y\n", "no column mode, seed, coeff, share, task, pg_share, steps, commit, date, load, resumed"),
+    (f"{HEADER}\nc,g,m,one,0,0,embedded,0,100,,,,0,0.5\n", "line 2"),
+    (f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,,,,0,nan\n", "in_domain/pass@1: 'nan' is not a finite number"),
+    (f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,,,inf,0,0.5\n", "load: 'inf' is not a finite number"),
 ])
 def test_a_file_that_is_not_a_sweeps_seeds_is_named(tmp_path, text, says):
     (tmp_path / "seeds.csv").write_text(text)
@@ -73,28 +86,44 @@ def test_a_file_that_is_not_a_sweeps_seeds_is_named(tmp_path, text, says):
         read_seeds(tmp_path / "seeds.csv")
 
 
-def rows(group: str, p1: dict[int, float], p16: dict[int, float]) -> list[SeedRow]:
-    return [SeedRow(f"{group}-seed{s}", group, group.split(":")[0], s, 0.0, 0.0, "c", "d", None,
-                    {"in_domain/pass@1": p1[s], "in_domain/pass@16": p16[s]}) for s in p1]
+def row(group: str, seed: int, p1: float, p16: float, sweep: int, task: str = "embedded") -> SeedRow:
+    metrics = BASE_METRICS if group == "pi_0" else {"in_domain/pass@1": p1, "in_domain/pass@16": p16}
+    return SeedRow(f"{group}-seed{seed}", group, group.split(":")[0], seed, 0.0, 0.0, task, confirm.PG_SHARE[sweep],
+                   confirm.STEPS, "c", "d", None, False, dict(metrics))
 
 
-def task(a16, b16, c16, d16, a1=None, c1=None) -> tuple[list[SeedRow], list[SeedRow]]:
-    """Two sweeps from per-seed Pass@16 (and Pass@1) of the arms; B and C share their group name."""
-    flat = dict.fromkeys(SEEDS, 0.5)
-    first = rows("grpo@d_exp", a1 or flat, a16) + rows("js_low_var:0.2", flat, b16)
-    second = rows("js_low_var:0.2", c1 or flat, c16) + rows("dpef_pg", flat, d16)
-    return first, second
+def arm_rows(group: str, sweep: int, p1: dict[int, float], p16: dict[int, float], task: str = "embedded"
+             ) -> list[SeedRow]:
+    return [row(group, s, p1[s], p16[s], sweep, task) for s in p16]
 
 
 def seeds(values) -> dict[int, float]:
     return dict(zip(SEEDS, map(float, values), strict=True))
 
 
+def task(a16, b16, c16, d16, a1=None, c1=None, name: str = "embedded") -> confirm.Sweeps:
+    """Two sweeps from per-seed Pass@16 (and Pass@1) of the arms; B and C share their group name."""
+    flat = dict.fromkeys(SEEDS, 0.5)
+    a16, b16, c16, d16 = (x if isinstance(x, dict) else seeds(x) for x in (a16, b16, c16, d16))
+    a1 = flat if a1 is None else seeds(a1)
+    c1 = flat if c1 is None else seeds(c1)
+    base = row("pi_0", 0, 0, 0, 0, name)
+    first = [base, *arm_rows("grpo@d_exp", 0, {s: a1[s] for s in a16}, a16, name),
+             *arm_rows("js_low_var:0.2", 0, dict.fromkeys(b16, 0.5), b16, name)]
+    second = [replace_share(base), *arm_rows("js_low_var:0.2", 1, {s: c1[s] for s in c16}, c16, name),
+              *arm_rows("dpef_pg", 1, dict.fromkeys(d16, 0.5), d16, name)]
+    return first, second
+
+
+def replace_share(r: SeedRow) -> SeedRow:
+    return replace(r, pg_share=confirm.PG_SHARE[1])
+
+
 def test_the_family_is_paired_differences_by_seed_as_in_closed_form():
     rng = np.random.default_rng()
     arms = {arm: rng.uniform(0.5, 1.0, len(SEEDS)) for arm in "ABCD"}
     p1 = {arm: rng.uniform(0.2, 0.6, len(SEEDS)) for arm in "AC"}
-    tasks = {"embedded": task(*(seeds(arms[a]) for a in "ABCD"), seeds(p1["A"]), seeds(p1["C"]))}
+    tasks = {"embedded": task(*(arms[a] for a in "ABCD"), p1["A"], p1["C"])}
     tests = confirm.family(tasks)
     assert [(t.number, t.a, t.b, t.k) for t in tests] == [(1, "C", "A", 16), (2, "C", "A", 1), (3, "D", "A", 16),
                                                           (4, "C", "D", 16), (5, "B", "A", 16)]
@@ -118,22 +147,80 @@ def with_p(p: float, sign: float = 1.0) -> np.ndarray:
     return sign * t * noise.std(ddof=1) / math.sqrt(5) + noise
 
 
+def test_the_constructed_differences_have_the_p_asked_for():
+    d = with_p(0.03)
+    assert t_two_sided_p(d.mean() / (d.std(ddof=1) / math.sqrt(5)), 4) == pytest.approx(0.03, rel=1e-6)
+
+
+def lifted(p: float, name: str = "embedded", base: float = 0.6) -> confirm.Sweeps:
+    """C and D above A by differences with p; B level with A."""
+    flat = np.full(5, base)
+    up = flat + with_p(p)
+    return task(flat, flat, up, up, name=name)
+
+
 def test_holm_runs_over_all_ten_tests_even_with_one_task():
     """p = 0.0075 would be rejected by Holm over one task's five (0.05 / 5 = 0.01), not over ten (0.005)."""
-    base = np.full(5, 0.6)
     for p, rejected in [(0.0075, False), (0.004, True)]:
-        c16 = base + with_p(p)
-        tests = confirm.family({"embedded": task(seeds(base), seeds(base), seeds(c16), seeds(c16))})
+        tests = confirm.family({"embedded": lifted(p)})
         assert tests[0].diff.p == pytest.approx(p, rel=1e-6)
         assert tests[0].rejected is rejected
     with pytest.raises(ValueError, match="2 tasks, got 3"):
-        confirm.family({name: task(*[seeds(base)] * 4) for name in ("a", "b", "c")})
+        confirm.family({name: lifted(0.5, name) for name in ("a", "b", "c")})
+
+
+def test_holm_pools_the_two_tasks_tests_in_one_family_of_ten():
+    """Tests 1 and 3 of one task at p = 0.004 and of the other at 0.0054: over ten, 0.004 <= 0.05/10 and
+    0.0054 <= 0.05/8 after both 0.004s, so all four are rejected; over eleven or twelve they would not be."""
+    tests = confirm.family({"embedded": lifted(0.004), "digit_sets": lifted(0.0054, "digit_sets")})
+    assert {(t.task, t.number): t.rejected for t in tests if t.number in (1, 3)} == {
+        ("embedded", 1): True, ("embedded", 3): True, ("digit_sets", 1): True, ("digit_sets", 3): True}
+    assert holm([0.004, 0.004, 0.0054, 0.0054] + [1.0] * 8)[2] is False
+
+
+def test_an_incomplete_task_or_a_test_without_se_never_eases_another_rejection():
+    """embedded's tests 1 and 3 at p = 0.0054 are not rejected over ten (0.0054 > 0.005). A second task
+    with tiny p on four seeds, or with one seed of an arm (no p at all), must not change that."""
+    alone = confirm.family({"embedded": lifted(0.0054)})
+    assert not alone[0].rejected
+    first, second = lifted(1e-6, "digit_sets")
+    four = (first, [r for r in second if r.seed != 104 or r.group == "pi_0"])
+    one = (first, [r for r in second if r.seed == 100 or r.group == "pi_0"])
+    for partial in (four, one):
+        tests = confirm.family({"embedded": lifted(0.0054), "digit_sets": partial})
+        assert not tests[0].rejected and not tests[2].rejected
+        other = [t for t in tests if t.task == "digit_sets"]
+        assert all(not t.complete and t.holm_p == 1.0 and not t.rejected for t in other)
+        assert confirm.verdicts(tests)[1] == confirm.Verdict("digit_sets", "incomplete", "incomplete")
+        assert "| digit_sets | 1 |" in confirm.markdown(tests, {"embedded": lifted(0.0054), "digit_sets": partial})
+    tests = confirm.family({"embedded": lifted(0.0054), "digit_sets": four})
+    assert [t.seeds for t in tests if t.task == "digit_sets"] == [4, 4, 4, 4, 5]
+    lo, hi = tests[5].interval()  # four pairs: t at df 3
+    assert hi - lo == pytest.approx(2 * t_critical(3) * tests[5].diff.se, rel=1e-12)
+
+
+@pytest.mark.parametrize("arm", ["A", "C"])
+def test_a_task_is_complete_only_when_every_arm_has_every_seed(arm):
+    first, second = lifted(0.5)
+    sweep, group = confirm.ARMS[arm]
+    rows = [first, second]
+    rows[sweep] = [r for r in rows[sweep] if not (r.group == group and r.seed == 102)]
+    assert confirm.complete(tuple(rows)) is False and confirm.complete((first, second)) is True
+
+
+def test_seeds_beyond_the_pre_registered_ones_are_not_analysed(capsys):
+    first, second = lifted(0.004)
+    extra = [row(r.group, 105, 0.0, 0.0, i) for i, rows in enumerate((first, second)) for r in rows
+             if r.seed == 100 and r.group != "pi_0"]
+    grown = (first + [r for r in extra if r.pg_share == 0.0], second + [r for r in extra if r.pg_share != 0.0])
+    assert [t.diff for t in confirm.family({"embedded": grown})] == [t.diff for t in confirm.family(
+        {"embedded": (first, second)})]
+    assert "embedded: seeds 105 ran too and are not analysed." in confirm.markdown(
+        confirm.family({"embedded": grown}), {"embedded": grown})
 
 
 def verdict(a16, b16, c16, d16, a1=None, c1=None) -> confirm.Verdict:
-    tasks = {"embedded": task(*(seeds(x) for x in (a16, b16, c16, d16)), None if a1 is None else seeds(a1),
-                             None if c1 is None else seeds(c1))}
-    (v,) = confirm.verdicts(confirm.family(tasks), tasks)
+    (v,) = confirm.verdicts(confirm.family({"embedded": task(a16, b16, c16, d16, a1, c1)}))
     return v
 
 
@@ -145,38 +232,114 @@ def test_every_verdict_fixed_in_advance():
     # C above A, Pass@1 level; C level with D which is above A too: the PG term's.
     v = verdict(a, level, up, up + with_p(0.6) * 0.1, p1, p1 + with_p(0.5) * 0.1)
     assert (v.h1, v.h2) == ("supported", "the PG term's")
-    # The same, but C's Pass@1 four points below the control: H1's second half fails.
-    assert verdict(a, level, up, up, p1, p1 - 0.04 + with_p(0.5) * 0.01).h1 == "not supported"
     # C above D, D level with A: the divergence adds.
     assert verdict(a, level, up, level, p1, p1).h2 == "the divergence adds"
     # C level with A: H1 not supported; D level too: undecided.
-    v = verdict(a, level, level, level, p1, p1)
+    assert verdict(a, level, level, level, p1, p1) == confirm.Verdict("embedded", "not supported", "undecided")
+    # C below A (rejected, wrong side): not supported; C below D (rejected, wrong side), D above A: undecided.
+    v = verdict(a, level, a - 0.1 + with_p(1e-4), up, p1, p1)
     assert (v.h1, v.h2) == ("not supported", "undecided")
-    # C below A (rejected, wrong side): not supported.
-    assert verdict(a, level, a - 0.1 + with_p(1e-4), level, p1, p1).h1 == "not supported"
+    # D below A (rejected, wrong side), C level with D: undecided, not the PG term's.
+    down = a - 0.1 + with_p(1e-4)
+    assert verdict(a, level, down + with_p(0.6) * 0.1, down, p1, p1).h2 == "undecided"
+    # Test 1 at p = 0.02: below 0.05 unadjusted, not under Holm over ten: not supported.
+    assert verdict(a, level, a + with_p(0.02), level, p1, p1).h1 == "not supported"
 
 
-def test_a_task_without_every_seed_gets_no_verdict():
-    a = np.full(5, 0.8)
-    first, second = task(*(seeds(x) for x in (a, a, a + 0.1, a)))
-    second = [r for r in second if not (r.group == "dpef_pg" and r.seed == 104)]
-    tasks = {"embedded": (first, second)}
-    tests = confirm.family(tasks)
-    assert [t.seeds for t in tests] == [5, 5, 4, 4, 5]
-    assert confirm.verdicts(tests, tasks) == [confirm.Verdict("embedded", "incomplete", "incomplete")]
+def pass1_at(lower: float, mean: float) -> np.ndarray:
+    """Five paired differences whose mean is `mean` and whose 95% interval starts at `lower`."""
+    noise = np.array([-2.0, -1.0, 0.0, 1.0, 2.0])
+    se_unit = noise.std(ddof=1) / math.sqrt(5)
+    return mean + noise * (mean - lower) / (t_critical(4) * se_unit)
+
+
+@pytest.mark.parametrize(("lower", "mean", "h1"), [(-0.029, 0.0, "supported"), (-0.031, 0.0, "not supported"),
+                                                   (-0.031, -0.01, "not supported"), (-0.029, -0.02, "supported")])
+def test_the_pass_at_1_bound_is_the_intervals_lower_end_against_three_points(lower, mean, h1):
+    a, p1 = np.full(5, 0.80), np.full(5, 0.45)
+    d = pass1_at(lower, mean)
+    (t2,) = [t for t in confirm.family({"embedded": task(a, a, a + 0.1 + with_p(1e-4), a, p1, p1 + d)})
+             if t.number == 2]
+    assert t2.interval()[0] == pytest.approx(lower, abs=1e-9)
+    assert verdict(a, a, a + 0.1 + with_p(1e-4), a, p1, p1 + d).h1 == h1
+
+
+def test_rows_that_cannot_be_the_designs_are_refused_by_name():
+    first, second = lifted(0.5)
+    cases = [
+        ((first, [replace(r, pg_share=0.0) for r in second]), "second sweep of embedded, cell pi_0-seed0: task "
+                                                               "embedded, 100 steps, reference_pg_share 0"),
+        (([replace(r, task="digit_sets") for r in first], second), "first sweep of embedded"),
+        (([replace(r, steps=50) for r in first], second), "50 steps"),
+        (([*first, first[1]], second), "group grpo@d_exp has seed 100 twice"),
+        ((first, [replace(r, metrics={**r.metrics, "in_domain/pass@1": 0.41}) if r.group == "pi_0" else r
+                  for r in second]), "pi_0 rows differ"),
+        (([r for r in first if r.group != "pi_0"], second), "pi_0 rows differ or are missing"),
+    ]
+    for sweeps, says in cases:
+        with pytest.raises(ValueError, match=says):
+            confirm.family({"embedded": sweeps})
+
+
+def frontier_task(rng, name: str) -> tuple[confirm.Sweeps, dict]:
+    """A task whose first sweep also holds the reverse-KL frontier and J; per-seed values returned."""
+    def values(x: float, y: float) -> tuple[np.ndarray, np.ndarray]:
+        return x + rng.normal(0, 0.01, 5), y + rng.normal(0, 0.01, 5)
+
+    v = {f"reverse_kl:{c}": values(x, y) for c, x, y in [("0.01", 0.40, 0.95), ("0.1", 0.45, 0.92),
+                                                         ("1", 0.50, 0.88)]}
+    v |= {"J": values(0.43, 0.97), "B": values(0.36, 0.96), "C": values(0.47, 0.91), "D": values(0.48, 0.95),
+          "A": values(0.5, 0.85)}
+    groups = {"J": "js_low_var:200 share25", "B": "js_low_var:0.2", "A": "grpo@d_exp"}
+    first = [row("pi_0", 0, 0, 0, 0, name)]
+    for key in ("reverse_kl:0.01", "reverse_kl:0.1", "reverse_kl:1", "J", "B", "A"):
+        first += arm_rows(groups.get(key, key), 0, seeds(v[key][0]), seeds(v[key][1]), name)
+    second = [replace_share(first[0]), *arm_rows("js_low_var:0.2", 1, seeds(v["C"][0]), seeds(v["C"][1]), name),
+              *arm_rows("dpef_pg", 1, seeds(v["D"][0]), seeds(v["D"][1]), name)]
+    return (first, second), v
+
+
+def test_the_secondary_gap_is_paired_by_seed_as_in_closed_form_with_holm_over_the_table():
+    """g_s = y_s - (1-t) ya_s - t yb_s - b (x_s - (1-t) xa_s - t xb_s), t and b from the means: its mean is
+    the arm's Pass@16 minus the chord at its Pass@1, its se sd(g)/sqrt(5) at df 4; B (left of the
+    frontier's range) has none; C is read from the second sweep."""
+    rng = np.random.default_rng()
+    tasks, values = {}, {}
+    for name in ("embedded", "digit_sets"):
+        tasks[name], values[name] = frontier_task(rng, name)
+    found = {(f.task, f.arm): f for f in confirm.secondary(tasks)}
+    ps = []
+    for name, v in values.items():
+        assert found[(name, "B")].gap is None
+        pts = [v[f"reverse_kl:{c}"] for c in ("0.01", "0.1", "1")]
+        for arm in "JCD":
+            x, y = v[arm]
+            lo, hi = (pts[0], pts[1]) if x.mean() <= pts[1][0].mean() else (pts[1], pts[2])
+            t = (x.mean() - lo[0].mean()) / (hi[0].mean() - lo[0].mean())
+            b = (hi[1].mean() - lo[1].mean()) / (hi[0].mean() - lo[0].mean())
+            g = y - (1 - t) * lo[1] - t * hi[1] - b * (x - (1 - t) * lo[0] - t * hi[0])
+            gap = found[(name, arm)].gap
+            assert gap.delta == pytest.approx(y.mean() - ((1 - t) * lo[1].mean() + t * hi[1].mean()), abs=1e-12)
+            assert gap.delta == pytest.approx(g.mean(), abs=1e-12)
+            assert gap.se == pytest.approx(g.std(ddof=1) / math.sqrt(5), rel=1e-9) and gap.df == 4
+            ps.append(((name, arm), gap.p))
+    # Holm over the one table of eight rows (B's two out of range count as p = 1).
+    rejected = holm([p for _, p in ps] + [1.0, 1.0])
+    assert {key: found[key].rejected for key, _ in ps} == {key: r for (key, _), r in zip(ps, rejected, strict=False)}
 
 
 def write_csv(path, sweep: list[SeedRow]) -> None:
-    lines = ["cell,group,mode,seed,coeff,share,commit,date,load,in_domain/pass@1,in_domain/pass@16"]
-    lines += [f"{r.cell},{r.group},{r.mode},{r.seed},0,0,c,d,,{r.metrics['in_domain/pass@1']!r},"
-              f"{r.metrics['in_domain/pass@16']!r}" for r in sweep]
+    lines = ["cell,group,mode,seed,coeff,share,task,pg_share,steps,commit,date,load,resumed,in_domain/pass@1,"
+             "in_domain/pass@16"]
+    lines += [f"{r.cell},{r.group},{r.mode},{r.seed},0,0,{r.task},{r.pg_share},{r.steps},c,d,,0,"
+              f"{r.metrics['in_domain/pass@1']!r},{r.metrics['in_domain/pass@16']!r}" for r in sweep]
     path.write_text("\n".join(lines) + "\n")
 
 
 def test_the_command_prints_the_family_and_writes_it(tmp_path, capsys):
     a = np.full(5, 0.8)
     up = a + 0.1 + with_p(1e-4) - with_p(1e-4).mean()  # ten points above, seed by seed noise
-    first, second = task(*(seeds(x) for x in (a, a, up, up)))
+    first, second = task(a, a, up, up)
     (tmp_path / "one").mkdir()
     write_csv(tmp_path / "one" / "seeds.csv", first)
     write_csv(tmp_path / "two.csv", second)
@@ -187,55 +350,23 @@ def test_the_command_prints_the_family_and_writes_it(tmp_path, capsys):
     text = capsys.readouterr().out
     png = figure.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 6.5 * 120  # one panel
-    assert "| embedded | 1 | C − A | Pass@16 | +10.0" in text and "H1 supported on 1 of 1 tasks." in text
+    assert "| embedded | 1 | C − A | Pass@16 | +10.0" in text and "H1 supported on 1 of 2 tasks (interim" in text
     assert "- **embedded**: H1 supported; H2 the PG term's." in text
+    assert "| embedded | 2 | C − A | Pass@1 | +0.0 ± 0.0 |" in text and "bound holds" in text
+    assert "| embedded | π₀ | 1 | 40.0 | 98.0 |" in text and "20 cells at c, d to d." in text
     assert out.read_text() == text
     assert main(["ablate", "confirm", "--task", "embedded", str(tmp_path / "one"), str(tmp_path / "nope")]) == 2
     assert "nope: no such file (a sweep writes seeds.csv" in capsys.readouterr().err
-    write_csv(tmp_path / "two.csv", [SeedRow("x", "dpef_pg", "dpef_pg", 100, 0, 0, "", "", None,
-                                             {"in_domain/pass@1": 0.1, "in_domain/pass@16": 0.2})])
-    (tmp_path / "two.csv").write_text((tmp_path / "two.csv").read_text().replace(",in_domain/pass@16", ",other"))
+    write_csv(tmp_path / "two.csv", second)
+    text = (tmp_path / "two.csv").read_text().splitlines()
+    text[-1] = text[-1][:text[-1].rindex(",") + 1]  # the last D cell without its Pass@16
+    (tmp_path / "two.csv").write_text("\n".join(text) + "\n")
     assert main(["ablate", "confirm", "--task", "embedded", str(tmp_path / "one"), str(tmp_path / "two.csv")]) == 2
     assert "no column in_domain/pass@16" in capsys.readouterr().err
+    assert main(["ablate", "confirm", "--task", "digit_sets", str(tmp_path / "one"), str(tmp_path / "one")]) == 2
+    assert "first sweep of digit_sets, cell pi_0-seed0: task embedded" in capsys.readouterr().err
 
 
-def test_p_of_the_constructed_differences_is_the_one_asked_for():
-    d = with_p(0.03)
-    t = d.mean() / (d.std(ddof=1) / math.sqrt(5))
-    assert t_two_sided_p(t, 4) == pytest.approx(0.03, rel=1e-6)
-
-
-def test_the_secondary_table_matches_arms_to_the_reverse_kl_frontier_at_their_pass_at_1():
-    """Each arm's Pass@16 minus the frontier's chord at its Pass@1, the variance every point's Pass@1
-    and Pass@16 error carried through the chord, in float64 closed form; an arm outside the frontier's
-    Pass@1 range gets no comparison; C is read from the second sweep, B from the first."""
-    rng = np.random.default_rng()
-
-    def arm(group: str, x: float, y: float) -> tuple[list[SeedRow], np.ndarray, np.ndarray]:
-        p1, p16 = x + rng.normal(0, 0.01, 5), y + rng.normal(0, 0.01, 5)
-        return rows(group, seeds(p1), seeds(p16)), p1, p16
-
-    frontier = [arm(f"reverse_kl:{c}", x, y) for c, x, y in [("0.01", 0.40, 0.95), ("0.1", 0.45, 0.92),
-                                                             ("1", 0.50, 0.88)]]
-    j, b, c, d = arm("js_low_var:200 share25", 0.43, 0.97), arm("js_low_var:0.2", 0.36, 0.96), \
-        arm("js_low_var:0.2", 0.47, 0.91), arm("dpef_pg", 0.48, 0.95)
-    first = [r for f in frontier for r in f[0]] + j[0] + b[0]
-    found = {f.arm: f for f in confirm.secondary({"embedded": (first, c[0] + d[0])})}
-    assert found["B"].gap is None  # Pass@1 0.36: left of the frontier's range
-    for name, (_, x, y) in {"J": j, "C": c, "D": d}.items():
-        se = lambda v: v.std(ddof=1) / math.sqrt(5)  # noqa: E731
-        pts = [(f[1], f[2]) for f in frontier]
-        lo, hi = (pts[0], pts[1]) if x.mean() <= pts[1][0].mean() else (pts[1], pts[2])
-        t = (x.mean() - lo[0].mean()) / (hi[0].mean() - lo[0].mean())
-        slope = (hi[1].mean() - lo[1].mean()) / (hi[0].mean() - lo[0].mean())
-        var = (se(y) ** 2 + (1 - t) ** 2 * se(lo[1]) ** 2 + t**2 * se(hi[1]) ** 2
-               + slope**2 * (se(x) ** 2 + (1 - t) ** 2 * se(lo[0]) ** 2 + t**2 * se(hi[0]) ** 2))
-        gap = found[name].gap
-        assert gap.delta == pytest.approx(y.mean() - ((1 - t) * lo[1].mean() + t * hi[1].mean()), abs=1e-12)
-        assert gap.se == pytest.approx(math.sqrt(var), rel=1e-9)
-        assert found[name].pass1.mean == pytest.approx(x.mean(), abs=1e-12)
-    # Holm within the table: J, C and D are tested, B is not.
-    ps = [found[a].gap.p for a in "JCD"]
-    rejected = [p <= 0.05 / (3 - rank) for rank, p in enumerate(sorted(ps))]
-    expect = {a: all(rejected[: sorted(ps).index(found[a].gap.p) + 1]) for a in "JCD"}
-    assert {a: found[a].rejected for a in "JCD"} == expect
+def test_holm_rejects_at_exactly_its_threshold():
+    assert holm([0.005] + [1.0] * 9) == [True] + [False] * 9
+    assert holm([0.0051] + [1.0] * 9) == [False] * 10

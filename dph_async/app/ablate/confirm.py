@@ -1,35 +1,43 @@
-"""The pre-registered confirmatory test of docs/preregistration.md, from the sweeps' seeds.csv.
+"""The pre-registered confirmatory test of docs/preregistration.md (design 1), from the sweeps' seeds.csv.
 
-Per task two sweeps: the first holds A (`grpo@d_exp`, the control) and B (`js_low_var:0.2`, DPH-JS as
-written), the second, run with `learner.loss.reference_pg_share=0.375`, holds C (`js_low_var:0.2`:
-DPH-JS as the official script's batches train it) and D (`dpef_pg`: that policy-gradient term alone).
-B and C share a group name; which sweep a row came from tells them apart.
+Per task two sweeps from one pi_0: the first holds A (`grpo@d_exp`, the control) and B
+(`js_low_var:0.2`, DPH-JS as written), the second, run with `learner.loss.reference_pg_share=0.375`,
+holds C (`js_low_var:0.2`: DPH-JS as the official script's batches train it) and D (`dpef_pg`: that
+policy-gradient term alone). B and C share a group name; which sweep a row came from tells them
+apart, and each sweep's rows must say the share they ran at (`check_task` refuses a mix-up, another
+pi_0, another task or step count, a seed twice).
 
-The family, per task, on the final model's in-domain Pass@k (paired by seed, two-sided Student's t at
-df = n - 1, `dph_async.stats`):
+The family, per task, on the final model's in-domain Pass@k (paired by seed over the pre-registered
+SEEDS only, two-sided Student's t at df = n - 1, `dph_async.stats`):
 
     1  C - A  Pass@16        3  D - A  Pass@16        5  B - A  Pass@16
     2  C - A  Pass@1         4  C - D  Pass@16
 
-Holm's step-down over the whole family of FAMILY_SIZE tests (two tasks x five) at 0.05; a test whose
-task was not given counts as p = 1, so fewer tasks never make a rejection easier. Verdicts, fixed in
-advance:
+Holm's step-down over the whole family of FAMILY_SIZE tests (two tasks x five) at 0.05. A test of a
+task not given, or of a task whose arms lack some of the SEEDS ("incomplete"), enters as p = 1: a
+rejection made early stands once the data are complete, and missing data never make one easier.
+Verdicts, fixed in advance, for complete tasks:
 
-    H1 supported     test 1 rejected with C above A, and test 2's 95% interval above -PASS1_MARGIN
-    H2 "PG term"     test 3 rejected with D above A, test 4 not rejected
-    H2 "divergence adds"   test 4 rejected with C above D
-    H2 "undecided"   otherwise
+    H1 supported         test 1 rejected with C above A, and test 2's 95% interval above -PASS1_MARGIN
+    H2 "divergence adds" test 4 rejected with C above D
+    H2 "PG term's"       test 3 rejected with D above A, test 4 not rejected
+    H2 "undecided"       otherwise
 
-A task whose arms do not all hold the pre-registered seeds gets no verdict ("incomplete"), only its
-differences so far.
-
-Secondary, outside the family: J (`js_low_var:200 share25`), B, C and D against the reverse-KL
-frontier of the first sweep (`reverse_kl` at 0.01, 0.1, 1) at their own Pass@1, every Pass@1's and
-Pass@16's error carried (`frontier.Chord.gap`), Holm within each task's table.
+Secondary, outside the family: J (`js_low_var:200 share25`), B, C and D against the first sweep's
+reverse-KL frontier (`reverse_kl` at 0.01, 0.1, 1) at their own Pass@1. Per seed s, with the chord's
+position t and slope b from the means, g_s = y_s - (1-t) ya_s - t yb_s - b (x_s - (1-t) xa_s - t xb_s)
+(x Pass@1, y Pass@16; a, b the bracketing frontier points): its mean is Pass@16 minus the chord at
+the arm's Pass@1, and a paired t on g carries every Pass@1's and Pass@16's error and their
+covariances across seeds, at df = n - 1. Holm over the one table (both tasks), a row outside the
+frontier's Pass@1 range entering as p = 1. Also descriptive: every arm's in-domain and OOD Pass@1,
+Pass@16 and distinct correct answers, pi_0's beside them.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -43,14 +51,64 @@ from dph_async.stats import Difference, holm, paired, t_critical
 SEEDS = (100, 101, 102, 103, 104)
 FAMILY_SIZE = 10
 PASS1_MARGIN = 0.03  # "rises like GRPO's": at most 3 points of Pass@1 below the control
+STEPS = 100
+PG_SHARE = (0.0, 0.375)  # learner.loss.reference_pg_share of the first and the second sweep
 SPLIT = "in_domain"
 K = 16
-# arm -> (sweep: 0 first, 1 second, group name in its seeds.csv)
-ARMS = {"A": (0, "grpo@d_exp"), "B": (0, "js_low_var:0.2"), "C": (1, "js_low_var:0.2"), "D": (1, "dpef_pg")}
-SECONDARY = {"J": (0, "js_low_var:200 share25"), "B": ARMS["B"], "C": ARMS["C"], "D": ARMS["D"]}
-RIVAL = tuple((0, f"reverse_kl:{c}") for c in ("0.01", "0.1", "1"))
+Arm = tuple[int, str]  # (sweep: 0 first, 1 second; group name in its seeds.csv)
+ARMS: dict[str, Arm] = {"A": (0, "grpo@d_exp"), "B": (0, "js_low_var:0.2"), "C": (1, "js_low_var:0.2"),
+                        "D": (1, "dpef_pg")}
+SECONDARY: dict[str, Arm] = {"J": (0, "js_low_var:200 share25"), "B": ARMS["B"], "C": ARMS["C"], "D": ARMS["D"]}
+RIVAL: tuple[Arm, ...] = tuple((0, f"reverse_kl:{c}") for c in ("0.01", "0.1", "1"))
 # (number, a, b, k): a - b on Pass@k
 TESTS = ((1, "C", "A", K), (2, "C", "A", 1), (3, "D", "A", K), (4, "C", "D", K), (5, "B", "A", K))
+Sweeps = tuple[list[SeedRow], list[SeedRow]]
+
+
+def check_task(name: str, sweeps: Sweeps) -> None:
+    """Refuse rows that cannot be the design's: another task or step count, a sweep at the other's
+    reference_pg_share, a seed twice in a group, or two sweeps from different pi_0s."""
+    for i, rows in enumerate(sweeps):
+        which = ("first", "second")[i]
+        for r in rows:
+            if r.task != name or r.steps != STEPS or r.pg_share != PG_SHARE[i]:
+                raise ValueError(f"{which} sweep of {name}, cell {r.cell}: task {r.task}, {r.steps} steps, "
+                                 f"reference_pg_share {r.pg_share:g}; the design runs {name}, {STEPS} steps, "
+                                 f"{PG_SHARE[i]:g}")
+        twice = [key for key, n in Counter((r.group, r.seed) for r in rows).items() if n > 1]
+        if twice:
+            raise ValueError(f"{which} sweep of {name}: group {twice[0][0]} has seed {twice[0][1]} twice")
+    bases = [next((r.metrics for r in rows if r.group == BASE), None) for rows in sweeps]
+    if bases[0] is None or bases[0] != bases[1]:
+        raise ValueError(f"{name}: the two sweeps' pi_0 rows differ or are missing; the second sweep must start "
+                         "from the first's base model, pre-sampling and evaluation (copied in)")
+
+
+def arm_values(sweeps: Sweeps, arm: str | Arm, metric: str) -> dict[int, float]:
+    """seed -> the arm's `metric` ("in_domain/pass@16"), over the pre-registered seeds only; a column
+    the rows lack is named."""
+    sweep, group = ARMS[arm] if isinstance(arm, str) else arm
+    out = {}
+    for r in sweeps[sweep]:
+        if r.group == group and r.seed in SEEDS:
+            if metric not in r.metrics:
+                raise ValueError(f"arm {arm} ({group}), cell {r.cell}: no column {metric}")
+            out[r.seed] = r.metrics[metric]
+    return out
+
+
+def _pass(k: int) -> str:
+    return f"{SPLIT}/pass@{k}"
+
+
+def other_seeds(sweeps: Sweeps) -> list[int]:
+    """Seeds some arm ran beyond the pre-registered ones: never analysed, only named."""
+    return sorted({r.seed for rows in sweeps for r in rows if r.group != BASE and r.seed not in SEEDS})
+
+
+def complete(sweeps: Sweeps) -> bool:
+    """Every arm of the family holds every pre-registered seed."""
+    return all(set(SEEDS) <= arm_values(sweeps, arm, _pass(K)).keys() for arm in ARMS)
 
 
 @dataclass(frozen=True)
@@ -62,6 +120,7 @@ class Test:
     k: int
     diff: Difference
     seeds: int
+    complete: bool  # the task's every arm holds every seed: else p = 1 in Holm, no verdict
     rejected: bool = False  # by Holm over the family
 
     def interval(self) -> tuple[float, float] | None:
@@ -71,6 +130,11 @@ class Test:
         half = t_critical(self.diff.df) * self.diff.se
         return self.diff.delta - half, self.diff.delta + half
 
+    @property
+    def holm_p(self) -> float:
+        """The p Holm takes: 1 for an incomplete task or a test without a standard error."""
+        return self.diff.p if self.complete and self.diff.p is not None else 1.0
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -79,48 +143,35 @@ class Verdict:
     h2: str
 
 
-def arm_values(sweeps: tuple[list[SeedRow], list[SeedRow]], arm: str | tuple[int, str], k: int) -> dict[int, float]:
-    """seed -> the arm's final in-domain Pass@k (an arm by its letter, or as (sweep, group)); a column
-    the rows lack is named."""
-    sweep, group = ARMS[arm] if isinstance(arm, str) else arm
-    key = f"{SPLIT}/pass@{k}"
-    out = {}
-    for r in sweeps[sweep]:
-        if r.group == group:
-            if key not in r.metrics:
-                raise ValueError(f"arm {arm} ({group}), cell {r.cell}: no column {key}")
-            out[r.seed] = r.metrics[key]
-    return out
-
-
-def family(tasks: dict[str, tuple[list[SeedRow], list[SeedRow]]]) -> list[Test]:
+def family(tasks: dict[str, Sweeps]) -> list[Test]:
     """The five tests of every task given, with Holm's decisions over FAMILY_SIZE."""
     if len(tasks) * len(TESTS) > FAMILY_SIZE:
         raise ValueError(f"the pre-registered family has {FAMILY_SIZE // len(TESTS)} tasks, got {len(tasks)}")
     tests = []
     for task, sweeps in tasks.items():
+        check_task(task, sweeps)
+        done = complete(sweeps)
         for number, a, b, k in TESTS:
-            va, vb = arm_values(sweeps, a, k), arm_values(sweeps, b, k)
-            tests.append(Test(task, number, a, b, k, paired(va, vb), len(va.keys() & vb.keys())))
-    ps = [t.diff.p for t in tests] + [1.0] * (FAMILY_SIZE - len(tests))
-    rejected = holm(ps)
+            va, vb = arm_values(sweeps, a, _pass(k)), arm_values(sweeps, b, _pass(k))
+            tests.append(Test(task, number, a, b, k, paired(va, vb), len(va.keys() & vb.keys()), done))
+    rejected = holm([t.holm_p for t in tests] + [1.0] * (FAMILY_SIZE - len(tests)))
     return [replace(t, rejected=r) for t, r in zip(tests, rejected, strict=False)]
 
 
-def complete(sweeps: tuple[list[SeedRow], list[SeedRow]]) -> bool:
-    """Every arm holds every pre-registered seed."""
-    return all(set(SEEDS) <= arm_values(sweeps, arm, K).keys() for arm in ARMS)
+def bound_holds(test: Test) -> bool:
+    """Test 2's rule: the 95% interval of C - A on Pass@1 lies above -PASS1_MARGIN."""
+    iv = test.interval()
+    return iv is not None and iv[0] > -PASS1_MARGIN
 
 
-def verdicts(tests: list[Test], tasks: dict[str, tuple[list[SeedRow], list[SeedRow]]]) -> list[Verdict]:
+def verdicts(tests: list[Test]) -> list[Verdict]:
     out = []
-    for task, sweeps in tasks.items():
-        if not complete(sweeps):
+    for task in dict.fromkeys(t.task for t in tests):
+        t = {x.number: x for x in tests if x.task == task}
+        if not t[1].complete:
             out.append(Verdict(task, "incomplete", "incomplete"))
             continue
-        t = {x.number: x for x in tests if x.task == task}
-        low = (t[2].interval() or (float("-inf"), 0.0))[0]
-        h1 = t[1].rejected and t[1].diff.delta > 0 and low > -PASS1_MARGIN
+        h1 = t[1].rejected and t[1].diff.delta > 0 and bound_holds(t[2])
         if t[4].rejected and t[4].diff.delta > 0:
             h2 = "the divergence adds"
         elif t[3].rejected and t[3].diff.delta > 0 and not t[4].rejected:
@@ -138,48 +189,116 @@ class AgainstFrontier:
     pass1: Stat
     pass16: Stat
     gap: Difference | None  # Pass@16 minus the reverse-KL frontier's at this Pass@1; None outside its range
-    rejected: bool = False  # by Holm within the task's table
+    rejected: bool = False  # by Holm over the table
 
 
-def _point(sweeps: tuple[list[SeedRow], list[SeedRow]], arm: tuple[int, str]) -> tuple[Stat, Stat] | None:
-    p1, p16 = arm_values(sweeps, arm, 1), arm_values(sweeps, arm, K)
+def _point(sweeps: Sweeps, arm: Arm) -> tuple[Stat, Stat] | None:
+    p1, p16 = arm_values(sweeps, arm, _pass(1)), arm_values(sweeps, arm, _pass(K))
     return (stat(list(p1.values())), stat(list(p16.values()))) if p1 and p16 else None
 
 
-def secondary(tasks: dict[str, tuple[list[SeedRow], list[SeedRow]]]) -> list[AgainstFrontier]:
-    """J, B, C and D against the first sweep's reverse-KL frontier at matched Pass@1."""
-    out = []
+def frontier_gap(sweeps: Sweeps, arm: Arm) -> tuple[tuple[Stat, Stat], Difference | None] | None:
+    """The arm's (Pass@1, Pass@16) and its per-seed gap to the reverse-KL chord (module docstring)."""
+    if (point := _point(sweeps, arm)) is None:
+        return None
+    rival = {a: p for a in RIVAL if (p := _point(sweeps, a)) is not None}
+    c = chord(list(rival.values()), point[0].mean)
+    if c is None:
+        return point, None
+    lo, hi = (next(a for a, p in rival.items() if p is end) for end in (c.a, c.b))
+    x, y = (arm_values(sweeps, arm, _pass(k)) for k in (1, K))
+    xa, ya, xb, yb = (arm_values(sweeps, end, _pass(k)) for end in (lo, hi) for k in (1, K))
+    t, b = c.t, c.slope
+    common = sorted(x.keys() & xa.keys() & xb.keys())
+    g = [y[s] - (1 - t) * ya[s] - t * yb[s] - b * (x[s] - (1 - t) * xa[s] - t * xb[s]) for s in common]
+    if len(g) < 2:
+        return point, Difference(statistics.fmean(g), None) if g else None
+    return point, Difference(statistics.fmean(g), statistics.stdev(g) / math.sqrt(len(g)), len(g) - 1.0, True)
+
+
+def secondary(tasks: dict[str, Sweeps]) -> list[AgainstFrontier]:
+    """J, B, C and D against the first sweep's reverse-KL frontier at matched Pass@1, Holm over the table."""
+    found = []
     for task, sweeps in tasks.items():
-        rival = [p for arm in RIVAL if (p := _point(sweeps, arm)) is not None]
-        found = []
         for name, arm in SECONDARY.items():
-            if (point := _point(sweeps, arm)) is None:
-                continue
-            c = chord(rival, point[0].mean)
-            found.append(AgainstFrontier(task, name, *point, None if c is None else c.gap(*point)))
-        rejected = holm([None if f.gap is None else f.gap.p for f in found])
-        out += [replace(f, rejected=r) for f, r in zip(found, rejected, strict=True)]
-    return out
+            if (res := frontier_gap(sweeps, arm)) is not None:
+                found.append(AgainstFrontier(task, name, *res[0], res[1]))
+    rejected = holm([1.0 if f.gap is None or f.gap.p is None else f.gap.p for f in found])
+    return [replace(f, rejected=r) for f, r in zip(found, rejected, strict=True)]
 
 
-def markdown(tests: list[Test], found: list[Verdict], against: list[AgainstFrontier] | None = None) -> str:
-    """The family's table (points of Pass@k), the verdicts, and the secondary table when given."""
+DESCRIBED = (("in-dom. P@1", f"{SPLIT}/pass@1", 100, 1), (f"in-dom. P@{K}", f"{SPLIT}/pass@{K}", 100, 1),
+             ("in-dom. distinct", f"{SPLIT}/distinct", 1, 2), ("OOD P@1", "ood/pass@1", 100, 1),
+             (f"OOD P@{K}", f"ood/pass@{K}", 100, 1), ("OOD distinct", "ood/distinct", 1, 2))
+
+
+def describe(tasks: dict[str, Sweeps]) -> str:
+    """Every arm's mean ± s.e. over the pre-registered seeds, pi_0's row first (one evaluation)."""
+    rows = []
+    for task, sweeps in tasks.items():
+        base = next((r.metrics for r in sweeps[0] if r.group == BASE), {})
+        rows.append([task, "π₀", "1", *(f"{scale * base[key]:.{d}f}" if key in base else "-"
+                                        for _, key, scale, d in DESCRIBED)])
+        for name, arm in {**ARMS, "J": SECONDARY["J"], **{f"R {a[1]}": a for a in RIVAL}}.items():
+            cells = []
+            for _, key, scale, d in DESCRIBED:
+                values = [r.metrics[key] for r in sweeps[arm[0]]
+                          if r.group == arm[1] and r.seed in SEEDS and key in r.metrics]
+                cells.append(stat(values).fmt(scale, d) if values else "-")
+            n = len(arm_values(sweeps, arm, _pass(K)))
+            if n:
+                rows.append([task, f"{name} ({arm[1]})" if len(name) == 1 else name, str(n), *cells])
+    return markdown_table(["task", "arm", "seeds", *(h for h, *_ in DESCRIBED)], rows)
+
+
+def _reads(t: Test) -> str:
+    if not t.complete:
+        return "incomplete"
+    if t.number == 2:
+        return f"bound {'holds' if bound_holds(t) else 'fails'} (lower end > −{100 * PASS1_MARGIN:g})"
+    reading = ("above" if t.diff.delta > 0 else "below") if t.rejected else "level"
+    return reading + (" (s.e. 0: the same difference on every seed)" if t.diff.se == 0 and t.diff.delta else "")
+
+
+def provenance(tasks: dict[str, Sweeps]) -> str:
+    """The commits, dates and highest load the analysed rows ran at, and any resumed cell."""
+    rows = [r for sweeps in tasks.values() for rs in sweeps for r in rs if r.group != BASE and r.seed in SEEDS]
+    commits = sorted({r.commit or "unrecorded" for r in rows})
+    dates = sorted(r.date for r in rows if r.date)
+    loads = [r.load for r in rows if r.load is not None]
+    resumed = [r.cell for r in rows if r.resumed]
+    return (f"{len(rows)} cells at {', '.join(commits)}" + (f", {dates[0]} to {dates[-1]}" if dates else "")
+            + (f", 1-minute load at most {max(loads):.1f}" if loads else "")
+            + (f"; resumed after an interruption: {', '.join(resumed)}" if resumed else "") + ".")
+
+
+def markdown(tests: list[Test], tasks: dict[str, Sweeps]) -> str:
+    """The family's table (points of Pass@k), the verdicts, the secondary and descriptive tables."""
     rows = []
     for t in tests:
         d, iv = t.diff, t.interval()
         rows.append([t.task, str(t.number), f"{t.a} − {t.b}", f"Pass@{t.k}",
                      f"{100 * d.delta:+.1f}" + ("" if d.se is None else f" ± {100 * d.se:.1f}"),
                      "-" if iv is None else f"[{100 * iv[0]:+.1f}, {100 * iv[1]:+.1f}]",
-                     str(t.seeds), "-" if d.p is None else f"{d.p:.4f}", "rejected" if t.rejected else "not rejected"])
-    lines = [markdown_table(["task", "test", "arms", "metric", "difference (points) ± s.e.", "95% interval", "seeds",
-                             "p", f"Holm over {FAMILY_SIZE}"], rows), ""]
-    lines += [f"- **{v.task}**: H1 {v.h1}; H2 {v.h2}." for v in found]
+                     str(t.seeds), "-" if d.p is None else f"{d.p:.4f}",
+                     "rejected" if t.rejected else "not rejected", _reads(t)])
+    found = verdicts(tests)
+    n_tasks = FAMILY_SIZE // len(TESTS)
     supported = sum(v.h1 == "supported" for v in found)
-    lines += ["", f"H1 supported on {supported} of {len(found)} tasks."]
-    if against:
-        lines += ["", "Secondary (outside the family): Pass@16 against the reverse-KL frontier at the arm's own "
-                  "Pass@1, every Pass@1's and Pass@16's error carried, Holm within each task.", "",
-                  _against_table(against)]
+    decided = sum(v.h1 != "incomplete" for v in found)
+    lines = [markdown_table(["task", "test", "arms", "metric", "difference (points) ± s.e.", "95% interval",
+                             "seeds", "p", f"Holm over {FAMILY_SIZE}", "reads"], rows), "",
+             *(f"- **{v.task}**: H1 {v.h1}; H2 {v.h2}." for v in found), "",
+             f"H1 supported on {supported} of {n_tasks} tasks"
+             + ("." if decided == n_tasks else f" (interim: {decided} of {n_tasks} tasks complete).")]
+    for task, sweeps in tasks.items():
+        if extra := other_seeds(sweeps):
+            lines.append(f"{task}: seeds {', '.join(map(str, extra))} ran too and are not analysed.")
+    against = secondary(tasks)
+    lines += ["", "Secondary (outside the family): Pass@16 minus the reverse-KL frontier's at the arm's own Pass@1, "
+              "paired by seed (every Pass@1's and Pass@16's error carried), Holm over the table.", "",
+              _against_table(against), "", "Every arm, mean ± s.e. over the seeds (%; distinct: distinct correct "
+              "answers per prompt among 16):", "", describe(tasks), "", provenance(tasks)]
     return "\n".join(lines)
 
 
@@ -198,7 +317,7 @@ ARM_LABELS = {"A": "A grpo@d_exp (control)", "B": "B DPH-JS 0.2 as written", "C"
               "D": "D PG on D_pef alone", "J": "J DPH-JS 200, pool 25%"}
 
 
-def plot(tasks: dict[str, tuple[list[SeedRow], list[SeedRow]]], out: Path) -> None:
+def plot(tasks: dict[str, Sweeps], out: Path) -> None:
     """One panel per task: in-domain Pass@16 against Pass@1 of the final models, mean ± s.e. over seeds
     on both axes; the reverse-KL frontier as a line through its three coefficients, the arms as
     points, pi_0 as a star."""
@@ -216,8 +335,8 @@ def plot(tasks: dict[str, tuple[list[SeedRow], list[SeedRow]]], out: Path) -> No
             if (point := _point(sweeps, arm)) is not None:
                 _errorbar(ax, [point], colour[name], ARM_LABELS[name], "s")
         base = next((r.metrics for r in sweeps[0] if r.group == BASE), None)
-        if base is not None and f"{SPLIT}/pass@{K}" in base:
-            ax.plot(100 * base[f"{SPLIT}/pass@1"], 100 * base[f"{SPLIT}/pass@{K}"], "k*", ms=12, label="π₀")
+        if base is not None and _pass(K) in base:
+            ax.plot(100 * base[_pass(1)], 100 * base[_pass(K)], "k*", ms=12, label="π₀")
         ax.set(title=f"{task}: in-domain Pass@{K} against Pass@1", xlabel="Pass@1 (%)", ylabel=f"Pass@{K} (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -203,7 +203,7 @@ def write_summary(out: Path) -> list[Group]:
     md += ["Plots: `plots/curves.png`, `plots/pass_at_k.png`, `plots/staleness.png`, `plots/summary.png`"
            + (", `plots/frontier.png`." if comparisons else "."), ""]
     (out / "summary.md").write_text("\n".join(md))
-    write_seeds(out / "seeds.csv", cells, splits, k_max, load_config(str(out / "config.yaml")).seed)
+    write_seeds(out / "seeds.csv", cells, splits, k_max, load_config(str(out / "config.yaml")))
     summary = {
         "kind": kind,
         "groups": [{"name": g.name, "factors": g.factors, "cells": [c.cell.key for c in g.cells],

@@ -4,8 +4,11 @@ Small enough to commit beside the docs (a few KB for 40 cells), and everything a
 standard errors and paired tests needs: every figure in docs/ablations.md that comes from a sweep can
 be re-derived from these rows (`dph-async ablate confirm` reads them). Columns:
 
-    cell, group, mode, seed, coeff, share      what ran (the sweep's cell)
-    commit, date, load                          the code and the machine's 1-minute load when it finished
+    cell, group, mode, seed, coeff, share       what ran (the sweep's cell)
+    task, pg_share, steps                       the sweep's base config: its task (task.name, or the
+                                                data file), learner.loss.reference_pg_share, steps
+    commit, date, load, resumed                 the code, when it finished, the machine's 1-minute
+                                                load then, whether it resumed after an interruption
     reward, wall_s, samples                     final training reward, wall seconds, fresh samples
     <split>/greedy, <split>/pass@1, <split>/pass@<k>, <split>/distinct    the final model, per test split
 
@@ -22,10 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dph_async.app.ablate.results import CellResult, cell_metrics, split_metrics
+from dph_async.config import RunConfig
 
 IDENTITY = ("cell", "group", "mode", "seed", "coeff", "share")
-PROVENANCE = ("commit", "date", "load")
+CONFIG = ("task", "pg_share", "steps")
+PROVENANCE = ("commit", "date", "load", "resumed")
 RUN = ("reward", "wall_s", "samples")
+TEXT = (*IDENTITY, *CONFIG, *PROVENANCE)  # the columns that are not figures
+BASE = "pi_0"
 
 
 @dataclass(frozen=True)
@@ -38,9 +45,13 @@ class SeedRow:
     seed: int
     coeff: float
     share: float
+    task: str
+    pg_share: float
+    steps: int
     commit: str
     date: str
     load: float | None
+    resumed: bool
     metrics: dict[str, float]  # reward, wall_s, samples and the split columns
 
 
@@ -48,49 +59,59 @@ def split_columns(splits: list[str], k_max: int) -> list[str]:
     return [f"{s}/{m}" for s in splits for m in ("greedy", "pass@1", f"pass@{k_max}", "distinct")]
 
 
-BASE = "pi_0"
+def task_name(cfg: RunConfig) -> str:
+    return cfg.task.name if cfg.task.data is None else Path(cfg.task.data).name
 
 
-def write_seeds(path: Path, cells: list[CellResult], splits: list[str], k_max: int, base_seed: int) -> None:
+def write_seeds(path: Path, cells: list[CellResult], splits: list[str], k_max: int, cfg: RunConfig) -> None:
     """seeds.csv: pi_0's row (its evaluation is every cell's version 0), then the finished cells in the
-    sweep's order."""
-    columns = [*IDENTITY, *PROVENANCE, *RUN, *split_columns(splits, k_max)]
+    sweep's order. `cfg`: the sweep's base config."""
+    figures = [*RUN, *split_columns(splits, k_max)]
+    config = [task_name(cfg), cfg.learner.loss.reference_pg_share, cfg.learner.steps]
     with path.open("w", newline="") as f:
         out = csv.writer(f)
-        out.writerow(columns)
+        out.writerow([*TEXT, *figures])
         base = {}
         for split, res in cells[0].evals[0].splits.items():
             base.update(split_metrics(split, res, None))
-        out.writerow([BASE, BASE, "base", base_seed, 0.0, 0.0, "", "", "", "", "", "",
-                      *(_number(base.get(k)) for k in split_columns(splits, k_max))])
+        out.writerow([BASE, BASE, "base", cfg.seed, 0.0, 0.0, *config, "", "", "", "",
+                      *(_number(base.get(k)) for k in figures)])
         for c in cells:
-            m = cell_metrics(c)
-            prov = c.provenance
+            m, prov = cell_metrics(c), c.provenance
             load = (prov.get("machine") or {}).get("load_avg") or [None]
             out.writerow([c.cell.key, c.cell.group, c.cell.mode, c.cell.seed, c.cell.factors.get("coeff", 0.0),
-                          c.cell.factors.get("share", 0.0), prov.get("commit") or "", prov.get("date") or "",
-                          "" if load[0] is None else f"{load[0]:.2f}",
-                          *(_number(m.get(k)) for k in (*RUN, *columns[len(IDENTITY) + len(PROVENANCE) + len(RUN):]))])
+                          c.cell.factors.get("share", 0.0), *config, prov.get("commit") or "",
+                          prov.get("date") or "", "" if load[0] is None else f"{load[0]:.2f}", int(c.resumed),
+                          *(_number(m.get(k)) for k in figures)])
 
 
 def _number(x: float | None) -> str:
     return "" if x is None or math.isnan(x) else repr(float(x))
 
 
+def _finite(text: str, column: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"{column}: {text!r} is not a finite number")
+    return x
+
+
 def read_seeds(path: Path) -> list[SeedRow]:
-    """The rows of a seeds.csv; a missing column or a value that is not a number is named."""
+    """The rows of a seeds.csv; a missing column, or a value that is not a finite number, is named."""
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
-        missing = [c for c in (*IDENTITY, *PROVENANCE) if c not in (reader.fieldnames or [])]
+        missing = [c for c in TEXT if c not in (reader.fieldnames or [])]
         if missing:
             raise ValueError(f"{path}: no column {', '.join(missing)} (not a sweep's seeds.csv)")
         rows = []
         for line, r in enumerate(reader, start=2):
             try:
-                metrics = {k: float(v) for k, v in r.items() if k not in (*IDENTITY, *PROVENANCE) and v}
-                rows.append(SeedRow(r["cell"], r["group"], r["mode"], int(r["seed"]), float(r["coeff"]),
-                                    float(r["share"]), r["commit"], r["date"],
-                                    float(r["load"]) if r["load"] else None, metrics))
+                metrics = {k: _finite(v, k) for k, v in r.items() if k not in TEXT and v}
+                rows.append(SeedRow(r["cell"], r["group"], r["mode"], int(r["seed"]), _finite(r["coeff"], "coeff"),
+                                    _finite(r["share"], "share"), r["task"], _finite(r["pg_share"], "pg_share"),
+                                    int(r["steps"]), r["commit"], r["date"],
+                                    _finite(r["load"], "load") if r["load"] else None, r["resumed"] == "1",
+                                    metrics))
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{path}, line {line}: {e}") from None
     return rows

@@ -14,9 +14,11 @@ The confirmatory test of docs/preregistration.md: for each task, the first sweep
 js_low_var:0.2) and the second (run with learner.loss.reference_pg_share=0.375: C js_low_var:0.2 as
 the official script trains it, D dpef_pg), read from their seeds.csv (every sweep writes one beside
 its summary). Prints the family of paired t tests on the final models' in-domain Pass@1 and Pass@16,
-Holm's decisions over all {confirm.FAMILY_SIZE}, the H1/H2 verdicts fixed before the runs, and the
-secondary table (J, B, C, D against the reverse-KL frontier at matched Pass@1). A task
-whose arms lack some of the seeds {" ".join(map(str, confirm.SEEDS))} is reported as incomplete.
+Holm's decisions over all {confirm.FAMILY_SIZE}, the H1/H2 verdicts fixed before the runs, the
+secondary table (J, B, C, D against the reverse-KL frontier at matched Pass@1) and every arm's
+in-domain and OOD figures. Only the seeds {" ".join(map(str, confirm.SEEDS))} are analysed; a task whose
+arms lack some of them is reported as incomplete (its tests enter Holm as p = 1). Rows of another
+task, step count or reference_pg_share, or two sweeps from different pi_0s, are refused by name.
 
 example:
   dph-async ablate confirm --task embedded runs/prereg/embedded runs/prereg/embedded-asrun \\
@@ -54,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
         tests = confirm.family(tasks)
     except ValueError as e:
         return fail(str(e))
-    text = confirm.markdown(tests, confirm.verdicts(tests, tasks), confirm.secondary(tasks))
+    text = confirm.markdown(tests, tasks)
     print(text)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
