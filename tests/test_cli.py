@@ -189,3 +189,7 @@ def test_a_staleness_sweep_takes_auto_beside_integer_etas():
     sweep = staleness_sweep(args.etas, args.corrections, args.seeds, "js_low_var")
     assert [(c.key, c.overrides[0]) for c in sweep.cells] == [
         ("eta0-decoupled-seed0", "replay.max_staleness=0"), ("etaauto-decoupled-seed0", "replay.max_staleness=auto")]
+    # Seed-major: one seed's cells, the pairs of a paired comparison, run side by side in time.
+    grid = staleness_sweep([0, 4], ["behavior", "decoupled"], [1, 2], "grpo")
+    assert [c.key for c in grid.cells] == [f"eta{e}-{c}-seed{s}" for s in (1, 2) for c in ("behavior", "decoupled")
+                                           for e in (0, 4)]

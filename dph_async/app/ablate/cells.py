@@ -39,7 +39,9 @@ class Sweep:
 
 def staleness_sweep(etas: list[int | str], corrections: list[str], seeds: list[int], mode: str) -> Sweep:
     """eta (replay.max_staleness: an int, or auto) x off-policy correction x seeds; eta = 0 is
-    synchronous RL."""
+    synchronous RL. Seed-major: the cells a paired comparison takes (one seed's etas and corrections)
+    run side by side in time, so a drift of the machine's speed over hours does not enter a paired
+    throughput ratio, and a sweep stopped early holds whole grids on its first seeds."""
     for c in corrections:
         if c not in CORRECTIONS:
             raise ValueError(f"correction {c!r}: choose from {', '.join(CORRECTIONS)}")
@@ -48,7 +50,7 @@ def staleness_sweep(etas: list[int | str], corrections: list[str], seeds: list[i
     cells = [
         Cell(f"eta{eta}-{corr}-seed{seed}", f"eta{eta}-{corr}", {"eta": eta, "correction": corr}, seed, mode,
              (f"replay.max_staleness={eta}", f"learner.loss.correction={corr}", f"seed={seed}"))
-        for corr in corrections for eta in etas for seed in seeds
+        for seed in seeds for corr in corrections for eta in etas
     ]
     return Sweep("staleness", cells, x="eta", panel="correction")
 
