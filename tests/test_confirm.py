@@ -46,7 +46,7 @@ def test_seeds_csv_holds_each_cells_final_figures_config_and_provenance(tmp_path
         cells.append(CellResult(cell, [1, 2, 3, 4, 5], [8.0, 16.0, 24.0, 32.0, 40.0], [1.0, 2.0, 3.0, 4.0, 5.5],
                                 [0.1, 0.2, 0.3, 0.4, 0.5 + i], [EvalPoint(0, 0.0, 0.0, base),
                                                                 EvalPoint(5, 40.0, 5.5, final)],
-                                {}, {}, {}, bool(i), prov))
+                                {0: 3, 1: 5, 2 + i: 2, 9: 0}, {}, {}, bool(i), prov))
         expect.append((cell, p1, p16, g, dist, ood, 0.5 + i))
     cells.append(CellResult(Cell("old-seed0", "old", {}, 0, "grpo"), [1], [8.0], [1.0], [0.0],
                             [EvalPoint(0, 0.0, 0.0, base), EvalPoint(1, 8.0, 1.0, final)], {}, {}, {}, False))
@@ -68,7 +68,11 @@ def test_seeds_csv_holds_each_cells_final_figures_config_and_provenance(tmp_path
         assert (m["in_domain/pass@1"], m["in_domain/pass@16"], m["in_domain/greedy"]) == (p1, p16, g)
         assert (m["in_domain/distinct"], m["ood/pass@1"], m["ood/pass@16"]) == (dist, ood, 1.0)
         assert m["reward"] == reward and m["wall_s"] == 5.5 and m["samples"] == 40.0
+        # staleness 0 x3, 1 x5, 2+i x2 (9 x0 never consumed): mean (5 + 2 (2+i)) / 10, max 2+i
+        assert m["staleness_mean"] == pytest.approx((5 + 2 * (2 + (cell.seed - 100))) / 10, abs=1e-15)
+        assert m["staleness_max"] == 2 + (cell.seed - 100)
     assert rows[-1].commit == "" and rows[-1].load is None  # a cell from before provenance was recorded
+    assert "staleness_mean" not in rows[-1].metrics  # no histogram: no figure rather than 0
 
 
 HEADER = "cell,group,mode,seed,coeff,share,task,pg_share,steps,commit,date,load,resumed,in_domain/pass@1"

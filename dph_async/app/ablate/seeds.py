@@ -10,6 +10,9 @@ be re-derived from these rows (`dph-async ablate confirm` reads them). Columns:
     commit, date, load, resumed                 the code, when it finished, the machine's 1-minute
                                                 load then, whether it resumed after an interruption
     reward, wall_s, samples                     final training reward, wall seconds, fresh samples
+    staleness_mean, staleness_max               of the groups the learner consumed (the replay's
+                                                histogram: versions between a group's oldest token
+                                                and the version that trained on it)
     <split>/greedy, <split>/pass@1, <split>/pass@<k>, <split>/distinct    the final model, per test split
 
 The first row is pi_0 (cell and group `pi_0`, mode `base`, the base config's seed): the base model
@@ -30,7 +33,7 @@ from dph_async.config import RunConfig
 IDENTITY = ("cell", "group", "mode", "seed", "coeff", "share")
 CONFIG = ("task", "pg_share", "steps")
 PROVENANCE = ("commit", "date", "load", "resumed")
-RUN = ("reward", "wall_s", "samples")
+RUN = ("reward", "wall_s", "samples", "staleness_mean", "staleness_max")
 TEXT = (*IDENTITY, *CONFIG, *PROVENANCE)  # the columns that are not figures
 BASE = "pi_0"
 
@@ -77,12 +80,21 @@ def write_seeds(path: Path, cells: list[CellResult], splits: list[str], k_max: i
         out.writerow([BASE, BASE, "base", cfg.seed, 0.0, 0.0, *config, "", "", "", "",
                       *(_number(base.get(k)) for k in figures)])
         for c in cells:
-            m, prov = cell_metrics(c), c.provenance
+            m, prov = {**cell_metrics(c), **staleness(c.staleness_hist)}, c.provenance
             load = (prov.get("machine") or {}).get("load_avg") or [None]
             out.writerow([c.cell.key, c.cell.group, c.cell.mode, c.cell.seed, c.cell.factors.get("coeff", 0.0),
                           c.cell.factors.get("share", 0.0), *config, prov.get("commit") or "",
                           prov.get("date") or "", "" if load[0] is None else f"{load[0]:.2f}", int(c.resumed),
                           *(_number(m.get(k)) for k in figures)])
+
+
+def staleness(hist: dict[int, int]) -> dict[str, float]:
+    """Mean and largest staleness of the consumed groups; none without a histogram."""
+    total = sum(hist.values())
+    if not total:
+        return {}
+    return {"staleness_mean": sum(s * n for s, n in hist.items()) / total,
+            "staleness_max": float(max(s for s, n in hist.items() if n))}
 
 
 def _number(x: float | None) -> str:
