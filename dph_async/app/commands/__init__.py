@@ -15,8 +15,8 @@ import importlib
 from types import ModuleType
 
 COMMANDS: dict[str, str] = {
-    "ablate confirm": ("the pre-registered confirmatory test (docs/preregistration.md) from the sweeps' "
-                       "seeds.csv: paired t, Holm, verdicts"),
+    "ablate confirm": ("a pre-registered test (docs/preregistration.md: divergence or staleness) from the "
+                       "sweeps' seeds.csv: paired t, Holm, the verdicts fixed before the runs"),
     "ablate divergence": ("sweep training objectives x their coefficients x seeds; "
                           "the DPH-RL paper's table on your task"),
     "ablate samplers": ("sweep the DPO samplers (online, ref, gshf, mixp) x seeds; "
