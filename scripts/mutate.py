@@ -82,6 +82,10 @@ MODULES: dict[str, list[str]] = {
         "tests/test_scorer_service.py::test_settings_a_lone_largest_body_could_never_fit_are_refused"],
     "dph_async/rewards/result.py": ["tests/test_reward_result.py", "tests/test_rewards_registry.py"],
     "dph_async/protocol.py": ["tests/test_protocol_edges.py", "tests/test_protocol.py", "tests/test_protocol_fuzz.py"],
+    # The pre-registered verdicts and the raw data they read (docs/preregistration.md).
+    "dph_async/app/ablate/confirm.py": ["tests/test_confirm.py"],
+    "dph_async/app/ablate/confirm_staleness.py": ["tests/test_confirm_staleness.py"],
+    "dph_async/app/ablate/seeds.py": ["tests/test_confirm.py"],
 }
 
 # Survivors no test can kill, by module and the mutated line (stripped), with the reason. A key no
