@@ -11,7 +11,7 @@ and records log pi_a(y_t | .) as its behaviour log-prob, and a as `Completion.po
     online  a = 1 for all           (on-policy DPO)
     ref     a = 0 for all           (vanilla DPO on reference samples)
     gshf    a = 1, 0, 1, 0, ...     (half from each)
-    mixp    a = 1.5, 0.5, ...       (the samplers seed's mixture: pi_theta^1.5 pi_ref^-0.5 and
+    mixp    a = 1.5, 0.5, ...       (the samplers paper's mixture: pi_theta^1.5 pi_ref^-0.5 and
                                     pi_theta^0.5 pi_ref^0.5, normalised, at the logits level)
 
 (the weights are the samplers' own, dph_async/samplers.py).

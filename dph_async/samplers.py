@@ -43,7 +43,7 @@ SAMPLERS: dict[str, Sampler] = {s.name: s for s in (
     Sampler("online", (1.0,), "pi_theta itself (on-policy DPO; GRPO's sampler)"),
     Sampler("ref", (0.0,), "the frozen pi_0 (vanilla DPO on reference samples)"),
     Sampler("gshf", (1.0, 0.0), "half the completions from each"),
-    Sampler("mixp", (1.5, 0.5), "the samplers seed's mixture: pi_theta^1.5 pi_0^-0.5 and pi_theta^0.5 pi_0^0.5"),
+    Sampler("mixp", (1.5, 0.5), "the samplers paper's mixture: pi_theta^1.5 pi_0^-0.5 and pi_theta^0.5 pi_0^0.5"),
 )}
 
 

@@ -12,7 +12,7 @@ and each loss is a function of h (beta > 0):
     ipo       (h - 1 / (2 beta))^2                                     (IPO)
     rev_kl    -p log sigma(beta h) - (1 - p) log sigma(-beta h),  p = sigma(r_w - r_l)
 
-rev_kl is the samplers seed's variant (its `loss_type=rev_kl`): the cross-entropy between the
+rev_kl is the samplers paper's variant (its `loss_type=rev_kl`): the cross-entropy between the
 Bradley-Terry preference of the two rewards and the model's implicit one, so a pair with a small
 reward margin pulls less than a clear one; its minimum over h is at beta h = r_w - r_l.
 """

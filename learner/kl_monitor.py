@@ -13,7 +13,7 @@ differs from prompt to prompt, and responses to one prompt are not independent d
 prompt distribution. With a single prompt it is the KL given that prompt, with the standard error
 over its sequences. Why fresh samples: the batch's own responses come from the
 behaviour policies (stale actors, or the ref / mixp samplers), not from pi_theta. Why one
-temperature throughout: sampling at tau but scoring log-probs at 1 (as the samplers seed's KL script
+temperature throughout: sampling at tau but scoring log-probs at 1 (as the samplers paper's KL script
 does) estimates neither KL at tau nor KL at 1 (tests/test_kl_monitor.py shows the gap).
 """
 

@@ -13,7 +13,7 @@ reference model in the learner.
 
 Why n-weighted: the reference gives each micro-batch one sample type and averages the micro-batches'
 losses, so each part enters with its share of the samples (256 reference per 2,048 fresh in its
-scripts: D_ref weighs eta * 256 / 2,304). Keeping that keeps the meaning of the seed's coefficient
+scripts: D_ref weighs eta * 256 / 2,304). Keeping that keeps the meaning of the DPH-RL scripts' coefficient
 ranges. The objective is linear in its parts, so a micro-batch's loss is its own share of the
 (mini-)batch objective: `fresh_share` and `reference_share` return it, with batch-wide denominators.
 
@@ -62,7 +62,7 @@ class Objective:
     # D_fresh against a frozen copy of pi_0 held by the learner.
     uses_reference_model: ClassVar[bool] = False
     # The reference implementation's coefficient (script default or headline row), and the values
-    # `dph-async ablate divergence` tries by default (the ends of the seed's README range, except
+    # `dph-async ablate divergence` tries by default (the ends of the DPH-RL README range, except
     # where a subclass says otherwise).
     default_coeff: ClassVar[float] = 0.0
     sweep_coeffs: ClassVar[tuple[float, ...]] = ()
@@ -166,7 +166,7 @@ class ReverseKL(Objective):
     name = "reverse_kl"
     uses_reference_model = True
     default_coeff = 0.01  # kl_loss_coef; README range 0.01-0.05
-    # 0.1 is above the seed's range: the coefficient docs/ablations.md measured against the DPH modes.
+    # 0.1 is above the DPH-RL README's range: the coefficient docs/ablations.md measured against the DPH modes.
     sweep_coeffs = (0.01, 0.1)
 
     def fresh_divergence(self, logp: Tensor, logp_ref: Tensor) -> Tensor:
@@ -255,7 +255,7 @@ class DPO(Objective):
     name = "dpo"
     uses_reference_model = True
     whole_units = True
-    default_coeff = 0.1  # beta, as in DPO and the samplers seed's scripts
+    default_coeff = 0.1  # beta, as in DPO and the samplers paper's scripts
     sweep_coeffs = (0.1, 0.5)
 
     def pair_loss(self, h: Tensor, reward_margin: Tensor) -> Tensor:
@@ -294,7 +294,7 @@ class IPO(DPO):
 
 @register
 class DPORevKL(DPO):
-    """The samplers seed's DPO variant (`rev_kl`): cross-entropy to the Bradley-Terry preference of the
+    """The samplers paper's DPO variant (`rev_kl`): cross-entropy to the Bradley-Terry preference of the
     pair's rewards, sigma(r_w - r_l), instead of a hard label."""
 
     name = "dpo_rev_kl"

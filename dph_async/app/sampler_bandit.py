@@ -1,4 +1,4 @@
-"""The samplers seed's tabular bandit: how fast DPO converges under each way of sampling its pairs.
+"""The samplers paper's tabular bandit: how fast DPO converges under each way of sampling its pairs.
 
 One prompt, K actions with rewards r (seeded N(0, 1)), a tabular policy pi_theta = softmax(theta) and
 a reference pi_ref = softmax(theta_0) (uniform by default). Preferences follow Bradley-Terry,
@@ -17,7 +17,7 @@ Samplers (pi = pi_theta, detached; rho = pi / pi_ref):
     online   S = pi x pi                                      (on-policy DPO)
     gshf     S = (pi x pi_ref + pi_ref x pi) / 2              (one response from each)
     mixp     S ∝ pi_ref x pi_ref [2 + (rho_a / rho_a')^beta + (rho_a' / rho_a)^beta]
-             (the seed's mixture: half uniform pairs, half pairs from pi_ref rho^beta against
+             (the samplers paper's mixture: half uniform pairs, half pairs from pi_ref rho^beta against
              pi_ref rho^-beta, which it implements with logits mixed between pi_theta and pi_ref)
 
 Tracked per update: V(pi) = sum_a pi(a) (r_a - beta log(pi(a) / pi_ref(a))) and the gap V* - V(pi).
@@ -43,7 +43,7 @@ from dph_async.samplers import SAMPLERS, sampler
 class BanditConfig:
     actions: int = 20
     beta: float = 3.0
-    lr: float = 10.0  # plain gradient descent on theta, as the seed's exact runs
+    lr: float = 10.0  # plain gradient descent on theta, as the samplers paper's exact runs
     updates: int = 100
     seed: int = 1234567
     # 0: exact population gradient; n > 0: n sampled pairs with sampled labels per update.
@@ -78,7 +78,7 @@ def _mixp(logp: Tensor, log_ref: Tensor, beta: float) -> Tensor:
     return s / s.sum()
 
 
-# The joint S(a, a') of each sampler of dph_async/samplers.py, in the seed's bandit form (the table above).
+# The joint S(a, a') of each sampler of dph_async/samplers.py, in the samplers paper's bandit form (the table above).
 PAIRS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
     "ref": lambda logp, log_ref, beta: log_ref.exp()[:, None] * log_ref.exp()[None, :],
     "online": lambda logp, log_ref, beta: logp.exp()[:, None] * logp.exp()[None, :],

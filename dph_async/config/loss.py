@@ -34,7 +34,7 @@ class LossConfig(Section):
 
     # The training objective: grpo, dapo, reverse_kl, forward, js_low_var, js, alpha, and online DPO's
     # dpo, ipo, dpo_rev_kl (learner/objectives.py registers them and says
-    # what each needs). coeff is its divergence's coefficient (the seed's sft_loss_coeff, kl_loss_coef
+    # what each needs). coeff is its divergence's coefficient (the DPH-RL scripts' sft_loss_coeff, kl_loss_coef
     # for reverse_kl/dapo, beta for the DPO objectives); None takes the
     # objective's reference default. A divergence on preserved samples enters with weight coeff x their
     # share of the step's samples, as in the reference implementation (docs/losses.md).

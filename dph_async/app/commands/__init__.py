@@ -20,7 +20,7 @@ COMMANDS: dict[str, str] = {
     "ablate divergence": ("sweep training objectives x their coefficients x seeds; "
                           "the DPH-RL paper's table on your task"),
     "ablate samplers": ("sweep the DPO samplers (online, ref, gshf, mixp) x seeds; "
-                        "the samplers seed's comparison on your task"),
+                        "the samplers paper's comparison on your task"),
     "ablate staleness": "sweep the staleness bound eta x off-policy correction x seeds; reward, Pass@k, IS diagnostics",
     "analyze": "weight analysis: singular spectra and principal angles of top-k subspaces, base against trained",
     "bench": "RL throughput: the same work in sync and async mode, busy timelines, weight sync, scaling",

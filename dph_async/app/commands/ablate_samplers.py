@@ -11,7 +11,7 @@ from dph_async.samplers import SAMPLERS
 DESCRIPTION = """\
 A grid of online-DPO runs (the `dpo` preset unless --preset says otherwise) that differ only in
 actors.sampler, the distribution the actors sample from: online (pi_theta), ref (the frozen pi_0),
-gshf (half each), mixp (the samplers seed's logit mixtures; actors/mixture.py), each with several
+gshf (half each), mixp (the samplers paper's logit mixtures; actors/mixture.py), each with several
 seeds, all from the same base model. The summary gives greedy accuracy, Pass@k and distinct correct
 answers of each sampler's final model, mean ± standard error over seeds, with training curves.
 

@@ -1,4 +1,4 @@
-"""`dph-async simulate samplers`: the samplers seed's tabular bandit, DPO's convergence per sampler."""
+"""`dph-async simulate samplers`: the samplers paper's tabular bandit, DPO's convergence per sampler."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from dph_async.samplers import SAMPLERS
 
 DESCRIPTION = """\
 Train a tabular policy with DPO from pairs drawn by each sampler and plot the gap to the optimal
-KL-regularised value, V* - V(pi), per update (the samplers seed's numerical simulation; formulas in
+KL-regularised value, V* - V(pi), per update (the samplers paper's numerical simulation; formulas in
 dph_async/app/sampler_bandit.py). Writes bandit.json and bandit_gap.png to --output. Examples:
 
-    dph-async simulate samplers                                 # the seed's exact setting
+    dph-async simulate samplers                                 # the samplers paper's exact setting
     dph-async simulate samplers --empirical-pairs 8192 --lr 0.05 --updates 3000
     dph-async simulate samplers --samplers online mixp --beta 1
 """
