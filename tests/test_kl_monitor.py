@@ -89,7 +89,7 @@ def test_monitor_on_a_tiny_llama_matches_the_enumerated_kl_at_the_sampling_tempe
     est = monitor.measure(model, [prompt], version=0)
     assert est.sequences == 3000
     assert abs(est.k1 - exact) < 4 * est.k1_se and abs(est.k3 - exact) < 4 * est.k3_se
-    # Scoring at temperature 1 what was sampled at tau (the seed's KL script) expects another number
+    # Scoring at temperature 1 what was sampled at tau (the samplers paper's KL script) expects another number
     # (here 14% off, both exact).
     lp1, lq1 = _two_token_logprobs(model, prompt, 1.0), _two_token_logprobs(base, prompt, 1.0)
     mismatched = float((lp.exp() * (lp1 - lq1)).sum())

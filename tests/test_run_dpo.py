@@ -1,5 +1,5 @@
 """`dph-async run --preset dpo actors.sampler=mixp` as a user runs it, at the small size: online DPO
-with the samplers seed's mixture sampler, whose actor samples with the policy and pi_0 in torch.
+with the samplers paper's mixture sampler, whose actor samples with the policy and pi_0 in torch.
 
 The run completes (training, its pairs, the evaluation of pi_0 and the trained model, the report);
 every logged completion carries the mixture it was sampled from, 1.5 and 0.5 in turn, and each
