@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -374,3 +375,15 @@ def test_the_command_prints_the_family_and_writes_it(tmp_path, capsys):
 def test_holm_rejects_at_exactly_its_threshold():
     assert holm([0.005] + [1.0] * 9) == [True] + [False] * 9
     assert holm([0.0051] + [1.0] * 9) == [False] * 10
+
+
+def test_a_result_records_the_checkout_it_ran_from():
+    import subprocess
+
+    from dph_async.app.bench.machine import commit, provenance
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    assert commit() in (head, f"{head}+dirty")
+    record = provenance()
+    assert record["commit"] == commit() and record["machine"]["cores"] >= 1 and record["date"][:2] == "20"

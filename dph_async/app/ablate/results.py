@@ -55,7 +55,7 @@ class CellResult:
     drops: dict[str, int]
     diagnostics: dict[str, float]
     resumed: bool
-    provenance: dict = field(default_factory=dict)  # date, commit, command, machine (cells since 512191f)
+    provenance: dict = field(default_factory=dict)  # date, commit, command, machine; {} in older cells
 
     @property
     def final_reward(self) -> float:

@@ -46,6 +46,8 @@ def commit() -> str | None:
     """The checkout's commit (short hash, "+dirty" when tracked files differ from it), or None outside a
     git checkout: results are re-derivable only from the code that made them."""
     root = Path(__file__).resolve().parents[3]
+    if not (root / ".git").exists():  # an installed copy: the repository around it (if any) is another's
+        return None
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
