@@ -155,3 +155,35 @@ def test_each_group_against_the_control_and_the_rival_frontier():
     ps = sorted(d.p for d in family)
     assert ps.index(p) == 5 and p <= 0.05 / 3 and p > 0.05 / 4
     assert rows["2 50%"].rstrip(" |").endswith("level")
+
+
+def test_groups_that_share_seeds_are_compared_with_the_frontier_paired_by_seed():
+    """Per seed g = y - (1-t) ya - t yb - b (x - (1-t) xa - t xb), t and b from the means: its mean is the
+    chord's gap, its se sd(g)/sqrt(n) at df n - 1, against the float64 closed form on fresh data; a
+    group whose seeds differ from the frontier's falls back to independent means (Welch)."""
+    import numpy as np
+
+    rng = np.random.default_rng()
+
+    def seeded(name: str, mode: str, coeff: float, x: float, y: float) -> tuple[Group, np.ndarray, np.ndarray]:
+        xs, ys = x + rng.normal(0, 0.01, 5), y + rng.normal(0, 0.01, 5)
+        g = group(name, mode, coeff, 0.0, Stat(xs.mean(), xs.std(ddof=1) / math.sqrt(5), 5),
+                  Stat(ys.mean(), ys.std(ddof=1) / math.sqrt(5), 5), seeds=5)
+        g.by_seed = {"in_domain/pass@1": dict(enumerate(xs)), "in_domain/pass@16": dict(enumerate(ys))}
+        return g, xs, ys
+
+    (ra, xa, ya), (rb, xb, yb) = seeded("reverse_kl:1", "reverse_kl", 1.0, 0.40, 0.97), \
+        seeded("reverse_kl:0.1", "reverse_kl", 0.1, 0.50, 0.90)
+    js, x, y = seeded("js_low_var:2", "js_low_var", 2.0, 0.46, 0.95)
+    other, _, _ = seeded("forward:1", "forward", 1.0, 0.45, 0.95)
+    other.by_seed = {k: {s + 10: v for s, v in d.items()} for k, d in other.by_seed.items()}
+    out = {c.group: c for c in frontier.compare([ra, rb, js, other], "in_domain", 16)}
+    t = (x.mean() - xa.mean()) / (xb.mean() - xa.mean())
+    b = (yb.mean() - ya.mean()) / (xb.mean() - xa.mean())
+    g = y - (1 - t) * ya - t * yb - b * (x - (1 - t) * xa - t * xb)
+    gap = out["js_low_var:2"].vs_rival
+    assert gap.paired and gap.df == 4
+    assert gap.delta == pytest.approx(y.mean() - ((1 - t) * ya.mean() + t * yb.mean()), abs=1e-12)
+    assert gap.delta == pytest.approx(g.mean(), abs=1e-12)
+    assert gap.se == pytest.approx(g.std(ddof=1) / math.sqrt(5), rel=1e-9)
+    assert not out["forward:1"].vs_rival.paired  # other seeds: Welch on the means

@@ -35,13 +35,11 @@ Pass@16 and distinct correct answers, pi_0's beside them.
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dph_async.app.ablate.frontier import chord, fmt
+from dph_async.app.ablate.frontier import chord, fmt, seed_gap
 from dph_async.app.ablate.results import Stat, stat
 from dph_async.app.ablate.seeds import BASE, SeedRow
 from dph_async.app.plot_colours import colour_map, pyplot
@@ -205,15 +203,9 @@ def frontier_gap(sweeps: Sweeps, arm: Arm) -> tuple[tuple[Stat, Stat], Differenc
     c = chord(list(rival.values()), point[0].mean)
     if c is None:
         return point, None
-    lo, hi = (next(a for a, p in rival.items() if p is end) for end in (c.a, c.b))
-    x, y = (arm_values(sweeps, arm, _pass(k)) for k in (1, K))
-    xa, ya, xb, yb = (arm_values(sweeps, end, _pass(k)) for end in (lo, hi) for k in (1, K))
-    t, b = c.t, c.slope
-    common = sorted(x.keys() & xa.keys() & xb.keys())
-    g = [y[s] - (1 - t) * ya[s] - t * yb[s] - b * (x[s] - (1 - t) * xa[s] - t * xb[s]) for s in common]
-    if len(g) < 2:
-        return point, Difference(statistics.fmean(g), None) if g else None
-    return point, Difference(statistics.fmean(g), statistics.stdev(g) / math.sqrt(len(g)), len(g) - 1.0, True)
+    ends = [next(a for a, p in rival.items() if p is end) for end in (c.a, c.b)]
+    by_seed = [arm_values(sweeps, a, _pass(k)) for a in (arm, *ends) for k in (1, K)]
+    return point, seed_gap(c, *by_seed) or Difference(point[1].mean - c.at.mean, None)  # under two seeds: no se
 
 
 def secondary(tasks: dict[str, Sweeps]) -> list[AgainstFrontier]:

@@ -9,10 +9,13 @@ Two comparisons (dph_async/stats.py has the tests):
 - against a rival frontier (reverse KL) at the same Pass@1: the rival's Pass@k is interpolated
   linearly between its two points whose Pass@1 bracket the group's, y = (1 - t) y_a + t y_b. Every
   Pass@1 is an estimate too, so its error is carried through the chord's slope b = (y_b - y_a) /
-  (x_b - x_a): var = se_k^2 + (1 - t)^2 se_ya^2 + t^2 se_yb^2 + b^2 (se_x^2 + (1 - t)^2 se_xa^2 +
-  t^2 se_xb^2), df by Welch-Satterthwaite. A group outside the rival's range of Pass@1 has no such
-  comparison (a straight chord also understates a frontier that bows outward: a margin above it is
-  an upper bound).
+  (x_b - x_a). Where the group and both points ran the same seeds (one pi_0, the same prompts), per
+  seed g_s = y_s - (1 - t) y_a,s - t y_b,s - b (x_s - (1 - t) x_a,s - t x_b,s), t and b from the
+  means: its mean is the gap, and a paired t on g (df n - 1) carries every error and the covariances
+  between a run's Pass@1 and Pass@k and across runs of one seed. Otherwise, as independent means:
+  var = se_k^2 + (1 - t)^2 se_ya^2 + t^2 se_yb^2 + b^2 (se_x^2 + (1 - t)^2 se_xa^2 + t^2 se_xb^2), df
+  by Welch-Satterthwaite. A group outside the rival's range of Pass@1 has no such comparison (a
+  straight chord also understates a frontier that bows outward: a margin above it is an upper bound).
 
 Above or below: p < 0.05 at the difference's own df; the table also gives Holm's verdict over the
 table's comparisons, the one to quote when a sweep makes many.
@@ -20,6 +23,8 @@ table's comparisons, the one to quote when a sweep makes many.
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass
 
 from dph_async.app.ablate.results import Group, Stat
@@ -95,6 +100,17 @@ class Chord:
         return Difference(y.mean - self.at.mean, se, df)
 
 
+def seed_gap(c: Chord, x: dict[int, float], y: dict[int, float], xa: dict[int, float], ya: dict[int, float],
+             xb: dict[int, float], yb: dict[int, float]) -> Difference | None:
+    """The chord's gap per seed, paired (module docstring), over the seeds all six share; None under two."""
+    t, b = c.t, c.slope
+    common = sorted(x.keys() & y.keys() & xa.keys() & ya.keys() & xb.keys() & yb.keys())
+    g = [y[s] - (1 - t) * ya[s] - t * yb[s] - b * (x[s] - (1 - t) * xa[s] - t * xb[s]) for s in common]
+    if len(g) < 2:
+        return None
+    return Difference(statistics.fmean(g), statistics.stdev(g) / math.sqrt(len(g)), len(g) - 1.0, True)
+
+
 def chord(points: list[tuple[Stat, Stat]], x: float) -> Chord | None:
     """The narrowest pair of a frontier's (Pass@1, Pass@k) points whose Pass@1 bracket x; None outside."""
     best: Chord | None = None
@@ -129,14 +145,19 @@ def compare(groups: list[Group], split: str, k: int, control: str = CONTROL, riv
     p1, pk = f"{split}/pass@1", f"{split}/pass@{k}"
     have = [g for g in groups if p1 in g.metrics and pk in g.metrics]
     ctrl = next((g for g in have if g.factors["mode"] == control), None)
-    rival_points = [(g.metrics[p1], g.metrics[pk]) for g in lines(have).get(rival, [])]
+    rivals = lines(have).get(rival, [])
+    rival_points = [(g.metrics[p1], g.metrics[pk]) for g in rivals]
     out = []
     for g in have:
         a1, ak = g.metrics[p1], g.metrics[pk]
         vs_control = None if ctrl is None or g is ctrl else (versus(g, ctrl, p1), versus(g, ctrl, pk))
         c = None if g.factors["mode"] == rival else chord(rival_points, a1.mean)
-        out.append(Comparison(g.name, split, k, a1, ak, vs_control, None if c is None else c.at,
-                              None if c is None else c.gap(a1, ak)))
+        gap = None
+        if c is not None:
+            ends = [next(r for r, pt in zip(rivals, rival_points, strict=True) if pt is end) for end in (c.a, c.b)]
+            by_seed = [h.by_seed.get(m, {}) for h in (g, *ends) for m in (p1, pk)]
+            gap = seed_gap(c, *by_seed) or c.gap(a1, ak)
+        out.append(Comparison(g.name, split, k, a1, ak, vs_control, None if c is None else c.at, gap))
     return out
 
 
