@@ -10,6 +10,7 @@ its closed form with Holm over the one table; the command's output and errors.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from dph_async.app.ablate import confirm
 from dph_async.app.ablate.cells import Cell
 from dph_async.app.ablate.results import CellResult, EvalPoint
-from dph_async.app.ablate.seeds import SeedRow, read_seeds, write_seeds
+from dph_async.app.ablate.seeds import SeedRow, fingerprint, read_seeds, write_seeds
 from dph_async.app.cli import main
 from dph_async.app.evaluate import SplitResult
 from dph_async.config import load_config
@@ -51,15 +52,24 @@ def test_seeds_csv_holds_each_cells_final_figures_config_and_provenance(tmp_path
         expect.append((cell, p1, p16, g, dist, ood, 0.5 + i))
     cells.append(CellResult(Cell("old-seed0", "old", {}, 0, "grpo"), [1], [8.0], [1.0], [0.0],
                             [EvalPoint(0, 0.0, 0.0, base), EvalPoint(1, 8.0, 1.0, final)], {}, {}, {}, False))
-    write_seeds(tmp_path / "seeds.csv", cells, ["in_domain", "ood"], 16, cfg)
+    model = tmp_path / "base_model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(rng.bytes(3 * 2**20))
+    (model / "config.json").write_text("{}")
+    write_seeds(tmp_path / "seeds.csv", cells, ["in_domain", "ood"], 16, cfg, model)
     base_row, *rows = read_seeds(tmp_path / "seeds.csv")
     assert (base_row.cell, base_row.group, base_row.mode, base_row.seed) == ("pi_0", "pi_0", "base", 3)
     assert base_row.metrics == {"in_domain/greedy": 0.5, "in_domain/pass@1": 0.1, "in_domain/pass@16": 0.9,
                                 "in_domain/distinct": 1.5, "ood/greedy": 0.5, "ood/pass@1": 0.1, "ood/pass@16": 0.9,
                                 "ood/distinct": 1.5}
     assert [r.cell for r in rows] == [c.cell.key for c in cells]
-    assert all((r.task, r.pg_share, r.steps) == ("digit_sets", 0.375, cfg.learner.steps)
+    assert all((r.task, r.pg_share, r.steps, r.base) == ("digit_sets", 0.375, cfg.learner.steps, fingerprint(model))
                for r in [base_row, *rows])
+    assert len(base_row.base) == 12 and int(base_row.base, 16) >= 0
+    weights = bytearray((model / "model.safetensors").read_bytes())
+    weights[-1] ^= 1  # one bit of the last MiB: another pi_0
+    (model / "model.safetensors").write_bytes(bytes(weights))
+    assert fingerprint(model) != base_row.base
     for row, (cell, p1, p16, g, dist, ood, reward) in zip(rows, expect, strict=False):
         assert (row.group, row.mode, row.seed) == (cell.group, cell.mode, cell.seed)
         assert (row.coeff, row.share) == (cell.factors["coeff"], cell.factors["share"])
@@ -76,14 +86,19 @@ def test_seeds_csv_holds_each_cells_final_figures_config_and_provenance(tmp_path
     assert "staleness_mean" not in rows[-1].metrics  # no histogram: no figure rather than 0
 
 
-HEADER = "cell,group,mode,seed,coeff,share,task,pg_share,steps,commit,date,load,resumed,in_domain/pass@1"
+HEADER = "cell,group,mode,seed,coeff,share,task,pg_share,steps,base,commit,date,load,resumed,in_domain/pass@1"
 
 
 @pytest.mark.parametrize(("text", "says"), [
-    ("cell,group\nx,y\n", "no column mode, seed, coeff, share, task, pg_share, steps, commit, date, load, resumed"),
-    (f"{HEADER}\nc,g,m,one,0,0,embedded,0,100,,,,0,0.5\n", "line 2"),
-    (f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,,,,0,nan\n", "in_domain/pass@1: 'nan' is not a finite number"),
-    (f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,,,inf,0,0.5\n", "load: 'inf' is not a finite number"),
+    ("cell,group\nx,y\n", "no column mode, seed, coeff, share, task, pg_share, steps, base, commit, date, load, "
+                           "resumed"),
+    (f"{HEADER}\nc,g,m,one,0,0,embedded,0,100,b,,,,0,0.5\n", "line 2"),
+    (f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,b,,,,0,nan\n", "in_domain/pass@1: 'nan' is not a finite number"),
+    (f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,b,,,,0,42\n", "in_domain/pass@1: 42.0 is not a share in"),
+    (f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,b,,,,0\n", "line 2: 14 fields, the header has 15"),
+    (f"{HEADER},in_domain/pass@1\n", "column in_domain/pass@1 given twice"),
+    ("\ufeff" + f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,b,,,,0,x\n", "line 2: could not convert"),
+    (f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,b,,,inf,0,0.5\n", "load: 'inf' is not a finite number"),
 ])
 def test_a_file_that_is_not_a_sweeps_seeds_is_named(tmp_path, text, says):
     (tmp_path / "seeds.csv").write_text(text)
@@ -93,8 +108,9 @@ def test_a_file_that_is_not_a_sweeps_seeds_is_named(tmp_path, text, says):
 
 def row(group: str, seed: int, p1: float, p16: float, sweep: int, task: str = "embedded") -> SeedRow:
     metrics = BASE_METRICS if group == "pi_0" else {"in_domain/pass@1": p1, "in_domain/pass@16": p16}
-    return SeedRow(f"{group}-seed{seed}", group, group.split(":")[0], seed, 0.0, 0.0, task, confirm.PG_SHARE[sweep],
-                   confirm.STEPS, "c", "d", None, False, dict(metrics))
+    mode = "base" if group == "pi_0" else group.split(" ")[0]
+    return SeedRow(f"{group}-seed{seed}", group, mode, seed, 0.0, 0.0, task, confirm.PG_SHARE[sweep], confirm.STEPS,
+                   "f00dfeedbeef", "c", "d", None, False, dict(metrics))
 
 
 def arm_rows(group: str, sweep: int, p1: dict[int, float], p16: dict[int, float], task: str = "embedded"
@@ -280,6 +296,11 @@ def test_rows_that_cannot_be_the_designs_are_refused_by_name():
         ((first, [replace(r, metrics={**r.metrics, "in_domain/pass@1": 0.41}) if r.group == "pi_0" else r
                   for r in second]), "pi_0 rows differ"),
         (([r for r in first if r.group != "pi_0"], second), "pi_0 rows differ or are missing"),
+        (([replace(r, metrics={}) if r.group == "pi_0" else r for r in first],
+          [replace(r, metrics={}) if r.group == "pi_0" else r for r in second]), "pi_0 rows differ or are missing"),
+        ((first, [replace(r, base="0123456789ab") for r in second]), "do not start from one pi_0"),
+        (([replace(r, mode="js_low_var:0.2") if r.group == "grpo@d_exp" else r for r in first], second),
+         "run js_low_var:0.2 in group grpo@d_exp"),
     ]
     for sweeps, says in cases:
         with pytest.raises(ValueError, match=says):
@@ -334,9 +355,9 @@ def test_the_secondary_gap_is_paired_by_seed_as_in_closed_form_with_holm_over_th
 
 
 def write_csv(path, sweep: list[SeedRow]) -> None:
-    lines = ["cell,group,mode,seed,coeff,share,task,pg_share,steps,commit,date,load,resumed,in_domain/pass@1,"
+    lines = ["cell,group,mode,seed,coeff,share,task,pg_share,steps,base,commit,date,load,resumed,in_domain/pass@1,"
              "in_domain/pass@16"]
-    lines += [f"{r.cell},{r.group},{r.mode},{r.seed},0,0,{r.task},{r.pg_share},{r.steps},c,d,,0,"
+    lines += [f"{r.cell},{r.group},{r.mode},{r.seed},0,0,{r.task},{r.pg_share},{r.steps},{r.base},c,d,,0,"
               f"{r.metrics['in_domain/pass@1']!r},{r.metrics['in_domain/pass@16']!r}" for r in sweep]
     path.write_text("\n".join(lines) + "\n")
 
@@ -357,7 +378,7 @@ def test_the_command_prints_the_family_and_writes_it(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 6.5 * 120  # one panel
     assert "| embedded | 1 | C − A | Pass@16 | +10.0" in text and "H1 supported on 1 of 2 tasks (interim" in text
     assert "- **embedded**: H1 supported; H2 the PG term's." in text
-    assert "| embedded | 2 | C − A | Pass@1 | +0.0 ± 0.0 |" in text and "bound holds" in text
+    assert "| embedded | 2 | C − A | Pass@1 | +0.0 ± 0.0 |" in text and "bound holds: lower end +0.0 > −3" in text
     assert "| embedded | π₀ | 1 | 40.0 | 98.0 |" in text and "20 cells at c, d to d." in text
     assert out.read_text() == text
     assert main(["ablate", "confirm", "--task", "embedded", str(tmp_path / "one"), str(tmp_path / "nope")]) == 2
@@ -387,3 +408,34 @@ def test_a_result_records_the_checkout_it_ran_from():
     assert commit() in (head, f"{head}+dirty")
     record = provenance()
     assert record["commit"] == commit() and record["machine"]["cores"] >= 1 and record["date"][:2] == "20"
+
+
+def test_a_task_outside_the_design_is_analysed_as_exploratory_and_not_counted():
+    first, second = lifted(1e-4, "mytask")
+    tasks = {"mytask": (first, second)}
+    tests = confirm.family(tasks)
+    assert confirm.verdicts(tests)[0].h1 == "supported (exploratory: not a pre-registered task)"
+    assert "H1 supported on 0 of 2 tasks (interim: 0 of 2 tasks complete)." in confirm.markdown(tests, tasks)
+
+
+def test_the_command_refuses_outputs_that_would_lose_data_before_computing(tmp_path, capsys):
+    first, second = lifted(0.5)
+    write_csv(tmp_path / "one.csv", first)
+    write_csv(tmp_path / "two.csv", second)
+    args = ["ablate", "confirm", "--task", "embedded", str(tmp_path / "one.csv"), str(tmp_path / "two.csv")]
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    for extra, says in [(["-o", str(tmp_path / "one.csv")], "one of the inputs; it would be overwritten"),
+                        (["-o", str(tmp_path / "dir")], "a directory; give a file"),
+                        (["-o", str(tmp_path / "afile" / "x.md")], "a parent is not a directory"),
+                        (["--figure", str(tmp_path / "f.csv")], "give a .png file")]:
+        assert main([*args, *extra]) == 2
+        captured = capsys.readouterr()
+        assert says in captured.err and captured.out == ""  # nothing computed or printed
+    assert (tmp_path / "one.csv").read_text().startswith("cell,group")
+    os.mkfifo(tmp_path / "fifo")
+    assert main(["ablate", "confirm", "--task", "embedded", str(tmp_path / "fifo"), str(tmp_path / "two.csv")]) == 2
+    assert "fifo: not a regular file" in capsys.readouterr().err
+    assert main(["ablate", "confirm", "--design", "staleness", "--task", "embedded", str(tmp_path / "one.csv"),
+                 "--figure", str(tmp_path / "f.png")]) == 2
+    assert "the staleness design has none" in capsys.readouterr().err

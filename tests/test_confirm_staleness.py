@@ -1,7 +1,7 @@
 """The pre-registered staleness test (docs/preregistration.md, design 2): what binds, each reading's
 edges and precedence, coupled's reading at 99%, throughput ratios against their float64 closed form
-with resumed cells left out, the best fixed eta by geometric mean among binding ones, S1's and S2's
-verdicts, refused rows, and the command.
+(not judged while a cell is resumed), a missing seed named and never silently skipped, the best fixed
+eta by geometric mean among binding ones, S1's and S2's verdicts, refused rows, and the command.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def cell(eta, corr: str, seed: int, p1: float, rate: float = 10.0, stale: float 
         metrics["staleness_mean"] = float(eta) if stale is None else stale
         metrics["staleness_max"] = float(eta) if largest is None else largest
     return SeedRow(f"eta{eta}-{corr}-seed{seed}", f"eta{eta}-{corr}", "grpo", seed, 0.0, 0.0, "embedded", 0.0, 100,
-                   "c", "d", 1.0, resumed, metrics)
+                   "f00dfeedbeef", "c", "d", 1.0, resumed, metrics)
 
 
 def sweep(p1: dict | None = None, rate: dict | None = None, kw: dict | None = None) -> list[SeedRow]:
@@ -72,9 +72,29 @@ def test_a_reading_is_exclusive_with_its_edges(lower, mean, outcome):
     assert r.high == pytest.approx(2 * mean - lower, abs=1e-12)
 
 
-def test_a_reading_with_too_few_seeds_is_not_judged():
-    rows = [r for r in sweep() if not (r.group == "eta2-decoupled" and r.seed in (203, 204))]
-    assert cs.read(rows, 2, "decoupled").outcome == "not judged: 3 seeds"
+def test_a_missing_seed_is_named_and_leaves_what_needs_it_not_judged():
+    """Deleting a seed's row must never change a verdict silently: the reading, binding and S2 that
+    need it say which seed is missing."""
+    rows = [r for r in sweep() if not (r.group == "eta4-decoupled" and r.seed == 204)]
+    assert cs.read(rows, 4, "decoupled").outcome == "not judged: seed 204 missing"
+    assert cs.binds(rows, 4, "decoupled") is False
+    assert cs.s1_parts(rows)["(i)"] is None and cs.s1_verdict(cs.s1_parts(rows)).startswith("not judged: (i)")
+    assert cs.s2_verdict(rows) == "not judged: decoupled eta 4 lacks seeds"
+    no16 = [r for r in sweep() if r.group != "eta16-decoupled"]
+    assert cs.s2_verdict(no16) == "not judged: decoupled eta 16 lacks seeds"
+    base = [r for r in sweep() if not (r.group == "eta0-behavior" and r.seed == 200)]
+    assert cs.read(base, 2, "behavior").outcome == "not judged: seed 200 missing"
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"wall_s": 0.0}, "wall_s 0.0 is not a positive time"), ({"wall_s": None}, "no wall_s"),
+    ({"in_domain/pass@1": None}, "no in_domain/pass@1"), ({"staleness_max": None}, "no staleness_max")])
+def test_a_cell_without_the_figures_its_verdicts_read_is_refused(change, says):
+    rows = sweep()
+    metrics = {k: v for k, v in {**rows[7].metrics, **change}.items() if v is not None}
+    rows[7] = replace(rows[7], metrics=metrics)
+    with pytest.raises(ValueError, match=says):
+        cs.verdict("embedded", rows)
 
 
 def test_coupled_degrades_on_its_99_percent_interval():
@@ -96,7 +116,8 @@ def test_the_throughput_ratio_is_the_geometric_mean_of_paired_ratios_without_res
     assert (ratio.ratio, ratio.low, ratio.high) == pytest.approx(
         (math.exp(logs.mean()), math.exp(logs.mean() - half), math.exp(logs.mean() + half)), rel=1e-12)
     resumed = [replace(r, resumed=True) if r.cell == "eta4-decoupled-seed200" else r for r in rows]
-    assert cs.throughput_ratio(resumed, (4, "decoupled"), (0, "decoupled")).n == 4
+    assert cs.throughput_ratio(resumed, (4, "decoupled"), (0, "decoupled")) is None  # until run again
+    assert cs.s1_parts(resumed)["(iii)"] is None
     assert cs.s1_parts(rows)["(iii)"] is True
     assert cs.s1_parts(sweep(rate={(4, "decoupled"): slow, (0, "decoupled"): slow * 1.01}))["(iii)"] is False
 
@@ -149,8 +170,8 @@ def test_the_command_reads_one_sweep_per_task(tmp_path, capsys):
     rows = sweep({(16, "behavior"): 0.5 + diffs(-0.08, -0.05, level=0.99)},
                  rate={(4, "decoupled"): fast, ("auto", "decoupled"): fast})
     metrics = ["in_domain/pass@1", "samples", "wall_s", "staleness_mean", "staleness_max"]
-    lines = ["cell,group,mode,seed,coeff,share,task,pg_share,steps,commit,date,load,resumed," + ",".join(metrics)]
-    lines += [f"{r.cell},{r.group},{r.mode},{r.seed},0,0,{r.task},0,100,c,d,{r.load},0,"
+    lines = ["cell,group,mode,seed,coeff,share,task,pg_share,steps,base,commit,date,load,resumed," + ",".join(metrics)]
+    lines += [f"{r.cell},{r.group},{r.mode},{r.seed},0,0,{r.task},0,100,{r.base},c,d,{r.load},0,"
               + ",".join(repr(r.metrics[m]) if m in r.metrics else "" for m in metrics) for r in rows]
     (tmp_path / "seeds.csv").write_text("\n".join(lines) + "\n")
     assert main(["ablate", "confirm", "--design", "staleness", "--task", "embedded", str(tmp_path)]) == 0

@@ -50,6 +50,7 @@ SEEDS = (100, 101, 102, 103, 104)
 FAMILY_SIZE = 10
 PASS1_MARGIN = 0.03  # "rises like GRPO's": at most 3 points of Pass@1 below the control
 STEPS = 100
+TASKS = ("embedded", "digit_sets")
 PG_SHARE = (0.0, 0.375)  # learner.loss.reference_pg_share of the first and the second sweep
 SPLIT = "in_domain"
 K = 16
@@ -65,7 +66,8 @@ Sweeps = tuple[list[SeedRow], list[SeedRow]]
 
 def check_task(name: str, sweeps: Sweeps) -> None:
     """Refuse rows that cannot be the design's: another task or step count, a sweep at the other's
-    reference_pg_share, a seed twice in a group, or two sweeps from different pi_0s."""
+    reference_pg_share, a row whose run is not its group's, a seed twice in a group, or two sweeps
+    from different pi_0s (their base fingerprints, or pi_0's evaluations, differ or are missing)."""
     for i, rows in enumerate(sweeps):
         which = ("first", "second")[i]
         for r in rows:
@@ -73,13 +75,22 @@ def check_task(name: str, sweeps: Sweeps) -> None:
                 raise ValueError(f"{which} sweep of {name}, cell {r.cell}: task {r.task}, {r.steps} steps, "
                                  f"reference_pg_share {r.pg_share:g}; the design runs {name}, {STEPS} steps, "
                                  f"{PG_SHARE[i]:g}")
+            if r.group != BASE and r.mode != r.group.split(" ")[0]:
+                raise ValueError(f"{which} sweep of {name}, cell {r.cell}: run {r.mode} in group {r.group}")
         twice = [key for key, n in Counter((r.group, r.seed) for r in rows).items() if n > 1]
         if twice:
             raise ValueError(f"{which} sweep of {name}: group {twice[0][0]} has seed {twice[0][1]} twice")
     bases = [next((r.metrics for r in rows if r.group == BASE), None) for rows in sweeps]
-    if bases[0] is None or bases[0] != bases[1]:
-        raise ValueError(f"{name}: the two sweeps' pi_0 rows differ or are missing; the second sweep must start "
-                         "from the first's base model, pre-sampling and evaluation (copied in)")
+    prints = {r.base for rows in sweeps for r in rows}
+    if not bases[0] or bases[0] != bases[1] or len(prints) != 1 or not next(iter(prints)):
+        raise ValueError(f"{name}: the two sweeps do not start from one pi_0 (their base fingerprints or pi_0 rows "
+                         "differ or are missing); the second sweep must start from the first's base_model, data, "
+                         "presample and eval directories, copied in")
+
+
+def preregistered(name: str) -> bool:
+    """The design's tasks; another task runs the same analysis, reported as exploratory."""
+    return name in TASKS
 
 
 def arm_values(sweeps: Sweeps, arm: str | Arm, metric: str) -> dict[int, float]:
@@ -176,7 +187,8 @@ def verdicts(tests: list[Test]) -> list[Verdict]:
             h2 = "the PG term's"
         else:
             h2 = "undecided"
-        out.append(Verdict(task, "supported" if h1 else "not supported", h2))
+        tag = "" if preregistered(task) else " (exploratory: not a pre-registered task)"
+        out.append(Verdict(task, ("supported" if h1 else "not supported") + tag, h2 + tag))
     return out
 
 
@@ -247,7 +259,12 @@ def _reads(t: Test) -> str:
     if not t.complete:
         return "incomplete"
     if t.number == 2:
-        return f"bound {'holds' if bound_holds(t) else 'fails'} (lower end > −{100 * PASS1_MARGIN:g})"
+        iv = t.interval()
+        if iv is None:
+            return "bound not judged: no interval"
+        holds = bound_holds(t)
+        return (f"bound {'holds' if holds else 'fails'}: lower end {100 * iv[0]:+.1f} "
+                f"{'>' if holds else '≤'} −{100 * PASS1_MARGIN:g}")
     reading = ("above" if t.diff.delta > 0 else "below") if t.rejected else "level"
     return reading + (" (s.e. 0: the same difference on every seed)" if t.diff.se == 0 and t.diff.delta else "")
 
@@ -276,8 +293,8 @@ def markdown(tests: list[Test], tasks: dict[str, Sweeps]) -> str:
                      "rejected" if t.rejected else "not rejected", _reads(t)])
     found = verdicts(tests)
     n_tasks = FAMILY_SIZE // len(TESTS)
-    supported = sum(v.h1 == "supported" for v in found)
-    decided = sum(v.h1 != "incomplete" for v in found)
+    supported = sum(v.h1 == "supported" and preregistered(v.task) for v in found)
+    decided = sum(v.h1 != "incomplete" and preregistered(v.task) for v in found)
     lines = [markdown_table(["task", "test", "arms", "metric", "difference (points) ± s.e.", "95% interval",
                              "seeds", "p", f"Holm over {FAMILY_SIZE}", "reads"], rows), "",
              *(f"- **{v.task}**: H1 {v.h1}; H2 {v.h2}." for v in found), "",
@@ -298,6 +315,8 @@ def _against_table(against: list[AgainstFrontier]) -> str:
     rows = []
     for f in against:
         verdict = "-" if f.gap is None else ("above" if f.gap.delta > 0 else "below") if f.rejected else "level"
+        if f.gap is not None and f.gap.se == 0 and f.gap.delta:
+            verdict += " (s.e. 0: the same gap on every seed)"
         rows.append([f.task, f.arm, str(f.pass1.n), f.pass1.fmt(100, 1), f.pass16.fmt(100, 1),
                      "outside its Pass@1 range" if f.gap is None else fmt(f.gap),
                      "-" if f.gap is None or f.gap.p is None else f"{f.gap.p:.4f}", verdict])

@@ -3,19 +3,19 @@
 One staleness sweep per task (`ablate staleness`, plain GRPO, groups `eta<η>-<correction>`); only
 the pre-registered SEEDS are analysed. Per task:
 
-- **binds** (correction, η): on every seed the consumed groups' mean staleness is >= BIND_SHARE x η and
-  the largest is η (seeds.csv's staleness_mean, staleness_max); η = 0 always binds;
+- **binds** (correction, η): on each of the five seeds the consumed groups' mean staleness is >=
+  BIND_SHARE x η and the largest is η (seeds.csv's staleness_mean, staleness_max); η = 0 binds;
 - **reading** of (correction, η > 0) against η = 0 of the same correction, paired by seed on in-domain
   Pass@1, at interval level L: degrades when the interval's upper end is below 0 and its lower end at
   or below -MARGIN; keeps when its lower end is above -MARGIN; undecided otherwise; not judged when
-  it does not bind or has fewer than MIN_SEEDS pairs;
+  a seed is missing on either side (named) or it does not bind;
 - **S1**, AReaL's shape: (i) decoupled keeps at η = 1, 2, 4 (95%); (ii) coupled (`behavior`) degrades
   at some η at which decoupled keeps, coupled's reading at 99% (Bonferroni over its five η > 0);
   (iii) decoupled's throughput at η = 4 over η = 0, the 95% interval of the per-seed ratios'
   geometric mean above 1 (a resumed cell's pair is left out: its wall time holds the pause);
 - **S2**, auto: its Pass@1 minus decoupled η = 1's has its 95% interval's lower end above -MARGIN, and
   the geometric mean of its per-seed throughput over the best binding fixed η >= 1's (decoupled, by
-  geometric mean throughput) is at least AUTO_RATIO.
+  geometric mean throughput) is at least AUTO_RATIO; not judged while a fixed η's cells are missing.
 
 Throughput: fresh samples per wall second of the training steps (seeds.csv's samples / wall_s).
 """
@@ -34,7 +34,6 @@ SEEDS = (200, 201, 202, 203, 204)
 ETAS = (0, 1, 2, 4, 8, 16)
 BIND_SHARE = 0.75
 MARGIN = 0.03
-MIN_SEEDS = 4
 AUTO_RATIO = 0.9
 STEPS = 100
 MODE = "grpo"
@@ -43,7 +42,8 @@ LOAD_LIMIT = 4.0  # cells ending above this 1-minute load are listed
 
 
 def check_rows(task: str, rows: list[SeedRow]) -> None:
-    """Refuse rows that cannot be the design's: another task, step count or objective, a seed twice."""
+    """Refuse rows that cannot be the design's: another task, step count or objective, a seed twice, or
+    a cell without the figures its verdicts read (Pass@1, a positive wall time, staleness)."""
     seen: set[tuple[str, int]] = set()
     for r in rows:
         if r.task != task or r.steps != STEPS or (r.group != "pi_0" and r.mode != MODE):
@@ -52,6 +52,21 @@ def check_rows(task: str, rows: list[SeedRow]) -> None:
         if (r.group, r.seed) in seen:
             raise ValueError(f"{task}: group {r.group} has seed {r.seed} twice")
         seen.add((r.group, r.seed))
+        if r.group == "pi_0" or r.seed not in SEEDS:
+            continue
+        need = [PASS1, "samples", "wall_s", *(() if r.group.startswith("etaauto") else ("staleness_mean",
+                                                                                       "staleness_max"))]
+        if lacking := [k for k in need if k not in r.metrics]:
+            raise ValueError(f"{task}, cell {r.cell}: no {', '.join(lacking)}")
+        if r.metrics["wall_s"] <= 0:
+            raise ValueError(f"{task}, cell {r.cell}: wall_s {r.metrics['wall_s']!r} is not a positive time")
+    if len({r.base for r in rows}) > 1:
+        raise ValueError(f"{task}: the rows start from more than one pi_0 (base fingerprints differ)")
+
+
+def missing(rows: list[SeedRow], eta: int | str, correction: str) -> list[int]:
+    """Pre-registered seeds without a cell of (η, correction)."""
+    return sorted(set(SEEDS) - cells(rows, eta, correction).keys())
 
 
 def cells(rows: list[SeedRow], eta: int | str, correction: str) -> dict[int, SeedRow]:
@@ -67,7 +82,7 @@ def binds(rows: list[SeedRow], eta: int, correction: str) -> bool:
     have = cells(rows, eta, correction)
     if eta == 0:
         return bool(have)
-    return len(have) >= MIN_SEEDS and all(
+    return not missing(rows, eta, correction) and all(
         r.metrics.get("staleness_mean", 0.0) >= BIND_SHARE * eta and r.metrics.get("staleness_max") == eta
         for r in have.values())
 
@@ -90,8 +105,9 @@ def read(rows: list[SeedRow], eta: int | str, correction: str, level: float = 0.
     a = {s: r.metrics[PASS1] for s, r in cells(rows, eta, correction).items()}
     b = {s: r.metrics[PASS1] for s, r in cells(rows, ref_eta, ref_corr).items()}
     n = len(a.keys() & b.keys())
-    if n < MIN_SEEDS:
-        return Reading(correction, eta, None, None, None, n, f"not judged: {n} seeds")
+    if lacking := sorted(set(missing(rows, eta, correction)) | set(missing(rows, ref_eta, ref_corr))):
+        return Reading(correction, eta, None, None, None, n,
+                       f"not judged: seed {', '.join(map(str, lacking))} missing")
     if isinstance(eta, int) and not binds(rows, eta, correction):
         return Reading(correction, eta, None, None, None, n, "not judged: did not bind")
     d = paired(a, b)
@@ -111,7 +127,7 @@ def throughput_ratio(rows: list[SeedRow], a: tuple[int | str, str], b: tuple[int
     ca, cb = cells(rows, *a), cells(rows, *b)
     pairs = [(throughput(ca[s]), throughput(cb[s])) for s in sorted(ca.keys() & cb.keys())
              if not ca[s].resumed and not cb[s].resumed]
-    return ratio_interval(pairs) if len(pairs) >= MIN_SEEDS else None
+    return ratio_interval(pairs) if len(pairs) == len(SEEDS) else None
 
 
 @dataclass(frozen=True)
@@ -160,13 +176,15 @@ def best_fixed(rows: list[SeedRow]) -> int | None:
 def s2_verdict(rows: list[SeedRow]) -> str:
     if not cells(rows, "auto", "decoupled"):
         return "not judged: no auto cells"
+    if absent := [str(eta) for eta in ETAS[1:] if missing(rows, eta, "decoupled")]:
+        return f"not judged: decoupled eta {', '.join(absent)} lacks seeds"
     accuracy = read(rows, "auto", "decoupled", against=(1, "decoupled"))
     best = best_fixed(rows)
     if accuracy.low is None or best is None:
         return "not judged: " + (accuracy.outcome if accuracy.low is None else "no fixed eta binds")
     ratio = throughput_ratio(rows, ("auto", "decoupled"), (best, "decoupled"))
     if ratio is None:
-        return f"not judged: fewer than {MIN_SEEDS} throughput pairs with eta {best}"
+        return f"not judged: a seed of auto or eta {best} missing or resumed (its throughput is run again)"
     ok = accuracy.low > -MARGIN and ratio.ratio >= AUTO_RATIO
     return (f"{'passes' if ok else 'fails'} (Pass@1 − eta 1's lower end {100 * accuracy.low:+.1f} points; "
             f"throughput {ratio.ratio:.2f}x eta {best}'s)")
@@ -185,6 +203,13 @@ def markdown(tasks: dict[str, list[SeedRow]]) -> str:
         v = verdict(task, rows)
         table = []
         for correction in ("behavior", "decoupled"):
+            auto = read(rows, "auto", correction, against=(1, correction))
+            auto_ratio = throughput_ratio(rows, ("auto", correction), (1, correction))
+            if cells(rows, "auto", correction):
+                table.append([task, correction, "auto (against η 1)", "-", "-",
+                              "-" if auto.delta is None else f"{100 * auto.delta:+.1f} [{100 * auto.low:+.1f}, "
+                                                             f"{100 * auto.high:+.1f}]",
+                              auto.outcome, "-", "-" if auto_ratio is None else auto_ratio.fmt()])
             for eta in ETAS[1:]:
                 have = cells(rows, eta, correction)
                 r95 = read(rows, eta, correction)
@@ -198,7 +223,7 @@ def markdown(tasks: dict[str, list[SeedRow]]) -> str:
                               else "-", "-" if ratio is None else ratio.fmt()])
         lines += [markdown_table(["task", "correction", "η", "binds", "staleness (mean)",
                                   "Pass@1 − η 0's (points, 95%)", "reading (95%)", "reading (99%)",
-                                  "throughput / η 0's"], table), "",
+                                  "throughput ratio (against η 0; auto: η 1)"], table), "",
                   f"- **{task}**: S1 {v.s1} ({', '.join(f'{k} {_word(x)}' for k, x in v.parts.items())}); "
                   f"S2 auto {v.s2}.", ""]
         analysed = [r for r in rows if r.seed in SEEDS and r.group != "pi_0"]

@@ -21,6 +21,7 @@ from dph_async.app.ablate.seeds import write_seeds
 from dph_async.app.evaluate import DIFFICULTY, SplitResult, difficulty_of, load_results
 from dph_async.app.report import TABLE_K, markdown_table
 from dph_async.config import load_config
+from dph_async.paths import RunPaths
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,9 @@ def write_summary(out: Path) -> list[Group]:
     md += ["Plots: `plots/curves.png`, `plots/pass_at_k.png`, `plots/staleness.png`, `plots/summary.png`"
            + (", `plots/frontier.png`." if comparisons else "."), ""]
     (out / "summary.md").write_text("\n".join(md))
-    write_seeds(out / "seeds.csv", cells, splits, k_max, load_config(str(out / "config.yaml")))
+    cfg = load_config(str(out / "config.yaml"))
+    base_model = Path(cfg.model.path) if cfg.model.path is not None else RunPaths(out).base_model
+    write_seeds(out / "seeds.csv", cells, splits, k_max, cfg, base_model)
     summary = {
         "kind": kind,
         "groups": [{"name": g.name, "factors": g.factors, "cells": [c.cell.key for c in g.cells],

@@ -5,8 +5,10 @@ standard errors and paired tests needs: every figure in docs/ablations.md that c
 be re-derived from these rows (`dph-async ablate confirm` reads them). Columns:
 
     cell, group, mode, seed, coeff, share       what ran (the sweep's cell)
-    task, pg_share, steps                       the sweep's base config: its task (task.name, or the
-                                                data file), learner.loss.reference_pg_share, steps
+    task, pg_share, steps, base                 the sweep's base config: its task (task.name, or
+                                                `data:` and the data file's name),
+                                                learner.loss.reference_pg_share, steps, and a
+                                                fingerprint of pi_0's files (`fingerprint`)
     commit, date, load, resumed                 the code, when it finished, the machine's 1-minute
                                                 load then, whether it resumed after an interruption
     reward, wall_s, samples                     final training reward, wall seconds, fresh samples
@@ -23,7 +25,9 @@ provenance has empty commit, date and load.
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +35,7 @@ from dph_async.app.ablate.results import CellResult, cell_metrics, split_metrics
 from dph_async.config import RunConfig
 
 IDENTITY = ("cell", "group", "mode", "seed", "coeff", "share")
-CONFIG = ("task", "pg_share", "steps")
+CONFIG = ("task", "pg_share", "steps", "base")
 PROVENANCE = ("commit", "date", "load", "resumed")
 RUN = ("reward", "wall_s", "samples", "staleness_mean", "staleness_max")
 TEXT = (*IDENTITY, *CONFIG, *PROVENANCE)  # the columns that are not figures
@@ -51,6 +55,7 @@ class SeedRow:
     task: str
     pg_share: float
     steps: int
+    base: str
     commit: str
     date: str
     load: float | None
@@ -63,14 +68,30 @@ def split_columns(splits: list[str], k_max: int) -> list[str]:
 
 
 def task_name(cfg: RunConfig) -> str:
-    return cfg.task.name if cfg.task.data is None else Path(cfg.task.data).name
+    """The embedded task's name, or `data:` and the data file's name (never an embedded task's name)."""
+    return cfg.task.name if cfg.task.data is None else f"data:{Path(cfg.task.data).name}"
 
 
-def write_seeds(path: Path, cells: list[CellResult], splits: list[str], k_max: int, cfg: RunConfig) -> None:
+def fingerprint(model_dir: Path) -> str:
+    """12 hex digits of SHA-256 over the names, sizes and first and last MiB of the model's files: two
+    sweeps that start from the same pi_0 share it, whatever their evaluations (cheap on a large model)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in model_dir.iterdir() if p.is_file()):
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with f.open("rb") as data:
+            h.update(data.read(2**20))
+            data.seek(max(0, size - 2**20))
+            h.update(data.read(2**20))
+    return h.hexdigest()[:12]
+
+
+def write_seeds(path: Path, cells: list[CellResult], splits: list[str], k_max: int, cfg: RunConfig,
+                base_model: Path) -> None:
     """seeds.csv: pi_0's row (its evaluation is every cell's version 0), then the finished cells in the
-    sweep's order. `cfg`: the sweep's base config."""
+    sweep's order. `cfg`: the sweep's base config; `base_model`: pi_0's directory."""
     figures = [*RUN, *split_columns(splits, k_max)]
-    config = [task_name(cfg), cfg.learner.loss.reference_pg_share, cfg.learner.steps]
+    config = [task_name(cfg), cfg.learner.loss.reference_pg_share, cfg.learner.steps, fingerprint(base_model)]
     with path.open("w", newline="") as f:
         out = csv.writer(f)
         out.writerow([*TEXT, *figures])
@@ -108,22 +129,45 @@ def _finite(text: str, column: str) -> float:
     return x
 
 
+def _in_range(column: str, x: float) -> float:
+    """Shares (Pass@k, greedy accuracy) lie in [0, 1]; seconds and counts are not negative."""
+    name = column.rsplit("/", 1)[-1]
+    if (name.startswith("pass@") or name == "greedy") and not 0.0 <= x <= 1.0:
+        raise ValueError(f"{column}: {x!r} is not a share in [0, 1]")
+    if name in ("wall_s", "samples", "distinct", "staleness_mean", "staleness_max") and x < 0:
+        raise ValueError(f"{column}: {x!r} is negative")
+    return x
+
+
 def read_seeds(path: Path) -> list[SeedRow]:
-    """The rows of a seeds.csv; a missing column, or a value that is not a finite number, is named."""
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in TEXT if c not in (reader.fieldnames or [])]
-        if missing:
-            raise ValueError(f"{path}: no column {', '.join(missing)} (not a sweep's seeds.csv)")
-        rows = []
-        for line, r in enumerate(reader, start=2):
-            try:
-                metrics = {k: _finite(v, k) for k, v in r.items() if k not in TEXT and v}
-                rows.append(SeedRow(r["cell"], r["group"], r["mode"], int(r["seed"]), _finite(r["coeff"], "coeff"),
-                                    _finite(r["share"], "share"), r["task"], _finite(r["pg_share"], "pg_share"),
-                                    int(r["steps"]), r["commit"], r["date"],
-                                    _finite(r["load"], "load") if r["load"] else None, r["resumed"] == "1",
-                                    metrics))
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"{path}, line {line}: {e}") from None
+    """The rows of a seeds.csv; a missing or repeated column, a row of another width, or a value that
+    is not a finite number in its range, is named with the file and line."""
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            return _rows(path, csv.reader(f))
+    except (csv.Error, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a CSV file of UTF-8 text ({e})") from None
+
+
+def _rows(path: Path, reader: Iterator[list[str]]) -> list[SeedRow]:
+    header = next(reader, [])
+    twice = sorted({c for c in header if header.count(c) > 1})
+    if twice:
+        raise ValueError(f"{path}: column {', '.join(twice)} given twice")
+    missing = [c for c in TEXT if c not in header]
+    if missing:
+        raise ValueError(f"{path}: no column {', '.join(missing)} (not a sweep's seeds.csv)")
+    rows = []
+    for line, values in enumerate(reader, start=2):
+        try:
+            if len(values) != len(header):
+                raise ValueError(f"{len(values)} fields, the header has {len(header)}")
+            r = dict(zip(header, values, strict=True))
+            metrics = {k: _in_range(k, _finite(v, k)) for k, v in r.items() if k not in TEXT and v}
+            rows.append(SeedRow(r["cell"], r["group"], r["mode"], int(r["seed"]), _finite(r["coeff"], "coeff"),
+                                _finite(r["share"], "share"), r["task"], _finite(r["pg_share"], "pg_share"),
+                                int(r["steps"]), r["base"], r["commit"], r["date"],
+                                _finite(r["load"], "load") if r["load"] else None, r["resumed"] == "1", metrics))
+        except ValueError as e:
+            raise ValueError(f"{path}, line {line}: {e}") from None
     return rows

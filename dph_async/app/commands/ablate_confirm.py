@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from dph_async.app.ablate import confirm, confirm_staleness
@@ -52,8 +53,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--figure", type=Path, help="divergence: draw Pass@16 against Pass@1 per task to this PNG")
 
 
+def _outputs(args: argparse.Namespace, inputs: list[Path]) -> str | None:
+    """What is wrong with --output and --figure, checked before anything is computed (None: nothing)."""
+    if args.figure is not None and args.design != "divergence":
+        return "--figure draws the divergence design's frontier; the staleness design has none"
+    if args.figure is not None and args.figure.suffix.lower() != ".png":
+        return f"--figure {args.figure}: give a .png file"
+    for flag, path in (("--output", args.output), ("--figure", args.figure)):
+        if path is None:
+            continue
+        if path.is_dir():
+            return f"{flag} {path}: a directory; give a file"
+        if any(path.resolve() == f.resolve() for f in inputs):
+            return f"{flag} {path}: one of the inputs; it would be overwritten"
+        if any(parent.exists() and not parent.is_dir() for parent in path.parents):
+            return f"{flag} {path}: a parent is not a directory"
+    return None
+
+
+def _write(path: Path, write: Callable[[Path], object]) -> str | None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+    except (OSError, ValueError) as e:
+        return f"{path}: cannot be written ({e})"
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
     tasks: dict = {}
+    inputs: list[Path] = []
     for name, *sweeps in args.task:
         if name in tasks:
             return fail(f"--task {name} given twice")
@@ -62,13 +91,18 @@ def main(args: argparse.Namespace) -> int:
                         f"{len(sweeps)}")
         files = [_seeds_file(s) for s in sweeps]
         for f in files:
-            if not f.is_file():
+            if not f.exists():
                 return fail(f"{f}: no such file (a sweep writes seeds.csv with its summary)")
+            if not f.is_file():
+                return fail(f"{f}: not a regular file")
+        inputs += files
         try:
             rows = [read_seeds(f) for f in files]
         except ValueError as e:
             return fail(str(e))
         tasks[name] = tuple(rows) if args.design == "divergence" else rows[0]
+    if (problem := _outputs(args, inputs)) is not None:
+        return fail(problem)
     try:
         if args.design == "divergence":
             text = confirm.markdown(confirm.family(tasks), tasks)
@@ -77,9 +111,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         return fail(str(e))
     print(text)
-    if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(text + "\n")
-    if args.figure is not None and args.design == "divergence":
-        confirm.plot(tasks, args.figure)
+    if args.output is not None and (problem := _write(args.output, lambda p: p.write_text(text + "\n"))):
+        return fail(problem)
+    if args.figure is not None and (problem := _write(args.figure, lambda p: confirm.plot(tasks, p))):
+        return fail(problem)
     return 0

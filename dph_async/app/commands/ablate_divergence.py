@@ -28,7 +28,8 @@ the control (grpo@d_exp) and to the reverse-KL frontier at the same Pass@1. --sh
 --share-runs adds the reference samples' share of the batch as a second axis (replay.reference_ratio
 = share / (1 - share)) for the runs named.
 
-Resumable like `ablate staleness`: finished cells are never rerun.
+Resumable like `ablate staleness`: finished cells are never rerun. Output: summary.md, summary.json,
+seeds.csv (one row per cell, what `ablate confirm` reads), plots/ in --output.
 
 examples:
   dph-async ablate divergence                          # grpo grpo@d_exp reverse_kl forward js_low_var alpha

@@ -22,7 +22,8 @@ mean ± standard error over seeds and says, per correction, whether each eta rea
 eta = 0. docs/ablations.md explains the defaults and how to read the figures.
 
 Resumable: a finished cell (rl/<cell>/cell.json) is never rerun; rerunning the command with more
-etas or seeds runs only the new cells. Output: summary.md, summary.json, plots/ in --output.
+etas or seeds runs only the new cells. Output: summary.md, summary.json, seeds.csv (one row per
+cell, what `ablate confirm` reads), plots/ in --output.
 
 examples:
   dph-async ablate staleness                                  # 5 etas x 3 corrections x 3 seeds
