@@ -181,3 +181,138 @@ def test_the_command_reads_one_sweep_per_task(tmp_path, capsys):
     assert main(["ablate", "confirm", "--design", "staleness", "--task", "embedded", str(tmp_path),
                  str(tmp_path)]) == 2
     assert "the staleness design takes 1 sweep(s), got 2" in capsys.readouterr().err
+
+
+def pi0(base: str = "f00dfeedbeef") -> SeedRow:
+    return SeedRow("pi_0", "pi_0", "base", 0, 0.0, 0.0, "embedded", 0.0, 100, base, "", "", None, False,
+                   {"in_domain/pass@1": 0.4})
+
+
+def test_pi_0s_row_is_taken_as_it_is_and_every_other_row_checked():
+    """pi_0's row has no run figures and is not checked for them; a row after it still is; two
+    fingerprints are two pi_0s; a wall time under one second is a time."""
+    rows = [pi0(), *sweep()]
+    assert cs.verdict("embedded", rows).task == "embedded"
+    last = rows[-1]
+    with pytest.raises(ValueError, match=r"cell etaauto-decoupled-seed204: no samples, wall_s"):
+        cs.verdict("embedded", [*rows[:-1], replace(last, metrics={"in_domain/pass@1": 0.5})])
+    with pytest.raises(ValueError, match=r"embedded: the rows start from more than one pi_0 \(base fingerprints "
+                                         r"differ\)"):
+        cs.verdict("embedded", [pi0("0123456789ab"), *sweep()])
+    short = [replace(r, metrics={**r.metrics, "wall_s": 0.5, "samples": 5.0}) for r in sweep()]
+    assert cs.verdict("embedded", short).s1 == "partly: (i)"
+
+
+def test_every_field_of_a_reading_and_every_message_names_what_it_is():
+    rows = [r for r in sweep() if not (r.group == "eta2-decoupled" and r.seed in (203, 204))]
+    assert cs.read(rows, 2, "decoupled") == cs.Reading("decoupled", 2, None, None, None, 3,
+                                                       "not judged: seed 203, 204 missing")
+    unbound = sweep(kw={(8, "behavior"): {"stale": 1.0}})
+    assert cs.read(unbound, 8, "behavior") == cs.Reading("behavior", 8, None, None, None, 5,
+                                                         "not judged: did not bind")
+    r = cs.read(sweep({(1, "behavior"): 0.5 + diffs(-0.02, 0.0)}), 1, "behavior")
+    assert (r.correction, r.eta, r.seeds, r.outcome) == ("behavior", 1, 5, "keeps")
+    assert cs.binds(sweep(kw={(1, "decoupled"): {"stale": 0.7}}), 1, "decoupled") is False
+
+
+def test_the_throughput_ratio_pairs_only_seeds_both_sides_have():
+    rows = [r for r in sweep() if not (r.group == "eta0-decoupled" and r.seed == 202)]
+    assert cs.throughput_ratio(rows, (4, "decoupled"), (0, "decoupled")) is None
+    # wall time varies: samples / wall_s, not their product
+    rates = {(4, "decoupled"): np.array([12.0, 13, 12.5, 14, 12])}
+    walls = [replace(r, metrics={**r.metrics, "wall_s": 25.0 + r.seed - 200, "samples": r.metrics["samples"] / 50.0
+                                 * (25.0 + r.seed - 200)}) for r in sweep(rate=rates)]
+    ratio = cs.throughput_ratio(walls, (4, "decoupled"), (0, "decoupled"))
+    assert ratio.ratio == pytest.approx(math.exp(np.log(rates[(4, "decoupled")] / 10.0).mean()), rel=1e-12)
+
+
+def test_s1_parts_read_exactly_their_etas():
+    # (i) is decoupled at 1, 2 and 4: a fall at 1 alone fails it
+    assert cs.s1_parts(sweep({(1, "decoupled"): 0.5 + diffs(-0.1, -0.06)}))["(i)"] is False
+    # (ii) counts eta 1 too, and is False (not "") when nothing degrades
+    assert cs.s1_parts(sweep({(1, "behavior"): 0.5 + diffs(-0.08, -0.05, level=0.99)}))["(ii)"] is True
+    assert cs.s1_parts(sweep())["(ii)"] is False
+    # a coupled eta that cannot be read, and no degradation elsewhere: (ii) not judged
+    gap = [r for r in sweep() if not (r.group == "eta16-behavior" and r.seed == 200)]
+    assert cs.s1_parts(gap)["(ii)"] is None
+    gap = [r for r in sweep() if not (r.group == "eta16-decoupled" and r.seed == 200)]
+    assert cs.s1_parts(gap)["(ii)"] is None
+    # (iii) is eta 4 over eta 0, not over eta 1
+    fast = np.array([12.0, 13, 12.5, 14, 12])
+    assert cs.s1_parts(sweep(rate={(4, "decoupled"): fast, (1, "decoupled"): fast}))["(iii)"] is True
+    two = sweep({(2, "decoupled"): 0.5 + diffs(-0.1, -0.06)}, rate={(4, "decoupled"): fast})
+    assert cs.s1_verdict(cs.s1_parts(two)) == "partly: (iii)"  # decoupled falls at 2; nothing coupled degrades
+    held = {"(i)": True, "(ii)": False, "(iii)": True}
+    assert cs.s1_verdict(held) == "partly: (i), (iii)"
+
+
+def test_s2_edges():
+    r = np.full(5, 10.0)
+    nothing_binds = sweep(kw={(eta, "decoupled"): {"stale": 0.1} for eta in cs.ETAS[1:]})
+    assert cs.best_fixed(nothing_binds) is None
+    assert cs.s2_verdict(nothing_binds) == "not judged: no fixed eta binds"
+    assert cs.best_fixed(sweep(rate={(1, "decoupled"): r * 2})) == 1
+    no1 = [x for x in sweep() if x.group != "eta1-decoupled"]
+    assert cs.s2_verdict(no1) == "not judged: decoupled eta 1 lacks seeds"
+    two = [x for x in sweep() if x.group not in ("eta1-decoupled", "eta2-decoupled")]
+    assert cs.s2_verdict(two) == "not judged: decoupled eta 1, 2 lacks seeds"
+    # auto's accuracy is read against decoupled eta 1's, not eta 2's
+    against = sweep({(1, "decoupled"): np.full(5, 0.6) + diffs(-0.01, 0.0) - diffs(-0.01, 0.0).mean(),
+                     ("auto", "decoupled"): np.full(5, 0.6)})
+    assert cs.s2_verdict(against).startswith("passes (Pass@1 − eta 1's lower end ")
+    lacking = [x for x in sweep() if not (x.group == "etaauto-decoupled" and x.seed == 204)]
+    assert cs.s2_verdict(lacking) == "not judged: not judged: seed 204 missing"
+    resumed = [replace(x, resumed=True) if x.cell == "etaauto-decoupled-seed200" else x for x in sweep()]
+    best = cs.best_fixed(resumed)
+    assert cs.s2_verdict(resumed) == (f"not judged: a seed of auto or eta {best} missing or resumed (its "
+                                      "throughput is run again)")
+    low = sweep({("auto", "decoupled"): 0.5 + diffs(-0.05, -0.01)})
+    best = cs.best_fixed(low)
+    assert cs.s2_verdict(low) == f"fails (Pass@1 − eta 1's lower end -5.0 points; throughput 1.00x eta {best}'s)"
+
+
+def table_rows(text: str) -> dict[tuple[str, str], list[str]]:
+    out = {}
+    for line in text.splitlines():
+        cols = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| embedded |"):
+            out[(cols[1], cols[2])] = cols
+    return out
+
+
+def test_the_rendered_table_holds_every_reading_ratio_and_note():
+    fast = np.array([12.0, 13, 12.5, 14, 12])
+    rows = sweep({(16, "behavior"): 0.5 + diffs(-0.08, -0.05, level=0.99)},
+                 rate={(4, "decoupled"): fast, ("auto", "decoupled"): fast},
+                 kw={(8, "decoupled"): {"stale": 2.0}})
+    rows = [replace(x, load=5.0) if x.cell == "eta2-behavior-seed201" else x for x in rows]
+    rows = [replace(x, resumed=True) if x.cell == "eta1-behavior-seed203" else x for x in rows]
+    text = cs.markdown({"embedded": rows})
+    lines = text.splitlines()
+    assert lines[0] == ("| task | correction | η | binds | staleness (mean) | Pass@1 − η 0's (points, 95%) | "
+                        "reading (95%) | reading (99%) | throughput ratio (against η 0; auto: η 1) |")
+    got = table_rows(text)
+    assert len(got) == 2 * (len(cs.ETAS) - 1) + 2
+    for correction in ("behavior", "decoupled"):
+        for eta in cs.ETAS[1:]:
+            cols = got[(correction, str(eta))]
+            r95, r99 = cs.read(rows, eta, correction), cs.read(rows, eta, correction, 0.99)
+            ratio = cs.throughput_ratio(rows, (eta, correction), (0, correction))
+            stale = np.mean([x.metrics["staleness_mean"] for x in cs.cells(rows, eta, correction).values()])
+            assert cols[3] == ("yes" if cs.binds(rows, eta, correction) else "no")
+            assert cols[4] == f"{stale:.2f}"
+            assert cols[5] == ("-" if r95.delta is None else
+                               f"{100 * r95.delta:+.1f} [{100 * r95.low:+.1f}, {100 * r95.high:+.1f}]")
+            assert cols[6] == r95.outcome and cols[7] == (r99.outcome if correction == "behavior" else "-")
+            assert cols[8] == ("-" if ratio is None else ratio.fmt())
+        auto = got[(correction, "auto (against η 1)")]
+        a = cs.read(rows, "auto", correction, against=(1, correction))
+        ratio = cs.throughput_ratio(rows, ("auto", correction), (1, correction))
+        assert auto[3:5] == ["-", "-"] and auto[6:8] == [a.outcome, "-"]
+        assert auto[5] == f"{100 * a.delta:+.1f} [{100 * a.low:+.1f}, {100 * a.high:+.1f}]"
+        assert auto[8] == ("-" if ratio is None else ratio.fmt())
+    assert got[("decoupled", "8")][3] == "no" and got[("behavior", "1")][8] == "-"  # unbound; resumed pair
+    assert "- **embedded**: S1 reproduced ((i) holds, (ii) holds, (iii) holds); S2 auto passes (" in text
+    assert "embedded: 1-minute load above 4 at the end of eta2-behavior-seed201." in text
+    assert "embedded: resumed (throughput left out until run again): eta1-behavior-seed203." in text
+    assert "S1 partly: (i) ((i) holds, (ii) fails, (iii) fails)" in cs.markdown({"embedded": sweep()})

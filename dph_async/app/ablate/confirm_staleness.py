@@ -3,8 +3,8 @@
 One staleness sweep per task (`ablate staleness`, plain GRPO, groups `eta<η>-<correction>`); only
 the pre-registered SEEDS are analysed. Per task:
 
-- **binds** (correction, η): on each of the five seeds the consumed groups' mean staleness is >=
-  BIND_SHARE x η and the largest is η (seeds.csv's staleness_mean, staleness_max); η = 0 binds;
+- **binds** (correction, η > 0): on each of the five seeds the consumed groups' mean staleness is >=
+  BIND_SHARE x η and the largest is η (seeds.csv's staleness_mean, staleness_max);
 - **reading** of (correction, η > 0) against η = 0 of the same correction, paired by seed on in-domain
   Pass@1, at interval level L: degrades when the interval's upper end is below 0 and its lower end at
   or below -MARGIN; keeps when its lower end is above -MARGIN; undecided otherwise; not judged when
@@ -79,12 +79,10 @@ def throughput(r: SeedRow) -> float:
 
 
 def binds(rows: list[SeedRow], eta: int, correction: str) -> bool:
-    have = cells(rows, eta, correction)
-    if eta == 0:
-        return bool(have)
+    """Every seed's consumed groups reach BIND_SHARE x eta on average and eta at most (eta > 0)."""
     return not missing(rows, eta, correction) and all(
-        r.metrics.get("staleness_mean", 0.0) >= BIND_SHARE * eta and r.metrics.get("staleness_max") == eta
-        for r in have.values())
+        r.metrics["staleness_mean"] >= BIND_SHARE * eta and r.metrics["staleness_max"] == eta
+        for r in cells(rows, eta, correction).values())
 
 
 @dataclass(frozen=True)
@@ -214,7 +212,7 @@ def markdown(tasks: dict[str, list[SeedRow]]) -> str:
                 have = cells(rows, eta, correction)
                 r95 = read(rows, eta, correction)
                 ratio = throughput_ratio(rows, (eta, correction), (0, correction))
-                stale = [r.metrics.get("staleness_mean", math.nan) for r in have.values()]
+                stale = [r.metrics["staleness_mean"] for r in have.values()]
                 table.append([task, correction, str(eta), "yes" if binds(rows, eta, correction) else "no",
                               f"{statistics.fmean(stale):.2f}" if stale else "-",
                               "-" if r95.delta is None else f"{100 * r95.delta:+.1f} [{100 * r95.low:+.1f}, "
