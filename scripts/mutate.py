@@ -110,6 +110,9 @@ _SERVE_COLUMNS = ("[record.request_id]", "[record.version]", "[[a for a, _ in re
                   "[[reason for _, reason in record.dropped]]")
 _PROTOCOL_KIND = ("parse_record keeps only str(e), the detail: the kind, a metrics category of the wire's decoder, "
                   "is never read")
+_EXACT_EDGE = ("an interval's end (a mean plus or minus t times a standard error) or a geometric mean lands "
+               "exactly on its threshold (0, -0.03, 0.9) with probability zero, and no test can put it there: "
+               "t_critical and the square root round (an end built to be -0.03 comes out -0.0299999...)")
 EQUIVALENT: dict[tuple[str, str], str] = {
     **{("dph_async/app/warmstart.py", f"return functools.cache(functools.partial(tok.encode, {arg}))"):
         "the embedded tokenizers have no template: encode adds no special token either way"
@@ -296,6 +299,10 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("dph_async/app/core_claims.py",
      "claim = Claim(uuid.uuid4().hex, me, start_time(me) or 1, sorted(used(plan)), _command(me))"):
         "the running process's own start time is never None: its /proc entry exists while it runs",
+    **{("dph_async/app/ablate/confirm_staleness.py", line): _EXACT_EDGE for line in (
+        "if high <= 0 and low <= -MARGIN:", "if high < 0 and low < -MARGIN:", "elif low >= -MARGIN:",
+        "ok = accuracy.low >= -MARGIN and ratio.ratio >= AUTO_RATIO",
+        "ok = accuracy.low > -MARGIN and ratio.ratio > AUTO_RATIO")},
 }
 
 DETECTED = {"killed", "timeout", "segfault", "caught by type check"}
