@@ -110,6 +110,8 @@ _SERVE_COLUMNS = ("[record.request_id]", "[record.version]", "[[a for a, _ in re
                   "[[reason for _, reason in record.dropped]]")
 _PROTOCOL_KIND = ("parse_record keeps only str(e), the detail: the kind, a metrics category of the wire's decoder, "
                   "is never read")
+_POSIX_NEWLINES = "written on POSIX, where text mode translates no newline: csv's own \\r\\n ends reach the file alike"
+_LAST_PART = "the part after the last '/' is the same however many splits are taken from the right"
 _EXACT_EDGE = ("an interval's end (a mean plus or minus t times a standard error) or a geometric mean lands "
                "exactly on its threshold (0, -0.03, 0.9) with probability zero, and no test can put it there: "
                "t_critical and the square root round (an end built to be -0.03 comes out -0.0299999...)")
@@ -299,6 +301,12 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     ("dph_async/app/core_claims.py",
      "claim = Claim(uuid.uuid4().hex, me, start_time(me) or 1, sorted(used(plan)), _command(me))"):
         "the running process's own start time is never None: its /proc entry exists while it runs",
+    **{("dph_async/app/ablate/seeds.py", line): why for line, why in (
+        ('with path.open("w", newline=None) as f:', _POSIX_NEWLINES), ('with path.open("w", ) as f:', _POSIX_NEWLINES),
+        ('with path.open(newline="", encoding="UTF-8-SIG") as f:', "the codec's name is case-blind: the same codec"),
+        ('name = column.rsplit("/", )[-1]', _LAST_PART), ('name = column.rsplit("/", 2)[-1]', _LAST_PART),
+        *((f"r = dict(zip(header, values, {s}))", "the lengths were checked to agree on the line before")
+          for s in ("strict=None", "", "strict=False")))},
     **{("dph_async/app/ablate/confirm_staleness.py", line): _EXACT_EDGE for line in (
         "if high <= 0 and low <= -MARGIN:", "if high < 0 and low < -MARGIN:", "elif low >= -MARGIN:",
         "ok = accuracy.low >= -MARGIN and ratio.ratio >= AUTO_RATIO",

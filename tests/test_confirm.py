@@ -444,3 +444,97 @@ def test_the_command_refuses_outputs_that_would_lose_data_before_computing(tmp_p
     assert main(["ablate", "confirm", "--design", "staleness", "--task", "embedded", str(tmp_path / "one.csv"),
                  "--figure", str(tmp_path / "f.png")]) == 2
     assert "the staleness design has none" in capsys.readouterr().err
+
+
+def test_the_fingerprint_is_its_documented_recipe(tmp_path):
+    """SHA-256 over each file's name, size, first and last MiB, files in name order: recomputed here,
+    for a file of 3 MiB and one under a MiB; a byte in the middle of a large file is not read."""
+    import hashlib
+
+    rng = np.random.default_rng()
+    (tmp_path / "b.bin").write_bytes(rng.bytes(3 * 2**20))
+    (tmp_path / "a.json").write_bytes(rng.bytes(1000))
+    (tmp_path / "sub").mkdir()  # not a file: not read
+
+    def recipe() -> str:
+        h = hashlib.sha256()
+        for f in sorted(p for p in tmp_path.iterdir() if p.is_file()):
+            data = f.read_bytes()
+            h.update(f"{f.name}\0{len(data)}\0".encode())
+            h.update(data[:2**20])
+            h.update(data[max(0, len(data) - 2**20):][:2**20])
+        return h.hexdigest()[:12]
+
+    assert fingerprint(tmp_path) == recipe()
+    big = bytearray((tmp_path / "b.bin").read_bytes())
+    big[3 * 2**19] ^= 1  # the middle: outside both MiB read
+    (tmp_path / "b.bin").write_bytes(bytes(big))
+    assert fingerprint(tmp_path) == recipe()
+    big[100] ^= 1  # the first MiB
+    (tmp_path / "b.bin").write_bytes(bytes(big))
+    assert fingerprint(tmp_path) == recipe()
+
+
+def test_a_data_file_task_never_takes_an_embedded_tasks_name(tmp_path):
+    from dph_async.app.ablate.seeds import task_name
+
+    assert task_name(load_config("default", [f"task.data={tmp_path / 'embedded'}"])) == "data:embedded"
+    assert task_name(load_config("default", ["task.name=digit_sets"])) == "digit_sets"
+
+
+def test_one_cell_without_factors_or_a_date_is_written_with_empty_defaults(tmp_path):
+    base = {"in_domain": split("in_domain", 0.1, 0.9)}
+    final = {"in_domain": split("in_domain", 0.2, 0.8)}
+    cell = CellResult(Cell("x-seed5", "x", {}, 5, "grpo"), [1], [8.0], [1.0], [0.5],
+                      [EvalPoint(0, 0.0, 0.0, base), EvalPoint(1, 8.0, 1.0, final)], {}, {}, {}, False,
+                      {"commit": "abc"})
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "w").write_bytes(b"w")
+    write_seeds(tmp_path / "seeds.csv", [cell], ["in_domain"], 16, load_config("default"), tmp_path / "m")
+    raw = (tmp_path / "seeds.csv").read_text().splitlines()
+    assert raw[1].startswith("pi_0,pi_0,base,0,0.0,0.0,embedded,0.0,") and ",,,,,,,,,,0.5,0.1,0.9,1.5" in raw[1]
+    base_row, row = read_seeds(tmp_path / "seeds.csv")
+    assert (base_row.commit, base_row.date, base_row.load, base_row.resumed) == ("", "", None, False)
+    assert (row.coeff, row.share, row.commit, row.date) == (0.0, 0.0, "abc", "")
+
+
+@pytest.mark.parametrize(("column", "value", "says"), [
+    ("in_domain/greedy", "1.5", "in_domain/greedy: 1.5 is not a share in"),
+    ("a/b/pass@1", "1.01", "a/b/pass@1: 1.01 is not a share in"),
+    *((c, "-1", f"{c}: -1.0 is negative") for c in ("wall_s", "samples", "in_domain/distinct", "staleness_mean",
+                                                     "staleness_max")),
+])
+def test_a_figure_out_of_its_range_is_refused(tmp_path, column, value, says):
+    (tmp_path / "s.csv").write_text(f"{HEADER},{column}\nc,g,m,1,0,0,embedded,0,100,b,,,,0,0.5,{value}\n")
+    with pytest.raises(ValueError, match=f"{tmp_path / 's.csv'}, line 2: {says}"):
+        read_seeds(tmp_path / "s.csv")
+
+
+def test_the_edges_of_each_range_are_accepted(tmp_path):
+    cols = ["in_domain/greedy", "wall_s", "samples", "in_domain/distinct", "staleness_mean", "staleness_max"]
+    (tmp_path / "s.csv").write_text(f"{HEADER},{','.join(cols)}\nc,g,m,1,0,0,embedded,0,100,b,,,,0,0.0,1.0,0,0,0,0,0\n")
+    (row,) = read_seeds(tmp_path / "s.csv")
+    assert row.metrics == {"in_domain/pass@1": 0.0, "in_domain/greedy": 1.0, **dict.fromkeys(cols[1:], 0.0)}
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("", "no column cell, group"),
+    (f"{HEADER},in_domain/pass@1,x,x\n", "column in_domain/pass@1, x given twice"),
+    (f"{HEADER}\nc,g,m,1,inf,0,embedded,0,100,b,,,,0,0.5\n", "coeff: 'inf'"),
+    (f"{HEADER}\nc,g,m,1,0,nan,embedded,0,100,b,,,,0,0.5\n", "share: 'nan'"),
+    (f"{HEADER}\nc,g,m,1,0,0,embedded,-inf,100,b,,,,0,0.5\n", "pg_share: '-inf'"),
+])
+def test_every_refusal_names_the_file(tmp_path, text, says):
+    (tmp_path / "s.csv").write_text(text)
+    with pytest.raises(ValueError, match=f"^{tmp_path / 's.csv'}") as e:
+        read_seeds(tmp_path / "s.csv")
+    assert says in str(e.value)
+    (tmp_path / "s.csv").write_bytes(b"\xff\xfe" + HEADER.encode())
+    with pytest.raises(ValueError, match=f"^{tmp_path / 's.csv'}: not a CSV file of UTF-8 text"):
+        read_seeds(tmp_path / "s.csv")
+
+
+def test_a_quoted_field_keeps_its_line_break(tmp_path):
+    (tmp_path / "s.csv").write_bytes(f'{HEADER}\r\n"c\r\nd",g,m,1,0,0,embedded,0,100,b,,,,0,0.5\r\n'.encode())
+    (row,) = read_seeds(tmp_path / "s.csv")
+    assert row.cell == "c\r\nd" and row.metrics == {"in_domain/pass@1": 0.5}
