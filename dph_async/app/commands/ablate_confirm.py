@@ -110,9 +110,10 @@ def main(args: argparse.Namespace) -> int:
             text = confirm_staleness.markdown(tasks)
     except ValueError as e:
         return fail(str(e))
-    print(text)
+    # The files first: a reader of the printout that hangs up (`| head`) must not cost them.
     if args.output is not None and (problem := _write(args.output, lambda p: p.write_text(text + "\n"))):
         return fail(problem)
     if args.figure is not None and (problem := _write(args.figure, lambda p: confirm.plot(tasks, p))):
         return fail(problem)
+    print(text)
     return 0
