@@ -304,6 +304,8 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     **{("dph_async/app/ablate/seeds.py", line): why for line, why in (
         ('with path.open("w", newline=None) as f:', _POSIX_NEWLINES), ('with path.open("w", ) as f:', _POSIX_NEWLINES),
         ('with path.open(newline="", encoding="UTF-8-SIG") as f:', "the codec's name is case-blind: the same codec"),
+        *((f"h.update(data.read({n}))", "after seeking to a MiB before the end, a read of a MiB or more reads the "
+           "same bytes, to the end") for n in ("None", "3**20", "2**21")),
         ('name = column.rsplit("/", )[-1]', _LAST_PART), ('name = column.rsplit("/", 2)[-1]', _LAST_PART),
         *((f"r = dict(zip(header, values, {s}))", "the lengths were checked to agree on the line before")
           for s in ("strict=None", "", "strict=False")))},

@@ -287,6 +287,7 @@ def test_the_rendered_table_holds_every_reading_ratio_and_note():
     fast = np.array([12.0, 13, 12.5, 14, 12])
     rows = sweep({(16, "behavior"): 0.5 + diffs(-0.26, -0.2, level=0.99),
                   (8, "behavior"): 0.5 + diffs(-0.05, (0.001 - 0.05) / 2, level=0.99),  # degrades at 95%, not 99%
+                  (1, "behavior"): 0.5 + diffs(0.01, 0.02), (1, "decoupled"): 0.5 + diffs(0.01, 0.02),  # not eta 0's
                   ("auto", "behavior"): 0.5 + diffs(-0.14, -0.12), ("auto", "decoupled"): 0.5 + diffs(-0.14, -0.12)},
                  rate={(4, "decoupled"): fast, ("auto", "decoupled"): fast},
                  kw={(8, "decoupled"): {"stale": 2.0}})
@@ -295,6 +296,7 @@ def test_the_rendered_table_holds_every_reading_ratio_and_note():
     rows = [replace(x, resumed=True) if x.cell in ("eta1-behavior-seed203", "eta1-behavior-seed204") else x
             for x in rows]
     rows = [x for x in rows if x.group != "eta2-decoupled"]  # a group with no cell at all
+    rows = [x for x in rows if x.cell != "etaauto-behavior-seed204"]  # auto's reading not judged there
     base = replace(pi0(), seed=200, load=9.0, resumed=True)  # pi_0 is never a listed cell, whatever its seed
     text = cs.markdown({"embedded": [base, *rows]})
     lines = text.splitlines()
@@ -319,8 +321,11 @@ def test_the_rendered_table_holds_every_reading_ratio_and_note():
         a = cs.read(rows, "auto", correction, against=(1, correction))
         ratio = cs.throughput_ratio(rows, ("auto", correction), (1, correction))
         assert auto[3:5] == ["-", "-"] and auto[6:8] == [a.outcome, "-"]
-        assert auto[5] == f"{100 * a.delta:+.1f} [{100 * a.low:+.1f}, {100 * a.high:+.1f}]"
+        assert auto[5] == ("-" if a.delta is None else
+                           f"{100 * a.delta:+.1f} [{100 * a.low:+.1f}, {100 * a.high:+.1f}]")
         assert auto[8] == ("-" if ratio is None else ratio.fmt())
+    assert got[("behavior", "auto (against η 1)")][5:7] == ["-", "not judged: seed 204 missing"]
+    assert got[("decoupled", "auto (against η 1)")][5].startswith("-14.0 [")  # against eta 1's +2, not eta 0's
     assert got[("decoupled", "8")][3] == "no" and got[("behavior", "1")][8] == "-"  # unbound; resumed pair
     assert got[("behavior", "8")][6:8] == ["degrades", "undecided"] and got[("decoupled", "2")][4] == "-"
     assert got[("behavior", "16")][5].startswith("-20.0 [")
