@@ -98,7 +98,7 @@ def main(args: argparse.Namespace) -> int:
         inputs += files
         try:
             rows = [read_seeds(f) for f in files]
-        except ValueError as e:
+        except (ValueError, OSError) as e:  # OSError: unreadable (permissions), named by its own message
             return fail(str(e))
         tasks[name] = tuple(rows) if args.design == "divergence" else rows[0]
     if (problem := _outputs(args, inputs)) is not None:
