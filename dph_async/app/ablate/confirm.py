@@ -35,13 +35,12 @@ Pass@16 and distinct correct answers, pi_0's beside them.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dph_async.app.ablate.frontier import chord, fmt, seed_gap
+from dph_async.app.ablate.frontier import bracketing, chord, fmt, seed_gap
 from dph_async.app.ablate.results import Stat, stat
-from dph_async.app.ablate.seeds import BASE, SeedRow
+from dph_async.app.ablate.seeds import BASE, SeedRow, repeated_seed
 from dph_async.app.plot_colours import colour_map, pyplot
 from dph_async.app.report import markdown_table
 from dph_async.stats import Difference, holm, paired, t_critical
@@ -77,9 +76,8 @@ def check_task(name: str, sweeps: Sweeps) -> None:
                                  f"{PG_SHARE[i]:g}")
             if r.group != BASE and r.mode != r.group.split(" ")[0]:
                 raise ValueError(f"{which} sweep of {name}, cell {r.cell}: run {r.mode} in group {r.group}")
-        twice = [key for key, n in Counter((r.group, r.seed) for r in rows).items() if n > 1]
-        if twice:
-            raise ValueError(f"{which} sweep of {name}: group {twice[0][0]} has seed {twice[0][1]} twice")
+        if twice := repeated_seed(rows):
+            raise ValueError(f"{which} sweep of {name}: group {twice[0]} has seed {twice[1]} twice")
     bases = [next((r.metrics for r in rows if r.group == BASE), None) for rows in sweeps]
     prints = {r.base for rows in sweeps for r in rows}
     if not bases[0] or bases[0] != bases[1] or len(prints) != 1 or not next(iter(prints)):
@@ -215,8 +213,7 @@ def frontier_gap(sweeps: Sweeps, arm: Arm) -> tuple[tuple[Stat, Stat], Differenc
     c = chord(list(rival.values()), point[0].mean)
     if c is None:
         return point, None
-    ends = [next(a for a, p in rival.items() if p is end) for end in (c.a, c.b)]
-    by_seed = [arm_values(sweeps, a, _pass(k)) for a in (arm, *ends) for k in (1, K)]
+    by_seed = [arm_values(sweeps, a, _pass(k)) for a in (arm, *bracketing(c, rival)) for k in (1, K)]
     return point, seed_gap(c, *by_seed) or Difference(point[1].mean - c.at.mean, None)  # under two seeds: no se
 
 

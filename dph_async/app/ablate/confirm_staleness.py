@@ -26,7 +26,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from dph_async.app.ablate.seeds import SeedRow
+from dph_async.app.ablate.seeds import BASE, SeedRow, repeated_seed
 from dph_async.app.report import markdown_table
 from dph_async.stats import paired, ratio_interval, t_critical
 
@@ -44,15 +44,13 @@ LOAD_LIMIT = 4.0  # cells ending above this 1-minute load are listed
 def check_rows(task: str, rows: list[SeedRow]) -> None:
     """Refuse rows that cannot be the design's: another task, step count or objective, a seed twice, or
     a cell without the figures its verdicts read (Pass@1, a positive wall time, staleness)."""
-    seen: set[tuple[str, int]] = set()
+    if twice := repeated_seed(rows):
+        raise ValueError(f"{task}: group {twice[0]} has seed {twice[1]} twice")
     for r in rows:
-        if r.task != task or r.steps != STEPS or (r.group != "pi_0" and r.mode != MODE):
+        if r.task != task or r.steps != STEPS or (r.group != BASE and r.mode != MODE):
             raise ValueError(f"{task}, cell {r.cell}: task {r.task}, {r.steps} steps, objective {r.mode}; the design "
                              f"runs {task}, {STEPS} steps, {MODE}")
-        if (r.group, r.seed) in seen:
-            raise ValueError(f"{task}: group {r.group} has seed {r.seed} twice")
-        seen.add((r.group, r.seed))
-        if r.group == "pi_0" or r.seed not in SEEDS:
+        if r.group == BASE or r.seed not in SEEDS:
             continue
         need = [PASS1, "samples", "wall_s", *(() if r.group.startswith("etaauto") else ("staleness_mean",
                                                                                        "staleness_max"))]
@@ -224,7 +222,7 @@ def markdown(tasks: dict[str, list[SeedRow]]) -> str:
                                   "throughput ratio (against η 0; auto: η 1)"], table), "",
                   f"- **{task}**: S1 {v.s1} ({', '.join(f'{k} {_word(x)}' for k, x in v.parts.items())}); "
                   f"S2 auto {v.s2}.", ""]
-        analysed = [r for r in rows if r.seed in SEEDS and r.group != "pi_0"]
+        analysed = [r for r in rows if r.seed in SEEDS and r.group != BASE]
         if loaded := [r.cell for r in analysed if r.load is not None and r.load > LOAD_LIMIT]:
             lines.append(f"{task}: 1-minute load above {LOAD_LIMIT:g} at the end of {', '.join(loaded)}.")
         if resumed := [r.cell for r in analysed if r.resumed]:

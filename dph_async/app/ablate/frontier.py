@@ -26,12 +26,14 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from typing import TypeVar
 
 from dph_async.app.ablate.results import Group, Stat
 from dph_async.app.report import markdown_table
 from dph_async.stats import Difference, holm, paired, welch
 
 CONTROL = "grpo@d_exp"
+K = TypeVar("K")
 RIVAL = "reverse_kl"
 
 
@@ -111,6 +113,12 @@ def seed_gap(c: Chord, x: dict[int, float], y: dict[int, float], xa: dict[int, f
     return Difference(statistics.fmean(g), statistics.stdev(g) / math.sqrt(len(g)), len(g) - 1.0, True)
 
 
+def bracketing(c: Chord, points: dict[K, tuple[Stat, Stat]]) -> tuple[K, K]:
+    """The keys of the two points `c` runs between (`c` made by `chord` from `points`' values)."""
+    a, b = (next(key for key, p in points.items() if p is end) for end in (c.a, c.b))
+    return a, b
+
+
 def chord(points: list[tuple[Stat, Stat]], x: float) -> Chord | None:
     """The narrowest pair of a frontier's (Pass@1, Pass@k) points whose Pass@1 bracket x; None outside."""
     best: Chord | None = None
@@ -154,7 +162,7 @@ def compare(groups: list[Group], split: str, k: int, control: str = CONTROL, riv
         c = None if g.factors["mode"] == rival else chord(rival_points, a1.mean)
         gap = None
         if c is not None:
-            ends = [next(r for r, pt in zip(rivals, rival_points, strict=True) if pt is end) for end in (c.a, c.b)]
+            ends = [rivals[i] for i in bracketing(c, dict(enumerate(rival_points)))]
             by_seed = [h.by_seed.get(m, {}) for h in (g, *ends) for m in (p1, pk)]
             gap = seed_gap(c, *by_seed) or c.gap(a1, ak)
         out.append(Comparison(g.name, split, k, a1, ak, vs_control, None if c is None else c.at, gap))

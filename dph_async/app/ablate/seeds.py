@@ -63,6 +63,16 @@ class SeedRow:
     metrics: dict[str, float]  # reward, wall_s, samples and the split columns
 
 
+def repeated_seed(rows: list[SeedRow]) -> tuple[str, int] | None:
+    """The first (group, seed) that two rows share: one seed's cell can be counted only once."""
+    seen: set[tuple[str, int]] = set()
+    for r in rows:
+        if (r.group, r.seed) in seen:
+            return r.group, r.seed
+        seen.add((r.group, r.seed))
+    return None
+
+
 def split_columns(splits: list[str], k_max: int) -> list[str]:
     return [f"{s}/{m}" for s in splits for m in ("greedy", "pass@1", f"pass@{k_max}", "distinct")]
 
