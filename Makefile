@@ -1,5 +1,5 @@
 # The two commands of the README. Both set up .venv first (idempotent, see scripts/setup.sh).
-.PHONY: setup run test lint mutate
+.PHONY: setup run test lint mutate docs
 
 setup:
 	@bash scripts/setup.sh
@@ -17,3 +17,8 @@ lint: setup
 # `make test`. MODULE=learner/guard.py for one (comma-separated for several), BUDGET seconds per module.
 mutate: setup
 	.venv/bin/python scripts/mutate.py $(if $(MODULE),--module $(MODULE)) $(if $(BUDGET),--budget $(BUDGET))
+
+# The docs' tables and figures rendered from docs/data/ (dph_async/app/rendered_docs.py): CHECK=1 only
+# compares and names every stale block (the test suite does the same).
+docs: setup
+	.venv/bin/python -m dph_async.app.rendered_docs $(if $(CHECK),--check)

@@ -83,9 +83,11 @@ MODULES: dict[str, list[str]] = {
     "dph_async/rewards/result.py": ["tests/test_reward_result.py", "tests/test_rewards_registry.py"],
     "dph_async/protocol.py": ["tests/test_protocol_edges.py", "tests/test_protocol.py", "tests/test_protocol_fuzz.py"],
     # The pre-registered verdicts and the raw data they read (docs/preregistration.md).
-    "dph_async/app/ablate/confirm.py": ["tests/test_confirm.py"],
+    "dph_async/app/ablate/confirm.py": ["tests/test_confirm.py", "tests/test_rendered_docs.py"],
     "dph_async/app/ablate/confirm_staleness.py": ["tests/test_confirm_staleness.py"],
     "dph_async/app/ablate/seeds.py": ["tests/test_confirm.py"],
+    # The docs' tables rendered from their committed data (the docs themselves among the tests' inputs).
+    "dph_async/app/rendered_docs.py": ["tests/test_rendered_docs.py"],
 }
 
 # Survivors no test can kill, by module and the mutated line (stripped), with the reason. A key no
@@ -309,6 +311,26 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         ('name = column.rsplit("/", )[-1]', _LAST_PART), ('name = column.rsplit("/", 2)[-1]', _LAST_PART),
         *((f"r = dict(zip(header, values, {s}))", "the lengths were checked to agree on the line before")
           for s in ("strict=None", "", "strict=False")))},
+    **{("dph_async/app/ablate/confirm.py", line): why for line, why in (
+        ("if not bases[1] or bases[0] != bases[1] or len(prints) != 1 or not next(iter(prints)):",
+         "pi_0's rows must be equal: one missing while the other is not fails the next clause"),
+        ("if self.diff.se is None and self.diff.df is None:",
+         "a test's difference comes from `paired`, whose standard error and df are None together"),
+        ("if not t[2].complete:", "`complete` is the task's, the same on its five tests"),
+        *((line, "a rejected test has p <= 0.005, so its difference is never 0") for line in (
+            "h1 = t[1].rejected and t[1].diff.delta >= 0 and bound_holds(t[2])",
+            "if t[4].rejected and t[4].diff.delta >= 0:",
+            "elif t[3].rejected and t[3].diff.delta >= 0 and not t[4].rejected:")),
+        ("return (stat(list(p1.values())), stat(list(p16.values()))) if p1 or p16 else None",
+         "arm_values refuses a row without either column, so both are empty or neither is"),
+        *((line, "p = 2 and p = 1 both sort after every real p and are never rejected") for line in (
+            "rejected = holm([t.holm_p for t in tests] + [2.0] * (FAMILY_SIZE - len(tests)))",
+            "rejected = holm([2.0 if f.gap is None or f.gap.p is None else f.gap.p for f in found])")),
+        *((f"return [replace(t, rejected=r) for t, r in zip(tests, rejected, {s})]",
+           "zip's default is strict=False") for s in ("strict=None", "")),
+        *((f"return [replace(f, rejected=r) for f, r in zip(found, rejected, {s})]",
+           "Holm returns one decision per p it was given: the lengths agree") for s in ("strict=None", "",
+                                                                                      "strict=False")))},
     **{("dph_async/app/ablate/confirm_staleness.py", line): _EXACT_EDGE for line in (
         "if high <= 0 and low <= -MARGIN:", "if high < 0 and low < -MARGIN:", "elif low >= -MARGIN:",
         "ok = accuracy.low >= -MARGIN and ratio.ratio >= AUTO_RATIO",
@@ -347,12 +369,13 @@ def digest(paths: list[Path]) -> str:
 
 
 def prepare(module: str, fresh: bool) -> Path:
-    """The module's directory: links to the packages and tests, and its mutmut settings."""
+    """The module's directory: links to the packages, tests and docs (tests read the docs' data), and its
+    mutmut settings."""
     work = WORK / slug(module)
     if fresh and work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
-    for name in [*PACKAGES, "tests"]:
+    for name in [*PACKAGES, "tests", "docs"]:
         link = work / name
         if not link.is_symlink():
             link.symlink_to(Path("..", "..", name))
@@ -360,6 +383,7 @@ def prepare(module: str, fresh: bool) -> Path:
     settings = f"""
 [tool.mutmut]
 source_paths = [{", ".join(f'"{p}"' for p in PACKAGES)}]
+also_copy = ["docs"]
 only_mutate = ["{module}"]
 pytest_add_cli_args_test_selection = [{selection}]
 pytest_add_cli_args = ["-p", "no:cacheprovider"]

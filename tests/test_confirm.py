@@ -19,12 +19,12 @@ import pytest
 
 from dph_async.app.ablate import confirm
 from dph_async.app.ablate.cells import Cell
-from dph_async.app.ablate.results import CellResult, EvalPoint
+from dph_async.app.ablate.results import CellResult, EvalPoint, Stat
 from dph_async.app.ablate.seeds import SeedRow, fingerprint, read_seeds, write_seeds
 from dph_async.app.cli import main
 from dph_async.app.evaluate import SplitResult
 from dph_async.config import load_config
-from dph_async.stats import holm, t_critical, t_two_sided_p
+from dph_async.stats import Difference, holm, t_critical, t_two_sided_p
 
 SEEDS = list(confirm.SEEDS)
 BASE_METRICS = {"in_domain/pass@1": 0.4, "in_domain/pass@16": 0.98, "ood/pass@1": 0.9, "ood/pass@16": 1.0}
@@ -538,3 +538,82 @@ def test_a_quoted_field_keeps_its_line_break(tmp_path):
     (tmp_path / "s.csv").write_bytes(f'{HEADER}\r\n"c\r\nd",g,m,1,0,0,embedded,0,100,b,,,,0,0.5\r\n'.encode())
     (row,) = read_seeds(tmp_path / "s.csv")
     assert row.cell == "c\r\nd" and row.metrics == {"in_domain/pass@1": 0.5}
+
+
+def _test(number: int, delta: float, se: float | None, *, complete: bool = True, rejected: bool = False,
+          df: float | None = 4) -> confirm.Test:
+    return confirm.Test("embedded", number, "C", "A", 16, Difference(delta, se, df if se is not None else None, True),
+                        5, complete, rejected)
+
+
+@pytest.mark.parametrize(("test", "reads"), [
+    (_test(1, 0.02, 0.01, complete=False), "incomplete"),
+    (_test(2, 0.02, 0.01, complete=False), "incomplete"),
+    (_test(2, 0.02, None), "bound not judged: no interval"),
+    # lower end 0.02 - 2.776 * 0.01 = -0.0078
+    (_test(2, 0.02, 0.01), "bound holds: lower end -0.8 > −3"),
+    # lower end -0.01 - 2.776 * 0.01 = -0.0378
+    (_test(2, -0.01, 0.01), "bound fails: lower end -3.8 ≤ −3"),
+    (_test(1, 0.02, 0.01), "level"),
+    (_test(1, 0.02, 0.01, rejected=True), "above"),
+    (_test(1, -0.02, 0.01, rejected=True), "below"),
+    (_test(3, 0.02, 0.0, rejected=True), "above (s.e. 0: the same difference on every seed)"),
+    (_test(3, 0.0, 0.0), "level"),
+])
+def test_each_test_reads_as_its_rule_says(test, reads):
+    assert confirm._reads(test) == reads
+
+
+def test_the_frontier_table_reads_each_gap_and_says_when_it_has_none():
+    p1, p16 = Stat(0.45, 0.01, 5), Stat(0.9, 0.02, 5)
+    rows = [confirm.AgainstFrontier("embedded", "J", p1, p16, Difference(0.031, 0.01, 4, True), rejected=True),
+            confirm.AgainstFrontier("embedded", "B", p1, p16, Difference(-0.05, 0.0, 4, True), rejected=True),
+            confirm.AgainstFrontier("digit_sets", "C", p1, p16, Difference(0.01, 0.02, 4, True)),
+            confirm.AgainstFrontier("digit_sets", "D", p1, p16, None)]
+    lines = confirm._against_table(rows).splitlines()
+    assert lines[0] == "| task | arm | seeds | P@1 | P@16 | P@16 − reverse KL's at this P@1 | p | Holm |"
+    p_j = t_two_sided_p(0.031 / 0.01, 4)
+    assert lines[2:] == [f"| embedded | J | 5 | 45.0 ± 1.0 | 90.0 ± 2.0 | 3.1 ± 1.0 | {p_j:.4f} | above |",
+                         "| embedded | B | 5 | 45.0 ± 1.0 | 90.0 ± 2.0 | -5.0 ± 0.0 | 0.0000 | below (s.e. 0: the "
+                         "same gap on every seed) |",
+                         f"| digit_sets | C | 5 | 45.0 ± 1.0 | 90.0 ± 2.0 | 1.0 ± 2.0 | {t_two_sided_p(0.5, 4):.4f} "
+                         "| level |",
+                         "| digit_sets | D | 5 | 45.0 ± 1.0 | 90.0 ± 2.0 | outside its Pass@1 range | - | - |"]
+
+
+def test_a_group_named_with_another_separator_than_a_space_is_refused():
+    first, second = lifted(0.5)
+    tab = [replace(r, group="grpo@d_exp\tshare25") if r.group == "grpo@d_exp" else r for r in first]
+    with pytest.raises(ValueError, match="run grpo@d_exp in group grpo@d_exp\tshare25"):
+        confirm.check_task("embedded", (tab, second))
+    with pytest.raises(ValueError, match=r"base_model, data, presample and eval directories, copied in$"):
+        confirm.check_task("embedded", (first, [replace(r, base="0123456789ab") for r in second]))
+
+
+def test_the_pass1_bound_fails_at_exactly_its_margin():
+    exact = _test(2, -confirm.PASS1_MARGIN, 0.0)
+    assert exact.interval() == (-confirm.PASS1_MARGIN, -confirm.PASS1_MARGIN)
+    assert confirm.bound_holds(exact) is False
+    assert confirm.bound_holds(_test(2, -confirm.PASS1_MARGIN + 1e-9, 0.0)) is True
+
+
+def test_an_incomplete_task_before_a_complete_one_leaves_its_verdict():
+    complete = confirm.family({"digit_sets": lifted(1e-4, "digit_sets")})
+    incomplete = [replace(t, task="embedded", complete=False) for t in complete]
+    assert confirm.verdicts(incomplete + complete) == [
+        confirm.Verdict("embedded", "incomplete", "incomplete"),
+        confirm.Verdict("digit_sets", "supported", "the PG term's")]
+
+
+def test_a_gap_from_one_seed_is_the_arms_pass16_minus_the_chord_without_an_error():
+    """One seed a cell: no standard error, the gap is y - ((1 - t) ya + t yb) at the arm's own Pass@1:
+    J at (0.43, 0.97) between reverse KL's (0.40, 0.95) and (0.45, 0.92): t = 0.6, the chord 0.932."""
+    class Flat:  # the frontier task without its seed-to-seed noise
+        def normal(self, loc: float, scale: float, n: int) -> np.ndarray:
+            return np.zeros(n)
+
+    (first, second), _ = frontier_task(Flat(), "embedded")
+    one = ([r for r in first if r.seed in (0, 100)], [r for r in second if r.seed in (0, 100)])
+    (p1, p16), gap = confirm.frontier_gap(one, confirm.SECONDARY["J"])
+    assert (p1.mean, p16.mean, p1.se, p16.se) == (0.43, 0.97, None, None)
+    assert gap.se is None and gap.delta == pytest.approx(0.97 - (0.4 * 0.95 + 0.6 * 0.92), abs=1e-12)

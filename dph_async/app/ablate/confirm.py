@@ -36,12 +36,10 @@ Pass@16 and distinct correct answers, pi_0's beside them.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from dph_async.app.ablate.frontier import bracketing, chord, fmt, seed_gap
 from dph_async.app.ablate.results import Stat, stat
 from dph_async.app.ablate.seeds import BASE, SeedRow, repeated_seed
-from dph_async.app.plot_colours import colour_map, pyplot
 from dph_async.app.report import markdown_table
 from dph_async.stats import Difference, holm, paired, t_critical
 
@@ -104,7 +102,7 @@ def arm_values(sweeps: Sweeps, arm: str | Arm, metric: str) -> dict[int, float]:
     return out
 
 
-def _pass(k: int) -> str:
+def pass_key(k: int) -> str:
     return f"{SPLIT}/pass@{k}"
 
 
@@ -115,7 +113,7 @@ def other_seeds(sweeps: Sweeps) -> list[int]:
 
 def complete(sweeps: Sweeps) -> bool:
     """Every arm of the family holds every pre-registered seed."""
-    return all(set(SEEDS) <= arm_values(sweeps, arm, _pass(K)).keys() for arm in ARMS)
+    return all(set(SEEDS) <= arm_values(sweeps, arm, pass_key(K)).keys() for arm in ARMS)
 
 
 @dataclass(frozen=True)
@@ -159,7 +157,7 @@ def family(tasks: dict[str, Sweeps]) -> list[Test]:
         check_task(task, sweeps)
         done = complete(sweeps)
         for number, a, b, k in TESTS:
-            va, vb = arm_values(sweeps, a, _pass(k)), arm_values(sweeps, b, _pass(k))
+            va, vb = arm_values(sweeps, a, pass_key(k)), arm_values(sweeps, b, pass_key(k))
             tests.append(Test(task, number, a, b, k, paired(va, vb), len(va.keys() & vb.keys()), done))
     rejected = holm([t.holm_p for t in tests] + [1.0] * (FAMILY_SIZE - len(tests)))
     return [replace(t, rejected=r) for t, r in zip(tests, rejected, strict=False)]
@@ -200,21 +198,21 @@ class AgainstFrontier:
     rejected: bool = False  # by Holm over the table
 
 
-def _point(sweeps: Sweeps, arm: Arm) -> tuple[Stat, Stat] | None:
-    p1, p16 = arm_values(sweeps, arm, _pass(1)), arm_values(sweeps, arm, _pass(K))
+def point(sweeps: Sweeps, arm: Arm) -> tuple[Stat, Stat] | None:
+    p1, p16 = arm_values(sweeps, arm, pass_key(1)), arm_values(sweeps, arm, pass_key(K))
     return (stat(list(p1.values())), stat(list(p16.values()))) if p1 and p16 else None
 
 
 def frontier_gap(sweeps: Sweeps, arm: Arm) -> tuple[tuple[Stat, Stat], Difference | None] | None:
     """The arm's (Pass@1, Pass@16) and its per-seed gap to the reverse-KL chord (module docstring)."""
-    if (point := _point(sweeps, arm)) is None:
+    if (at := point(sweeps, arm)) is None:
         return None
-    rival = {a: p for a in RIVAL if (p := _point(sweeps, a)) is not None}
-    c = chord(list(rival.values()), point[0].mean)
+    rival = {a: p for a in RIVAL if (p := point(sweeps, a)) is not None}
+    c = chord(list(rival.values()), at[0].mean)
     if c is None:
-        return point, None
-    by_seed = [arm_values(sweeps, a, _pass(k)) for a in (arm, *bracketing(c, rival)) for k in (1, K)]
-    return point, seed_gap(c, *by_seed) or Difference(point[1].mean - c.at.mean, None)  # under two seeds: no se
+        return at, None
+    by_seed = [arm_values(sweeps, a, pass_key(k)) for a in (arm, *bracketing(c, rival)) for k in (1, K)]
+    return at, seed_gap(c, *by_seed) or Difference(at[1].mean - c.at.mean, None)  # under two seeds: no se
 
 
 def secondary(tasks: dict[str, Sweeps]) -> list[AgainstFrontier]:
@@ -246,7 +244,7 @@ def describe(tasks: dict[str, Sweeps]) -> str:
                 values = [r.metrics[key] for r in sweeps[arm[0]]
                           if r.group == arm[1] and r.seed in SEEDS and key in r.metrics]
                 cells.append(stat(values).fmt(scale, d) if values else "-")
-            n = len(arm_values(sweeps, arm, _pass(K)))
+            n = len(arm_values(sweeps, arm, pass_key(K)))
             if n:
                 rows.append([task, f"{name} ({arm[1]})" if len(name) == 1 else name, str(n), *cells])
     return markdown_table(["task", "arm", "seeds", *(h for h, *_ in DESCRIBED)], rows)
@@ -319,42 +317,3 @@ def _against_table(against: list[AgainstFrontier]) -> str:
                      "-" if f.gap is None or f.gap.p is None else f"{f.gap.p:.4f}", verdict])
     return markdown_table(["task", "arm", "seeds", "P@1", "P@16", "P@16 − reverse KL's at this P@1", "p", "Holm"],
                           rows)
-
-
-ARM_LABELS = {"A": "A grpo@d_exp (control)", "B": "B DPH-JS 0.2 as written", "C": "C DPH-JS 0.2 as run",
-              "D": "D PG on D_pef alone", "J": "J DPH-JS 200, pool 25%"}
-
-
-def plot(tasks: dict[str, Sweeps], out: Path) -> None:
-    """One panel per task: in-domain Pass@16 against Pass@1 of the final models, mean ± s.e. over seeds
-    on both axes; the reverse-KL frontier as a line through its three coefficients, the arms as
-    points, pi_0 as a star."""
-    plt = pyplot()
-    colour = colour_map(["reverse KL", *ARM_LABELS])
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 5), squeeze=False)
-    for ax, (task, sweeps) in zip(axes[0], tasks.items(), strict=True):
-        rival = [(arm[1].split(":")[1], p) for arm in RIVAL if (p := _point(sweeps, arm)) is not None]
-        if rival:
-            _errorbar(ax, [p for _, p in rival], colour["reverse KL"], "reverse KL (0.01, 0.1, 1)", "-o")
-            for coeff, (x, y) in rival:
-                ax.annotate(coeff, (100 * x.mean, 100 * y.mean), textcoords="offset points", xytext=(4, 4),
-                            fontsize=7)
-        for name, arm in {"A": ARMS["A"], **SECONDARY}.items():
-            if (point := _point(sweeps, arm)) is not None:
-                _errorbar(ax, [point], colour[name], ARM_LABELS[name], "s")
-        base = next((r.metrics for r in sweeps[0] if r.group == BASE), None)
-        if base is not None and _pass(K) in base:
-            ax.plot(100 * base[_pass(1)], 100 * base[_pass(K)], "k*", ms=12, label="π₀")
-        ax.set(title=f"{task}: in-domain Pass@{K} against Pass@1", xlabel="Pass@1 (%)", ylabel=f"Pass@{K} (%)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-
-
-def _errorbar(ax, points: list[tuple[Stat, Stat]], colour: str, label: str, fmt: str) -> None:
-    ax.errorbar([100 * x.mean for x, _ in points], [100 * y.mean for _, y in points],
-                xerr=[100 * (x.se or 0.0) for x, _ in points], yerr=[100 * (y.se or 0.0) for _, y in points],
-                fmt=fmt, color=colour, label=label, capsize=2, ms=5)

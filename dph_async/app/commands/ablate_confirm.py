@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from dph_async.app.ablate import confirm, confirm_staleness
+from dph_async.app.ablate import confirm, confirm_plot, confirm_staleness
 from dph_async.app.ablate.seeds import read_seeds
 from dph_async.app.commands.common import fail
 
@@ -30,8 +30,8 @@ against eta = 0 with its reading, throughput ratios, and the S1 (AReaL's shape) 
 
 examples:
   dph-async ablate confirm --task embedded runs/prereg/embedded runs/prereg/embedded-asrun \\
-      --task digit_sets runs/prereg/digit_sets runs/prereg/digit_sets-asrun -o docs/data/confirm.md \\
-      --figure docs/figures/confirm.png
+      --task digit_sets runs/prereg/digit_sets runs/prereg/digit_sets-asrun -o confirm.md \\
+      --figure confirm.png
   dph-async ablate confirm --design staleness --task embedded runs/prereg/staleness-embedded
 """
 
@@ -113,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
     # The files first: a reader of the printout that hangs up (`| head`) must not cost them.
     if args.output is not None and (problem := _write(args.output, lambda p: p.write_text(text + "\n"))):
         return fail(problem)
-    if args.figure is not None and (problem := _write(args.figure, lambda p: confirm.plot(tasks, p))):
+    if args.figure is not None and (problem := _write(args.figure, lambda p: confirm_plot.plot(tasks, p))):
         return fail(problem)
     print(text)
     return 0
