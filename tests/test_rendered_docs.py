@@ -151,3 +151,19 @@ def test_confirm_refuses_sweeps_the_design_cannot_use(tmp_path):
     shutil.copy(PREREG / "embedded.csv", data / "second.csv")  # the as-run sweep replaced by the first
     with pytest.raises(ValueError, match="reference_pg_share"):
         rendered_docs.confirm_tables(["embedded", "d/first.csv", "d/second.csv"], Context(tmp_path, tmp_path, False))
+
+
+def test_a_block_reads_and_writes_nothing_outside_the_repository(tmp_path):
+    root = tmp_path / "repo"
+    root.mkdir()
+    _calibration(tmp_path, [ROW])  # tmp_path/cal.csv: beside the repository, not in it
+    (root / "link.csv").symlink_to(tmp_path / "cal.csv")
+    ctx = Context(root, root / "docs" / "a.md", write=True)
+    for arg in ("../cal.csv", str(tmp_path / "cal.csv"), "link.csv"):
+        with pytest.raises(ValueError, match="outside the repository"):
+            rendered_docs.ood_calibration([arg], ctx)
+    with pytest.raises(ValueError, match="outside the repository"):
+        rendered_docs.confirm_figure(["../x.png", *CONFIRM_ARGS.split()], ctx)
+    with pytest.raises(ValueError, match=r"a figure is a \.png file"):
+        rendered_docs.confirm_figure(["docs/a.md", *CONFIRM_ARGS.split()], ctx)
+    assert not (tmp_path / "x.png").exists()

@@ -44,6 +44,15 @@ class Context:
     doc: Path  # the file the block is in (a figure's link is relative to it)
     write: bool  # False under --check: no file is written
 
+    def path(self, arg: str) -> Path:
+        """An ARG as a path inside the root: a doc is text from anyone who edits it, and rendering it must
+        not read or write outside the repository (`../`, an absolute path, a link leading out)."""
+        root = self.root.resolve()
+        path = (root / arg).resolve()
+        if not path.is_relative_to(root):
+            raise ValueError(f"{arg}: outside the repository")
+        return path
+
 
 Renderer = Callable[[list[str], Context], str]
 
@@ -56,7 +65,7 @@ def ood_calibration(args: list[str], ctx: Context) -> str:
     """`ood-calibration CSV`: pi_0's figures per task and `task.ood_warm_share` (the rows of
     `dph-async run task.ood_warm_share=s learner.steps=2 eval.max_prompts=100`, %)."""
     (path,) = _exactly(args, 1, "ood-calibration CSV")
-    with (ctx.root / path).open(newline="") as f:
+    with ctx.path(path).open(newline="") as f:
         rows = list(csv.DictReader(f))
     return markdown_table(
         ["task", "s", "in-domain P@1 / P@16", "OOD greedy", "OOD P@1", "OOD P@16"],
@@ -68,7 +77,7 @@ def splits(args: list[str], ctx: Context) -> str:
     """`splits SEEDS_CSV`: pi_0 and every group of a sweep, in-domain and OOD Pass@1 / Pass@16, mean ± s.e.
     over its seeds (%), groups in the order the sweep ran them."""
     (path,) = _exactly(args, 1, "splits SEEDS_CSV")
-    rows = read_seeds(ctx.root / path)
+    rows = read_seeds(ctx.path(path))
     groups = list(dict.fromkeys(r.group for r in rows if r.group != BASE))
     base = next((r.metrics for r in rows if r.group == BASE), {})
     table = [["π₀", "1", *(" / ".join(_percent(str(base[f"{s}/pass@{k}"])) for k in (1, 16))
@@ -80,11 +89,11 @@ def splits(args: list[str], ctx: Context) -> str:
     return markdown_table(["model", "seeds", "in-domain P@1 / P@16", "OOD P@1 / P@16"], table)
 
 
-def _tasks(args: list[str], root: Path, usage: str) -> dict[str, confirm.Sweeps]:
+def _tasks(args: list[str], ctx: Context, usage: str) -> dict[str, confirm.Sweeps]:
     """TASK CSV CSV triples: a task's name, its first and its as-run sweep (checked as the design asks)."""
     if not args or len(args) % 3:
         raise ValueError(f"{usage}: give TASK FIRST_CSV AS_RUN_CSV per task, got {len(args)} argument(s)")
-    tasks = {args[i]: (read_seeds(root / args[i + 1]), read_seeds(root / args[i + 2]))
+    tasks = {args[i]: (read_seeds(ctx.path(args[i + 1])), read_seeds(ctx.path(args[i + 2])))
              for i in range(0, len(args), 3)}
     for name, sweeps in tasks.items():
         confirm.check_task(name, sweeps)
@@ -94,7 +103,7 @@ def _tasks(args: list[str], root: Path, usage: str) -> dict[str, confirm.Sweeps]
 def confirm_tables(args: list[str], ctx: Context) -> str:
     """`confirm TASK FIRST_CSV AS_RUN_CSV ...`: design 1's family, verdicts, secondary and descriptive
     tables (`dph-async ablate confirm`)."""
-    tasks = _tasks(args, ctx.root, "confirm")
+    tasks = _tasks(args, ctx, "confirm")
     return confirm.markdown(confirm.family(tasks), tasks)
 
 
@@ -103,8 +112,10 @@ def confirm_figure(args: list[str], ctx: Context) -> str:
     drawn to PNG; the block holds its link."""
     if not args:
         raise ValueError("confirm-figure: give PNG, then TASK FIRST_CSV AS_RUN_CSV per task")
-    png, rest = ctx.root / args[0], args[1:]
-    tasks = _tasks(rest, ctx.root, "confirm-figure")
+    png, rest = ctx.path(args[0]), args[1:]
+    if png.suffix != ".png":
+        raise ValueError(f"{args[0]}: a figure is a .png file")
+    tasks = _tasks(rest, ctx, "confirm-figure")
     if ctx.write:
         confirm_plot.plot(tasks, png)
     elif not png.is_file():
