@@ -93,21 +93,32 @@ def test_a_slower_machine_passes_and_a_process_doing_more_per_step_fails():
     assert "actor0 0.200-0.250 (worst +25.0% of the median); learner 0.100-0.125" in checks["pace"].detail
     assert "steps/s 8.000-10.000 (worst -20.0% of the median)" in checks["progress"].detail
     # The actor, setting the pace, does a quarter more per step on the same machine from the 9th
-    # interval on: 20% fewer steps, the learner idle for them. Five such intervals fail work.
+    # interval on: 20% fewer steps, the learner idle for them. Five such intervals fail work (spans of
+    # four: a third of the 13 judged).
     steps, actor = [600] * 9 + [480] * 5, [0.2] * 9 + [0.25] * 5
     checks = {c.name: c for c in judged(series([1000] * 14, steps_per_interval=steps, others={"actor0": actor}))}
-    assert not checks["work actor0"].ok and "worst +25.0% over 5 intervals" in checks["work actor0"].detail
+    assert not checks["work actor0"].ok and "worst +25.0% over 4 intervals" in checks["work actor0"].detail
     assert not checks["work learner"].ok  # two processes: each is the other's reference
     assert checks["pace"].ok  # -6.7%: busy as it was, but on more work
-    # One or two such intervals in any five are the machine's swing (the median of five stays put) and
-    # pass, the single interval's deviation still in the detail; three in five are a lasting change.
+    # One or two such intervals in any five are the machine's swing and pass (a span of five: +4.2%,
+    # +8.7%), the single interval's deviation still in the detail; three in five are a lasting change
+    # (+13.6%).
     for n, ok in ((1, True), (2, True), (3, False)):
-        steps, actor = [600] * 14, [0.2] * 14
+        steps, actor = [600] * 17, [0.2] * 17
         for i in range(6, 6 + n):
             steps[i], actor[i] = 480, 0.25
-        check = {c.name: c for c in judged(series([1000] * 14, steps_per_interval=steps,
+        check = {c.name: c for c in judged(series([1000] * 17, steps_per_interval=steps,
                                                   others={"actor0": actor}))}["work actor0"]
         assert check.ok is ok and "one interval: +25.0%" in check.detail, check
+    # Twice the work every other two minutes of five, over the whole second half: each span of five
+    # holds two such intervals and rises by 40%.
+    actor = [0.2] * 12 + [0.4, 0.4, 0.2, 0.2, 0.2] * 3
+    check = {c.name: c for c in judged(series([1000] * 27, others={"actor0": actor}))}["work actor0"]
+    assert not check.ok and "worst +40.0% over 5 intervals" in check.detail, check
+    # A short soak: five intervals judged, the actor tripling its work in the last two. Spans are a
+    # third of the intervals (one each here), so it fails.
+    check = {c.name: c for c in judged(series([1000] * 6, others={"actor0": [0.1, 0.1, 0.1, 0.1, 0.3, 0.3]}))}
+    assert not check["work actor0"].ok and "over 1 interval " in check["work actor0"].detail, check
     # A process that restarted (its counter went back): its interval left out of pace and work, and
     # named by a failing check of its own.
     for s in slower[2:]:
