@@ -378,7 +378,7 @@ def test_the_command_prints_the_family_and_writes_it(tmp_path, capsys):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(png[16:20], "big") == 6.5 * 120  # one panel
     assert "| embedded | 1 | C − A | Pass@16 | +10.0" in text and "H1 supported on 1 of 2 tasks (interim" in text
     assert "- **embedded**: H1 supported; H2 the PG term's." in text
-    assert "| embedded | 2 | C − A | Pass@1 | +0.0 ± 0.0 |" in text and "bound holds: lower end +0.0 > −3" in text
+    assert "| embedded | 2 | C − A | Pass@1 | +0.0 ± 0.0 |" in text and "bound holds: lower end +0.0 > -3" in text
     assert "| embedded | π₀ | 1 | 40.0 | 98.0 |" in text and "20 cells at c, d to d." in text
     assert out.read_text() == text
     assert main(["ablate", "confirm", "--task", "embedded", str(tmp_path / "one"), str(tmp_path / "nope")]) == 2
@@ -551,9 +551,9 @@ def _test(number: int, delta: float, se: float | None, *, complete: bool = True,
     (_test(2, 0.02, 0.01, complete=False), "incomplete"),
     (_test(2, 0.02, None), "bound not judged: no interval"),
     # lower end 0.02 - 2.776 * 0.01 = -0.0078
-    (_test(2, 0.02, 0.01), "bound holds: lower end -0.8 > −3"),
+    (_test(2, 0.02, 0.01), "bound holds: lower end -0.8 > -3"),
     # lower end -0.01 - 2.776 * 0.01 = -0.0378
-    (_test(2, -0.01, 0.01), "bound fails: lower end -3.8 ≤ −3"),
+    (_test(2, -0.01, 0.01), "bound fails: lower end -3.8 ≤ -3"),
     (_test(1, 0.02, 0.01), "level"),
     (_test(1, 0.02, 0.01, rejected=True), "above"),
     (_test(1, -0.02, 0.01, rejected=True), "below"),

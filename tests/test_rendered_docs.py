@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dph_async.app import rendered_docs
+from dph_async.app.ablate import confirm_plot
 from dph_async.app.ablate.seeds import BASE, CONFIG, IDENTITY, PROVENANCE
 from dph_async.app.rendered_docs import Context, render
 
@@ -24,8 +25,14 @@ CONFIRM_ARGS = ("embedded docs/data/prereg/embedded.csv docs/data/prereg/embedde
 
 def test_the_repositorys_docs_match_their_data(capsys):
     assert rendered_docs.main(["--check"]) == 0, capsys.readouterr().out
-    text = (ROOT / "docs" / "ablations.md").read_text()
-    assert text.count("<!-- rendered:") >= 4  # the blocks are there, not removed to pass
+    # Every committed result file is some block's input: a table taken out of its block to be edited by
+    # hand leaves its data unrendered, and fails here.
+    specs = [m["spec"].split() for d in rendered_docs.docs(ROOT) for m in rendered_docs.BLOCK.finditer(d.read_text())]
+    inputs = {a for _, *args in specs for a in args}
+    data = {str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "data").rglob("*.csv")}
+    assert data and data <= inputs, data - inputs
+    figures = [args[0] for kind, *args in specs if kind == "confirm-figure"]
+    assert figures and all(rendered_docs.source_of(ROOT / f).startswith(rendered_docs.SOURCE) for f in figures)
 
 
 def _doc(tmp_path: Path, body: str) -> Path:
@@ -87,8 +94,13 @@ def test_check_names_each_stale_block_and_writes_nothing(tmp_path, capsys, monke
     ("x\n<!-- rendered: ood-calibration -->\n<!-- end rendered -->\n",
      "line 2: ood-calibration: ood-calibration CSV: 1 argument(s), got 0"),
     ("<!-- rendered: ood-calibration cal.csv -->\nx\n<!-- rendered: splits s.csv -->\n<!-- end rendered -->\n",
-     "line 1: a block without `<!-- end rendered -->` before the next block"),
+     "line 3: a block without `<!-- end rendered -->`"),
     ("<!-- rendered:  -->\n<!-- end rendered -->\n", "line 1: no renderer ''"),
+    ("a\n\n<!-- end rendered -->\n", "line 3: a marker outside a block"),
+    ("<!-- Rendered: ood-calibration cal.csv -->\nx\n<!-- end rendered -->\n", "line 1: a marker outside a block"),
+    ("<!--  rendered: ood-calibration cal.csv -->\n", "line 1: a marker outside a block"),
+    ("<!-- rendered: ood-calibration cal.csv --> trailing\n<!-- end rendered -->\n", "line 1: a block without"),
+    ("<!-- rendered: confirm embedded a b embedded c d -->\n<!-- end rendered -->\n", "a task given twice"),
     ("<!-- rendered: confirm embedded a.csv -->\n<!-- end rendered -->\n", "TASK FIRST_CSV AS_RUN_CSV per task, got 2"),
 ])
 def test_a_bad_block_is_one_error_naming_its_line_and_the_doc_stays(tmp_path, capsys, monkeypatch, body, message):
@@ -127,19 +139,27 @@ def test_splits_gives_each_groups_mean_and_standard_error_in_sweep_order(tmp_pat
                          "| alpha | 1 | 50.0 / 50.0 | 50.0 / 50.0 |"]
 
 
-def test_a_figure_is_drawn_by_a_render_and_only_asked_for_by_a_check(tmp_path):
+def test_a_figure_is_drawn_once_every_block_rendered_and_only_asked_for_by_a_check(tmp_path):
     data = tmp_path / "docs" / "data" / "prereg"
     data.mkdir(parents=True)
     for f in PREREG.glob("*.csv"):
         shutil.copy(f, data / f.name)
     doc = tmp_path / "docs" / "ablations.md"
     args = ["docs/figures/c.png", *CONFIRM_ARGS.split()]
-    with pytest.raises(ValueError, match=r"docs/figures/c\.png: no such figure"):
-        rendered_docs.confirm_figure(args, Context(tmp_path, doc, write=False))
-    link = rendered_docs.confirm_figure(args, Context(tmp_path, doc, write=True))
+    check = Context(tmp_path, doc, write=False)
+    link = rendered_docs.confirm_figure(args, check)
     assert link == "![Pass@16 against Pass@1 per task: embedded, digit_sets](figures/c.png)"
-    assert (tmp_path / "docs" / "figures" / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert rendered_docs.confirm_figure(args, Context(tmp_path, doc, write=False)) == link
+    assert check.stale_figures == ["docs/figures/c.png"] and not check.figures
+    ctx = Context(tmp_path, doc, write=True)
+    assert rendered_docs.confirm_figure(args, ctx) == link and len(ctx.figures) == 1
+    assert not (tmp_path / "docs" / "figures" / "c.png").exists()  # drawn later, by main
+    ctx.figures[0]()
+    png = tmp_path / "docs" / "figures" / "c.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert rendered_docs.source_of(png) == rendered_docs.SOURCE + rendered_docs.digest(
+        "confirm-figure", args[1:], [tmp_path / a for a in args[1:] if a.endswith(".csv")])
+    check = Context(tmp_path, doc, write=False)
+    assert rendered_docs.confirm_figure(args, check) == link and check.stale_figures == []
     with pytest.raises(ValueError, match="give PNG"):
         rendered_docs.confirm_figure([], Context(tmp_path, doc, write=True))
 
@@ -167,3 +187,99 @@ def test_a_block_reads_and_writes_nothing_outside_the_repository(tmp_path):
     with pytest.raises(ValueError, match=r"a figure is a \.png file"):
         rendered_docs.confirm_figure(["docs/a.md", *CONFIRM_ARGS.split()], ctx)
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(("csv_text", "says"), [
+    ("task,ood_warm_share\nembedded,0.1\n", "no column in_domain/pass@1, in_domain/pass@16, ood/greedy"),
+    (",".join(ROW) + "\nembedded,0.1,0.5\n", "line 2: 7 fields in the header, not here"),
+    (",".join(ROW) + "\n" + ",".join({**ROW, "ood/pass@1": "nan"}.values()) + "\n", "ood/pass@1 nan is not a share"),
+    (",".join(ROW) + "\n" + ",".join({**ROW, "ood/greedy": "7"}.values()) + "\n", "ood/greedy 7.0 is not a share"),
+    (",".join(ROW) + "\n" + ",".join({**ROW, "ood/greedy": "x"}.values()) + "\n", "ood/greedy 'x' is not a number"),
+    (",".join(ROW) + "\n", "no rows"),
+    (",".join(ROW) + "\n" + ",".join({**ROW, "task": '"a\nb"'}.values()) + "\n", "a line break in a table cell"),
+])
+def test_a_calibration_file_that_is_not_one_is_refused_by_name(tmp_path, csv_text, says):
+    (tmp_path / "cal.csv").write_text(csv_text)
+    with pytest.raises(ValueError, match=says):
+        rendered_docs.ood_calibration(["cal.csv"], Context(tmp_path, tmp_path / "a.md", write=True))
+
+
+def test_a_calibration_file_with_a_byte_order_mark_or_a_bar_reads_as_its_text(tmp_path):
+    row = ",".join({**ROW, "task": "a|b"}.values())
+    (tmp_path / "cal.csv").write_text("\ufeff" + ",".join(ROW) + "\n" + row + "\n")
+    table = rendered_docs.ood_calibration(["cal.csv"], Context(tmp_path, tmp_path / "a.md", write=True))
+    assert table.splitlines()[2] == "| a\\|b | 0.1 | 50.0 / 12.5 | 100.0 | 6.2 | 75.0 |"
+
+
+def test_splits_refuses_rows_that_are_not_one_sweeps(tmp_path):
+    m = {"in_domain/pass@1": 0.5, "in_domain/pass@16": 0.5, "ood/pass@1": 0.5, "ood/pass@16": 0.5}
+    ctx = Context(tmp_path, tmp_path, write=False)
+    for rows, says in [([("g", 1, m)], "no pi_0 row"),
+                       ([(BASE, 0, m), ("g", 1, m), ("g", 1, m)], "group g has seed 1 twice"),
+                       ([(BASE, 0, m), ("g", 1, {**m, "ood/pass@16": ""})], "cell g-1: no ood/pass@16")]:
+        with pytest.raises(ValueError, match=says):
+            rendered_docs.splits([_seeds(tmp_path, rows)], ctx)
+    _seeds(tmp_path, [(BASE, 0, m), ("g", 1, m)])
+    text = (tmp_path / "seeds.csv").read_text().replace(",embedded,", ",digit_sets,", 1)
+    (tmp_path / "seeds.csv").write_text(text)
+    with pytest.raises(ValueError, match="more than one task or step count"):
+        rendered_docs.splits(["seeds.csv"], ctx)
+
+
+def _repository(tmp_path: Path) -> Path:
+    """A copy of the confirmatory data and a doc with its figure block, as a repository of its own."""
+    root = tmp_path / "repo"
+    data = root / "docs" / "data" / "prereg"
+    data.mkdir(parents=True)
+    for f in PREREG.glob("*.csv"):
+        shutil.copy(f, data / f.name)
+    _doc(root, f"# A\n\n<!-- rendered: confirm-figure docs/figures/c.png {CONFIRM_ARGS} -->\n<!-- end rendered -->\n")
+    return root
+
+
+def test_a_figure_put_there_by_hand_or_drawn_from_other_data_is_stale_and_never_overwritten(tmp_path, capsys,
+                                                                                         monkeypatch):
+    root = _repository(tmp_path)
+    monkeypatch.setattr(rendered_docs, "ROOT", root)
+    png = root / "docs" / "figures" / "c.png"
+    assert rendered_docs.main([]) == 0 and png.is_file()
+    assert rendered_docs.main(["--check"]) == 0
+    drawn = png.read_bytes()
+    # Other data: the figure no longer matches them.
+    csv_file = root / "docs" / "data" / "prereg" / "embedded.csv"
+    csv_file.write_text(csv_file.read_text().replace("0.535", "0.536", 1))
+    capsys.readouterr()
+    assert rendered_docs.main(["--check"]) == 1
+    assert "stale: confirm-figure docs/figures/c.png" in capsys.readouterr().out
+    assert rendered_docs.main([]) == 0 and png.read_bytes() != drawn
+    # A figure made by hand (any PNG without the renderer's digest) is stale, and a render refuses to
+    # overwrite it: it is no drawing of this command's.
+    confirm_plot.pyplot().imsave(png, [[0.0, 1.0]])
+    hand = png.read_bytes()
+    assert rendered_docs.main(["--check"]) == 1
+    assert rendered_docs.main([]) == 2
+    assert "a figure this command did not draw; it would be overwritten" in capsys.readouterr().err
+    assert png.read_bytes() == hand
+
+
+def test_a_render_writes_nothing_unless_every_block_of_every_file_rendered(tmp_path, capsys, monkeypatch):
+    root = _repository(tmp_path)
+    monkeypatch.setattr(rendered_docs, "ROOT", root)
+    name = _calibration(root, [ROW])
+    first = _doc(root, f"<!-- rendered: ood-calibration {name} -->\nold\n<!-- end rendered -->\n")
+    second = root / "docs" / "b.md"
+    second.write_text("<!-- rendered: ood-calibration missing.csv -->\n<!-- end rendered -->\n")
+    figure_doc = root / "docs" / "c.md"
+    figure_doc.write_text(f"<!-- rendered: confirm-figure docs/figures/c.png {CONFIRM_ARGS} -->\n"
+                          "<!-- end rendered -->\n")
+    assert rendered_docs.main([str(figure_doc), str(first), str(second)]) == 2
+    assert "b.md: line 1: ood-calibration missing.csv" in capsys.readouterr().err
+    assert first.read_text().count("old") == 1 and not (root / "docs" / "figures" / "c.png").exists()
+    assert [p.name for p in rendered_docs.docs(root)] == ["a.md", "b.md", "c.md"]
+
+
+def test_line_ends_outside_the_blocks_are_kept(tmp_path):
+    name = _calibration(tmp_path, [ROW])
+    text = f"a\r\nb\r\n<!-- rendered: ood-calibration {name} -->\nx\n<!-- end rendered -->\r\nc\r\n"
+    new, _ = render(text, Context(tmp_path, tmp_path / "a.md", write=True))
+    assert new.startswith("a\r\nb\r\n") and new.endswith("<!-- end rendered -->\r\nc\r\n")

@@ -1,16 +1,18 @@
 """Tables and figures of the docs, rendered from the result data committed beside them (docs/data/).
 
-A markdown file marks each rendered part as a block:
+A markdown file marks each rendered part as a block, its markers each on a line of its own:
 
     <!-- rendered: KIND ARG ... -->
     (what RENDERERS[KIND] makes of the arguments; never edited by hand)
     <!-- end rendered -->
 
-ARGs are paths relative to the repository's root (a task's name where a renderer says so). `make docs`
-rewrites every block of every file in DOCS from its data; `make docs CHECK=1` (and the test suite)
-only compares, and names each block whose text differs from what its data gives, so a figure pasted
-by hand or data changed without its doc fails CI. Figures are written by a render, not compared (a
-PNG's bytes follow the plotting library's version); the check asks that the file exist.
+ARGs are paths inside the repository (a task's name where a renderer says so). `make docs` rewrites
+every block of README.md and docs/*.md from its data; `make docs CHECK=1` (and the test suite) only
+compares, and names each block whose text differs from what its data gives, so a number pasted by
+hand or data changed without its doc fails CI. A figure is a PNG that carries a digest of its inputs
+(its `Source` text chunk): the check reads the digest back, so a figure drawn from other data or put
+there by hand is stale too, while the pixels may follow the plotting library's version. A render
+writes nothing unless every block of every file rendered, and never overwrites a PNG it did not draw.
 
     python -m dph_async.app.rendered_docs [--check] [FILE ...]
 """
@@ -19,30 +21,36 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import os
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dph_async.app.ablate import confirm, confirm_plot
 from dph_async.app.ablate.results import stat
-from dph_async.app.ablate.seeds import BASE, read_seeds
+from dph_async.app.ablate.seeds import BASE, SeedRow, read_seeds, repeated_seed
 from dph_async.app.report import markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "docs/ablations.md")
-# A block's lines start at the line's start: the markers quoted inside prose (as here) are no block.
-BLOCK = re.compile(r"^<!-- rendered: (?P<spec>[^\n]*?) -->\n(?P<body>.*?)^<!-- end rendered -->", re.S | re.M)
-OPEN = re.compile(r"^<!-- rendered:", re.M)
+DOCS = ("README.md", "docs/*.md")
+# A block's markers start their line: the markers quoted inside prose (as here) are no block.
+BLOCK = re.compile(r"^(?P<open><!-- rendered: (?P<spec>[^\r\n]*?) -->\r?\n)(?P<body>.*?)"
+                   r"^(?P<end><!-- end rendered -->)(?=\r?$)", re.S | re.M)
+# Anything at a line's start that looks like a marker: what no block took is misspelt or stray.
+MARKER = re.compile(r"^[ \t]*<!--[ \t]*(end[ \t]+)?rendered\b", re.I | re.M)
+SOURCE = "dph-async rendered "  # a rendered PNG's Source text chunk: this, then the inputs' digest
 
 
-@dataclass(frozen=True)
+@dataclass
 class Context:
     root: Path  # the ARGs' base
     doc: Path  # the file the block is in (a figure's link is relative to it)
     write: bool  # False under --check: no file is written
+    figures: list[Callable[[], None]] = field(default_factory=list)  # drawn once every block rendered
+    stale_figures: list[str] = field(default_factory=list)  # under --check: figures not drawn from their data
 
     def path(self, arg: str) -> Path:
         """An ARG as a path inside the root: a doc is text from anyone who edits it, and rendering it must
@@ -57,20 +65,62 @@ class Context:
 Renderer = Callable[[list[str], Context], str]
 
 
-def _percent(x: str) -> str:
-    return f"{100 * float(x):.1f}"
+def _cell(text: str) -> str:
+    """A table cell from data: `|` escaped; a line break (which would end the row, or the block) refused."""
+    if "\n" in text or "\r" in text:
+        raise ValueError(f"{text!r}: a line break in a table cell")
+    return text.replace("|", "\\|")
+
+
+CALIBRATION = ("task", "ood_warm_share", "in_domain/pass@1", "in_domain/pass@16", "ood/greedy", "ood/pass@1",
+               "ood/pass@16")
+
+
+def _share(row: dict[str, str], column: str, line: int) -> float:
+    try:
+        x = float(row[column])
+    except ValueError:
+        raise ValueError(f"line {line}: {column} {row[column]!r} is not a number") from None
+    if not 0.0 <= x <= 1.0:  # NaN fails this too
+        raise ValueError(f"line {line}: {column} {x!r} is not a share in [0, 1]")
+    return x
 
 
 def ood_calibration(args: list[str], ctx: Context) -> str:
     """`ood-calibration CSV`: pi_0's figures per task and `task.ood_warm_share` (the rows of
     `dph-async run task.ood_warm_share=s learner.steps=2 eval.max_prompts=100`, %)."""
     (path,) = _exactly(args, 1, "ood-calibration CSV")
-    with ctx.path(path).open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    return markdown_table(
-        ["task", "s", "in-domain P@1 / P@16", "OOD greedy", "OOD P@1", "OOD P@16"],
-        [[r["task"], r["ood_warm_share"], f"{_percent(r['in_domain/pass@1'])} / {_percent(r['in_domain/pass@16'])}",
-          _percent(r["ood/greedy"]), _percent(r["ood/pass@1"]), _percent(r["ood/pass@16"])] for r in rows])
+    with ctx.path(path).open(newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        if missing := [c for c in CALIBRATION if c not in (reader.fieldnames or [])]:
+            raise ValueError(f"{path}: no column {', '.join(missing)}")
+        table = []
+        for line, r in enumerate(reader, start=2):
+            if None in r or None in r.values():
+                raise ValueError(f"{path}, line {line}: {len(reader.fieldnames)} fields in the header, not here")
+            p = {c: 100 * _share(r, c, line) for c in CALIBRATION[1:]}
+            table.append([_cell(r["task"]), _cell(r["ood_warm_share"]),
+                          f"{p['in_domain/pass@1']:.1f} / {p['in_domain/pass@16']:.1f}",
+                          *(f"{p[c]:.1f}" for c in CALIBRATION[4:])])
+    if not table:
+        raise ValueError(f"{path}: no rows")
+    return markdown_table(["task", "s", "in-domain P@1 / P@16", "OOD greedy", "OOD P@1", "OOD P@16"], table)
+
+
+SPLIT_COLUMNS = tuple(f"{s}/pass@{k}" for s in ("in_domain", "ood") for k in (1, 16))
+
+
+def _one_sweep(path: str, rows: list[SeedRow]) -> None:
+    """The rows of one sweep: pi_0's, one task and step count, each seed of a group once, every figure."""
+    if not any(r.group == BASE for r in rows):
+        raise ValueError(f"{path}: no {BASE} row (not a sweep's seeds.csv)")
+    if len({(r.task, r.steps) for r in rows}) > 1:
+        raise ValueError(f"{path}: rows of more than one task or step count")
+    if twice := repeated_seed(rows):
+        raise ValueError(f"{path}: group {twice[0]} has seed {twice[1]} twice")
+    for r in rows:
+        if missing := [c for c in SPLIT_COLUMNS if c not in r.metrics]:
+            raise ValueError(f"{path}, cell {r.cell}: no {', '.join(missing)}")
 
 
 def splits(args: list[str], ctx: Context) -> str:
@@ -78,14 +128,15 @@ def splits(args: list[str], ctx: Context) -> str:
     over its seeds (%), groups in the order the sweep ran them."""
     (path,) = _exactly(args, 1, "splits SEEDS_CSV")
     rows = read_seeds(ctx.path(path))
-    groups = list(dict.fromkeys(r.group for r in rows if r.group != BASE))
-    base = next((r.metrics for r in rows if r.group == BASE), {})
-    table = [["π₀", "1", *(" / ".join(_percent(str(base[f"{s}/pass@{k}"])) for k in (1, 16))
-                           for s in ("in_domain", "ood"))]]
-    for g in groups:
+    _one_sweep(path, rows)
+    base = next(r.metrics for r in rows if r.group == BASE)
+    table = [["π₀", "1", *(f"{100 * base[a]:.1f} / {100 * base[b]:.1f}" for a, b in (SPLIT_COLUMNS[:2],
+                                                                                   SPLIT_COLUMNS[2:]))]]
+    for g in dict.fromkeys(r.group for r in rows if r.group != BASE):
         cells = [r for r in rows if r.group == g]
-        table.append([g, str(len(cells)), *(" / ".join(stat([r.metrics[f"{s}/pass@{k}"] for r in cells]).fmt(100, 1)
-                                                      for k in (1, 16)) for s in ("in_domain", "ood"))])
+        table.append([_cell(g), str(len(cells)), *(" / ".join(stat([r.metrics[c] for r in cells]).fmt(100, 1)
+                                                              for c in pair)
+                                                   for pair in (SPLIT_COLUMNS[:2], SPLIT_COLUMNS[2:]))])
     return markdown_table(["model", "seeds", "in-domain P@1 / P@16", "OOD P@1 / P@16"], table)
 
 
@@ -93,6 +144,9 @@ def _tasks(args: list[str], ctx: Context, usage: str) -> dict[str, confirm.Sweep
     """TASK CSV CSV triples: a task's name, its first and its as-run sweep (checked as the design asks)."""
     if not args or len(args) % 3:
         raise ValueError(f"{usage}: give TASK FIRST_CSV AS_RUN_CSV per task, got {len(args)} argument(s)")
+    names = args[::3]
+    if len(set(names)) < len(names):
+        raise ValueError(f"{usage}: a task given twice ({', '.join(names)})")
     tasks = {args[i]: (read_seeds(ctx.path(args[i + 1])), read_seeds(ctx.path(args[i + 2])))
              for i in range(0, len(args), 3)}
     for name, sweeps in tasks.items():
@@ -107,19 +161,43 @@ def confirm_tables(args: list[str], ctx: Context) -> str:
     return confirm.markdown(confirm.family(tasks), tasks)
 
 
+def source_of(png: Path) -> str | None:
+    """The Source text chunk of a PNG (None: no such chunk, or not a PNG)."""
+    from PIL import Image  # matplotlib's own dependency; only a figure's check needs it
+
+    try:
+        with Image.open(png) as image:
+            return getattr(image, "text", {}).get("Source")
+    except (OSError, SyntaxError):  # Pillow's refusal of a file that is no image
+        return None
+
+
+def digest(kind: str, args: list[str], inputs: list[Path]) -> str:
+    """What a figure is drawn from: its kind, its arguments and its input files' bytes."""
+    h = hashlib.sha256("\0".join([kind, *args]).encode())
+    for p in inputs:
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def confirm_figure(args: list[str], ctx: Context) -> str:
     """`confirm-figure PNG TASK FIRST_CSV AS_RUN_CSV ...`: design 1's Pass@16 against Pass@1 per task,
-    drawn to PNG; the block holds its link."""
+    drawn to PNG (docs/figures/); the block holds its link."""
     if not args:
         raise ValueError("confirm-figure: give PNG, then TASK FIRST_CSV AS_RUN_CSV per task")
     png, rest = ctx.path(args[0]), args[1:]
     if png.suffix != ".png":
         raise ValueError(f"{args[0]}: a figure is a .png file")
     tasks = _tasks(rest, ctx, "confirm-figure")
-    if ctx.write:
-        confirm_plot.plot(tasks, png)
-    elif not png.is_file():
-        raise ValueError(f"{args[0]}: no such figure (render it: make docs)")
+    want = SOURCE + digest("confirm-figure", rest, [ctx.path(a) for i, a in enumerate(rest) if i % 3])
+    have = source_of(png) if png.exists() else None
+    if have != want:
+        if not ctx.write:
+            ctx.stale_figures.append(args[0])
+        elif png.exists() and not (have or "").startswith(SOURCE):
+            raise ValueError(f"{args[0]}: a figure this command did not draw; it would be overwritten")
+        else:
+            ctx.figures.append(lambda: confirm_plot.plot(tasks, png, source=want))
     return f"![Pass@16 against Pass@1 per task: {', '.join(tasks)}]({os.path.relpath(png, ctx.doc.parent)})"
 
 
@@ -133,42 +211,43 @@ def _exactly(args: list[str], n: int, usage: str) -> list[str]:
     return args
 
 
-@dataclass(frozen=True)
-class Stale:
-    doc: Path
-    line: int
-    spec: str
+def _line(text: str, at: int) -> int:
+    return text.count("\n", 0, at) + 1
 
 
 def render(text: str, ctx: Context) -> tuple[str, list[tuple[int, str]]]:
     """`text` with every block re-rendered, and the (line, spec) of each block whose body changed. A
-    block that is not closed, or an unknown KIND, or a renderer's complaint, is a ValueError naming the
-    line."""
+    marker no block takes (unclosed, nested, misspelt, stray), an unknown KIND, or a renderer's
+    complaint, is a ValueError naming the line."""
     out, changed, end = [], [], 0
-    for m in BLOCK.finditer(text):
-        line = text.count("\n", 0, m.start()) + 1
-        _unclosed(text[end:m.start()], text.count("\n", 0, end) + 1)
-        if OPEN.search(m["body"]):
-            raise ValueError(f"line {line}: a block without `<!-- end rendered -->` before the next block")
+    blocks = list(BLOCK.finditer(text))
+    taken = {m.start() for m in blocks} | {m.start("end") for m in blocks}
+    for marker in MARKER.finditer(text):
+        if marker.start() not in taken:
+            opening = text.startswith("<!-- rendered: ", marker.start())
+            raise ValueError(f"line {_line(text, marker.start())}: " + (
+                "a block without `<!-- end rendered -->`, or its opening marker not alone on its line" if opening else
+                "a marker outside a block (a block is `<!-- rendered: KIND ARGS -->` … `<!-- end rendered -->`, "
+                "each marker on a line of its own)"))
+    for m in blocks:
+        line = _line(text, m.start())
         kind, *args = m["spec"].split() or [""]
         if kind not in RENDERERS:
             raise ValueError(f"line {line}: no renderer {kind!r} (known: {', '.join(sorted(RENDERERS))})")
+        figures = len(ctx.stale_figures)
         try:
             body = RENDERERS[kind](args, ctx).rstrip("\n") + "\n"
         except (ValueError, OSError) as e:
             raise ValueError(f"line {line}: {m['spec']}: {e}") from None
-        if body != m["body"]:
+        if body != m["body"] or len(ctx.stale_figures) > figures:
             changed.append((line, m["spec"]))
-        out += [text[end:m.start()], f"<!-- rendered: {m['spec']} -->\n", body, "<!-- end rendered -->"]
+        out += [text[end:m.start()], m["open"], body, m["end"]]
         end = m.end()
-    _unclosed(text[end:], text.count("\n", 0, end) + 1)
     return "".join([*out, text[end:]]), changed
 
 
-def _unclosed(part: str, first_line: int) -> None:
-    if m := OPEN.search(part):
-        raise ValueError(f"line {first_line + part.count(chr(10), 0, m.start())}: a block without "
-                         "`<!-- end rendered -->`")
+def docs(root: Path) -> list[Path]:
+    return sorted({p for pattern in DOCS for p in root.glob(pattern) if p.is_file()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,20 +256,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="compare only; exit 1 naming every stale block")
     p.add_argument("files", nargs="*", type=Path, help=f"markdown files (default: {' '.join(DOCS)})")
     args = p.parse_args(argv)
-    stale: list[Stale] = []
-    for doc in args.files or [ROOT / d for d in DOCS]:
+    results: list[tuple[Path, str, str, list[tuple[int, str]]]] = []
+    figures: list[Callable[[], None]] = []
+    for doc in args.files or docs(ROOT):
         try:
-            text = doc.read_text(encoding="utf-8")
-            new, changed = render(text, Context(ROOT, doc.resolve(), write=not args.check))
-        except (OSError, ValueError) as e:
+            with doc.open(encoding="utf-8", newline="") as f:  # line ends kept as they are
+                text = f.read()
+            ctx = Context(ROOT, doc.resolve(), write=not args.check)
+            new, changed = render(text, ctx)
+        except (OSError, ValueError) as e:  # nothing written yet: a render is all or nothing
             print(f"error: {doc}: {e}", file=sys.stderr)
             return 2
-        stale += [Stale(doc, line, spec) for line, spec in changed]
+        results.append((doc, text, new, changed))
+        figures += ctx.figures
+    for draw in figures:
+        draw()
+    for doc, text, new, changed in results:
         if not args.check and new != text:
-            doc.write_text(new, encoding="utf-8")
-    for s in stale:
-        print(f"{s.doc}:{s.line}: {'stale' if args.check else 'rendered'}: {s.spec}")
-    return 1 if args.check and stale else 0
+            with doc.open("w", encoding="utf-8", newline="") as f:
+                f.write(new)
+        for line, spec in changed:
+            print(f"{doc}:{line}: {'stale' if args.check else 'rendered'}: {spec}")
+    return 1 if args.check and any(changed for *_, changed in results) else 0
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ Pass@16 and distinct correct answers, pi_0's beside them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from dph_async.app.ablate.frontier import bracketing, chord, fmt, seed_gap
@@ -259,7 +260,7 @@ def _reads(t: Test) -> str:
             return "bound not judged: no interval"
         holds = bound_holds(t)
         return (f"bound {'holds' if holds else 'fails'}: lower end {100 * iv[0]:+.1f} "
-                f"{'>' if holds else '≤'} −{100 * PASS1_MARGIN:g}")
+                f"{'>' if holds else '≤'} -{100 * PASS1_MARGIN:g}")
     reading = ("above" if t.diff.delta > 0 else "below") if t.rejected else "level"
     return reading + (" (s.e. 0: the same difference on every seed)" if t.diff.se == 0 and t.diff.delta else "")
 
@@ -271,6 +272,8 @@ def provenance(tasks: dict[str, Sweeps]) -> str:
     dates = sorted(r.date for r in rows if r.date)
     loads = [r.load for r in rows if r.load is not None]
     resumed = [r.cell for r in rows if r.resumed]
+    if not rows:
+        return "No cell of the pre-registered seeds."
     return (f"{len(rows)} cells at {', '.join(commits)}" + (f", {dates[0]} to {dates[-1]}" if dates else "")
             + (f", 1-minute load at most {max(loads):.1f}" if loads else "")
             + (f"; resumed after an interruption: {', '.join(resumed)}" if resumed else "") + ".")
@@ -281,8 +284,8 @@ def markdown(tests: list[Test], tasks: dict[str, Sweeps]) -> str:
     rows = []
     for t in tests:
         d, iv = t.diff, t.interval()
-        rows.append([t.task, str(t.number), f"{t.a} − {t.b}", f"Pass@{t.k}",
-                     f"{100 * d.delta:+.1f}" + ("" if d.se is None else f" ± {100 * d.se:.1f}"),
+        diff = f"{100 * d.delta:+.1f}" + ("" if d.se is None else f" ± {100 * d.se:.1f}")
+        rows.append([t.task, str(t.number), f"{t.a} − {t.b}", f"Pass@{t.k}", "-" if math.isnan(d.delta) else diff,
                      "-" if iv is None else f"[{100 * iv[0]:+.1f}, {100 * iv[1]:+.1f}]",
                      str(t.seeds), "-" if d.p is None else f"{d.p:.4f}",
                      "rejected" if t.rejected else "not rejected", _reads(t)])
@@ -309,7 +312,8 @@ def markdown(tests: list[Test], tasks: dict[str, Sweeps]) -> str:
 def _against_table(against: list[AgainstFrontier]) -> str:
     rows = []
     for f in against:
-        verdict = "-" if f.gap is None else ("above" if f.gap.delta > 0 else "below") if f.rejected else "level"
+        verdict = ("-" if f.gap is None else "no p: one seed" if f.gap.p is None
+                   else ("above" if f.gap.delta > 0 else "below") if f.rejected else "level")
         if f.gap is not None and f.gap.se == 0 and f.gap.delta:
             verdict += " (s.e. 0: the same gap on every seed)"
         rows.append([f.task, f.arm, str(f.pass1.n), f.pass1.fmt(100, 1), f.pass16.fmt(100, 1),

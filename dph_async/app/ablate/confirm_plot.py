@@ -41,11 +41,11 @@ def figure(tasks: dict[str, Sweeps]):
     return fig
 
 
-def plot(tasks: dict[str, Sweeps], out: Path) -> None:
-    """The figure, drawn to a PNG at `out`."""
+def plot(tasks: dict[str, Sweeps], out: Path, source: str | None = None) -> None:
+    """The figure, drawn to a PNG at `out`; `source`: its Source text chunk (what it was drawn from)."""
     fig = figure(tasks)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, metadata={"Source": source} if source else None)
     pyplot().close(fig)
 
 
