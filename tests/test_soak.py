@@ -105,7 +105,7 @@ def test_a_slower_machine_passes_and_a_process_doing_more_per_step_fails():
     # (+13.6%).
     for n, ok in ((1, True), (2, True), (3, False)):
         steps, actor = [600] * 17, [0.2] * 17
-        for i in range(6, 6 + n):
+        for i in range(10, 10 + n):  # after the first third, the reference
             steps[i], actor[i] = 480, 0.25
         check = {c.name: c for c in judged(series([1000] * 17, steps_per_interval=steps,
                                                   others={"actor0": actor}))}["work actor0"]
@@ -115,6 +115,18 @@ def test_a_slower_machine_passes_and_a_process_doing_more_per_step_fails():
     actor = [0.2] * 12 + [0.4, 0.4, 0.2, 0.2, 0.2] * 3
     check = {c.name: c for c in judged(series([1000] * 27, others={"actor0": actor}))}["work actor0"]
     assert not check.ok and "worst +40.0% over 5 intervals" in check.detail, check
+    # Against the first third: a lasting fifth more work over the second half shows at its full size,
+    # and so does a drift to a fifth more; the same pattern all along (twice the work every other
+    # minute from the start) is no change and passes. Pace held: the steps follow the actor's work.
+    def work(actor: list[float]) -> Check:
+        steps = [180 / (0.1 + a) for a in actor]
+        return {c.name: c for c in judged(series([1000] * len(actor), steps_per_interval=steps,
+                                                 others={"actor0": actor}))}["work actor0"]
+
+    lasting = work([0.2] * 26 + [0.24] * 25)
+    assert not lasting.ok and "worst +20.0% over 5" in lasting.detail
+    assert not work([0.2 * (1 + 0.2 * i / 50) for i in range(51)]).ok
+    assert work([0.2 if i % 2 else 0.4 for i in range(51)]).ok
     # A short soak: five intervals judged, the actor tripling its work in the last two. Spans are a
     # third of the intervals (one each here), so it fails.
     check = {c.name: c for c in judged(series([1000] * 6, others={"actor0": [0.1, 0.1, 0.1, 0.1, 0.3, 0.3]}))}

@@ -20,9 +20,10 @@ the checks are:
                  the machine) within ±10 % of the median interval: a stall lowers it
     work         each process's CPU-seconds per learner step over the other processes', over every span
                  of 5 consecutive intervals (a third of them in a short soak), within ±10 % of the
-                 median interval's (judged for processes with 5 % of the CPU-seconds or more): a
-                 process doing more per step from some point on, or every other minute, raises it; a
-                 minute's swing of the machine hardly moves a five-minute span
+                 same ratio over the first third of the intervals (judged for processes with 5 % of
+                 the CPU-seconds or more): a process that comes to do more per step, for good or
+                 in two minutes of every five, raises it; a minute's swing of the machine hardly
+                 moves a five-minute span
     gate restarts  none during the whole soak (only a peer exhausting a gate's memory ends one)
 
 The services' gate processes (dph_async/gate.py) are sampled from /proc as processes of their own
@@ -34,8 +35,9 @@ CPU-seconds per step, and a slower machine raises every process's CPU-seconds pe
 stayed 98% busy to within 0.6%, docs/benchmarks.md). A system that slows itself either waits
 (pace), does more per step in some process (work) or stops stepping (progress); what cannot be told
 from a slower machine is every process doing more per step in the same proportion by less than half.
-Each band is around the median of the judged intervals, so a lasting change of the second half
-shows at about half its size.
+The pace band is around the median of the judged intervals, so a lasting change of pace over the
+second half shows at about half its size; work is judged against the first third, so a change of
+work shows at its full size.
 
 Results: <out>/soak/soak.json (every sample, the checks, the machine's load), soak.md, soak.png.
 """
@@ -66,11 +68,11 @@ RSS_TOLERANCE = 0.05
 PACE_TOLERANCE = 0.10
 PROGRESS_FLOOR = 0.5  # no interval under half the median's learner steps/s: a stall that keeps the CPUs busy
 WORK_TOLERANCE = 0.10
-# Work is judged over spans of this many consecutive intervals (its CPU-seconds over the others' in
-# the span): a change that lasts minutes, or recurs in them. One interval's ratio swings with the
-# machine (a quiet soak on 2026-11-29: +11% for a minute, +3 to +11% for five, back to the median
-# after; docs/benchmarks.md, Soak). A span is at most a third of the judged intervals, so a change
-# over the last third of a short soak still fills one.
+# Work is judged over spans of this many consecutive intervals (a process's CPU-seconds over the
+# others' in the span) against the same ratio over the first third of the judged intervals: a change
+# that lasts or recurs for minutes shows at its full size, while one interval's swing of the machine
+# (a quiet soak on 2026-11-29: +11% for a minute, +3 to +11% for five, back after; docs/benchmarks.md,
+# Soak) is diluted fivefold. A span is at most a third of the judged intervals.
 WORK_WINDOW = 5
 WORK_JUDGED_FROM = 0.05  # share of the CPU-seconds: below it a process's per-interval CPU is a few clock ticks
 FD_SLACK = 8
@@ -250,6 +252,11 @@ def _worst(deviations: list[float]) -> float:
     return max(deviations, key=abs)
 
 
+def _ratio(pairs: list[tuple[float, float]]) -> float:
+    """A process's CPU-seconds over the others' in these intervals ((own, others) each)."""
+    return sum(c for c, _ in pairs) / sum(o for _, o in pairs)
+
+
 def _windows(values: list, n: int) -> list[list]:
     """Every run of n consecutive values (all of them when there are fewer)."""
     return [values[i:i + n] for i in range(max(1, len(values) - n + 1))]
@@ -327,14 +334,14 @@ def evaluate(samples: list[Sample], warmup_s: float, cfg: RunConfig) -> list[Che
         own = [(i.cpu[name], others) for i in judged if (others := sum(i.cpu.values()) - i.cpu[name]) > 0]
         if share < WORK_JUDGED_FROM or not own:
             continue
-        median, single = _off_median([c / o for c, o in own])
         n = max(1, min(WORK_WINDOW, len(own) // 3))
-        spans = [sum(c for c, _ in w) / sum(o for _, o in w) for w in _windows(own, n)]
-        worst = _worst([r / median - 1 for r in spans])
+        reference = _ratio(own[:max(1, len(own) // 3)])
+        worst = _worst([_ratio(w) / reference - 1 for w in _windows(own, n)])
+        single = _worst([c / o / reference - 1 for c, o in own])
         checks.append(Check(f"work {name}", abs(worst) <= WORK_TOLERANCE,
-                            f"{share:.0%} of the CPU-seconds; per step {median:.2f}× the other processes', "
-                            f"worst {worst:+.1%} over {n} interval{'s' * (n > 1)} (limit ±{WORK_TOLERANCE:.0%}; "
-                            f"one interval: {single:+.1%})"))
+                            f"{share:.0%} of the CPU-seconds; per step {reference:.2f}× the other processes' in "
+                            f"the first third, worst {worst:+.1%} over {n} interval{'s' * (n > 1)} (limit "
+                            f"±{WORK_TOLERANCE:.0%}; one interval: {single:+.1%})"))
     return checks
 
 
