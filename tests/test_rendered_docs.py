@@ -27,7 +27,7 @@ def test_the_repositorys_docs_match_their_data(capsys):
     assert rendered_docs.main(["--check"]) == 0, capsys.readouterr().out
     # Every committed result file is some block's input: a table taken out of its block to be edited by
     # hand leaves its data unrendered, and fails here.
-    specs = [m["spec"].split() for d in rendered_docs.docs(ROOT) for m in rendered_docs.BLOCK.finditer(d.read_text())]
+    specs = [b.spec.split() for d in rendered_docs.docs(ROOT) for b in rendered_docs.blocks(d.read_text())]
     inputs = {a for _, *args in specs for a in args}
     data = {str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "data").rglob("*.csv")}
     assert data and data <= inputs, data - inputs
@@ -94,12 +94,14 @@ def test_check_names_each_stale_block_and_writes_nothing(tmp_path, capsys, monke
     ("x\n<!-- rendered: ood-calibration -->\n<!-- end rendered -->\n",
      "line 2: ood-calibration: ood-calibration CSV: 1 argument(s), got 0"),
     ("<!-- rendered: ood-calibration cal.csv -->\nx\n<!-- rendered: splits s.csv -->\n<!-- end rendered -->\n",
-     "line 3: a block without `<!-- end rendered -->`"),
+     "line 1: a block without `<!-- end rendered -->` (line 3 comes first)"),
     ("<!-- rendered:  -->\n<!-- end rendered -->\n", "line 1: no renderer ''"),
     ("a\n\n<!-- end rendered -->\n", "line 3: a marker outside a block"),
     ("<!-- Rendered: ood-calibration cal.csv -->\nx\n<!-- end rendered -->\n", "line 1: a marker outside a block"),
     ("<!--  rendered: ood-calibration cal.csv -->\n", "line 1: a marker outside a block"),
-    ("<!-- rendered: ood-calibration cal.csv --> trailing\n<!-- end rendered -->\n", "line 1: a block without"),
+    ("<!-- rendered: ood-calibration cal.csv --> trailing\n<!-- end rendered -->\n",
+     "line 1: a block's opening marker not alone on its line"),
+    ("a\rb\n", "line 1: a carriage return that ends no line"),
     ("<!-- rendered: confirm embedded a b embedded c d -->\n<!-- end rendered -->\n", "a task given twice"),
     ("<!-- rendered: confirm embedded a.csv -->\n<!-- end rendered -->\n", "TASK FIRST_CSV AS_RUN_CSV per task, got 2"),
 ])
@@ -110,7 +112,7 @@ def test_a_bad_block_is_one_error_naming_its_line_and_the_doc_stays(tmp_path, ca
     assert rendered_docs.main([str(doc)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {doc}: ") and message in err, err
-    assert doc.read_text() == body
+    assert doc.read_bytes() == body.encode()
 
 
 def _seeds(tmp_path: Path, rows: list[tuple[str, int, dict[str, float]]]) -> str:
@@ -152,12 +154,12 @@ def test_a_figure_is_drawn_once_every_block_rendered_and_only_asked_for_by_a_che
     assert check.stale_figures == ["docs/figures/c.png"] and not check.figures
     ctx = Context(tmp_path, doc, write=True)
     assert rendered_docs.confirm_figure(args, ctx) == link and len(ctx.figures) == 1
-    assert not (tmp_path / "docs" / "figures" / "c.png").exists()  # drawn later, by main
-    ctx.figures[0]()
     png = tmp_path / "docs" / "figures" / "c.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert rendered_docs.source_of(png) == rendered_docs.SOURCE + rendered_docs.digest(
-        "confirm-figure", args[1:], [tmp_path / a for a in args[1:] if a.endswith(".csv")])
+    assert not png.exists()  # drawn later, by main, once every block rendered
+    draft, final = ctx.figures[0]()
+    assert final == png and draft.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not png.exists()
+    draft.rename(png)
+    assert rendered_docs.source_of(png).startswith(rendered_docs.SOURCE)
     check = Context(tmp_path, doc, write=False)
     assert rendered_docs.confirm_figure(args, check) == link and check.stale_figures == []
     with pytest.raises(ValueError, match="give PNG"):
@@ -247,7 +249,13 @@ def test_a_figure_put_there_by_hand_or_drawn_from_other_data_is_stale_and_never_
     drawn = png.read_bytes()
     # Other data: the figure no longer matches them.
     csv_file = root / "docs" / "data" / "prereg" / "embedded.csv"
-    csv_file.write_text(csv_file.read_text().replace("0.535", "0.536", 1))
+    with csv_file.open(newline="") as f:
+        rows = list(csv.reader(f))
+    column = rows[0].index("in_domain/pass@16")
+    row = next(r for r in rows if r[1] == "grpo@d_exp")  # arm A, a point of the figure
+    row[column] = str(float(row[column]) - 0.01)
+    with csv_file.open("w", newline="") as f:
+        csv.writer(f).writerows(rows)
     capsys.readouterr()
     assert rendered_docs.main(["--check"]) == 1
     assert "stale: confirm-figure docs/figures/c.png" in capsys.readouterr().out
@@ -283,3 +291,52 @@ def test_line_ends_outside_the_blocks_are_kept(tmp_path):
     text = f"a\r\nb\r\n<!-- rendered: ood-calibration {name} -->\nx\n<!-- end rendered -->\r\nc\r\n"
     new, _ = render(text, Context(tmp_path, tmp_path / "a.md", write=True))
     assert new.startswith("a\r\nb\r\n") and new.endswith("<!-- end rendered -->\r\nc\r\n")
+
+
+def test_a_figure_drawn_by_other_plotting_code_is_stale(tmp_path, capsys, monkeypatch):
+    root = _repository(tmp_path)
+    monkeypatch.setattr(rendered_docs, "ROOT", root)
+    assert rendered_docs.main([]) == 0 and rendered_docs.main(["--check"]) == 0
+    monkeypatch.setitem(confirm_plot.ARM_LABELS, "A", "A the control, relabelled")
+    capsys.readouterr()
+    assert rendered_docs.main(["--check"]) == 1
+    assert "stale: confirm-figure docs/figures/c.png" in capsys.readouterr().out
+
+
+def test_one_figure_per_block_and_none_that_cannot_be_drawn(tmp_path, capsys, monkeypatch):
+    root = _repository(tmp_path)
+    monkeypatch.setattr(rendered_docs, "ROOT", root)
+    twice = root / "docs" / "z.md"
+    twice.write_text(f"<!-- rendered: confirm-figure docs/figures/c.png {CONFIRM_ARGS} -->\n<!-- end rendered -->\n")
+    assert rendered_docs.main([]) == 2
+    assert "z.md: line 1: confirm-figure docs/figures/c.png" in capsys.readouterr().err
+    twice.write_text(f"<!-- rendered: confirm-figure docs/notadir/c.png {CONFIRM_ARGS} -->\n<!-- end rendered -->\n")
+    (root / "docs" / "notadir").write_text("x")
+    assert rendered_docs.main([]) == 2
+    assert "docs/notadir/c.png: a directory, or under a file" in capsys.readouterr().err
+    assert not (root / "docs" / "figures").exists()
+    assert (root / "docs" / "a.md").read_text().endswith(" -->\n<!-- end rendered -->\n")  # its block still empty
+
+
+def test_a_doc_that_leads_out_of_the_repository_is_refused_and_left_alone(tmp_path, capsys, monkeypatch):
+    root = _repository(tmp_path)
+    monkeypatch.setattr(rendered_docs, "ROOT", root)
+    name = _calibration(root, [ROW])
+    victim = tmp_path / "victim.md"
+    victim.write_text(f"<!-- rendered: ood-calibration {name} -->\nold\n<!-- end rendered -->\n")
+    (root / "docs" / "sub").mkdir()
+    (root / "docs" / "sub" / "evil.md").symlink_to(victim)
+    assert root / "docs" / "sub" / "evil.md" in rendered_docs.docs(root)  # docs/**/*.md: subfolders too
+    assert rendered_docs.main([]) == 2
+    assert "evil.md: outside the repository" in capsys.readouterr().err
+    assert "old" in victim.read_text()
+
+
+def test_a_calibration_file_with_a_repeated_column_or_a_huge_field_is_refused(tmp_path):
+    ctx = Context(tmp_path, tmp_path / "a.md", write=True)
+    (tmp_path / "cal.csv").write_text(",".join(ROW) + ",ood/pass@16\n" + ",".join(ROW.values()) + ",0.0\n")
+    with pytest.raises(ValueError, match="column ood/pass@16 given twice"):
+        rendered_docs.ood_calibration(["cal.csv"], ctx)
+    (tmp_path / "cal.csv").write_text(",".join(ROW) + "\n" + ",".join({**ROW, "task": "x" * 200_000}.values()) + "\n")
+    with pytest.raises(ValueError, match="not a CSV file"):
+        rendered_docs.ood_calibration(["cal.csv"], ctx)

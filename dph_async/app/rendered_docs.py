@@ -7,12 +7,14 @@ A markdown file marks each rendered part as a block, its markers each on a line 
     <!-- end rendered -->
 
 ARGs are paths inside the repository (a task's name where a renderer says so). `make docs` rewrites
-every block of README.md and docs/*.md from its data; `make docs CHECK=1` (and the test suite) only
-compares, and names each block whose text differs from what its data gives, so a number pasted by
-hand or data changed without its doc fails CI. A figure is a PNG that carries a digest of its inputs
-(its `Source` text chunk): the check reads the digest back, so a figure drawn from other data or put
-there by hand is stale too, while the pixels may follow the plotting library's version. A render
-writes nothing unless every block of every file rendered, and never overwrites a PNG it did not draw.
+every block of README.md and docs/**/*.md from its data; `make docs CHECK=1` (and the test suite)
+only compares, and names each block whose text differs from what its data gives, so a number pasted
+by hand or data changed without its doc fails CI. A figure is a PNG that carries a digest of what it
+shows (its `Source` text chunk: every panel's titles, labels, and each line's, bar's and text's data
+and colour, not its pixels, which follow the plotting library's version): the check draws the figure
+again and compares, so a figure drawn from other data or other plotting code, or put there by hand,
+is stale too. A render writes nothing unless every block of every file rendered, and never
+overwrites a PNG it did not draw. Markers are found line by line (a doc's lines end in LF or CRLF).
 
     python -m dph_async.app.rendered_docs [--check] [FILE ...]
 """
@@ -24,6 +26,7 @@ import csv
 import hashlib
 import os
 import re
+import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,13 +38,12 @@ from dph_async.app.ablate.seeds import BASE, SeedRow, read_seeds, repeated_seed
 from dph_async.app.report import markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", "docs/*.md")
-# A block's markers start their line: the markers quoted inside prose (as here) are no block.
-BLOCK = re.compile(r"^(?P<open><!-- rendered: (?P<spec>[^\r\n]*?) -->\r?\n)(?P<body>.*?)"
-                   r"^(?P<end><!-- end rendered -->)(?=\r?$)", re.S | re.M)
-# Anything at a line's start that looks like a marker: what no block took is misspelt or stray.
-MARKER = re.compile(r"^[ \t]*<!--[ \t]*(end[ \t]+)?rendered\b", re.I | re.M)
-SOURCE = "dph-async rendered "  # a rendered PNG's Source text chunk: this, then the inputs' digest
+DOCS = ("README.md", "docs/**/*.md")
+OPEN = re.compile(r"<!-- rendered: (?P<spec>.*?) -->")  # the whole line
+END = "<!-- end rendered -->"
+# Anything at a line's start that looks like a marker: what is not exactly one is misspelt or stray.
+MARKER = re.compile(r"[ \t]*<!--[ \t]*(end[ \t]+)?rendered\b", re.I)
+SOURCE = "dph-async rendered "  # a rendered PNG's Source text chunk: this, then its fingerprint
 
 
 @dataclass
@@ -51,6 +53,7 @@ class Context:
     write: bool  # False under --check: no file is written
     figures: list[Callable[[], None]] = field(default_factory=list)  # drawn once every block rendered
     stale_figures: list[str] = field(default_factory=list)  # under --check: figures not drawn from their data
+    figure_paths: set[Path] = field(default_factory=set)  # every figure a block draws: one block each
 
     def path(self, arg: str) -> Path:
         """An ARG as a path inside the root: a doc is text from anyone who edits it, and rendering it must
@@ -90,18 +93,24 @@ def ood_calibration(args: list[str], ctx: Context) -> str:
     """`ood-calibration CSV`: pi_0's figures per task and `task.ood_warm_share` (the rows of
     `dph-async run task.ood_warm_share=s learner.steps=2 eval.max_prompts=100`, %)."""
     (path,) = _exactly(args, 1, "ood-calibration CSV")
+    table = []
     with ctx.path(path).open(newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
-        if missing := [c for c in CALIBRATION if c not in (reader.fieldnames or [])]:
-            raise ValueError(f"{path}: no column {', '.join(missing)}")
-        table = []
-        for line, r in enumerate(reader, start=2):
-            if None in r or None in r.values():
-                raise ValueError(f"{path}, line {line}: {len(reader.fieldnames)} fields in the header, not here")
-            p = {c: 100 * _share(r, c, line) for c in CALIBRATION[1:]}
-            table.append([_cell(r["task"]), _cell(r["ood_warm_share"]),
-                          f"{p['in_domain/pass@1']:.1f} / {p['in_domain/pass@16']:.1f}",
-                          *(f"{p[c]:.1f}" for c in CALIBRATION[4:])])
+        try:
+            header = reader.fieldnames or []
+            if twice := sorted({c for c in header if header.count(c) > 1}):
+                raise ValueError(f"{path}: column {', '.join(twice)} given twice")
+            if missing := [c for c in CALIBRATION if c not in header]:
+                raise ValueError(f"{path}: no column {', '.join(missing)}")
+            for line, r in enumerate(reader, start=2):
+                if None in r or None in r.values():
+                    raise ValueError(f"{path}, line {line}: {len(header)} fields in the header, not here")
+                p = {c: 100 * _share(r, c, line) for c in CALIBRATION[1:]}
+                table.append([_cell(r["task"]), _cell(r["ood_warm_share"]),
+                              f"{p['in_domain/pass@1']:.1f} / {p['in_domain/pass@16']:.1f}",
+                              *(f"{p[c]:.1f}" for c in CALIBRATION[4:])])
+        except (csv.Error, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not a CSV file of UTF-8 text ({e})") from None
     if not table:
         raise ValueError(f"{path}: no rows")
     return markdown_table(["task", "s", "in-domain P@1 / P@16", "OOD greedy", "OOD P@1", "OOD P@16"], table)
@@ -162,22 +171,55 @@ def confirm_tables(args: list[str], ctx: Context) -> str:
 
 
 def source_of(png: Path) -> str | None:
-    """The Source text chunk of a PNG (None: no such chunk, or not a PNG)."""
-    from PIL import Image  # matplotlib's own dependency; only a figure's check needs it
+    """The Source text chunk of a PNG, read chunk by chunk without decoding the image (None: no such
+    chunk, or not a PNG)."""
+    with png.open("rb") as f:
+        if f.read(8) != b"\x89PNG\r\n\x1a\n":
+            return None
+        while len(header := f.read(8)) == 8:
+            length, kind = struct.unpack(">I4s", header)
+            if kind == b"tEXt" and length <= 4096:
+                key, _, value = f.read(length).partition(b"\0")
+                if key == b"Source":
+                    return value.decode("latin-1")
+                f.seek(4, os.SEEK_CUR)  # the chunk's CRC
+            elif kind == b"IEND":
+                return None
+            else:
+                f.seek(length + 4, os.SEEK_CUR)
+    return None
 
-    try:
-        with Image.open(png) as image:
-            return getattr(image, "text", {}).get("Source")
-    except (OSError, SyntaxError):  # Pillow's refusal of a file that is no image
-        return None
 
+def fingerprint(fig) -> str:
+    """A digest of what a matplotlib figure shows: every panel's title and axis labels, each line's
+    label, style, colour and data, each collection's (error bars') segments and colours, each text and
+    the legend's entries. Not its pixels, which follow matplotlib's version."""
+    from matplotlib.colors import to_hex  # with the figure's own import of matplotlib
 
-def digest(kind: str, args: list[str], inputs: list[Path]) -> str:
-    """What a figure is drawn from: its kind, its arguments and its input files' bytes."""
-    h = hashlib.sha256("\0".join([kind, *args]).encode())
-    for p in inputs:
-        h.update(p.read_bytes())
+    h = hashlib.sha256()
+    for ax in fig.axes:
+        parts: list[object] = [ax.get_title(), ax.get_xlabel(), ax.get_ylabel()]
+        parts += [(line.get_label(), line.get_marker(), line.get_linestyle(), to_hex(line.get_color()),
+                   line.get_xydata().round(9).tolist()) for line in ax.lines]
+        parts += [([s.round(9).tolist() for s in c.get_segments()], [to_hex(x) for x in c.get_colors()])
+                  for c in ax.collections if hasattr(c, "get_segments")]
+        parts += [(t.get_text(), tuple(round(v, 9) for v in t.get_position())) for t in ax.texts]
+        legend = ax.get_legend()
+        parts += [[t.get_text() for t in legend.get_texts()] if legend else []]
+        h.update(repr(parts).encode())
     return h.hexdigest()[:16]
+
+
+def _figure_path(arg: str, ctx: Context) -> Path:
+    png = ctx.path(arg)
+    if png.suffix != ".png":
+        raise ValueError(f"{arg}: a figure is a .png file")
+    if png.is_dir() or any(p.exists() and not p.is_dir() for p in png.parents):
+        raise ValueError(f"{arg}: a directory, or under a file")
+    if png in ctx.figure_paths:
+        raise ValueError(f"{arg}: drawn by another block too (one block per figure)")
+    ctx.figure_paths.add(png)
+    return png
 
 
 def confirm_figure(args: list[str], ctx: Context) -> str:
@@ -185,20 +227,28 @@ def confirm_figure(args: list[str], ctx: Context) -> str:
     drawn to PNG (docs/figures/); the block holds its link."""
     if not args:
         raise ValueError("confirm-figure: give PNG, then TASK FIRST_CSV AS_RUN_CSV per task")
-    png, rest = ctx.path(args[0]), args[1:]
-    if png.suffix != ".png":
-        raise ValueError(f"{args[0]}: a figure is a .png file")
-    tasks = _tasks(rest, ctx, "confirm-figure")
-    want = SOURCE + digest("confirm-figure", rest, [ctx.path(a) for i, a in enumerate(rest) if i % 3])
+    png = _figure_path(args[0], ctx)
+    tasks = _tasks(args[1:], ctx, "confirm-figure")
+    fig = confirm_plot.figure(tasks)
+    want = SOURCE + fingerprint(fig)
     have = source_of(png) if png.exists() else None
-    if have != want:
-        if not ctx.write:
+    if have == want or not ctx.write:
+        confirm_plot.pyplot().close(fig)
+        if have != want:
             ctx.stale_figures.append(args[0])
-        elif png.exists() and not (have or "").startswith(SOURCE):
-            raise ValueError(f"{args[0]}: a figure this command did not draw; it would be overwritten")
-        else:
-            ctx.figures.append(lambda: confirm_plot.plot(tasks, png, source=want))
+    elif png.exists() and not (have or "").startswith(SOURCE):
+        confirm_plot.pyplot().close(fig)
+        raise ValueError(f"{args[0]}: a figure this command did not draw; it would be overwritten")
+    else:
+        ctx.figures.append(lambda: _draft(fig, png, want))
     return f"![Pass@16 against Pass@1 per task: {', '.join(tasks)}]({os.path.relpath(png, ctx.doc.parent)})"
+
+
+def _draft(fig, png: Path, source: str) -> tuple[Path, Path]:
+    """Draw to a file beside the figure, to be moved over it once every figure is drawn."""
+    draft = png.with_name(png.name + ".draft")
+    confirm_plot.save(fig, draft, source)
+    return draft, png
 
 
 RENDERERS: dict[str, Renderer] = {"ood-calibration": ood_calibration, "splits": splits,
@@ -211,42 +261,64 @@ def _exactly(args: list[str], n: int, usage: str) -> list[str]:
     return args
 
 
-def _line(text: str, at: int) -> int:
-    return text.count("\n", 0, at) + 1
+@dataclass(frozen=True)
+class Block:
+    line: int  # of its opening marker
+    spec: str
+    body: tuple[int, int]  # offsets of its body in the text: from after the opening line to the end marker
+
+
+def blocks(text: str) -> list[Block]:
+    """The blocks of a doc, line by line (linear in its length). A marker that is not exactly one, an
+    end without an opening, an opening without an end, or a lone CR, is a ValueError naming the line."""
+    if m := re.search(r"\r(?!\n)", text):
+        raise ValueError(f"line {text.count(chr(10), 0, m.start()) + 1}: a carriage return that ends no line "
+                         "(lines end in LF or CRLF)")
+    found, opened = [], None
+    for n, m in enumerate(re.finditer(r"[^\n]*\n|[^\n]+\Z", text), start=1):
+        line = m.group().rstrip("\n").removesuffix("\r")
+        if not MARKER.match(line):
+            continue
+        if (o := OPEN.fullmatch(line)) is not None and opened is None:
+            opened = (n, o["spec"], m.end())
+        elif line == END and opened is not None:
+            found.append(Block(opened[0], opened[1], (opened[2], m.start())))
+            opened = None
+        elif opened is not None:
+            raise ValueError(f"line {opened[0]}: a block without `{END}` (line {n} comes first)")
+        elif line.startswith("<!-- rendered: "):
+            raise ValueError(f"line {n}: a block's opening marker not alone on its line")
+        else:
+            raise ValueError(f"line {n}: a marker outside a block (a block is `<!-- rendered: KIND ARGS -->` … "
+                             f"`{END}`, each marker on a line of its own)")
+    if opened is not None:
+        raise ValueError(f"line {opened[0]}: a block without `{END}`")
+    return found
 
 
 def render(text: str, ctx: Context) -> tuple[str, list[tuple[int, str]]]:
-    """`text` with every block re-rendered, and the (line, spec) of each block whose body changed. A
-    marker no block takes (unclosed, nested, misspelt, stray), an unknown KIND, or a renderer's
-    complaint, is a ValueError naming the line."""
+    """`text` with every block's body re-rendered (every other byte kept), and the (line, spec) of each
+    block whose body or figure changed. A bad marker (`blocks`), an unknown KIND or a renderer's
+    complaint is a ValueError naming the line."""
     out, changed, end = [], [], 0
-    blocks = list(BLOCK.finditer(text))
-    taken = {m.start() for m in blocks} | {m.start("end") for m in blocks}
-    for marker in MARKER.finditer(text):
-        if marker.start() not in taken:
-            opening = text.startswith("<!-- rendered: ", marker.start())
-            raise ValueError(f"line {_line(text, marker.start())}: " + (
-                "a block without `<!-- end rendered -->`, or its opening marker not alone on its line" if opening else
-                "a marker outside a block (a block is `<!-- rendered: KIND ARGS -->` … `<!-- end rendered -->`, "
-                "each marker on a line of its own)"))
-    for m in blocks:
-        line = _line(text, m.start())
-        kind, *args = m["spec"].split() or [""]
+    for b in blocks(text):
+        kind, *args = b.spec.split() or [""]
         if kind not in RENDERERS:
-            raise ValueError(f"line {line}: no renderer {kind!r} (known: {', '.join(sorted(RENDERERS))})")
-        figures = len(ctx.stale_figures)
+            raise ValueError(f"line {b.line}: no renderer {kind!r} (known: {', '.join(sorted(RENDERERS))})")
+        stale = len(ctx.stale_figures)
         try:
             body = RENDERERS[kind](args, ctx).rstrip("\n") + "\n"
         except (ValueError, OSError) as e:
-            raise ValueError(f"line {line}: {m['spec']}: {e}") from None
-        if body != m["body"] or len(ctx.stale_figures) > figures:
-            changed.append((line, m["spec"]))
-        out += [text[end:m.start()], m["open"], body, m["end"]]
-        end = m.end()
+            raise ValueError(f"line {b.line}: {b.spec}: {e}") from None
+        if body != text[b.body[0]:b.body[1]] or len(ctx.stale_figures) > stale:
+            changed.append((b.line, b.spec))
+        out += [text[end:b.body[0]], body]
+        end = b.body[1]
     return "".join([*out, text[end:]]), changed
 
 
 def docs(root: Path) -> list[Path]:
+    """README.md and every markdown file under docs/."""
     return sorted({p for pattern in DOCS for p in root.glob(pattern) if p.is_file()})
 
 
@@ -257,20 +329,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("files", nargs="*", type=Path, help=f"markdown files (default: {' '.join(DOCS)})")
     args = p.parse_args(argv)
     results: list[tuple[Path, str, str, list[tuple[int, str]]]] = []
-    figures: list[Callable[[], None]] = []
+    figures: list = []
+    drawn: set[Path] = set()  # one block per figure, over every file
     for doc in args.files or docs(ROOT):
         try:
+            if not doc.resolve().is_relative_to(ROOT.resolve()):
+                raise ValueError("outside the repository (a link leading out?)")
             with doc.open(encoding="utf-8", newline="") as f:  # line ends kept as they are
                 text = f.read()
-            ctx = Context(ROOT, doc.resolve(), write=not args.check)
+            ctx = Context(ROOT, doc.resolve(), write=not args.check, figure_paths=drawn)
             new, changed = render(text, ctx)
         except (OSError, ValueError) as e:  # nothing written yet: a render is all or nothing
             print(f"error: {doc}: {e}", file=sys.stderr)
             return 2
         results.append((doc, text, new, changed))
         figures += ctx.figures
-    for draw in figures:
-        draw()
+    drafts: list[tuple[Path, Path]] = []
+    try:
+        for draw in figures:
+            drafts.append(draw())
+    except (OSError, ValueError) as e:
+        for draft, _ in drafts:
+            draft.unlink(missing_ok=True)
+        print(f"error: a figure cannot be drawn ({e}); nothing written", file=sys.stderr)
+        return 2
+    for draft, png in drafts:
+        os.replace(draft, png)
+        print(f"{png}: drawn")
     for doc, text, new, changed in results:
         if not args.check and new != text:
             with doc.open("w", encoding="utf-8", newline="") as f:

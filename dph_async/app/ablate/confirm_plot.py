@@ -43,10 +43,16 @@ def figure(tasks: dict[str, Sweeps]):
 
 def plot(tasks: dict[str, Sweeps], out: Path, source: str | None = None) -> None:
     """The figure, drawn to a PNG at `out`; `source`: its Source text chunk (what it was drawn from)."""
-    fig = figure(tasks)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120, metadata={"Source": source} if source else None)
-    pyplot().close(fig)
+    save(figure(tasks), out, source)
+
+
+def save(fig, out: Path, source: str | None = None) -> None:
+    """Write `fig` as a PNG (with `source` as its Source text chunk) and close it."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format="png", dpi=120, metadata={"Source": source} if source else None)
+    finally:
+        pyplot().close(fig)
 
 
 def _errorbar(ax, points: list[tuple[Stat, Stat]], colour: str, label: str, fmt: str) -> None:
