@@ -320,7 +320,10 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         *((line, "a rejected test has p <= 0.005, so its difference is never 0") for line in (
             "h1 = t[1].rejected and t[1].diff.delta >= 0 and bound_holds(t[2])",
             "if t[4].rejected and t[4].diff.delta >= 0:",
-            "elif t[3].rejected and t[3].diff.delta >= 0 and not t[4].rejected:")),
+            "elif t[3].rejected and t[3].diff.delta >= 0 and not t[4].rejected:",
+            'reading = ("above" if t.diff.delta >= 0 else "below") if t.rejected else "level"')),
+        ('else ("above" if f.gap.delta >= 0 else "below") if f.rejected else "level")',
+         "a gap of 0 has p = 1 (s.e. 0) or t = 0: never rejected"),
         ("return (stat(list(p1.values())), stat(list(p16.values()))) if p1 or p16 else None",
          "arm_values refuses a row without either column, so both are empty or neither is"),
         *((line, "p = 2 and p = 1 both sort after every real p and are never rejected") for line in (

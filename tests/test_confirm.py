@@ -554,6 +554,7 @@ def _test(number: int, delta: float, se: float | None, *, complete: bool = True,
     (_test(2, 0.02, 0.01), "bound holds: lower end -0.8 > -3"),
     # lower end -0.01 - 2.776 * 0.01 = -0.0378
     (_test(2, -0.01, 0.01), "bound fails: lower end -3.8 ≤ -3"),
+    (_test(2, -0.2, 0.0), "bound fails: lower end -20.0 ≤ -3"),
     (_test(1, 0.02, 0.01), "level"),
     (_test(1, 0.02, 0.01, rejected=True), "above"),
     (_test(1, -0.02, 0.01, rejected=True), "below"),
@@ -617,3 +618,36 @@ def test_a_gap_from_one_seed_is_the_arms_pass16_minus_the_chord_without_an_error
     (p1, p16), gap = confirm.frontier_gap(one, confirm.SECONDARY["J"])
     assert (p1.mean, p16.mean, p1.se, p16.se) == (0.43, 0.97, None, None)
     assert gap.se is None and gap.delta == pytest.approx(0.97 - (0.4 * 0.95 + 0.6 * 0.92), abs=1e-12)
+
+
+def test_provenance_names_every_commit_the_date_range_the_load_and_the_resumed_cells():
+    def stamp(rows: list[SeedRow]) -> list[SeedRow]:
+        return [replace(r, commit="" if r.seed == 100 else "b" if r.seed == 101 else "a",
+                        date=f"2026-11-29 0{r.seed - 100}:00 UTC", load=1.0 + (r.seed - 100) / 4,
+                        resumed=r.seed == 103) if r.group != "pi_0" else r for r in rows]
+
+    first, second = (stamp(rows) for rows in lifted(0.5))
+    extra = row("grpo@d_exp", 105, 0.5, 0.5, 0)  # not a pre-registered seed: never counted
+    text = confirm.provenance({"embedded": ([*first, replace(extra, commit="z", resumed=True)], second)})
+    assert text == ("20 cells at a, b, unrecorded, 2026-11-29 00:00 UTC to 2026-11-29 04:00 UTC, 1-minute load at "
+                    "most 2.0; resumed after an interruption: grpo@d_exp-seed103, js_low_var:0.2-seed103, "
+                    "js_low_var:0.2-seed103, dpef_pg-seed103.")
+    assert confirm.provenance({"embedded": ([first[0]], [second[0]])}) == "No cell of the pre-registered seeds."
+
+
+def test_the_tables_show_a_dash_where_a_figure_is_missing():
+    first, second = lifted(0.5)
+    no_base = [r for r in first if r.group != "pi_0"]
+    described = confirm.describe({"embedded": (no_base, second)}).splitlines()
+    assert described[2] == "| embedded | π₀ | 1 | - | - | - | - | - | - |"
+    lacking = [replace(r, metrics={k: v for k, v in r.metrics.items() if k != "in_domain/pass@1"})
+               if r.group == "grpo@d_exp" else r for r in first]
+    described = confirm.describe({"embedded": (lacking, second)}).splitlines()
+    assert described[3] == "| embedded | A (grpo@d_exp) | 5 | - | 60.0 ± 0.0 | - | - | - | - |"
+    nan = _test(1, math.nan, None, rejected=False)
+    extra = {"embedded": lifted(0.5)}
+    line = confirm.markdown([nan, *confirm.family(extra)[1:]], extra).splitlines()[2]
+    assert line == "| embedded | 1 | C − A | Pass@16 | - | - | 5 | - | not rejected | level |"
+    one = _test(1, 0.02, None, rejected=True)
+    line = confirm.markdown([one, *confirm.family(extra)[1:]], extra).splitlines()[2]
+    assert line == "| embedded | 1 | C − A | Pass@16 | +2.0 | - | 5 | - | rejected | above |"
