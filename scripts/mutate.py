@@ -113,6 +113,8 @@ _SERVE_COLUMNS = ("[record.request_id]", "[record.version]", "[[a for a, _ in re
 _PROTOCOL_KIND = ("parse_record keeps only str(e), the detail: the kind, a metrics category of the wire's decoder, "
                   "is never read")
 _POSIX_NEWLINES = "written on POSIX, where text mode translates no newline: csv's own \\r\\n ends reach the file alike"
+_UTF8_POSIX = ("the locale's encoding is UTF-8 on these machines (Python's UTF-8 mode in a C locale) and text mode "
+               "writes a line break as \\n on POSIX: the same bytes")
 _LAST_PART = "the part after the last '/' is the same however many splits are taken from the right"
 _EXACT_EDGE = ("an interval's end (a mean plus or minus t times a standard error) or a geometric mean lands "
                "exactly on its threshold (0, -0.03, 0.9) with probability zero, and no test can put it there: "
@@ -334,6 +336,32 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         *((f"return [replace(f, rejected=r) for f, r in zip(found, rejected, {s})]",
            "Holm returns one decision per p it was given: the lengths agree") for s in ("strict=None", "",
                                                                                       "strict=False")))},
+    **{("dph_async/app/rendered_docs.py", line): why for line, why in (
+        *((f"with ctx.path(path).open({a}) as f:", "a CSV's line breaks in quoted fields are refused either way; "
+           "the codec's name is case-blind") for a in ('newline=None, encoding="utf-8-sig"', 'encoding="utf-8-sig"',
+                                                      'newline="", encoding="UTF-8-SIG"')),
+        ('length, kind = struct.unpack(">i4s", header)', "a PNG chunk's length is below 2**31 (the format's bound)"),
+        ('return value.decode("LATIN-1")', "the codec's name is case-blind"),
+        *((f"parts += [(t.get_text(), tuple(round(v, {n}) for v in getattr(t, \"xy\", t.get_position()))) "
+           "for t in ax.texts]", "the annotated points are means of a few shares: the 10th decimal is float noise")
+          for n in ("10",)),
+        ('parts += [[t.get_text() for t in legend.get_texts()] if (legend) or True else []]',
+         "every panel of the figure has a legend"),
+        ("confirm_plot.pyplot().close(None)", "pyplot closes the current figure, which is the one just drawn"),
+        ('elif png.exists() and not (have or "XXXX").startswith(SOURCE):', '"" and "XXXX" both fail the prefix'),
+        *((f"draft = png.with_name(png.name + {n})", "any name beside the figure serves; it is moved over it")
+          for n in ('"XX.draftXX"', '".DRAFT"')),
+        ('raise ValueError(f"line {text.count(chr(10), None, m.start()) + 1}: a carriage return that ends no line "',
+         "count's start None is 0"),
+        *((f'body = RENDERERS[kind](args, ctx).{f} + "\\n"', "no renderer's output starts or ends with a line "
+           "break, a space or an X") for f in ('rstrip(None)', 'lstrip("\\n")', 'rstrip("XX\\nXX")')),
+        *((f"with doc.open({a}) as f:  # line ends kept as they are", _UTF8_POSIX)
+          for a in ('encoding=None, newline=""', 'newline=""', 'encoding="UTF-8", newline=""')),
+        *((f"with doc.open({a}) as f:", _UTF8_POSIX) for a in (
+            '"w", encoding=None, newline=""', '"w", encoding="utf-8", newline=None', '"w", newline=""',
+            '"w", encoding="utf-8", ', '"w", encoding="UTF-8", newline=""')),
+        *((f"draft.unlink(missing_ok={v})", "every draft in the list was written a moment before")
+          for v in ("None", "False")))},
     **{("dph_async/app/ablate/confirm_staleness.py", line): _EXACT_EDGE for line in (
         "if high <= 0 and low <= -MARGIN:", "if high < 0 and low < -MARGIN:", "elif low >= -MARGIN:",
         "ok = accuracy.low >= -MARGIN and ratio.ratio >= AUTO_RATIO",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -266,7 +267,7 @@ def test_a_figure_put_there_by_hand_or_drawn_from_other_data_is_stale_and_never_
     hand = png.read_bytes()
     assert rendered_docs.main(["--check"]) == 1
     assert rendered_docs.main([]) == 2
-    assert "a figure this command did not draw; it would be overwritten" in capsys.readouterr().err
+    assert "docs/figures/c.png: a figure this command did not draw; it would be overwritten" in capsys.readouterr().err
     assert png.read_bytes() == hand
 
 
@@ -309,7 +310,8 @@ def test_one_figure_per_block_and_none_that_cannot_be_drawn(tmp_path, capsys, mo
     twice = root / "docs" / "z.md"
     twice.write_text(f"<!-- rendered: confirm-figure docs/figures/c.png {CONFIRM_ARGS} -->\n<!-- end rendered -->\n")
     assert rendered_docs.main([]) == 2
-    assert "z.md: line 1: confirm-figure docs/figures/c.png" in capsys.readouterr().err
+    assert ("z.md: line 1: confirm-figure docs/figures/c.png" in (err := capsys.readouterr().err)
+            and "docs/figures/c.png: drawn by another block too (one block per figure)" in err)
     twice.write_text(f"<!-- rendered: confirm-figure docs/notadir/c.png {CONFIRM_ARGS} -->\n<!-- end rendered -->\n")
     (root / "docs" / "notadir").write_text("x")
     assert rendered_docs.main([]) == 2
@@ -340,3 +342,108 @@ def test_a_calibration_file_with_a_repeated_column_or_a_huge_field_is_refused(tm
     (tmp_path / "cal.csv").write_text(",".join(ROW) + "\n" + ",".join({**ROW, "task": "x" * 200_000}.values()) + "\n")
     with pytest.raises(ValueError, match="not a CSV file"):
         rendered_docs.ood_calibration(["cal.csv"], ctx)
+
+
+def test_the_command_says_what_it_rendered_and_drew_and_teaches_in_help(tmp_path, capsys, monkeypatch):
+    root = _repository(tmp_path)
+    monkeypatch.setattr(rendered_docs, "ROOT", root)
+    second = root / "docs" / "b.md"
+    second.write_text(f"<!-- rendered: confirm-figure docs/figures/d.png {CONFIRM_ARGS} -->\n<!-- end rendered -->\n")
+    assert rendered_docs.main([]) == 0
+    out = capsys.readouterr()
+    doc = root / "docs" / "a.md"
+    assert out.out.splitlines() == [f"{root}/docs/figures/c.png: drawn", f"{root}/docs/figures/d.png: drawn",
+                                    f"{doc}:3: rendered: confirm-figure docs/figures/c.png {CONFIRM_ARGS}",
+                                    f"{second}:1: rendered: confirm-figure docs/figures/d.png {CONFIRM_ARGS}"]
+    assert out.err == ""
+    with pytest.raises(SystemExit):
+        rendered_docs.main(["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: python -m dph_async.app.rendered_docs [-h] [--check] [FILE ...]".replace(
+        "FILE", "files"))
+    assert "\n    <!-- rendered: KIND ARG ... -->\n" in text  # the docstring's layout kept
+    assert "--check     compare only; exit 1 naming every stale block" in text
+    assert "markdown files (default: README.md docs/**/*.md)" in text
+
+
+def test_a_figure_that_cannot_be_drawn_leaves_every_file_as_it_was(tmp_path, capsys, monkeypatch):
+    root = _repository(tmp_path)
+    monkeypatch.setattr(rendered_docs, "ROOT", root)
+    (root / "docs" / "b.md").write_text(f"<!-- rendered: confirm-figure docs/figures/d.png {CONFIRM_ARGS} -->\n"
+                                        "<!-- end rendered -->\n")
+    save = confirm_plot.save
+
+    def fail_second(fig, out, source=None):
+        if out.name.startswith("d.png"):
+            confirm_plot.pyplot().close(fig)
+            raise OSError("disk full")
+        save(fig, out, source)
+
+    monkeypatch.setattr(confirm_plot, "save", fail_second)
+    before = {p: p.read_bytes() for p in (root / "docs").glob("*.md")}
+    assert rendered_docs.main([]) == 2
+    out = capsys.readouterr()
+    assert out.err == "error: a figure cannot be drawn (disk full); nothing written\n" and out.out == ""
+    assert not (root / "docs" / "figures").exists() or not list((root / "docs" / "figures").iterdir())
+    assert {p: p.read_bytes() for p in (root / "docs").glob("*.md")} == before
+
+
+@pytest.mark.parametrize(("values", "ok"), [({"ood/pass@1": "0.0"}, "| 0.0 | 75.0 |"),
+                                            ({"ood/pass@1": "1.5"}, "line 2: ood/pass@1 1.5 is not a share"),
+                                            ({"ood_warm_share": "x"}, "line 2: ood_warm_share 'x' is not a number"),
+                                            ({"task": '"a\rb"'}, "a line break in a table cell")])
+def test_calibration_values_at_their_edges(tmp_path, values, ok):
+    (tmp_path / "cal.csv").write_text(",".join(ROW) + "\n" + ",".join({**ROW, **values}.values()) + "\n")
+    ctx = Context(tmp_path, tmp_path / "a.md", write=True)
+    if ok.startswith("|"):
+        assert rendered_docs.ood_calibration(["cal.csv"], ctx).endswith(ok)
+    else:
+        with pytest.raises(ValueError, match=ok):
+            rendered_docs.ood_calibration(["cal.csv"], ctx)
+
+
+def test_errors_name_every_item_and_the_kind_that_complained(tmp_path):
+    ctx = Context(tmp_path, tmp_path / "a.md", write=True)
+    (tmp_path / "cal.csv").write_text("task,task,ood/greedy,ood/greedy\n")
+    with pytest.raises(ValueError, match=r"^cal\.csv: column ood/greedy, task given twice$"):
+        rendered_docs.ood_calibration(["cal.csv"], ctx)
+    for kind, args, says in [(rendered_docs.splits, [], r"splits SEEDS_CSV: 1 argument\(s\), got 0"),
+                             (rendered_docs.confirm_tables, ["a"], "confirm: give TASK FIRST_CSV AS_RUN_CSV per task"),
+                             (rendered_docs.confirm_tables, ["a", "b", "c", "a", "d", "e"],
+                              r"confirm: a task given twice \(a, a\)"),
+                             (rendered_docs.confirm_figure, ["f.png", "a"],
+                              "confirm-figure: give TASK FIRST_CSV AS_RUN_CSV per task"),
+                             (rendered_docs.confirm_figure, [],
+                              "^confirm-figure: give PNG, then TASK FIRST_CSV AS_RUN_CSV per task$")]:
+        with pytest.raises(ValueError, match=says):
+            kind(args, ctx)
+    rows = [(BASE, 0, {"in_domain/pass@1": 0.5, "in_domain/pass@16": 0.5, "ood/pass@1": "", "ood/pass@16": ""})]
+    with pytest.raises(ValueError, match=r"^seeds\.csv, cell pi_0-0: no ood/pass@1, ood/pass@16$"):
+        rendered_docs.splits([_seeds(tmp_path, rows)], ctx)
+    with pytest.raises(ValueError, match=r"^seeds\.csv: no pi_0 row"):
+        rendered_docs.splits([_seeds(tmp_path, rows[1:])], ctx)
+    with pytest.raises(ValueError, match=r"known: confirm, confirm-figure, ood-calibration, splits\)$"):
+        render("<!-- rendered: nope -->\n<!-- end rendered -->\n", ctx)
+    with pytest.raises(ValueError, match=r"^line 3: a carriage return that ends no line \(lines end in LF or CRLF\)$"):
+        render("\n\na\rb\n", ctx)
+    for line in ("<!-- end rendered -->  ", "<!-- end rendered -->X"):
+        with pytest.raises(ValueError, match=r"line 1: a block without `<!-- end rendered -->` \(line 3 comes first\)"):
+            render(f"<!-- rendered: splits s.csv -->\nx\n{line}\n", ctx)
+
+
+def _png(*chunks: tuple[bytes, bytes]) -> bytes:
+    return b"\x89PNG\r\n\x1a\n" + b"".join(struct.pack(">I", len(d)) + k + d + b"\0\0\0\0" for k, d in chunks)
+
+
+def test_the_source_chunk_is_read_as_written_and_nowhere_else(tmp_path):
+    png = tmp_path / "f.png"
+    cases = [(_png((b"IHDR", b"x" * 13), (b"tEXt", b"Source\0a\0b"), (b"IEND", b"")), "a\0b"),
+             (_png((b"tEXt", b"Source\0" + b"v" * 4089), (b"IEND", b"")), "v" * 4089),  # 4,096 bytes: read
+             (_png((b"tEXt", b"Source\0" + b"v" * 4090), (b"IEND", b"")), None),  # 4,097: skipped
+             (_png((b"IEND", b""), (b"tEXt", b"Source\0after")), None),  # nothing counts after the end
+             (_png((b"zTXt", b"Source\0\0x"), (b"IEND", b"")), None),  # compressed text: not this chunk
+             (_png((b"tEXt", b"Other\0x"), (b"tEXt", b"Source\0\xe9")), "\xe9"),
+             (b"GIF89a", None)]
+    for data, want in cases:
+        png.write_bytes(data)
+        assert rendered_docs.source_of(png) == want, data[:40]

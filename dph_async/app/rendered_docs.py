@@ -203,7 +203,8 @@ def fingerprint(fig) -> str:
                    line.get_xydata().round(9).tolist()) for line in ax.lines]
         parts += [([s.round(9).tolist() for s in c.get_segments()], [to_hex(x) for x in c.get_colors()])
                   for c in ax.collections if hasattr(c, "get_segments")]
-        parts += [(t.get_text(), tuple(round(v, 9) for v in t.get_position())) for t in ax.texts]
+        # An annotation's point is its xy (its position is the text's offset from it).
+        parts += [(t.get_text(), tuple(round(v, 9) for v in getattr(t, "xy", t.get_position()))) for t in ax.texts]
         legend = ax.get_legend()
         parts += [[t.get_text() for t in legend.get_texts()] if legend else []]
         h.update(repr(parts).encode())
