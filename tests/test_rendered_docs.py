@@ -422,7 +422,7 @@ def test_errors_name_every_item_and_the_kind_that_complained(tmp_path):
         rendered_docs.splits([_seeds(tmp_path, rows)], ctx)
     with pytest.raises(ValueError, match=r"^seeds\.csv: no pi_0 row"):
         rendered_docs.splits([_seeds(tmp_path, rows[1:])], ctx)
-    with pytest.raises(ValueError, match=r"known: confirm, confirm-figure, ood-calibration, splits\)$"):
+    with pytest.raises(ValueError, match=r"known: cells, confirm, confirm-figure, ood-calibration, splits\)$"):
         render("<!-- rendered: nope -->\n<!-- end rendered -->\n", ctx)
     with pytest.raises(ValueError, match=r"^line 3: a carriage return that ends no line \(lines end in LF or CRLF\)$"):
         render("\n\na\rb\n", ctx)
@@ -447,3 +447,18 @@ def test_the_source_chunk_is_read_as_written_and_nowhere_else(tmp_path):
     for data, want in cases:
         png.write_bytes(data)
         assert rendered_docs.source_of(png) == want, data[:40]
+
+
+def test_cells_lists_each_cells_columns_as_recorded(tmp_path):
+    m = {"in_domain/pass@1": 0.5, "in_domain/pass@16": 0.25, "ood/pass@1": 0.125, "ood/pass@16": 1.0}
+    name = _seeds(tmp_path, [(BASE, 0, m), ("eta16", 0, {**m, "ood/pass@16": ""}), ("eta8", 1, m)])
+    ctx = Context(tmp_path, tmp_path / "a.md", write=False)
+    table = rendered_docs.cells([name, "in_domain/pass@16", "ood/pass@16"], ctx).splitlines()
+    assert table == ["| cell | commit | date | in_domain/pass@16 | ood/pass@16 |", "|---|---|---|---|---|",
+                     "| eta16-0 |  |  | 0.25 |  |", "| eta8-1 |  |  | 0.25 | 1 |"]
+    with pytest.raises(ValueError, match=r"^seeds\.csv: no cell has nope, none$"):
+        rendered_docs.cells([name, "nope", "none"], ctx)
+    with pytest.raises(ValueError, match=r"give a file and at least one column, got 1 argument"):
+        rendered_docs.cells([name], ctx)
+    with pytest.raises(ValueError, match=r"^seeds\.csv: no cell$"):
+        rendered_docs.cells([_seeds(tmp_path, [(BASE, 0, m)]), "ood/pass@1"], ctx)

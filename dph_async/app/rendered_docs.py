@@ -149,6 +149,23 @@ def splits(args: list[str], ctx: Context) -> str:
     return markdown_table(["model", "seeds", "in-domain P@1 / P@16", "OOD P@1 / P@16"], table)
 
 
+def cells(args: list[str], ctx: Context) -> str:
+    """`cells SEEDS_CSV COLUMN ...`: one row per cell of a sweep (pi_0's left out), its commit and date and
+    the named columns as recorded (a blank where a cell has none)."""
+    if len(args) < 2:
+        raise ValueError(f"cells SEEDS_CSV COLUMN ...: give a file and at least one column, got {len(args)} "
+                         "argument(s)")
+    path, columns = args[0], args[1:]
+    rows = [r for r in read_seeds(ctx.path(path)) if r.group != BASE]
+    if not rows:
+        raise ValueError(f"{path}: no cell")
+    if unknown := [c for c in columns if all(c not in r.metrics for r in rows)]:
+        raise ValueError(f"{path}: no cell has {', '.join(unknown)}")
+    return markdown_table(["cell", "commit", "date", *columns],
+                          [[_cell(r.cell), _cell(r.commit), _cell(r.date),
+                            *(f"{r.metrics[c]:.6g}" if c in r.metrics else "" for c in columns)] for r in rows])
+
+
 def _tasks(args: list[str], ctx: Context, usage: str) -> dict[str, confirm.Sweeps]:
     """TASK CSV CSV triples: a task's name, its first and its as-run sweep (checked as the design asks)."""
     if not args or len(args) % 3:
@@ -252,7 +269,7 @@ def _draft(fig, png: Path, source: str) -> tuple[Path, Path]:
     return draft, png
 
 
-RENDERERS: dict[str, Renderer] = {"ood-calibration": ood_calibration, "splits": splits,
+RENDERERS: dict[str, Renderer] = {"ood-calibration": ood_calibration, "splits": splits, "cells": cells,
                                   "confirm": confirm_tables, "confirm-figure": confirm_figure}
 
 
