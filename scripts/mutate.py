@@ -345,6 +345,8 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         *((f"parts += [(t.get_text(), tuple(round(v, {n}) for v in getattr(t, \"xy\", t.get_position()))) "
            "for t in ax.texts]", "the annotated points are means of a few shares: the 10th decimal is float noise")
           for n in ("10",)),
+        *((f"parts += [(t.get_text(), tuple(round(v, 9) for v in getattr(t, \"xy\"{d}))) for t in ax.texts]",
+           "every text of the figure is an annotation, which has its point") for d in (", None", ", ")),
         ('parts += [[t.get_text() for t in legend.get_texts()] if (legend) or True else []]',
          "every panel of the figure has a legend"),
         ("confirm_plot.pyplot().close(None)", "pyplot closes the current figure, which is the one just drawn"),

@@ -51,7 +51,7 @@ class Context:
     root: Path  # the ARGs' base
     doc: Path  # the file the block is in (a figure's link is relative to it)
     write: bool  # False under --check: no file is written
-    figures: list[Callable[[], None]] = field(default_factory=list)  # drawn once every block rendered
+    figures: list[Callable[[], tuple[Path, Path]]] = field(default_factory=list)  # drafts, drawn once all rendered
     stale_figures: list[str] = field(default_factory=list)  # under --check: figures not drawn from their data
     figure_paths: set[Path] = field(default_factory=set)  # every figure a block draws: one block each
 
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("files", nargs="*", type=Path, help=f"markdown files (default: {' '.join(DOCS)})")
     args = p.parse_args(argv)
     results: list[tuple[Path, str, str, list[tuple[int, str]]]] = []
-    figures: list = []
+    figures: list[Callable[[], tuple[Path, Path]]] = []
     drawn: set[Path] = set()  # one block per figure, over every file
     for doc in args.files or docs(ROOT):
         try:
