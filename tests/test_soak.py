@@ -127,6 +127,9 @@ def test_a_slower_machine_passes_and_a_process_doing_more_per_step_fails():
     assert not lasting.ok and "worst +20.0% over 5" in lasting.detail
     assert not work([0.2 * (1 + 0.2 * i / 50) for i in range(51)]).ok
     assert work([0.2 if i % 2 else 0.4 for i in range(51)]).ok
+    # Idle through the first third, busy since: judged a change, not divided by zero.
+    idle_first = work([0.0] * 18 + [0.2] * 33)
+    assert not idle_first.ok and "worst +inf%" in idle_first.detail
     # A short soak: five intervals judged, the actor tripling its work in the last two. Spans are a
     # third of the intervals (one each here), so it fails.
     check = {c.name: c for c in judged(series([1000] * 6, others={"actor0": [0.1, 0.1, 0.1, 0.1, 0.3, 0.3]}))}

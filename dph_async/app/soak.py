@@ -336,8 +336,11 @@ def evaluate(samples: list[Sample], warmup_s: float, cfg: RunConfig) -> list[Che
             continue
         n = max(1, min(WORK_WINDOW, len(own) // 3))
         reference = _ratio(own[:max(1, len(own) // 3)])
-        worst = _worst([_ratio(w) / reference - 1 for w in _windows(own, n)])
-        single = _worst([c / o / reference - 1 for c, o in own])
+        if reference <= 0:  # idle in the first third, busy since: a change of work, whatever its size
+            worst = single = float("inf")
+        else:
+            worst = _worst([_ratio(w) / reference - 1 for w in _windows(own, n)])
+            single = _worst([c / o / reference - 1 for c, o in own])
         checks.append(Check(f"work {name}", abs(worst) <= WORK_TOLERANCE,
                             f"{share:.0%} of the CPU-seconds; per step {reference:.2f}× the other processes' in "
                             f"the first third, worst {worst:+.1%} over {n} interval{'s' * (n > 1)} (limit "
