@@ -4,6 +4,7 @@ next one, each refusal's words whole, and the rules that relate fields for any i
 from __future__ import annotations
 
 import mmap
+import re
 from types import SimpleNamespace
 
 import msgpack
@@ -434,8 +435,10 @@ def test_fields_with_a_string_not_in_utf_8_are_refused_naming_the_type():
     head, _ = _header(P.ErrorReply("x"))
     frame = msgpack.packb(head).replace(b"\xa1x", b"\xa1\xff")  # the one-byte string "x", its byte not UTF-8
     e = _error([frame])
-    assert (e.kind, e.where, str(e)) == ("header", "ErrorReply", "ErrorReply: fields are not valid msgpack ('utf-8' "
-                                         "codec can't decode byte 0xff in position 0: invalid start byte)")
+    # The reason in brackets is msgspec's own words, which its releases reword (0.22: Python's codec
+    # message; 0.23: "Invalid UTF-8 encoded string"): the refusal, its kind and the type are ours.
+    assert (e.kind, e.where) == ("header", "ErrorReply")
+    assert re.fullmatch(r"ErrorReply: fields are not valid msgpack \((?i:.*utf-8.*)\)", str(e)), str(e)
 
 
 def test_a_decoded_message_whose_fields_do_not_fit_together_is_refused_naming_its_type():
