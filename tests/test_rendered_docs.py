@@ -229,6 +229,11 @@ def test_splits_refuses_rows_that_are_not_one_sweeps(tmp_path):
         rendered_docs.splits(["seeds.csv"], ctx)
 
 
+def _figure_block(png: str) -> str:
+    """A doc's block drawing the confirmatory figure to `png` from the committed rows."""
+    return f"<!-- rendered: confirm-figure {png} {CONFIRM_ARGS} -->\n<!-- end rendered -->\n"
+
+
 def _repository(tmp_path: Path) -> Path:
     """A copy of the confirmatory data and a doc with its figure block, as a repository of its own."""
     root = tmp_path / "repo"
@@ -236,7 +241,7 @@ def _repository(tmp_path: Path) -> Path:
     data.mkdir(parents=True)
     for f in PREREG.glob("*.csv"):
         shutil.copy(f, data / f.name)
-    _doc(root, f"# A\n\n<!-- rendered: confirm-figure docs/figures/c.png {CONFIRM_ARGS} -->\n<!-- end rendered -->\n")
+    _doc(root, "# A\n\n" + _figure_block("docs/figures/c.png"))
     return root
 
 
@@ -279,8 +284,7 @@ def test_a_render_writes_nothing_unless_every_block_of_every_file_rendered(tmp_p
     second = root / "docs" / "b.md"
     second.write_text("<!-- rendered: ood-calibration missing.csv -->\n<!-- end rendered -->\n")
     figure_doc = root / "docs" / "c.md"
-    figure_doc.write_text(f"<!-- rendered: confirm-figure docs/figures/c.png {CONFIRM_ARGS} -->\n"
-                          "<!-- end rendered -->\n")
+    figure_doc.write_text(_figure_block("docs/figures/c.png"))
     assert rendered_docs.main([str(figure_doc), str(first), str(second)]) == 2
     assert "b.md: line 1: ood-calibration missing.csv" in capsys.readouterr().err
     assert first.read_text().count("old") == 1 and not (root / "docs" / "figures" / "c.png").exists()
@@ -308,11 +312,11 @@ def test_one_figure_per_block_and_none_that_cannot_be_drawn(tmp_path, capsys, mo
     root = _repository(tmp_path)
     monkeypatch.setattr(rendered_docs, "ROOT", root)
     twice = root / "docs" / "z.md"
-    twice.write_text(f"<!-- rendered: confirm-figure docs/figures/c.png {CONFIRM_ARGS} -->\n<!-- end rendered -->\n")
+    twice.write_text(_figure_block("docs/figures/c.png"))
     assert rendered_docs.main([]) == 2
     assert ("z.md: line 1: confirm-figure docs/figures/c.png" in (err := capsys.readouterr().err)
             and "docs/figures/c.png: drawn by another block too (one block per figure)" in err)
-    twice.write_text(f"<!-- rendered: confirm-figure docs/notadir/c.png {CONFIRM_ARGS} -->\n<!-- end rendered -->\n")
+    twice.write_text(_figure_block("docs/notadir/c.png"))
     (root / "docs" / "notadir").write_text("x")
     assert rendered_docs.main([]) == 2
     assert "docs/notadir/c.png: a directory, or under a file" in capsys.readouterr().err
@@ -348,7 +352,7 @@ def test_the_command_says_what_it_rendered_and_drew_and_teaches_in_help(tmp_path
     root = _repository(tmp_path)
     monkeypatch.setattr(rendered_docs, "ROOT", root)
     second = root / "docs" / "b.md"
-    second.write_text(f"<!-- rendered: confirm-figure docs/figures/d.png {CONFIRM_ARGS} -->\n<!-- end rendered -->\n")
+    second.write_text(_figure_block("docs/figures/d.png"))
     assert rendered_docs.main([]) == 0
     out = capsys.readouterr()
     doc = root / "docs" / "a.md"
@@ -369,8 +373,7 @@ def test_the_command_says_what_it_rendered_and_drew_and_teaches_in_help(tmp_path
 def test_a_figure_that_cannot_be_drawn_leaves_every_file_as_it_was(tmp_path, capsys, monkeypatch):
     root = _repository(tmp_path)
     monkeypatch.setattr(rendered_docs, "ROOT", root)
-    (root / "docs" / "b.md").write_text(f"<!-- rendered: confirm-figure docs/figures/d.png {CONFIRM_ARGS} -->\n"
-                                        "<!-- end rendered -->\n")
+    (root / "docs" / "b.md").write_text(_figure_block("docs/figures/d.png"))
     save = confirm_plot.save
 
     def fail_second(fig, out, source=None):
