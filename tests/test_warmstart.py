@@ -11,16 +11,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dph_async.app.warmstart import _batch, _encoder, _wrong_answer, warm_start, warm_start_tiny
+from dph_async.app.warmstart import _batch, _encoder, pieces, warm_start, warm_start_tiny
 from dph_async.config import load_config
+from dph_async.tasks import catalog
 from dph_async.tasks.embedded import ALPHABET, make_splits
 from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer
 
 
+@pytest.mark.parametrize("task", sorted(catalog.SPLITS))
 @pytest.mark.parametrize("noise", [0.0, 0.5])
-def test_batches_hold_the_tokenizers_encoding_and_mask_the_target(noise):
-    tok = build_tokenizer(ALPHABET)
-    problems = make_splits(random.randrange(1000), 16, 4)["warmstart"]
+def test_batches_hold_the_tokenizers_encoding_and_mask_the_target(noise, task):
+    tok = build_tokenizer(catalog.ALPHABETS[task])
+    problems = catalog.make_splits(task, random.randrange(1000), 16, 8)["warmstart"]
     encode = _encoder(tok)
     seed = random.randrange(1 << 30)
     for _ in range(3):  # the same problems again: every encoding is now remembered
@@ -32,7 +34,7 @@ def test_batches_hold_the_tokenizers_encoding_and_mask_the_target(noise):
         width = ids.shape[1]
         for row, m, p in zip(ids.tolist(), mask.tolist(), picked, strict=True):
             # The answer drawn as _batch draws it, from a generator in the same state.
-            answer = _wrong_answer(p, again) if again.random() < noise else again.choice(p.solutions())
+            answer = p.wrong_answer(again) if again.random() < noise else again.choice(p.solutions())
             prompt = [tok.bos_token_id, *tok.encode(p.prompt, add_special_tokens=False)]
             target = [*tok.encode(answer, add_special_tokens=False), tok.eos_token_id]
             pad = width - len(prompt) - len(target)
@@ -108,7 +110,37 @@ def test_a_wrong_answer_joins_two_or_three_of_the_problems_digits_two_for_a_diff
     problems = make_splits(rng.randrange(1000), 64, 4)["warmstart"]
     sizes: dict[bool, set[int]] = {True: set(), False: set()}
     for p in problems * 4:
-        parts = _wrong_answer(p, rng).split(p.op)
+        parts = p.wrong_answer(rng).split(p.op)
         assert set(parts) <= {str(d) for d in p.digits}
         sizes[p.op == "-"].add(len(parts))
     assert sizes[True] == {2} and sizes[False] == {2, 3}
+
+
+def test_a_long_tailed_batch_in_pieces_has_the_whole_batchs_loss_and_gradient():
+    """Against the whole padded batch in float64: each row in exactly one piece, each piece within
+    the budget (or one row alone), the pieces' summed shares the masked mean and its gradient."""
+    tok = build_tokenizer(catalog.ALPHABETS["stride"])
+    rng = random.Random(random.randrange(1 << 30))
+    problems = catalog.make_splits("stride", rng.randrange(1000), 16, 8)["warmstart"]
+    long = [p for p in problems if len(p.terms()) > 60][:2]  # the tail in the batch
+    ids, mask = _batch(long + rng.sample(problems, 30), tok, _encoder(tok), rng, 0.5)
+    budget = 1024
+    parts = pieces(ids, mask, budget)
+    assert len(parts) > 1 and all(len(p) == 1 or p.numel() <= budget for p, _ in parts)
+    def unpadded(i: torch.Tensor, m: torch.Tensor) -> list[tuple[int, ...]]:
+        return sorted(tuple(r[:int(rm.nonzero()[-1]) + 1].tolist()) for r, rm in zip(i, m, strict=True))
+
+    assert sorted(r for i, m in parts for r in unpadded(i, m)) == unpadded(ids, mask)
+    assert pieces(ids, mask, ids.numel()) == [(ids, mask)]  # whole when it fits: the digit tasks' path
+    model = build_tiny_llama(_tiny_cfg(1, 0).model.model_copy(update={"max_model_len": 512}), len(tok), 0).double()
+
+    def loss_of(i: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        nll = F.cross_entropy(model(input_ids=i).logits[:, :-1].transpose(1, 2), i[:, 1:], reduction="none")
+        return (nll * m[:, 1:]).sum() / mask[:, 1:].sum()
+
+    whole = loss_of(ids, mask)
+    grads = torch.autograd.grad(whole, list(model.parameters()))
+    split = [loss_of(i, m) for i, m in parts]
+    assert sum(x.item() for x in split) == pytest.approx(whole.item(), rel=1e-12)
+    for g, h in zip(grads, torch.autograd.grad(sum(split), list(model.parameters())), strict=True):
+        torch.testing.assert_close(h, g, rtol=1e-10, atol=1e-12)

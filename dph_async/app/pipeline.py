@@ -32,7 +32,7 @@ from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, RunConfig, dump_config
 from dph_async.paths import RunPaths, checkpoint_dir, final_model, is_learner_checkpoint
 from dph_async.run_stats import RLResult, read_result, write_result
-from dph_async.tasks.catalog import make_splits
+from dph_async.tasks.catalog import fits, make_splits
 from dph_async.tasks.dataset import verl_row, write_rows
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ def validate(cfg: RunConfig, specs: list[RunSpec]) -> RunConfig:
                    cfg.rewards)
     if (cfg.model.path is None) != (cfg.task.data is None):
         raise ConfigError("give both --model and --data for real work, or neither for the embedded default")
+    if cfg.task.data is None and (why := fits(cfg.task.name, s.max_tokens, cfg.model.max_model_len)):
+        raise ConfigError(why)
     preflight(cfg)  # the model against what the actors' engine, the learner and its kernels run
     return cfg
 

@@ -19,15 +19,13 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
-from dph_async.tasks.embedded import ALPHABET, Problem
+from dph_async.tasks.catalog import ALPHABETS, TaskProblem
 from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer
 
 WARMUP_FROM = 20  # steps from which the lr follows one cycle
-
-
-def _wrong_answer(p: Problem, rng: random.Random) -> str:
-    k = 2 if p.op == "-" else rng.randint(2, 3)
-    return p.op.join(rng.sample(p.digits, k))
+# Padded tokens one forward pass of the warm start takes: 64 rows of 128. The digit tasks' batches
+# (64 x at most 26) are one pass; the stride task's reach 64 x 411.
+PIECE_TOKENS = 8192
 
 
 def _encoder(tok: PreTrainedTokenizerFast) -> Callable[[str], list[int]]:
@@ -36,11 +34,11 @@ def _encoder(tok: PreTrainedTokenizerFast) -> Callable[[str], list[int]]:
     return functools.cache(functools.partial(tok.encode, add_special_tokens=False))
 
 
-def _batch(problems: list[Problem], tok: PreTrainedTokenizerFast, encode: Callable[[str], list[int]],
+def _batch(problems: list[TaskProblem], tok: PreTrainedTokenizerFast, encode: Callable[[str], list[int]],
            rng: random.Random, noise: float) -> tuple[torch.Tensor, torch.Tensor]:
     seqs, masks = [], []
     for p in problems:
-        answer = _wrong_answer(p, rng) if rng.random() < noise else rng.choice(p.solutions())
+        answer = p.wrong_answer(rng) if rng.random() < noise else rng.choice(p.solutions())
         prompt = [tok.bos_token_id, *encode(p.prompt)]
         target = [*encode(answer), tok.eos_token_id]
         seqs.append(prompt + target)
@@ -51,7 +49,25 @@ def _batch(problems: list[Problem], tok: PreTrainedTokenizerFast, encode: Callab
     return ids, loss_mask
 
 
-def warm_start(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, problems: list[Problem],
+def pieces(ids: torch.Tensor, mask: torch.Tensor, budget: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The batch in pieces of at most `budget` padded tokens a forward pass: whole when it fits (the
+    digit tasks' batches always do), else its rows longest first, each piece cut to its longest row,
+    so a batch of long-tailed lengths is not padded to its longest row (a row over the budget goes
+    alone). Dropping trailing pads changes no logit before them: the model is causal."""
+    n, width = ids.shape
+    if n * width <= budget:
+        return [(ids, mask)]
+    lengths = [int(row.nonzero()[-1]) + 1 for row in mask]  # every row ends in its EOS target
+    groups: list[list[int]] = []
+    for i in sorted(range(n), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [(ids[g, :lengths[g[0]]], mask[g, :lengths[g[0]]]) for g in groups]
+
+
+def warm_start(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, problems: list[TaskProblem],
                cfg: RunConfig, out_dir: Path) -> list[float]:
     """Train `model` in place on the warm-start problems; save it to out_dir; return the loss curve."""
     ws = cfg.warmstart
@@ -69,17 +85,20 @@ def warm_start(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, problems: 
         task = bar.add_task("warm start (SFT)", total=ws.steps)
         for _ in range(ws.steps):
             ids, mask = _batch(rng.sample(problems, ws.batch_size), tok, encode, rng, ws.noise)
-            logits = model(input_ids=ids).logits[:, :-1]
-            nll = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-            loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            targets, loss = mask[:, 1:].sum(), 0.0
+            for part_ids, part_mask in pieces(ids, mask, PIECE_TOKENS):
+                logits = model(input_ids=part_ids).logits[:, :-1]
+                nll = F.cross_entropy(logits.transpose(1, 2), part_ids[:, 1:], reduction="none")
+                part = (nll * part_mask[:, 1:]).sum() / targets  # the batch's masked mean, a piece's share
+                part.backward()
+                loss += part.item()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             if sched is not None:
                 sched.step()
-            losses.append(loss.item())
-            bar.update(task, advance=1, description=f"warm start (SFT) loss {loss.item():.3f}")
+            losses.append(loss)
+            bar.update(task, advance=1, description=f"warm start (SFT) loss {loss:.3f}")
     model.eval()
     transformers.utils.logging.disable_progress_bar()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -88,10 +107,10 @@ def warm_start(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, problems: 
     return losses
 
 
-def warm_start_tiny(cfg: RunConfig, problems: list[Problem], out: Path) -> list[float]:
-    """pi_0 of the embedded task: the tiny Llama of `cfg.model` (dph_async/tasks/tiny_model.py) on the
-    task's alphabet, warm-started on `problems` (`warm_start`) into `out`; returns the losses."""
+def warm_start_tiny(cfg: RunConfig, problems: list[TaskProblem], out: Path) -> list[float]:
+    """pi_0 of an embedded task: the tiny Llama of `cfg.model` (dph_async/tasks/tiny_model.py) on the
+    alphabet of `task.name`, warm-started on `problems` (`warm_start`) into `out`; returns the losses."""
     torch.set_num_threads(max(1, cfg.learner.threads * 2))
-    tok = build_tokenizer(ALPHABET)
+    tok = build_tokenizer(ALPHABETS[cfg.task.name])
     model = build_tiny_llama(cfg.model, len(tok), cfg.seed)
     return warm_start(model, tok, problems, cfg, out)

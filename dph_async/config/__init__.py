@@ -50,8 +50,10 @@ class TaskConfig(Section):
     # pre-sampling left for exploration (GRPO on D_exp is the control for the DPH objectives).
     prompts: Literal["auto", "all", "d_exp"] = "auto"
     # Which embedded task runs without task.data (dph_async/tasks/catalog.py): embedded, sums of
-    # five-digit sets; digit_sets, the same rules on seven-digit sets that every split shares.
-    name: Literal["embedded", "digit_sets"] = "embedded"
+    # five-digit sets; digit_sets, the same rules on seven-digit sets that every split shares; stride,
+    # counting in steps with long-tailed answer lengths (needs sampling.max_tokens=400
+    # model.max_model_len=411).
+    name: Literal["embedded", "digit_sets", "stride"] = "embedded"
     # Embedded task sizes.
     num_train: int = Field(400, ge=8)
     num_test: int = Field(200, ge=8)

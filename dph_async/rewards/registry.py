@@ -35,6 +35,7 @@ BUILTIN_MODULES = [
     "dph_async.rewards.grade",
     "dph_async.rewards.tinyv",
     "dph_async.tasks.embedded",
+    "dph_async.tasks.stride",
 ]
 
 _exact: dict[str, RewardFn] = {}

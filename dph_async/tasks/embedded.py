@@ -55,9 +55,19 @@ class Problem:
     def ground_truth(self) -> dict[str, Any]:
         return {"digits": self.digits, "target": self.target, "op": self.op}
 
+    @property
+    def out_of_domain(self) -> bool:
+        return self.op == "-"
+
     def solutions(self) -> list[str]:
         """Every correct answer, terms in any order."""
         return _solutions(self.digits, self.target, self.op)
+
+    def wrong_answer(self, rng: random.Random) -> str:
+        """A well-formed answer that is usually wrong: two or three of the given digits (two for a
+        difference) in a random order."""
+        k = 2 if self.op == "-" else rng.randint(2, 3)
+        return self.op.join(rng.sample(self.digits, k))
 
 
 

@@ -1,6 +1,6 @@
 """The same GRPO work through TRL's `GRPOTrainer`, with per-phase times; run by `dph-async bench peer`
 with the Python of its own virtual environment (the project pins a transformers that TRL does not
-accept), so this file imports nothing of the project but the embedded task's reward (standard
+accept), so this file imports nothing of the project but the embedded tasks' rewards (standard
 library only):
 
     .cache/peer-trl/bin/python dph_async/app/bench/peer_trl.py SPEC.json PROMPTS.json OUT.json
@@ -44,9 +44,9 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 _LINK = Path(tempfile.mkdtemp(prefix="peer-trl-"))
 (_LINK / "dph_async").symlink_to(Path(__file__).resolve().parents[2])
 sys.path.append(str(_LINK))
-from dph_async.tasks import embedded  # noqa: E402  (standard library only)
+from dph_async.tasks import embedded, stride  # noqa: E402  (standard library only)
 
-REWARDS = {embedded.IN_DOMAIN: embedded.score, embedded.OUT_OF_DOMAIN: embedded.score}
+REWARDS = {source: task.score for task in (embedded, stride) for source in (task.IN_DOMAIN, task.OUT_OF_DOMAIN)}
 PHASES = ("generate", "reward", "forward", "backward", "optimizer")
 
 
@@ -120,7 +120,7 @@ def main() -> None:
     same_ids = all(tok(text=t)["input_ids"] == p["ids"] for t, p in zip(texts, prompts, strict=True))
     unknown = sorted({p["data_source"] for p in prompts} - REWARDS.keys())
     if unknown:
-        raise SystemExit(f"no reward for data_source {unknown} in the peer environment (only the embedded task's)")
+        raise SystemExit(f"no reward for data_source {unknown} in the peer environment (only the embedded tasks')")
     rows = [{"prompt": t, "data_source": p["data_source"], "ground_truth": json.dumps(p["ground_truth"])}
             for t, p in zip(texts, prompts, strict=True)]
     data = Dataset.from_list(rows)

@@ -1,0 +1,105 @@
+"""The stride task: its terms, its reward, its long-tailed lengths and its splits."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+
+import pytest
+
+from dph_async.config import ConfigError, load_config
+from dph_async.rewards.registry import get_reward_fn, is_inline
+from dph_async.tasks import catalog, stride
+from dph_async.tasks.stride import StrideProblem, check, draw, make_splits, score
+
+
+def test_the_docstrings_examples_hold():
+    down, up = StrideProblem(137, 7, 50, "-"), StrideProblem(4, 7, 60, "+")
+    assert (down.prompt, up.prompt) == ("137-7>50=", "4+7<60=")
+    assert down.solutions() == ["137,130,123,116,109,102,95,88,81,74,67,60,53"]
+    assert up.solutions() == ["4,11,18,25,32,39,46,53"]
+    assert (down.data_source, down.out_of_domain, up.data_source, up.out_of_domain) == (
+        "stride_down", False, "stride_up", True)
+
+
+def test_a_drawn_problem_has_its_terms_inside_the_bound_and_the_next_term_outside():
+    rng = random.Random(random.randrange(1 << 30))
+    for _ in range(3000):
+        p = draw(rng, rng.choice("-+"))
+        terms = p.terms()
+        assert stride.MIN_TERMS <= len(terms) <= stride.MAX_TERMS and 1 <= p.step <= 9
+        assert all(0 <= t <= stride.TOP for t in terms)
+        sign = 1 if p.op == "+" else -1
+        assert {b - a for a, b in itertools.pairwise(terms)} == {sign * p.step}
+        nxt = terms[-1] + sign * p.step
+        if p.op == "-":
+            assert min(terms) > p.bound >= nxt and p.bound >= 0
+        else:
+            assert max(terms) < p.bound <= nxt and p.bound <= stride.TOP
+        answer = p.solutions()[0]
+        # one token a character: every character is in the tokenizer's alphabet, and the lengths fit
+        assert set(p.prompt + answer) <= set(stride.ALPHABET)
+        assert len(p.prompt) <= stride.MAX_PROMPT_CHARS and len(answer) <= stride.MAX_ANSWER_CHARS
+
+
+def test_term_counts_follow_the_power_law_with_its_long_tail():
+    """P(T) proportional to T^-1.5 on [2, 100]: P(2) = 0.250, P(T >= 50) = 0.060; 20,000 draws put
+    each within about 4 standard errors (0.012 and 0.007)."""
+    rng = random.Random(random.randrange(1 << 30))
+    counts = Counter(len(draw(rng, "-").terms()) for _ in range(20_000))
+    weights = {t: t ** -1.5 for t in range(2, 101)}
+    total = sum(weights.values())
+    assert counts[2] / 20_000 == pytest.approx(weights[2] / total, abs=0.012)
+    tail = sum(c for t, c in counts.items() if t >= 50) / 20_000
+    assert tail == pytest.approx(sum(w for t, w in weights.items() if t >= 50) / total, abs=0.007)
+    assert max(counts) > 90 and min(counts) == 2
+
+
+@pytest.mark.parametrize("op", "-+")
+def test_the_reward_takes_exactly_the_terms(op):
+    rng = random.Random(random.randrange(1 << 30))
+    for _ in range(300):
+        p = draw(rng, op)
+        right = p.solutions()[0]
+        assert score(right, p.ground_truth, {}).correct and score(f" {right}\n", p.ground_truth, {}).score == 1.0
+        for wrong in (p.wrong_answer(rng), right + ",", right.rsplit(",", 1)[0], "0" + right):
+            assert check(wrong, p.ground_truth) in ((True, False), (False, False)), wrong
+        assert check(p.wrong_answer(rng), p.ground_truth) == (True, False)
+        assert check(right.replace(",", "+"), p.ground_truth) == (False, False)
+    assert check("", {"start": 5, "step": 1, "bound": 3, "op": "-"}) == (False, False)
+    assert check("1234,1233", {"start": 1234, "step": 1, "bound": 1232, "op": "-"}) == (False, False)
+
+
+def test_both_rules_are_registered_inline():
+    for source in ("stride_down", "stride_up"):
+        assert get_reward_fn(source) is score and is_inline(source)
+
+
+def test_the_splits_are_disjoint_seeded_and_sized():
+    splits = make_splits(7, 300, 100)
+    assert {k: len(v) for k, v in splits.items()} == {
+        "train": 300, "test": 100, "ood_test": 100, "warmstart": stride.WARM_DOWN + stride.WARM_UP}
+    prompts = [{p.prompt for p in v} for v in splits.values()]
+    assert sum(map(len, prompts)) == len(set().union(*prompts))  # distinct within and across splits
+    assert {p.op for p in splits["train"] + splits["test"]} == {"-"} and {p.op for p in splits["ood_test"]} == {"+"}
+    assert Counter(p.op for p in splits["warmstart"]) == {"-": stride.WARM_DOWN, "+": stride.WARM_UP}
+    assert make_splits(7, 300, 100) == splits and make_splits(8, 300, 100)["test"] != splits["test"]
+
+
+def test_the_catalog_keeps_a_share_of_the_warm_starts_up_rule():
+    full = catalog.make_splits("stride", 3, 50, 20)["warmstart"]
+    half = catalog.make_splits("stride", 3, 50, 20, ood_warm_share=0.5)["warmstart"]
+    assert Counter(p.op for p in half) == {"-": stride.WARM_DOWN, "+": stride.WARM_UP // 2}
+    assert set(half) <= set(full)
+
+
+def test_a_run_of_the_stride_task_names_the_lengths_it_needs():
+    from dph_async.app.pipeline import validate
+
+    cfg = load_config("default", ["task.name=stride"])
+    with pytest.raises(ConfigError, match=r"sampling.max_tokens >= 400 and model.max_model_len >= 411 \(got 16 and "
+                                          r"64\); add sampling.max_tokens=400 model.max_model_len=411"):
+        validate(cfg, [])
+    assert catalog.fits("stride", 400, 411) is None and catalog.fits("stride", 399, 411) is not None
+    assert catalog.fits("stride", 400, 410) is not None and catalog.fits("embedded", 1, 8) is None
