@@ -85,7 +85,10 @@ MODULES: dict[str, list[str]] = {
     # The pre-registered verdicts and the raw data they read (docs/preregistration.md).
     "dph_async/app/ablate/confirm.py": ["tests/test_confirm.py", "tests/test_rendered_docs.py"],
     "dph_async/app/ablate/confirm_staleness.py": ["tests/test_confirm_staleness.py"],
-    "dph_async/app/ablate/seeds.py": ["tests/test_confirm.py"],
+    "dph_async/app/ablate/confirm_forgetting.py": ["tests/test_confirm_forgetting.py"],
+    "dph_async/app/ablate/seeds.py": ["tests/test_confirm.py", "tests/test_confirm_forgetting.py"],
+    # The stride task's problems and reward: what every time-to-accuracy figure is measured on.
+    "dph_async/tasks/stride.py": ["tests/test_task_stride.py"],
     # The docs' tables rendered from their committed data (the docs themselves among the tests' inputs).
     "dph_async/app/rendered_docs.py": ["tests/test_rendered_docs.py"],
 }

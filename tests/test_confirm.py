@@ -19,7 +19,7 @@ import pytest
 
 from dph_async.app.ablate import confirm
 from dph_async.app.ablate.cells import Cell
-from dph_async.app.ablate.results import CellResult, EvalPoint, Stat
+from dph_async.app.ablate.results import CellResult, EvalPoint, Stat, split_metrics
 from dph_async.app.ablate.seeds import SeedRow, fingerprint, read_seeds, write_seeds
 from dph_async.app.cli import main
 from dph_async.app.evaluate import SplitResult
@@ -475,6 +475,28 @@ def test_the_fingerprint_is_its_documented_recipe(tmp_path):
     assert fingerprint(tmp_path) == recipe()
 
 
+def test_seeds_csv_holds_the_ood_share_and_each_evaluations_own_error_of_its_pass1(tmp_path):
+    """pass@1_se: the s.d. of the per-prompt share of correct samples over the prompts / sqrt(prompts), float64."""
+    from dph_async.app.evaluate import PromptResult
+
+    rng = np.random.default_rng()
+    correct = rng.integers(0, 17, 40)
+    res = replace(split("ood", 0.3, 0.9), prompts=40,
+                  per_prompt=[PromptResult(str(i), int(c), 1, False) for i, c in enumerate(correct)])
+    shares = correct / 16.0
+    cell = CellResult(Cell("x-seed5", "x", {}, 5, "grpo"), [1], [8.0], [1.0], [0.5],
+                      [EvalPoint(0, 0.0, 0.0, {"ood": res}), EvalPoint(1, 8.0, 1.0, {"ood": res})], {}, {}, {}, False)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "w").write_bytes(b"w")
+    write_seeds(tmp_path / "seeds.csv", [cell], ["ood"], 16, load_config("default", ["task.ood_warm_share=0.15"]),
+                tmp_path / "m")
+    for r in read_seeds(tmp_path / "seeds.csv"):
+        assert r.ood_share == 0.15
+        assert r.metrics["ood/pass@1_se"] == pytest.approx(shares.std(ddof=1) / math.sqrt(40), rel=1e-12)
+    one = replace(res, per_prompt=res.per_prompt[:1])
+    assert "ood/pass@1_se" not in split_metrics("ood", one, None)  # one prompt: no spread to take
+
+
 def test_a_data_file_task_never_takes_an_embedded_tasks_name(tmp_path):
     from dph_async.app.ablate.seeds import task_name
 
@@ -492,8 +514,11 @@ def test_one_cell_without_factors_or_a_date_is_written_with_empty_defaults(tmp_p
     (tmp_path / "m" / "w").write_bytes(b"w")
     write_seeds(tmp_path / "seeds.csv", [cell], ["in_domain"], 16, load_config("default"), tmp_path / "m")
     raw = (tmp_path / "seeds.csv").read_text().splitlines()
-    assert raw[1].startswith("pi_0,pi_0,base,0,0.0,0.0,embedded,0.0,") and ",,,,,,,,,,0.5,0.1,0.9,1.5" in raw[1]
+    # no commit, date, load or resumed; the OOD share; no reward, wall time, samples or staleness; the split's
+    # figures, without a per-prompt standard error (no per-prompt results)
+    assert raw[1].startswith("pi_0,pi_0,base,0,0.0,0.0,embedded,0.0,") and ",,,,,1.0,,,,,,0.5,0.1,0.9,1.5," in raw[1]
     base_row, row = read_seeds(tmp_path / "seeds.csv")
+    assert base_row.ood_share == row.ood_share == 1.0
     assert (base_row.commit, base_row.date, base_row.load, base_row.resumed) == ("", "", None, False)
     assert (row.coeff, row.share, row.commit, row.date) == (0.0, 0.0, "abc", "")
 
@@ -633,6 +658,25 @@ def test_provenance_names_every_commit_the_date_range_the_load_and_the_resumed_c
                     "most 2.0; resumed after an interruption: grpo@d_exp-seed103, js_low_var:0.2-seed103, "
                     "js_low_var:0.2-seed103, dpef_pg-seed103.")
     assert confirm.provenance({"embedded": ([first[0]], [second[0]])}) == "No cell of the pre-registered seeds."
+
+
+def test_provenance_dates_run_from_the_earliest_to_the_latest_and_are_left_out_when_none_is_recorded():
+    first, second = lifted(0.5)
+    analysed = [r for r in first + second if r.group != "pi_0"]
+    # the k-th analysed row ran on day 25 - k, the first has no date: the range is the sorted dates' ends
+    dated = {r.cell + r.group: "" if k == 0 else f"2026-11-{25 - k:02d}" for k, r in enumerate(analysed)}
+    stamped = tuple([replace(r, date=dated.get(r.cell + r.group, r.date)) for r in rows] for rows in (first, second))
+    assert confirm.provenance({"embedded": stamped}) == "20 cells at c, 2026-11-06 to 2026-11-24."
+    undated = tuple([replace(r, date="") for r in rows] for rows in (first, second))
+    assert confirm.provenance({"embedded": undated}) == "20 cells at c."
+
+
+def test_the_interim_line_counts_a_complete_task_beside_an_incomplete_one():
+    complete = lifted(1e-4, "digit_sets")
+    tests = confirm.family({"digit_sets": complete})
+    incomplete = [replace(t, task="embedded", complete=False) for t in tests]
+    text = confirm.markdown(incomplete + tests, {"digit_sets": complete})
+    assert "H1 supported on 1 of 2 tasks (interim: 1 of 2 tasks complete)." in text
 
 
 def test_the_tables_show_a_dash_where_a_figure_is_missing():

@@ -114,6 +114,9 @@ def split_metrics(split: str, res: SplitResult, base: SplitResult | None) -> dic
     the same prompts, also per subset of prompts by what pi_0 did on them (`{split}/{subset}/...`)."""
     m = {f"{split}/greedy": res.greedy_accuracy, f"{split}/distinct": res.distinct_correct,
          **{f"{split}/pass@{k}": p for k, p in res.pass_at_k.items()}}
+    if len(res.per_prompt) > 1 and res.samples:  # one evaluation's own error of its Pass@1
+        shares = [p.correct / res.samples for p in res.per_prompt]
+        m[f"{split}/pass@1_se"] = statistics.stdev(shares) / math.sqrt(len(shares))
     if base is not None and base.per_prompt and res.per_prompt:
         for subset, sub in by_base_difficulty(base, res).items():
             m[f"{split}/{subset}/prompts"] = float(sub.prompts)

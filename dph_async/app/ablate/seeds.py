@@ -9,6 +9,8 @@ be re-derived from these rows (`dph-async ablate confirm` reads them). Columns:
                                                 `data:` and the data file's name),
                                                 learner.loss.reference_pg_share, steps, and a
                                                 fingerprint of pi_0's files (`fingerprint`)
+    ood_share                                   task.ood_warm_share (files written before it was
+                                                recorded lack the column: read as 1)
     commit, date, load, resumed                 the code, when it finished, the machine's 1-minute
                                                 load then, whether it resumed after an interruption
     reward, wall_s, samples                     final training reward, wall seconds, fresh samples
@@ -16,6 +18,8 @@ be re-derived from these rows (`dph-async ablate confirm` reads them). Columns:
                                                 histogram: versions between a group's oldest token
                                                 and the version that trained on it)
     <split>/greedy, <split>/pass@1, <split>/pass@<k>, <split>/distinct    the final model, per test split
+    <split>/pass@1_se                           the s.d. of its per-prompt Pass@1 / sqrt(prompts): one
+                                                evaluation's own error (newer files)
 
 The first row is pi_0 (cell and group `pi_0`, mode `base`, the base config's seed): the base model
 every cell starts from, its split columns only. A cell finished before cells recorded their
@@ -38,7 +42,8 @@ IDENTITY = ("cell", "group", "mode", "seed", "coeff", "share")
 CONFIG = ("task", "pg_share", "steps", "base")
 PROVENANCE = ("commit", "date", "load", "resumed")
 RUN = ("reward", "wall_s", "samples", "staleness_mean", "staleness_max")
-TEXT = (*IDENTITY, *CONFIG, *PROVENANCE)  # the columns that are not figures
+TEXT = (*IDENTITY, *CONFIG, *PROVENANCE)  # the columns every file has that are not figures
+OPTIONAL = ("ood_share",)  # columns that are not figures, absent from files written before them
 BASE = "pi_0"
 
 
@@ -61,6 +66,7 @@ class SeedRow:
     load: float | None
     resumed: bool
     metrics: dict[str, float]  # reward, wall_s, samples and the split columns
+    ood_share: float = 1.0
 
 
 def repeated_seed(rows: list[SeedRow]) -> tuple[str, int] | None:
@@ -74,7 +80,7 @@ def repeated_seed(rows: list[SeedRow]) -> tuple[str, int] | None:
 
 
 def split_columns(splits: list[str], k_max: int) -> list[str]:
-    return [f"{s}/{m}" for s in splits for m in ("greedy", "pass@1", f"pass@{k_max}", "distinct")]
+    return [f"{s}/{m}" for s in splits for m in ("greedy", "pass@1", f"pass@{k_max}", "distinct", "pass@1_se")]
 
 
 def task_name(cfg: RunConfig) -> str:
@@ -104,11 +110,12 @@ def write_seeds(path: Path, cells: list[CellResult], splits: list[str], k_max: i
     config = [task_name(cfg), cfg.learner.loss.reference_pg_share, cfg.learner.steps, fingerprint(base_model)]
     with path.open("w", newline="") as f:
         out = csv.writer(f)
-        out.writerow([*TEXT, *figures])
+        out.writerow([*TEXT, *OPTIONAL, *figures])
         base = {}
         for split, res in cells[0].evals[0].splits.items():
             base.update(split_metrics(split, res, None))
-        out.writerow([BASE, BASE, "base", cfg.seed, 0.0, 0.0, *config, "", "", "", "",
+        share = repr(cfg.task.ood_warm_share)
+        out.writerow([BASE, BASE, "base", cfg.seed, 0.0, 0.0, *config, "", "", "", "", share,
                       *(_number(base.get(k)) for k in figures)])
         for c in cells:
             m, prov = {**cell_metrics(c), **staleness(c.staleness_hist)}, c.provenance
@@ -116,7 +123,7 @@ def write_seeds(path: Path, cells: list[CellResult], splits: list[str], k_max: i
             out.writerow([c.cell.key, c.cell.group, c.cell.mode, c.cell.seed, c.cell.factors.get("coeff", 0.0),
                           c.cell.factors.get("share", 0.0), *config, prov.get("commit") or "",
                           prov.get("date") or "", "" if load[0] is None else f"{load[0]:.2f}", int(c.resumed),
-                          *(_number(m.get(k)) for k in figures)])
+                          share, *(_number(m.get(k)) for k in figures)])
 
 
 def staleness(hist: dict[int, int]) -> dict[str, float]:
@@ -173,11 +180,12 @@ def _rows(path: Path, reader: Iterator[list[str]]) -> list[SeedRow]:
             if len(values) != len(header):
                 raise ValueError(f"{len(values)} fields, the header has {len(header)}")
             r = dict(zip(header, values, strict=True))
-            metrics = {k: _in_range(k, _finite(v, k)) for k, v in r.items() if k not in TEXT and v}
+            metrics = {k: _in_range(k, _finite(v, k)) for k, v in r.items() if k not in (*TEXT, *OPTIONAL) and v}
             rows.append(SeedRow(r["cell"], r["group"], r["mode"], int(r["seed"]), _finite(r["coeff"], "coeff"),
                                 _finite(r["share"], "share"), r["task"], _finite(r["pg_share"], "pg_share"),
                                 int(r["steps"]), r["base"], r["commit"], r["date"],
-                                _finite(r["load"], "load") if r["load"] else None, r["resumed"] == "1", metrics))
+                                _finite(r["load"], "load") if r["load"] else None, r["resumed"] == "1", metrics,
+                                _finite(r.get("ood_share") or "1", "ood_share")))
         except ValueError as e:
             raise ValueError(f"{path}, line {line}: {e}") from None
     return rows

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from dph_async.app.ablate import confirm, confirm_plot, confirm_staleness
+from dph_async.app.ablate import confirm, confirm_forgetting, confirm_plot, confirm_staleness
 from dph_async.app.ablate.seeds import read_seeds
 from dph_async.app.commands.common import fail
 
@@ -28,14 +28,20 @@ tests enter Holm as p = 1).
 {" ".join(map(str, confirm_staleness.SEEDS))}). Prints which (correction, eta) bind, each one's Pass@1
 against eta = 0 with its reading, throughput ratios, and the S1 (AReaL's shape) and S2 (auto) verdicts.
 
+--design forgetting (design 3): per task, one `ablate divergence` sweep at the task's OOD share
+(grpo@d_exp, js_low_var:0.2, reverse_kl:0.1; seeds {" ".join(map(str, confirm_forgetting.SEEDS))}).
+Prints GRPO's OOD Pass@1 against pi_0's and each DPH arm's against GRPO's, Holm over all
+{confirm_forgetting.FAMILY_SIZE}, the in-domain bound, and the F and K verdicts.
+
 examples:
   dph-async ablate confirm --task embedded runs/prereg/embedded runs/prereg/embedded-asrun \\
       --task digit_sets runs/prereg/digit_sets runs/prereg/digit_sets-asrun -o confirm.md \\
       --figure confirm.png
   dph-async ablate confirm --design staleness --task embedded runs/prereg/staleness-embedded
+  dph-async ablate confirm --design forgetting --task embedded runs/prereg/forgetting-embedded
 """
 
-SWEEPS = {"divergence": 2, "staleness": 1}
+SWEEPS = {"divergence": 2, "staleness": 1, "forgetting": 1}
 
 
 def _seeds_file(text: str) -> Path:
@@ -48,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which pre-registered design (default: %(default)s)")
     p.add_argument("--task", nargs="+", action="append", required=True, metavar="NAME SWEEP",
                    help="a task's name and its sweeps (directories or seeds.csv files): two for divergence (the "
-                        "first, the as-run), one for staleness")
+                        "first, the as-run), one for staleness and forgetting")
     p.add_argument("-o", "--output", type=Path, help="also write the tables and verdicts to this markdown file")
     p.add_argument("--figure", type=Path, help="divergence: draw Pass@16 against Pass@1 per task to this PNG")
 
@@ -56,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _outputs(args: argparse.Namespace, inputs: list[Path]) -> str | None:
     """What is wrong with --output and --figure, checked before anything is computed (None: nothing)."""
     if args.figure is not None and args.design != "divergence":
-        return "--figure draws the divergence design's frontier; the staleness design has none"
+        return f"--figure draws the divergence design's frontier; the {args.design} design has none"
     if args.figure is not None and args.figure.suffix.lower() != ".png":
         return f"--figure {args.figure}: give a .png file"
     for flag, path in (("--output", args.output), ("--figure", args.figure)):
@@ -106,8 +112,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.design == "divergence":
             text = confirm.markdown(confirm.family(tasks), tasks)
-        else:
+        elif args.design == "staleness":
             text = confirm_staleness.markdown(tasks)
+        else:
+            text = confirm_forgetting.markdown(tasks)
     except ValueError as e:
         return fail(str(e))
     # The files first: a reader of the printout that hangs up (`| head`) must not cost them.
