@@ -115,8 +115,9 @@ def test_an_arm_missing_a_seed_makes_its_tests_incomplete_at_p_1():
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    (lambda rows: [replace(rows[1], ood_share=1.0), *rows[2:], rows[0]], "OOD share 1, 400 steps; the design runs "
-     "digit_sets at OOD share 0.15, 200 or 400 or 800 steps"),
+    (lambda rows: [replace(rows[1], ood_share=1.0), *rows[2:], rows[0]],
+     "OOD share 1, 400 steps, reference_pg_share 0; the design runs digit_sets at OOD share 0.15, 200 or 400 or "
+     "800 steps, reference_pg_share 0"),
     (lambda rows: [replace(r, steps=300) for r in rows], "300 steps"),
     (lambda rows: [*rows[:-1], replace(rows[-1], steps=200)], r"ran \[200, 400\] steps; one T per task"),
     (lambda rows: [*rows, replace(rows[1], cell="x")], "has seed 300 twice"),
@@ -124,6 +125,7 @@ def test_an_arm_missing_a_seed_makes_its_tests_incomplete_at_p_1():
     (lambda rows: [replace(rows[0], metrics={"ood/pass@1": 0.5}), *rows[1:]], "pi_0-seed0: no column ood/pass@1_se"),
     (lambda rows: [*rows, replace(rows[0], seed=1)], "2 rows of pi_0"),
     (lambda rows: [*rows[:-1], replace(rows[-1], base="other")], "more than one pi_0"),
+    (lambda rows: [*rows[:-1], replace(rows[-1], pg_share=0.375)], "reference_pg_share 0.375; the design runs"),
     (lambda rows: [r if r.group == BASE else replace(r, task="embedded", ood_share=0.1) for r in rows],
      "task embedded"),
 ])
@@ -138,9 +140,14 @@ def test_a_task_outside_the_design_is_refused():
         cf.tests_of("mytask", [])
 
 
-def test_files_from_before_the_share_was_recorded_read_as_share_1():
+def test_files_from_before_the_share_was_recorded_read_as_share_1(tmp_path):
     rows = read_seeds(ROOT / "docs" / "data" / "prereg" / "embedded.csv")
     assert rows and {r.ood_share for r in rows} == {1.0}
+    lines = (ROOT / "docs" / "data" / "prereg" / "embedded.csv").read_text().splitlines()
+    for share in ("0", "1.5", "nan"):
+        (tmp_path / "s.csv").write_text("\n".join([lines[0] + ",ood_share", lines[1] + f",{share}"]) + "\n")
+        with pytest.raises(ValueError, match="line 2: ood_share"):
+            read_seeds(tmp_path / "s.csv")
 
 
 def test_the_command_reads_the_sweep_and_prints_the_family(tmp_path, capsys):

@@ -24,9 +24,11 @@ def test_the_docstrings_examples_hold():
 
 
 def test_a_drawn_problem_has_its_terms_inside_the_bound_and_the_next_term_outside():
-    rng = random.Random(random.randrange(1 << 30))
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
     for _ in range(3000):
         p = draw(rng, rng.choice("-+"))
+        assert p == StrideProblem(**p.ground_truth), seed
         terms = p.terms()
         assert stride.MIN_TERMS <= len(terms) <= stride.MAX_TERMS and 1 <= p.step <= 9
         assert all(0 <= t <= stride.TOP for t in terms)
@@ -68,7 +70,7 @@ def test_the_reward_takes_exactly_the_terms(op):
         assert check(p.wrong_answer(rng), p.ground_truth) == (True, False)
         assert check(right.replace(",", "+"), p.ground_truth) == (False, False)
     assert check("", {"start": 5, "step": 1, "bound": 3, "op": "-"}) == (False, False)
-    assert check("1234,1233", {"start": 1234, "step": 1, "bound": 1232, "op": "-"}) == (False, False)
+    assert check("1000,999", {"start": 999, "step": 1, "bound": 997, "op": "-"}) == (False, False)  # 4 digits
 
 
 def test_both_rules_are_registered_inline():
@@ -98,8 +100,33 @@ def test_a_run_of_the_stride_task_names_the_lengths_it_needs():
     from dph_async.app.pipeline import validate
 
     cfg = load_config("default", ["task.name=stride"])
-    with pytest.raises(ConfigError, match=r"sampling.max_tokens >= 400 and model.max_model_len >= 411 \(got 16 and "
-                                          r"64\); add sampling.max_tokens=400 model.max_model_len=411"):
+    with pytest.raises(ConfigError, match=r"sampling.max_tokens >= 400 and model.max_model_len >= sampling.max_tokens "
+                                          r"\+ 11 \(got 16 and 64\); add sampling.max_tokens=400 "
+                                          r"model.max_model_len=411"):
         validate(cfg, [])
     assert catalog.fits("stride", 400, 411) is None and catalog.fits("stride", 399, 411) is not None
     assert catalog.fits("stride", 400, 410) is not None and catalog.fits("embedded", 1, 8) is None
+    # more room for answers takes as much more length: the prompt's room stays (450 leaves 0 for it)
+    assert catalog.fits("stride", 450, 411) is not None and catalog.fits("stride", 450, 461) is None
+
+
+@pytest.mark.parametrize("truth", [
+    {"start": 0, "step": 1, "bound": 10**12, "op": "+"},  # a trillion terms, had it been counted
+    {"start": 5, "step": 0, "bound": 1, "op": "-"}, {"start": 5, "step": 10, "bound": 1, "op": "-"},
+    {"start": -1, "step": 1, "bound": 1, "op": "+"}, {"start": 5, "step": 1, "bound": 1000, "op": "+"},
+    {"start": 5, "step": 1, "bound": 1, "op": "*"}, {"start": 5, "step": True, "bound": 1, "op": "-"},
+    {"start": 5.0, "step": 1, "bound": 1, "op": "-"}, {"start": 5, "step": 1, "op": "-"}, [5, 1, 1, "-"], None,
+])
+def test_a_ground_truth_the_task_could_not_have_made_is_refused_before_any_counting(truth):
+    with pytest.raises(ValueError, match="stride ground_truth"):
+        check("1,2", truth)
+    from dph_async.rewards.worker import _call
+
+    result = _call("stride_down", "1,2", truth, {})  # what a worker or an inline scorer makes of it
+    assert (result.status, result.score) == ("error", 0.0) and "stride ground_truth" in result.detail
+
+
+def test_splits_larger_than_the_rules_can_give_quickly_are_refused():
+    with pytest.raises(ValueError, match=r"task.num_train \+ task.num_test must be <= 46000 for the stride task"):
+        make_splits(0, 46_000, 1)
+    assert len(make_splits(0, 45_000, 1)["train"]) == 45_000

@@ -131,7 +131,8 @@ def test_a_long_tailed_batch_in_pieces_has_the_whole_batchs_loss_and_gradient():
         return sorted(tuple(r[:int(rm.nonzero()[-1]) + 1].tolist()) for r, rm in zip(i, m, strict=True))
 
     assert sorted(r for i, m in parts for r in unpadded(i, m)) == unpadded(ids, mask)
-    assert pieces(ids, mask, ids.numel()) == [(ids, mask)]  # whole when it fits: the digit tasks' path
+    (whole_ids, whole_mask), = pieces(ids, mask, ids.numel())  # whole when it fits: the digit tasks' path
+    assert whole_ids is ids and whole_mask is mask
     model = build_tiny_llama(_tiny_cfg(1, 0).model.model_copy(update={"max_model_len": 512}), len(tok), 0).double()
 
     def loss_of(i: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ def make_splits(name: str, seed: int, num_train: int, num_test: int,
                 ood_warm_share: float = 1.0) -> dict[str, list[TaskProblem]]:
     """The task's splits; with `ood_warm_share` < 1 the warm start keeps only that share of its
     out-of-domain problems (a seeded choice), so pi_0 learns the OOD rule partly and OOD results can
-    show forgetting and keeping alike (at 1, pi_0 is at ceiling there)."""
+    show forgetting and keeping alike (at 1, pi_0 of the digit tasks is at ceiling there)."""
     splits = SPLITS[name](seed, num_train, num_test)
     if ood_warm_share < 1.0:
         warm = splits["warmstart"]
@@ -53,14 +53,16 @@ def make_splits(name: str, seed: int, num_train: int, num_test: int,
 
 
 def fits(name: str, max_tokens: int, max_model_len: int) -> str | None:
-    """Why the task's longest answer (and EOS) does not fit `max_tokens`, or its longest prompt (with
-    BOS) and answer `max_model_len`; None when both fit. A cut answer scores 0 whatever the policy."""
+    """Why the task's longest answer (and EOS) does not fit `max_tokens`, or its longest prompt (and
+    BOS) the room `max_model_len` leaves beside `max_tokens`; None when both fit. A cut answer scores 0
+    whatever the policy, and a prompt without room is refused only once the run has started."""
     if name not in LONGEST:
         return None
     prompt, answer = LONGEST[name]
-    need_tokens, need_len = answer + 1, prompt + 1 + answer + 1
-    if max_tokens >= need_tokens and max_model_len >= need_len:
+    need_tokens, room = answer + 1, prompt + 1
+    if max_tokens >= need_tokens and max_model_len - max_tokens >= room:
         return None
-    return (f"task.name={name} has answers of up to {answer} characters: it needs sampling.max_tokens >= "
-            f"{need_tokens} and model.max_model_len >= {need_len} (got {max_tokens} and {max_model_len}); "
-            f"add sampling.max_tokens={need_tokens} model.max_model_len={need_len}")
+    return (f"task.name={name} has answers of up to {answer} characters and prompts of up to {prompt}: it needs "
+            f"sampling.max_tokens >= {need_tokens} and model.max_model_len >= sampling.max_tokens + {room} (got "
+            f"{max_tokens} and {max_model_len}); add sampling.max_tokens={need_tokens} "
+            f"model.max_model_len={need_tokens + room}")

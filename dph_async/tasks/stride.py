@@ -5,7 +5,7 @@
 
 One correct answer per problem, checked exactly. A problem's number of terms T follows a power law,
 P(T) proportional to T^-1.5 on [2, 100]: a quarter of the problems have two terms, the median five,
-the mean 12.4, one in seventeen has 50 or more and the longest answers run to about 400 characters. A
+the mean 12.4, one in seventeen has 50 or more and the longest answers run to 399 characters. A
 synchronous trainer waits for the longest completion of every batch; an asynchronous one does not:
 the workload time-to-accuracy is measured on (docs/decisions.md, The stride task). Each term depends
 only on the one before it and the prompt, so a tiny model learns the rule, and a per-character error
@@ -31,11 +31,14 @@ OUT_OF_DOMAIN = "stride_up"
 ALPHABET = "0123456789,+-<>="
 MIN_TERMS, MAX_TERMS, EXPONENT = 2, 100, 1.5
 TOP = 999  # the largest term
-# The longest answer: MAX_TERMS terms of up to three digits and their commas; a prompt's longest form
-# is "999-9>999=". With BOS and EOS, what sampling.max_tokens and model.max_model_len must hold.
+# The longest answer: MAX_TERMS terms of up to three digits and their commas; a prompt has at most
+# ten characters ("999-1>997="). With BOS and EOS, what sampling.max_tokens and model.max_model_len hold.
 MAX_ANSWER_CHARS = MAX_TERMS * 4 - 1
 MAX_PROMPT_CHARS = 10
 WARM_DOWN, WARM_UP = 4000, 2000  # warm-start problems of each rule
+# Distinct problems a split may ask of one rule. A rule has millions, but the last of them
+# take ever more draws to find (a long one is drawn with chance ~3e-8): far below, drawing stays fast.
+MAX_PROBLEMS = 50_000
 _ANSWER = re.compile(r"[0-9]{1,3}(?:,[0-9]{1,3})*")
 _TERMS = list(range(MIN_TERMS, MAX_TERMS + 1))
 _CUMULATIVE = list(itertools.accumulate(t ** -EXPONENT for t in _TERMS))
@@ -65,7 +68,9 @@ class StrideProblem:
         return {"start": self.start, "step": self.step, "bound": self.bound, "op": self.op}
 
     def terms(self) -> list[int]:
-        return _terms(self.start, self.step, self.bound, self.op)
+        if self.op == "-":
+            return list(range(self.start, self.bound, -self.step))
+        return list(range(self.start, self.bound, self.step))
 
     def solutions(self) -> list[str]:
         """The one correct answer."""
@@ -87,19 +92,27 @@ class StrideProblem:
         return ",".join(map(str, terms))
 
 
-def _terms(start: int, step: int, bound: int, op: str) -> list[int]:
-    if op == "-":
-        return list(range(start, bound, -step))
-    return list(range(start, bound, step))
+def _problem(truth: Any) -> StrideProblem:
+    """The problem a ground truth names, refused (ValueError) unless the task could have made it: a
+    hostile or mistaken data file must cost no more than the task's own problems (at most 999 terms)."""
+    try:
+        start, step, bound, op = (truth[k] for k in ("start", "step", "bound", "op"))
+    except (KeyError, TypeError, IndexError):
+        raise ValueError(f"stride ground_truth must hold start, step, bound and op; got {truth!r:.200}") from None
+    ints = all(type(x) is int for x in (start, step, bound))
+    if not (ints and 0 <= start <= TOP and 0 <= bound <= TOP and 1 <= step <= 9 and op in ("-", "+")):
+        raise ValueError(f"stride ground_truth out of range (start and bound integers in 0-{TOP}, step 1-9, "
+                         f"op - or +): {truth!r:.200}")
+    return StrideProblem(start, step, bound, op)
 
 
-def check(answer: str, truth: dict[str, Any]) -> tuple[bool, bool]:
+def check(answer: str, truth: Any) -> tuple[bool, bool]:
     """(format_ok, correct) for an answer: comma-separated terms of one to three digits, correct when
     they are exactly the problem's terms."""
+    problem = _problem(truth)
     if not _ANSWER.fullmatch(answer):
         return False, False
-    expected = _terms(int(truth["start"]), int(truth["step"]), int(truth["bound"]), str(truth["op"]))
-    return True, answer == ",".join(map(str, expected))
+    return True, answer == problem.solutions()[0]
 
 
 # A regular expression and a range over a string of at most max_tokens characters: scored inline.
@@ -134,8 +147,11 @@ def _distinct(rng: random.Random, op: str, count: int) -> list[StrideProblem]:
 
 
 def make_splits(seed: int, num_train: int, num_test: int) -> dict[str, list[StrideProblem]]:
-    """Disjoint train / test / OOD-test / warm-start problems, all from `seed`: the down rule's test,
-    train and WARM_DOWN warm-start problems, the up rule's OOD test and WARM_UP warm-start problems."""
+    """Train / test / OOD-test / warm-start problems with disjoint prompts (two that differ only in the
+    bound may share an answer), all from `seed`: the down rule's test, train and WARM_DOWN warm-start
+    problems, the up rule's OOD test and WARM_UP warm-start problems."""
+    if num_test + num_train + WARM_DOWN > MAX_PROBLEMS:
+        raise ValueError(f"task.num_train + task.num_test must be <= {MAX_PROBLEMS - WARM_DOWN} for the stride task")
     rng = random.Random(seed)
     down = _distinct(rng, "-", num_test + num_train + WARM_DOWN)
     up = _distinct(rng, "+", num_test + WARM_UP)

@@ -39,17 +39,18 @@ FAMILY_SIZE = len(TASKS) * 3
 
 
 def check_rows(task: str, rows: list[SeedRow]) -> None:
-    """Refuse rows that cannot be the design's: another task, OOD share or objective, a step count
-    outside STEPS or two of them, a seed twice, more than one pi_0, an analysed cell without the
+    """Refuse rows that cannot be the design's: another task, OOD share or reference_pg_share, a step
+    count outside STEPS or two of them, a seed twice, more than one pi_0, an analysed cell without the
     figures its tests read, or a pi_0 without its per-prompt standard error."""
     if twice := repeated_seed(rows):
         raise ValueError(f"{task}: group {twice[0]} has seed {twice[1]} twice")
     if task not in SHARES:
         raise ValueError(f"{task}: not a task of the design ({', '.join(TASKS)})")
     for r in rows:
-        if r.task != task or r.ood_share != SHARES[task] or r.steps not in STEPS:
-            raise ValueError(f"{task}, cell {r.cell}: task {r.task}, OOD share {r.ood_share:g}, {r.steps} steps; the "
-                             f"design runs {task} at OOD share {SHARES[task]:g}, {' or '.join(map(str, STEPS))} steps")
+        if r.task != task or r.ood_share != SHARES[task] or r.steps not in STEPS or r.pg_share:
+            raise ValueError(f"{task}, cell {r.cell}: task {r.task}, OOD share {r.ood_share:g}, {r.steps} steps, "
+                             f"reference_pg_share {r.pg_share:g}; the design runs {task} at OOD share "
+                             f"{SHARES[task]:g}, {' or '.join(map(str, STEPS))} steps, reference_pg_share 0")
         if r.group != BASE and r.seed in SEEDS and r.group not in ARMS.values():
             raise ValueError(f"{task}, cell {r.cell}: group {r.group} is not an arm of the design")
         need = [OOD, f"{OOD}_se"] if r.group == BASE else [OOD, IN_DOMAIN] if r.seed in SEEDS else []

@@ -156,6 +156,13 @@ def _in_range(column: str, x: float) -> float:
     return x
 
 
+def _share(text: str) -> float:
+    x = _finite(text, "ood_share")
+    if not 0.0 < x <= 1.0:
+        raise ValueError(f"ood_share: {x!r} is not a share in (0, 1]")
+    return x
+
+
 def read_seeds(path: Path) -> list[SeedRow]:
     """The rows of a seeds.csv; a missing or repeated column, a row of another width, or a value that
     is not a finite number in its range, is named with the file and line."""
@@ -185,7 +192,7 @@ def _rows(path: Path, reader: Iterator[list[str]]) -> list[SeedRow]:
                                 _finite(r["share"], "share"), r["task"], _finite(r["pg_share"], "pg_share"),
                                 int(r["steps"]), r["base"], r["commit"], r["date"],
                                 _finite(r["load"], "load") if r["load"] else None, r["resumed"] == "1", metrics,
-                                _finite(r.get("ood_share") or "1", "ood_share")))
+                                _share(r.get("ood_share") or "1")))
         except ValueError as e:
             raise ValueError(f"{path}, line {line}: {e}") from None
     return rows
