@@ -425,7 +425,8 @@ def test_errors_name_every_item_and_the_kind_that_complained(tmp_path):
         rendered_docs.splits([_seeds(tmp_path, rows)], ctx)
     with pytest.raises(ValueError, match=r"^seeds\.csv: no pi_0 row"):
         rendered_docs.splits([_seeds(tmp_path, rows[1:])], ctx)
-    with pytest.raises(ValueError, match=r"known: cells, confirm, confirm-figure, ood-calibration, splits\)$"):
+    with pytest.raises(ValueError, match=r"known: cells, confirm, confirm-figure, confirm-staleness, ood-calibration, "
+                                         r"splits\)$"):
         render("<!-- rendered: nope -->\n<!-- end rendered -->\n", ctx)
     with pytest.raises(ValueError, match=r"^line 3: a carriage return that ends no line \(lines end in LF or CRLF\)$"):
         render("\n\na\rb\n", ctx)
@@ -465,3 +466,20 @@ def test_cells_lists_each_cells_columns_as_recorded(tmp_path):
         rendered_docs.cells([name], ctx)
     with pytest.raises(ValueError, match=r"^seeds\.csv: no cell$"):
         rendered_docs.cells([_seeds(tmp_path, [(BASE, 0, m)]), "ood/pass@1"], ctx)
+
+
+def test_confirm_staleness_renders_design_2_from_each_tasks_sweep():
+    from dph_async.app.ablate import confirm_staleness
+    from dph_async.app.ablate.seeds import read_seeds
+
+    data = "docs/data/staleness/embedded.csv"
+    ctx = Context(ROOT, ROOT / "docs" / "a.md", write=False)
+    text = rendered_docs.confirm_staleness_tables(["embedded", data], ctx)
+    assert text == confirm_staleness.markdown({"embedded": read_seeds(ROOT / data)})
+    assert "| embedded | decoupled | 16 | yes |" in text and "- **embedded**: S1 " in text
+    with pytest.raises(ValueError, match="give TASK CSV per task, got 3 argument"):
+        rendered_docs.confirm_staleness_tables(["embedded", data, "digit_sets"], ctx)
+    with pytest.raises(ValueError, match=r"a task given twice \(embedded, embedded\)"):
+        rendered_docs.confirm_staleness_tables(["embedded", data, "embedded", data], ctx)
+    with pytest.raises(ValueError, match=r"digit_sets, cell .*: task embedded"):  # the rows are another task's
+        rendered_docs.confirm_staleness_tables(["digit_sets", data], ctx)

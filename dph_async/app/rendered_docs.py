@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dph_async.app.ablate import confirm, confirm_plot
+from dph_async.app.ablate import confirm, confirm_plot, confirm_staleness
 from dph_async.app.ablate.results import stat
 from dph_async.app.ablate.seeds import BASE, SeedRow, read_seeds, repeated_seed
 from dph_async.app.report import markdown_table
@@ -187,6 +187,17 @@ def confirm_tables(args: list[str], ctx: Context) -> str:
     return confirm.markdown(confirm.family(tasks), tasks)
 
 
+def confirm_staleness_tables(args: list[str], ctx: Context) -> str:
+    """`confirm-staleness TASK CSV ...`: design 2's readings and verdicts per task, each from its sweep
+    (`dph-async ablate confirm --design staleness`)."""
+    if not args or len(args) % 2:
+        raise ValueError(f"confirm-staleness: give TASK CSV per task, got {len(args)} argument(s)")
+    names = args[::2]
+    if len(set(names)) < len(names):
+        raise ValueError(f"confirm-staleness: a task given twice ({', '.join(names)})")
+    return confirm_staleness.markdown({args[i]: read_seeds(ctx.path(args[i + 1])) for i in range(0, len(args), 2)})
+
+
 def source_of(png: Path) -> str | None:
     """The Source text chunk of a PNG, read chunk by chunk without decoding the image (None: no such
     chunk, or not a PNG)."""
@@ -270,7 +281,8 @@ def _draft(fig, png: Path, source: str) -> tuple[Path, Path]:
 
 
 RENDERERS: dict[str, Renderer] = {"ood-calibration": ood_calibration, "splits": splits, "cells": cells,
-                                  "confirm": confirm_tables, "confirm-figure": confirm_figure}
+                                  "confirm": confirm_tables, "confirm-figure": confirm_figure,
+                                  "confirm-staleness": confirm_staleness_tables}
 
 
 def _exactly(args: list[str], n: int, usage: str) -> list[str]:
