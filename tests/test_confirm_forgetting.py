@@ -15,6 +15,7 @@ import pytest
 from dph_async.app.ablate import confirm_forgetting as cf
 from dph_async.app.ablate.seeds import BASE, SeedRow, read_seeds
 from dph_async.app.cli import main
+from dph_async.stats import t_critical
 
 ROOT = Path(__file__).resolve().parents[1]
 ZERO_MEAN = np.array([-2.0, -1.0, 0.0, 1.0, 2.0])  # deviations with mean 0 and s.d. sqrt(2.5)
@@ -165,7 +166,15 @@ def test_the_command_reads_the_sweep_and_prints_the_family(tmp_path, capsys):
     assert read_seeds(tmp_path / "seeds.csv") == rows
     assert main(["ablate", "confirm", "--design", "forgetting", "--task", "digit_sets", str(tmp_path)]) == 0
     text = capsys.readouterr().out
-    assert "| digit_sets | 1 | G − π₀ | -10.0 ± 0.5 |" in text and "Holm over 6" in text
+    se = math.sqrt(np.var(ZERO_MEAN / 1000, ddof=1) / 5 + 0.005 ** 2)
+    half = t_critical(4) * se
+    lines = text.splitlines()
+    assert lines[0] == ("| task | test | arms | OOD Pass@1 difference (points) ± s.e. | 95% interval | p | "
+                        "Holm over 6 |  |")
+    assert lines[2] == (f"| digit_sets | 1 | G − π₀ | -10.0 ± 0.5 | [{100 * (-0.1 - half):+.1f}, "
+                        f"{100 * (-0.1 + half):+.1f}] | {p_df4(-0.1 / se):.4f} | rejected |  |")
+    assert lines[4] == "| digit_sets | 3 | R − G | +0.0 ± 0.0 | [+0.0, +0.0] | 1.0000 | not rejected |  |"
+    assert lines[5] == "" and len(lines) == 7
     assert "- **digit_sets**: F holds; K for JS holds (in-domain bound +0.0); K for reverse KL does not hold." in text
     assert main(["ablate", "confirm", "--design", "forgetting", "--task", "digit_sets", str(tmp_path),
                  "--figure", str(tmp_path / "f.png")]) == 2

@@ -25,10 +25,11 @@ def test_the_docstrings_examples_hold():
 
 def test_a_drawn_problem_has_its_terms_inside_the_bound_and_the_next_term_outside():
     seed = random.randrange(1 << 30)
-    rng = random.Random(seed)
+    rng, steps = random.Random(seed), set()
     for _ in range(3000):
         p = draw(rng, rng.choice("-+"))
         assert p == StrideProblem(**p.ground_truth), seed
+        steps.add(p.step)
         terms = p.terms()
         assert stride.MIN_TERMS <= len(terms) <= stride.MAX_TERMS and 1 <= p.step <= 9
         assert all(0 <= t <= stride.TOP for t in terms)
@@ -43,6 +44,7 @@ def test_a_drawn_problem_has_its_terms_inside_the_bound_and_the_next_term_outsid
         # one token a character: every character is in the tokenizer's alphabet, and the lengths fit
         assert set(p.prompt + answer) <= set(stride.ALPHABET)
         assert len(p.prompt) <= stride.MAX_PROMPT_CHARS and len(answer) <= stride.MAX_ANSWER_CHARS
+    assert steps == set(range(1, 10)), seed
 
 
 def test_term_counts_follow_the_power_law_with_its_long_tail():
@@ -129,4 +131,24 @@ def test_a_ground_truth_the_task_could_not_have_made_is_refused_before_any_count
 def test_splits_larger_than_the_rules_can_give_quickly_are_refused():
     with pytest.raises(ValueError, match=r"task.num_train \+ task.num_test must be <= 46000 for the stride task"):
         make_splits(0, 46_000, 1)
-    assert len(make_splits(0, 45_000, 1)["train"]) == 45_000
+    assert len(make_splits(0, 45_999, 1)["train"]) == 45_999  # the largest: 50,000 down problems with the warm start
+
+
+@pytest.mark.parametrize(("problem", "wrong"), [
+    # one term too few, one too many (the next term is in range), or one term one up
+    (StrideProblem(20, 5, 4, "-"),
+     {"20,15,10", "20,15,10,5,0", "21,15,10,5", "20,16,10,5", "20,15,11,5", "20,15,10,6"}),
+    # a term at 999 goes one down; no term past 999 is added
+    (StrideProblem(989, 9, 999, "+"), {"989", "990,998", "989,999"}),
+    (StrideProblem(999, 9, 980, "-"), {"999,990", "999,990,981,972", "998,990,981", "999,991,981", "999,990,982"}),
+])
+def test_the_warm_starts_wrong_answers_are_exactly_the_three_kinds(problem, wrong):
+    rng = random.Random(random.randrange(1 << 30))
+    assert {problem.wrong_answer(rng) for _ in range(600)} == wrong
+
+
+@pytest.mark.parametrize("truth", [{"start": 999, "step": 9, "bound": 0, "op": "-"},
+                                   {"start": 0, "step": 1, "bound": 999, "op": "+"}])
+def test_a_ground_truth_at_the_edges_of_the_range_is_taken(truth):
+    p = StrideProblem(**truth)
+    assert check(p.solutions()[0], truth) == (True, True)
