@@ -179,3 +179,18 @@ def test_the_command_reads_the_sweep_and_prints_the_family(tmp_path, capsys):
     assert main(["ablate", "confirm", "--design", "forgetting", "--task", "digit_sets", str(tmp_path),
                  "--figure", str(tmp_path / "f.png")]) == 2
     assert "the forgetting design has none" in capsys.readouterr().err
+
+
+def test_a_verdict_needs_its_test_rejected_and_its_sign():
+    """GRPO 10 points under pi_0 that pi_0's own error (0.1) leaves unproven, JS clearly above GRPO,
+    reverse KL one point above with noise: F does not hold, K for JS holds, K for reverse KL does not."""
+    g = np.full(5, 0.40) + ZERO_MEAN / 1000
+    rows = sweep(g, g + 0.08 + ZERO_MEAN / 500, g + 0.01 + ZERO_MEAN / 20, base=0.5, se=0.1)
+    t1, t2, t3 = cf.family({"digit_sets": rows})
+    assert (t1.rejected, t1.diff.delta < 0, t2.rejected, t3.rejected, t3.diff.delta > 0) == (False, True, True, False,
+                                                                                             True)
+    assert cf.verdicts([t1, t2, t3], {"digit_sets": rows}) == {
+        "digit_sets": "F does not hold; K for JS holds (in-domain bound +0.0); K for reverse KL does not hold"}
+    short = [r for r in rows if r.cell != "js_low_var:0.2-seed303"]
+    line = next(x for x in cf.markdown({"digit_sets": short}).splitlines() if x.startswith("| digit_sets | 2 |"))
+    assert line.endswith("| not rejected | incomplete |")
