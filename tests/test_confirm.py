@@ -488,10 +488,10 @@ def test_seeds_csv_holds_the_ood_share_and_each_evaluations_own_error_of_its_pas
                       [EvalPoint(0, 0.0, 0.0, {"ood": res}), EvalPoint(1, 8.0, 1.0, {"ood": res})], {}, {}, {}, False)
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "w").write_bytes(b"w")
-    write_seeds(tmp_path / "seeds.csv", [cell], ["ood"], 16, load_config("default", ["task.ood_warm_share=0.15"]),
-                tmp_path / "m")
+    write_seeds(tmp_path / "seeds.csv", [cell], ["ood"], 16,
+                load_config("default", ["task.ood_warm_share=0.15", "learner.mini_batches=3"]), tmp_path / "m")
     for r in read_seeds(tmp_path / "seeds.csv"):
-        assert r.ood_share == 0.15
+        assert r.ood_share == 0.15 and r.mini_batches == 3
         assert r.metrics["ood/pass@1_se"] == pytest.approx(shares.std(ddof=1) / math.sqrt(40), rel=1e-12)
     one = replace(res, per_prompt=res.per_prompt[:1])
     assert "ood/pass@1_se" not in split_metrics("ood", one, None)  # one prompt: no spread to take
@@ -514,11 +514,12 @@ def test_one_cell_without_factors_or_a_date_is_written_with_empty_defaults(tmp_p
     (tmp_path / "m" / "w").write_bytes(b"w")
     write_seeds(tmp_path / "seeds.csv", [cell], ["in_domain"], 16, load_config("default"), tmp_path / "m")
     raw = (tmp_path / "seeds.csv").read_text().splitlines()
-    # no commit, date, load or resumed; the OOD share; no reward, wall time, samples or staleness; the split's
-    # figures, without a per-prompt standard error (no per-prompt results)
-    assert raw[1].startswith("pi_0,pi_0,base,0,0.0,0.0,embedded,0.0,") and ",,,,,1.0,,,,,,0.5,0.1,0.9,1.5," in raw[1]
+    # no commit, date, load or resumed; the OOD share and mini-batch count; no reward, wall time, samples,
+    # staleness or diagnostics; the split's figures, without a per-prompt standard error (no per-prompt results)
+    assert raw[1].startswith("pi_0,pi_0,base,0,0.0,0.0,embedded,0.0,")
+    assert ",,,,,1.0,1,,,,,,,,0.5,0.1,0.9,1.5," in raw[1]
     base_row, row = read_seeds(tmp_path / "seeds.csv")
-    assert base_row.ood_share == row.ood_share == 1.0
+    assert base_row.ood_share == row.ood_share == 1.0 and base_row.mini_batches == row.mini_batches == 1
     assert (base_row.commit, base_row.date, base_row.load, base_row.resumed) == ("", "", None, False)
     assert (row.coeff, row.share, row.commit, row.date) == (0.0, 0.0, "abc", "")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -339,3 +340,66 @@ def test_the_rendered_table_holds_every_reading_ratio_and_note():
     assert "S1 partly: (i) ((i) holds, (ii) fails, (iii) fails)" in cs.markdown({"embedded": sweep()})
     two = cs.markdown({"embedded": sweep(), "digits": [replace(x, task="digits") for x in sweep()]})
     assert two.count("| task | correction |") == 2 and "- **embedded**:" in two and "- **digits**:" in two
+
+
+def test_design_4_is_design_2_at_four_mini_batches_and_refuses_the_others_rows():
+    """The mini-batch count is the design's: rows of one design are refused by the other, by name."""
+    rows = sweep()
+    four = [replace(r, mini_batches=4) for r in rows]
+    assert cs.verdict("embedded", four, mini_batches=4) == cs.verdict("embedded", rows)
+    with pytest.raises(ValueError, match=r"cell eta0-behavior-seed200: learner.mini_batches=1; the design runs 4"):
+        cs.verdict("embedded", rows, mini_batches=4)
+    with pytest.raises(ValueError, match=r"cell eta0-behavior-seed200: learner.mini_batches=4; the design runs 1"):
+        cs.markdown({"embedded": four})
+    assert cs.markdown({"embedded": four}, 4) == cs.markdown({"embedded": rows})
+
+
+def test_the_clip_fraction_is_shown_where_the_rows_record_it():
+    rng = np.random.default_rng()
+    rows = sweep()
+    assert "clip fraction" not in cs.markdown({"embedded": rows})
+    clips = {r.cell: float(rng.uniform(0, 0.2)) for r in rows}
+    clipped = [replace(r, metrics={**r.metrics, "clip_frac": clips[r.cell]}) for r in rows
+               if r.cell != "eta4-behavior-seed202"]  # one seed's figure absent: the mean of the others
+    clipped = [replace(r, metrics={k: v for k, v in r.metrics.items() if k != "clip_frac"})
+               if r.group == "eta8-decoupled" else r for r in clipped]  # a group without it: "-"
+    text = cs.markdown({"embedded": clipped})
+    assert text.splitlines()[0].endswith("| throughput ratio (against η 0; auto: η 1) | clip fraction (mean) |")
+    got = table_rows(text)
+    for correction in ("behavior", "decoupled"):
+        for eta in (*cs.ETAS[1:], "auto"):
+            key = (correction, str(eta) if eta != "auto" else "auto (against η 1)")
+            have = [clips[r.cell] for r in clipped if r.group == f"eta{eta}-{correction}"
+                    and "clip_frac" in r.metrics]
+            assert got[key][9] == (f"{np.mean(have):.3f}" if have else "-")
+    assert got[("decoupled", "8")][9] == "-"
+
+
+def test_the_command_takes_the_trust_region_design(tmp_path, capsys):
+    metrics = ["in_domain/pass@1", "samples", "wall_s", "staleness_mean", "staleness_max"]
+    for n in (4, 1):
+        lines = ["cell,group,mode,seed,coeff,share,task,pg_share,steps,base,commit,date,load,resumed,mini_batches,"
+                 + ",".join(metrics)]
+        lines += [f"{r.cell},{r.group},{r.mode},{r.seed},0,0,{r.task},0,100,{r.base},c,d,{r.load},0,{n},"
+                  + ",".join(repr(r.metrics[m]) if m in r.metrics else "" for m in metrics) for r in sweep()]
+        (tmp_path / "seeds.csv").write_text("\n".join(lines) + "\n")
+        rc = main(["ablate", "confirm", "--design", "staleness-trust", "--task", "embedded", str(tmp_path)])
+        out, err = capsys.readouterr()
+        if n == 4:
+            assert rc == 0 and "- **embedded**: S1 " in out
+        else:
+            assert rc == 2 and "learner.mini_batches=1; the design runs 4" in err
+
+
+def test_files_from_before_the_mini_batch_count_was_recorded_read_as_one(tmp_path):
+    from dph_async.app.ablate.seeds import read_seeds
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "data" / "staleness" / "embedded.csv"
+    assert {r.mini_batches for r in read_seeds(path)} == {1}
+    lines = path.read_text().splitlines()
+    for n, says in (("0", "0 is not at least 1"), ("2.5", "'2.5' is not a whole number"), ("x", "'x' is not a whole")):
+        (tmp_path / "s.csv").write_text("\n".join([lines[0] + ",mini_batches", lines[1] + f",{n}"]) + "\n")
+        with pytest.raises(ValueError, match=f"line 2: mini_batches: {says}"):
+            read_seeds(tmp_path / "s.csv")
+    (tmp_path / "s.csv").write_text("\n".join([lines[0] + ",mini_batches", lines[1] + ",8"]) + "\n")
+    assert read_seeds(tmp_path / "s.csv")[0].mini_batches == 8

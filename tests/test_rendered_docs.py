@@ -483,3 +483,9 @@ def test_confirm_staleness_renders_design_2_from_each_tasks_sweep():
         rendered_docs.confirm_staleness_tables(["embedded", data, "embedded", data], ctx)
     with pytest.raises(ValueError, match=r"digit_sets, cell .*: task embedded"):  # the rows are another task's
         rendered_docs.confirm_staleness_tables(["digit_sets", data], ctx)
+    with pytest.raises(ValueError, match=r"cell .*: learner.mini_batches=1; the design runs 4"):
+        rendered_docs.confirm_staleness_tables(["mini_batches=4", "embedded", data], ctx)
+    for bad in ("0", "x", "-1", ""):
+        with pytest.raises(ValueError, match=f"confirm-staleness: mini_batches='{bad}' is not a whole number"):
+            rendered_docs.confirm_staleness_tables([f"mini_batches={bad}", "embedded", data], ctx)
+    assert rendered_docs.confirm_staleness_tables(["mini_batches=1", "embedded", data], ctx) == text

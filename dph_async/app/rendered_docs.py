@@ -188,14 +188,22 @@ def confirm_tables(args: list[str], ctx: Context) -> str:
 
 
 def confirm_staleness_tables(args: list[str], ctx: Context) -> str:
-    """`confirm-staleness TASK CSV ...`: design 2's readings and verdicts per task, each from its sweep
-    (`dph-async ablate confirm --design staleness`)."""
+    """`confirm-staleness [mini_batches=N] TASK CSV ...`: a staleness design's readings and verdicts per
+    task, each from its sweep (`dph-async ablate confirm --design staleness`; N = 4: design 4's
+    `staleness-trust`)."""
+    mini_batches = 1
+    if args and args[0].startswith("mini_batches="):
+        text, args = args[0].removeprefix("mini_batches="), args[1:]
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"confirm-staleness: mini_batches={text!r} is not a whole number of at least 1")
+        mini_batches = int(text)
     if not args or len(args) % 2:
         raise ValueError(f"confirm-staleness: give TASK CSV per task, got {len(args)} argument(s)")
     names = args[::2]
     if len(set(names)) < len(names):
         raise ValueError(f"confirm-staleness: a task given twice ({', '.join(names)})")
-    return confirm_staleness.markdown({args[i]: read_seeds(ctx.path(args[i + 1])) for i in range(0, len(args), 2)})
+    return confirm_staleness.markdown({args[i]: read_seeds(ctx.path(args[i + 1])) for i in range(0, len(args), 2)},
+                                      mini_batches)
 
 
 def source_of(png: Path) -> str | None:

@@ -1,4 +1,6 @@
-"""The pre-registered staleness test of docs/preregistration.md (design 2), from a sweep's seeds.csv.
+"""The pre-registered staleness tests of docs/preregistration.md, from a sweep's seeds.csv: design 2
+(one PPO update per batch) and design 4 (the same with `learner.mini_batches=4`, so decoupled PPO's
+clip acts); the computation is one, the rows' mini-batch count is the design's.
 
 One staleness sweep per task (`ablate staleness`, plain GRPO, groups `eta<η>-<correction>`); only
 the pre-registered SEEDS are analysed. Per task:
@@ -18,6 +20,7 @@ the pre-registered SEEDS are analysed. Per task:
   geometric mean throughput) is at least AUTO_RATIO; not judged while a fixed η's cells are missing.
 
 Throughput: fresh samples per wall second of the training steps (seeds.csv's samples / wall_s).
+The clip fraction (seeds.csv's clip_frac, where recorded) is shown beside, not judged.
 """
 
 from __future__ import annotations
@@ -41,15 +44,19 @@ PASS1 = "in_domain/pass@1"
 LOAD_LIMIT = 4.0  # cells ending above this 1-minute load are listed
 
 
-def check_rows(task: str, rows: list[SeedRow]) -> None:
-    """Refuse rows that cannot be the design's: another task, step count or objective, a seed twice, or
-    a cell without the figures its verdicts read (Pass@1, a positive wall time, staleness)."""
+def check_rows(task: str, rows: list[SeedRow], mini_batches: int = 1) -> None:
+    """Refuse rows that cannot be the design's: another task, step count, objective or mini-batch count,
+    a seed twice, or a cell without the figures its verdicts read (Pass@1, a positive wall time,
+    staleness)."""
     if twice := repeated_seed(rows):
         raise ValueError(f"{task}: group {twice[0]} has seed {twice[1]} twice")
     for r in rows:
         if r.task != task or r.steps != STEPS or (r.group != BASE and r.mode != MODE):
             raise ValueError(f"{task}, cell {r.cell}: task {r.task}, {r.steps} steps, objective {r.mode}; the design "
                              f"runs {task}, {STEPS} steps, {MODE}")
+        if r.mini_batches != mini_batches:
+            raise ValueError(f"{task}, cell {r.cell}: learner.mini_batches={r.mini_batches}; the design runs "
+                             f"{mini_batches}")
         if r.group == BASE or r.seed not in SEEDS:
             continue
         need = [PASS1, "samples", "wall_s", *(() if r.group.startswith("etaauto") else ("staleness_mean",
@@ -186,17 +193,19 @@ def s2_verdict(rows: list[SeedRow]) -> str:
             f"throughput {ratio.ratio:.2f}x eta {best}'s)")
 
 
-def verdict(task: str, rows: list[SeedRow]) -> TaskVerdict:
-    check_rows(task, rows)
+def verdict(task: str, rows: list[SeedRow], mini_batches: int = 1) -> TaskVerdict:
+    check_rows(task, rows, mini_batches)
     parts = s1_parts(rows)
     return TaskVerdict(task, parts, s1_verdict(parts), s2_verdict(rows))
 
 
-def markdown(tasks: dict[str, list[SeedRow]]) -> str:
-    """Per task: every (correction, η) with its staleness, reading and throughput ratio; the verdicts."""
+def markdown(tasks: dict[str, list[SeedRow]], mini_batches: int = 1) -> str:
+    """Per task: every (correction, η) with its staleness, reading and throughput ratio (and clip
+    fraction, where the rows record it); the verdicts."""
     lines = []
     for task, rows in tasks.items():
-        v = verdict(task, rows)
+        v = verdict(task, rows, mini_batches)
+        clip = any("clip_frac" in r.metrics for r in rows)
         table = []
         for correction in ("behavior", "decoupled"):
             auto = read(rows, "auto", correction, against=(1, correction))
@@ -205,7 +214,8 @@ def markdown(tasks: dict[str, list[SeedRow]]) -> str:
                 table.append([task, correction, "auto (against η 1)", "-", "-",
                               "-" if auto.delta is None else f"{100 * auto.delta:+.1f} [{100 * auto.low:+.1f}, "
                                                              f"{100 * auto.high:+.1f}]",
-                              auto.outcome, "-", "-" if auto_ratio is None else auto_ratio.fmt()])
+                              auto.outcome, "-", "-" if auto_ratio is None else auto_ratio.fmt(),
+                              *([_clip(cells(rows, "auto", correction))] if clip else [])])
             for eta in ETAS[1:]:
                 have = cells(rows, eta, correction)
                 r95 = read(rows, eta, correction)
@@ -216,10 +226,11 @@ def markdown(tasks: dict[str, list[SeedRow]]) -> str:
                               "-" if r95.delta is None else f"{100 * r95.delta:+.1f} [{100 * r95.low:+.1f}, "
                                                             f"{100 * r95.high:+.1f}]",
                               r95.outcome, read(rows, eta, correction, 0.99).outcome if correction == "behavior"
-                              else "-", "-" if ratio is None else ratio.fmt()])
+                              else "-", "-" if ratio is None else ratio.fmt(), *([_clip(have)] if clip else [])])
         lines += [markdown_table(["task", "correction", "η", "binds", "staleness (mean)",
                                   "Pass@1 − η 0's (points, 95%)", "reading (95%)", "reading (99%)",
-                                  "throughput ratio (against η 0; auto: η 1)"], table), "",
+                                  "throughput ratio (against η 0; auto: η 1)",
+                                  *(["clip fraction (mean)"] if clip else [])], table), "",
                   f"- **{task}**: S1 {v.s1} ({', '.join(f'{k} {_word(x)}' for k, x in v.parts.items())}); "
                   f"S2 auto {v.s2}.", ""]
         analysed = [r for r in rows if r.seed in SEEDS and r.group != BASE]
@@ -228,6 +239,11 @@ def markdown(tasks: dict[str, list[SeedRow]]) -> str:
         if resumed := [r.cell for r in analysed if r.resumed]:
             lines.append(f"{task}: resumed (throughput left out until run again): {', '.join(resumed)}.")
     return "\n".join(lines)
+
+
+def _clip(have: dict[int, SeedRow]) -> str:
+    values = [r.metrics["clip_frac"] for r in have.values() if "clip_frac" in r.metrics]
+    return f"{statistics.fmean(values):.3f}" if values else "-"
 
 
 def _word(x: bool | None) -> str:

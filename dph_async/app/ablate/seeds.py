@@ -11,12 +11,16 @@ be re-derived from these rows (`dph-async ablate confirm` reads them). Columns:
                                                 fingerprint of pi_0's files (`fingerprint`)
     ood_share                                   task.ood_warm_share (files written before it was
                                                 recorded lack the column: read as 1)
+    mini_batches                                learner.mini_batches (absent from older files: read
+                                                as 1, the default they ran with)
     commit, date, load, resumed                 the code, when it finished, the machine's 1-minute
                                                 load then, whether it resumed after an interruption
     reward, wall_s, samples                     final training reward, wall seconds, fresh samples
     staleness_mean, staleness_max               of the groups the learner consumed (the replay's
                                                 histogram: versions between a group's oldest token
                                                 and the version that trained on it)
+    clip_frac, mismatch_kl_k1                   the learner's clipped-token share and behaviour-to-
+                                                learner KL, means over the steps (newer files)
     <split>/greedy, <split>/pass@1, <split>/pass@<k>, <split>/distinct    the final model, per test split
     <split>/pass@1_se                           the s.d. of its per-prompt Pass@1 / sqrt(prompts): one
                                                 evaluation's own error (newer files)
@@ -41,9 +45,9 @@ from dph_async.config import RunConfig
 IDENTITY = ("cell", "group", "mode", "seed", "coeff", "share")
 CONFIG = ("task", "pg_share", "steps", "base")
 PROVENANCE = ("commit", "date", "load", "resumed")
-RUN = ("reward", "wall_s", "samples", "staleness_mean", "staleness_max")
+RUN = ("reward", "wall_s", "samples", "staleness_mean", "staleness_max", "clip_frac", "mismatch_kl_k1")
 TEXT = (*IDENTITY, *CONFIG, *PROVENANCE)  # the columns every file has that are not figures
-OPTIONAL = ("ood_share",)  # columns that are not figures, absent from files written before them
+OPTIONAL = ("ood_share", "mini_batches")  # columns that are not figures, absent from files written before them
 BASE = "pi_0"
 
 
@@ -67,6 +71,7 @@ class SeedRow:
     resumed: bool
     metrics: dict[str, float]  # reward, wall_s, samples and the split columns
     ood_share: float = 1.0
+    mini_batches: int = 1
 
 
 def repeated_seed(rows: list[SeedRow]) -> tuple[str, int] | None:
@@ -114,8 +119,8 @@ def write_seeds(path: Path, cells: list[CellResult], splits: list[str], k_max: i
         base = {}
         for split, res in cells[0].evals[0].splits.items():
             base.update(split_metrics(split, res, None))
-        share = repr(cfg.task.ood_warm_share)
-        out.writerow([BASE, BASE, "base", cfg.seed, 0.0, 0.0, *config, "", "", "", "", share,
+        share = (repr(cfg.task.ood_warm_share), cfg.learner.mini_batches)
+        out.writerow([BASE, BASE, "base", cfg.seed, 0.0, 0.0, *config, "", "", "", "", *share,
                       *(_number(base.get(k)) for k in figures)])
         for c in cells:
             m, prov = {**cell_metrics(c), **staleness(c.staleness_hist)}, c.provenance
@@ -123,7 +128,7 @@ def write_seeds(path: Path, cells: list[CellResult], splits: list[str], k_max: i
             out.writerow([c.cell.key, c.cell.group, c.cell.mode, c.cell.seed, c.cell.factors.get("coeff", 0.0),
                           c.cell.factors.get("share", 0.0), *config, prov.get("commit") or "",
                           prov.get("date") or "", "" if load[0] is None else f"{load[0]:.2f}", int(c.resumed),
-                          share, *(_number(m.get(k)) for k in figures)])
+                          *share, *(_number(m.get(k)) for k in figures)])
 
 
 def staleness(hist: dict[int, int]) -> dict[str, float]:
@@ -147,9 +152,9 @@ def _finite(text: str, column: str) -> float:
 
 
 def _in_range(column: str, x: float) -> float:
-    """Shares (Pass@k, greedy accuracy) lie in [0, 1]; seconds and counts are not negative."""
+    """Shares (Pass@k, greedy accuracy, the clipped share) lie in [0, 1]; seconds and counts are not negative."""
     name = column.rsplit("/", 1)[-1]
-    if (name.startswith("pass@") or name == "greedy") and not 0.0 <= x <= 1.0:
+    if (name.startswith("pass@") or name in ("greedy", "clip_frac")) and not 0.0 <= x <= 1.0:
         raise ValueError(f"{column}: {x!r} is not a share in [0, 1]")
     if name in ("wall_s", "samples", "distinct", "staleness_mean", "staleness_max") and x < 0:
         raise ValueError(f"{column}: {x!r} is negative")
@@ -161,6 +166,16 @@ def _share(text: str) -> float:
     if not 0.0 < x <= 1.0:
         raise ValueError(f"ood_share: {x!r} is not a share in (0, 1]")
     return x
+
+
+def _mini_batches(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"mini_batches: {text!r} is not a whole number") from None
+    if n < 1:
+        raise ValueError(f"mini_batches: {n} is not at least 1")
+    return n
 
 
 def read_seeds(path: Path) -> list[SeedRow]:
@@ -192,7 +207,7 @@ def _rows(path: Path, reader: Iterator[list[str]]) -> list[SeedRow]:
                                 _finite(r["share"], "share"), r["task"], _finite(r["pg_share"], "pg_share"),
                                 int(r["steps"]), r["base"], r["commit"], r["date"],
                                 _finite(r["load"], "load") if r["load"] else None, r["resumed"] == "1", metrics,
-                                _share(r.get("ood_share") or "1")))
+                                _share(r.get("ood_share") or "1"), _mini_batches(r.get("mini_batches") or "1")))
         except ValueError as e:
             raise ValueError(f"{path}, line {line}: {e}") from None
     return rows

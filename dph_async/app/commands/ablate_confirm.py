@@ -28,6 +28,9 @@ tests enter Holm as p = 1).
 {" ".join(map(str, confirm_staleness.SEEDS))}). Prints which (correction, eta) bind, each one's Pass@1
 against eta = 0 with its reading, throughput ratios, and the S1 (AReaL's shape) and S2 (auto) verdicts.
 
+--design staleness-trust (design 4): design 2 with learner.mini_batches=4 (decoupled PPO's clip acts
+from the second update of a batch); the same computation, rows of another mini-batch count refused.
+
 --design forgetting (design 3): per task, one `ablate divergence` sweep at the task's OOD share
 (grpo@d_exp, js_low_var:0.2, reverse_kl:0.1; seeds {" ".join(map(str, confirm_forgetting.SEEDS))}).
 Prints GRPO's OOD Pass@1 against pi_0's and each DPH arm's against GRPO's, Holm over all
@@ -38,10 +41,12 @@ examples:
       --task digit_sets runs/prereg/digit_sets runs/prereg/digit_sets-asrun -o confirm.md \\
       --figure confirm.png
   dph-async ablate confirm --design staleness --task embedded runs/prereg/staleness-embedded
+  dph-async ablate confirm --design staleness-trust --task embedded runs/prereg/staleness4-embedded
   dph-async ablate confirm --design forgetting --task embedded runs/prereg/forgetting-embedded
 """
 
-SWEEPS = {"divergence": 2, "staleness": 1, "forgetting": 1}
+SWEEPS = {"divergence": 2, "staleness": 1, "staleness-trust": 1, "forgetting": 1}
+MINI_BATCHES = {"staleness": 1, "staleness-trust": 4}  # the staleness designs' learner.mini_batches
 
 
 def _seeds_file(text: str) -> Path:
@@ -54,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which pre-registered design (default: %(default)s)")
     p.add_argument("--task", nargs="+", action="append", required=True, metavar="NAME SWEEP",
                    help="a task's name and its sweeps (directories or seeds.csv files): two for divergence (the "
-                        "first, the as-run), one for staleness and forgetting")
+                        "first, the as-run), one for the others")
     p.add_argument("-o", "--output", type=Path, help="also write the tables and verdicts to this markdown file")
     p.add_argument("--figure", type=Path, help="divergence: draw Pass@16 against Pass@1 per task to this PNG")
 
@@ -112,8 +117,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.design == "divergence":
             text = confirm.markdown(confirm.family(tasks), tasks)
-        elif args.design == "staleness":
-            text = confirm_staleness.markdown(tasks)
+        elif args.design in MINI_BATCHES:
+            text = confirm_staleness.markdown(tasks, MINI_BATCHES[args.design])
         else:
             text = confirm_forgetting.markdown(tasks)
     except ValueError as e:
