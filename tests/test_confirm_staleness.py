@@ -354,25 +354,31 @@ def test_design_4_is_design_2_at_four_mini_batches_and_refuses_the_others_rows()
     assert cs.markdown({"embedded": four}, 4) == cs.markdown({"embedded": rows})
 
 
-def test_the_clip_fraction_is_shown_where_the_rows_record_it():
+def test_the_clip_fraction_and_mismatch_kl_are_shown_where_the_rows_record_them():
     rng = np.random.default_rng()
     rows = sweep()
     assert "clip fraction" not in cs.markdown({"embedded": rows})
     clips = {r.cell: float(rng.uniform(0, 0.2)) for r in rows}
-    clipped = [replace(r, metrics={**r.metrics, "clip_frac": clips[r.cell]}) for r in rows
-               if r.cell != "eta4-behavior-seed202"]  # one seed's figure absent: the mean of the others
+    kls = {r.cell: float(rng.uniform(-0.01, 0.5)) for r in rows}
+    clipped = [replace(r, metrics={**r.metrics, "clip_frac": clips[r.cell], "mismatch_kl_k1": kls[r.cell]})
+               for r in rows if r.cell != "eta4-behavior-seed202"]  # one seed's figures absent: the mean of the others
     clipped = [replace(r, metrics={k: v for k, v in r.metrics.items() if k != "clip_frac"})
-               if r.group == "eta8-decoupled" else r for r in clipped]  # a group without it: "-"
+               if r.group == "eta8-decoupled" else r for r in clipped]  # a group without one of them: "-"
     text = cs.markdown({"embedded": clipped})
-    assert text.splitlines()[0].endswith("| throughput ratio (against η 0; auto: η 1) | clip fraction (mean) |")
+    assert text.splitlines()[0].endswith("| throughput ratio (against η 0; auto: η 1) | clip fraction (mean) | "
+                                         "mismatch KL (mean) |")
     got = table_rows(text)
     for correction in ("behavior", "decoupled"):
         for eta in (*cs.ETAS[1:], "auto"):
             key = (correction, str(eta) if eta != "auto" else "auto (against η 1)")
-            have = [clips[r.cell] for r in clipped if r.group == f"eta{eta}-{correction}"
-                    and "clip_frac" in r.metrics]
+            group = [r for r in clipped if r.group == f"eta{eta}-{correction}"]
+            have = [clips[r.cell] for r in group if "clip_frac" in r.metrics]
             assert got[key][9] == (f"{np.mean(have):.3f}" if have else "-")
-    assert got[("decoupled", "8")][9] == "-"
+            assert got[key][10] == f"{np.mean([kls[r.cell] for r in group]):.3f}"
+    assert got[("decoupled", "8")][9] == "-" and got[("decoupled", "8")][10] != "-"
+    only_kl = [replace(r, metrics={k: v for k, v in r.metrics.items() if k != "clip_frac"}) for r in clipped]
+    header = cs.markdown({"embedded": only_kl}).splitlines()[0]
+    assert header.endswith("(against η 0; auto: η 1) | mismatch KL (mean) |")
 
 
 def test_the_command_takes_the_trust_region_design(tmp_path, capsys):
@@ -394,7 +400,7 @@ def test_the_command_takes_the_trust_region_design(tmp_path, capsys):
 def test_files_from_before_the_mini_batch_count_was_recorded_read_as_one(tmp_path):
     from dph_async.app.ablate.seeds import read_seeds
 
-    path = Path(__file__).resolve().parents[1] / "docs" / "data" / "staleness" / "embedded.csv"
+    path = Path(__file__).resolve().parents[1] / "docs" / "data" / "prereg" / "embedded.csv"  # before the column
     assert {r.mini_batches for r in read_seeds(path)} == {1}
     lines = path.read_text().splitlines()
     for n, says in (("0", "0 is not at least 1"), ("2.5", "'2.5' is not a whole number"), ("x", "'x' is not a whole")):

@@ -20,7 +20,8 @@ the pre-registered SEEDS are analysed. Per task:
   geometric mean throughput) is at least AUTO_RATIO; not judged while a fixed η's cells are missing.
 
 Throughput: fresh samples per wall second of the training steps (seeds.csv's samples / wall_s).
-The clip fraction (seeds.csv's clip_frac, where recorded) is shown beside, not judged.
+The clip fraction and the behaviour-to-learner KL (seeds.csv's clip_frac and mismatch_kl_k1, where
+recorded) are shown beside, not judged.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ STEPS = 100
 MODE = "grpo"
 PASS1 = "in_domain/pass@1"
 LOAD_LIMIT = 4.0  # cells ending above this 1-minute load are listed
+# Diagnostics shown beside the readings where the rows have them (means over a cell's steps, then seeds).
+DIAGNOSED = {"clip_frac": "clip fraction (mean)", "mismatch_kl_k1": "mismatch KL (mean)"}
 
 
 def check_rows(task: str, rows: list[SeedRow], mini_batches: int = 1) -> None:
@@ -201,11 +204,11 @@ def verdict(task: str, rows: list[SeedRow], mini_batches: int = 1) -> TaskVerdic
 
 def markdown(tasks: dict[str, list[SeedRow]], mini_batches: int = 1) -> str:
     """Per task: every (correction, η) with its staleness, reading and throughput ratio (and clip
-    fraction, where the rows record it); the verdicts."""
+    fraction and mismatch KL, where the rows record them); the verdicts."""
     lines = []
     for task, rows in tasks.items():
         v = verdict(task, rows, mini_batches)
-        clip = any("clip_frac" in r.metrics for r in rows)
+        shown = [k for k in DIAGNOSED if any(k in r.metrics for r in rows)]
         table = []
         for correction in ("behavior", "decoupled"):
             auto = read(rows, "auto", correction, against=(1, correction))
@@ -215,7 +218,7 @@ def markdown(tasks: dict[str, list[SeedRow]], mini_batches: int = 1) -> str:
                               "-" if auto.delta is None else f"{100 * auto.delta:+.1f} [{100 * auto.low:+.1f}, "
                                                              f"{100 * auto.high:+.1f}]",
                               auto.outcome, "-", "-" if auto_ratio is None else auto_ratio.fmt(),
-                              *([_clip(cells(rows, "auto", correction))] if clip else [])])
+                              *(_mean(cells(rows, "auto", correction), k) for k in shown)])
             for eta in ETAS[1:]:
                 have = cells(rows, eta, correction)
                 r95 = read(rows, eta, correction)
@@ -226,11 +229,11 @@ def markdown(tasks: dict[str, list[SeedRow]], mini_batches: int = 1) -> str:
                               "-" if r95.delta is None else f"{100 * r95.delta:+.1f} [{100 * r95.low:+.1f}, "
                                                             f"{100 * r95.high:+.1f}]",
                               r95.outcome, read(rows, eta, correction, 0.99).outcome if correction == "behavior"
-                              else "-", "-" if ratio is None else ratio.fmt(), *([_clip(have)] if clip else [])])
+                              else "-", "-" if ratio is None else ratio.fmt(), *(_mean(have, k) for k in shown)])
         lines += [markdown_table(["task", "correction", "η", "binds", "staleness (mean)",
                                   "Pass@1 − η 0's (points, 95%)", "reading (95%)", "reading (99%)",
                                   "throughput ratio (against η 0; auto: η 1)",
-                                  *(["clip fraction (mean)"] if clip else [])], table), "",
+                                  *(DIAGNOSED[k] for k in shown)], table), "",
                   f"- **{task}**: S1 {v.s1} ({', '.join(f'{k} {_word(x)}' for k, x in v.parts.items())}); "
                   f"S2 auto {v.s2}.", ""]
         analysed = [r for r in rows if r.seed in SEEDS and r.group != BASE]
@@ -241,8 +244,8 @@ def markdown(tasks: dict[str, list[SeedRow]], mini_batches: int = 1) -> str:
     return "\n".join(lines)
 
 
-def _clip(have: dict[int, SeedRow]) -> str:
-    values = [r.metrics["clip_frac"] for r in have.values() if "clip_frac" in r.metrics]
+def _mean(have: dict[int, SeedRow], key: str) -> str:
+    values = [r.metrics[key] for r in have.values() if key in r.metrics]
     return f"{statistics.fmean(values):.3f}" if values else "-"
 
 
