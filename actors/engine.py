@@ -33,8 +33,8 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.sample import sampler as vllm_sampler
 
-from actors.inplace_weights import InPlaceLoader
-from actors.sampling import ForwardClock, Sample, SamplingSpec
+from dph_async.actors.inplace_weights import InPlaceLoader
+from dph_async.actors.sampling import ForwardClock, Sample, SamplingSpec
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +148,9 @@ class VLLMEngine:
         # `share_prefill`: a group's completions copy their prompt's KV from the first (shared_prefill.py).
         # Its connector is installed in every engine, sharing or not: vLLM's worker-side connector is
         # one per process, and an engine without one would meet another engine's.
-        connector = KVTransferConfig(kv_connector="SharedPrefill", kv_connector_module_path="actors.shared_prefill",
-                                     kv_role="kv_both", kv_connector_extra_config={"share": share_prefill})
+        connector = KVTransferConfig(kv_connector="SharedPrefill",
+                                     kv_connector_module_path="dph_async.actors.shared_prefill", kv_role="kv_both",
+                                     kv_connector_extra_config={"share": share_prefill})
         # The CPU's smallest KV block (vLLM's default there is 128 tokens): a copy moves a quarter of
         # the bytes; rounds ran on 5-10% less CPU sharing, 2-3% not (docs/benchmarks.md).
         blocks = {"block_size": 32} if current_platform.is_cpu() else {}

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.sampling import ForwardClock, Sample, SamplingSpec
+from dph_async.actors.sampling import ForwardClock, Sample, SamplingSpec
 from dph_async.samplers import sampler as sampler_named
 
 

@@ -20,9 +20,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from actors.faults import Faults
-from actors.sampling import Engine, Sample, SamplingSpec
-from actors.weights import WeightClient, WeightFetchError
+from dph_async.actors.faults import Faults
+from dph_async.actors.sampling import Engine, Sample, SamplingSpec
+from dph_async.actors.weights import WeightClient, WeightFetchError
 from dph_async.config import RunConfig
 from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
 from dph_async.replay_client import RolloutSender

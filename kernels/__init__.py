@@ -7,6 +7,6 @@ backward that recomputes each block's logits. The package shares its import name
 Face's `kernels`; it defines no `__version__` so transformers' probe never takes it for that one.
 """
 
-from kernels.fused import default_block_v, fused_logprobs
+from dph_async.kernels.fused import default_block_v, fused_logprobs
 
 __all__ = ["default_block_v", "fused_logprobs"]

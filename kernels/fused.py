@@ -14,7 +14,7 @@ from types import ModuleType, SimpleNamespace
 import torch
 from torch import Tensor
 
-from kernels import onednn, torch_logprob
+from dph_async.kernels import onednn, torch_logprob
 
 # Elements in one [N, block] fp32 logits buffer (128 MiB): the default block size follows from N.
 BLOCK_BUDGET = 1 << 25
@@ -46,7 +46,9 @@ def _implementation(impl: str, device: torch.device) -> ModuleType | SimpleNames
             raise ValueError(
                 "impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported"
             )
-        from kernels import triton_logprob  # heavy and optional (triton): a CUDA device's (or the interpreter's)
+        from dph_async.kernels import (
+            triton_logprob,  # heavy and optional (triton): a CUDA device's (or the interpreter's)
+        )
 
         return triton_logprob
     raise ValueError(f"impl must be 'auto', 'torch', 'onednn' or 'triton', not {impl!r}")

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from kernels import onednn
+from dph_async.kernels import onednn
 
 # Start of the running max: finite, so that (m_old - m_new) * 0 stays 0 instead of NaN.
 NEG_INIT = -1e30

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.torch_logprob import NEG_INIT, backward_setup
+from dph_async.kernels.torch_logprob import NEG_INIT, backward_setup
 
 # The running max's start (see kernels.torch_logprob), as a constant the jitted code can read.
 _NEG: tl.constexpr = tl.constexpr(NEG_INIT)

@@ -23,8 +23,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from dph_async.learner.losses import grpo_advantages, zero_spread_groups
 from dph_async.protocol import Batch, RolloutGroup
-from learner.losses import grpo_advantages, zero_spread_groups
 
 Kind = Literal["fresh", "reference"]
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.onednn import available
-from kernels.onednn import product as _product
+from dph_async.kernels.onednn import available
+from dph_async.kernels.onednn import product as _product
 
 CpuGemm = Literal["onednn", "torch"]
 # Multiply-adds (rows x in x out) from which a layer's forward and backward through oneDNN beat

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from dph_async.config.loss import CriticConfig
-from learner import losses as L
-from learner.batching import MicroBatch
-from learner.logprobs import response_hidden
+from dph_async.learner import losses as L
+from dph_async.learner.batching import MicroBatch
+from dph_async.learner.logprobs import response_hidden
 
 
 class ValueModel(nn.Module):

@@ -42,12 +42,12 @@ import torch
 import torch.distributed as dist
 
 from dph_async import protocol
+from dph_async.learner.losses import PolicyLoss
 from dph_async.protocol import Batch
-from learner.losses import PolicyLoss
 
 if TYPE_CHECKING:
-    from learner.batching import Unit
-    from learner.step_record import StepRecord
+    from dph_async.learner.batching import Unit
+    from dph_async.learner.step_record import StepRecord
 
 # Followers wait on the control group for as long as rank 0 waits for the replay to fill a batch.
 CONTROL_TIMEOUT = timedelta(hours=24)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from learner.losses import PolicyLoss, log_ratio, masked_mean
+from dph_async.learner.losses import PolicyLoss, log_ratio, masked_mean
 
 
 def is_weight_stats(is_weight: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

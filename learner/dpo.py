@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from learner.batching import Unit
+    from dph_async.learner.batching import Unit
 
 
 def pair_log_ratio(logp_w: Tensor, ref_w: Tensor, logp_l: Tensor, ref_l: Tensor) -> Tensor:

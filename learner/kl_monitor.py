@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from learner.batching import Sequence, pack
-from learner.logprobs import response_logprobs
+from dph_async.learner.batching import Sequence, pack
+from dph_async.learner.logprobs import response_logprobs
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import fused_logprobs
-from learner import zero3
-from learner.batching import MicroBatch
+from dph_async.kernels import fused_logprobs
+from dph_async.learner import zero3
+from dph_async.learner.batching import MicroBatch
 
 
 def packed_attention_mask(prompt_lens: torch.Tensor, lp: int, segment: torch.Tensor, dtype: torch.dtype

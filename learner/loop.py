@@ -19,17 +19,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dph_async.config import RunConfig
+from dph_async.learner import retention
+from dph_async.learner.guard import check_finite
+from dph_async.learner.publish import WeightServer
+from dph_async.learner.recording import RECORDING, BatchRecorder
+from dph_async.learner.staleness_control import Decision, StalenessController, StalenessRule
+from dph_async.learner.trainer import Trainer
 from dph_async.paths import checkpoint_dir
 from dph_async.protocol import Batch, ReferenceSample, RolloutGroup
 from dph_async.replay_client import ReplayClient
 from dph_async.run_stats import LearnerStats
 from dph_async.spans import add_span
-from learner import retention
-from learner.guard import check_finite
-from learner.publish import WeightServer
-from learner.recording import RECORDING, BatchRecorder
-from learner.staleness_control import Decision, StalenessController, StalenessRule
-from learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

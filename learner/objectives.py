@@ -32,11 +32,11 @@ from dph_async.lazy_import import lazy_module
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from learner.batching import Counts, Unit
+    from dph_async.learner.batching import Counts, Unit
 
 # torch loads with the first loss computed, not with the registry (a driver only reads the classes).
-dpo = lazy_module("learner.dpo")
-L = lazy_module("learner.losses")
+dpo = lazy_module("dph_async.learner.dpo")
+L = lazy_module("dph_async.learner.losses")
 
 
 @dataclass

@@ -29,6 +29,8 @@ import zmq
 from dph_async import net, protocol
 from dph_async import weights_shm as shm
 from dph_async.gate import Gate, HonestLoad
+from dph_async.learner.shm_slots import SlotWriter
+from dph_async.learner.zero3 import full_state_dict
 from dph_async.protocol import (
     BucketInfo,
     ErrorReply,
@@ -41,8 +43,6 @@ from dph_async.protocol import (
 from dph_async.receive import Received, guard, receive
 from dph_async.refusals import RefusalLog
 from dph_async.weights import make_buckets, tensor_to_array
-from learner.shm_slots import SlotWriter
-from learner.zero3 import full_state_dict
 
 log = logging.getLogger(__name__)
 

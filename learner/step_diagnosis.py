@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import torch
 
 from dph_async.errors import UserError
+from dph_async.learner.batching import MicroBatch, MiniBatch, Sequence, Unit
+from dph_async.learner.guard import screen
+from dph_async.learner.step_record import StepRecord
+from dph_async.learner.trainer import Trainer
 from dph_async.protocol import Batch
-from learner.batching import MicroBatch, MiniBatch, Sequence, Unit
-from learner.guard import screen
-from learner.step_record import StepRecord
-from learner.trainer import Trainer
 
 
 @dataclass

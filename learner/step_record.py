@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from learner.losses import PolicyLoss
+from dph_async.learner.losses import PolicyLoss
 
 
 @dataclass

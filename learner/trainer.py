@@ -28,19 +28,19 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM
 
 from dph_async.config import LearnerConfig
+from dph_async.learner import checkpoint_engine, cpu_gemm, zero3
+from dph_async.learner.batching import MicroBatch, MiniBatch, PreparedBatch, Unit, pack, prepare
+from dph_async.learner.critic import Critic
+from dph_async.learner.data_parallel import Ranks, Rendezvous, init_distributed
+from dph_async.learner.diagnostics import policy_diagnostics
+from dph_async.learner.guard import StepGuard, all_finite, screen
+from dph_async.learner.kl_monitor import KLMonitor
+from dph_async.learner.logprobs import response_logprobs
+from dph_async.learner.losses import PolicyLoss, policy_loss
+from dph_async.learner.objectives import Objective, make_objective
+from dph_async.learner.step_record import StepRecord
 from dph_async.protocol import Batch
 from dph_async.state_file import StateFileError
-from learner import checkpoint_engine, cpu_gemm, zero3
-from learner.batching import MicroBatch, MiniBatch, PreparedBatch, Unit, pack, prepare
-from learner.critic import Critic
-from learner.data_parallel import Ranks, Rendezvous, init_distributed
-from learner.diagnostics import policy_diagnostics
-from learner.guard import StepGuard, all_finite, screen
-from learner.kl_monitor import KLMonitor
-from learner.logprobs import response_logprobs
-from learner.losses import PolicyLoss, policy_loss
-from learner.objectives import Objective, make_objective
-from learner.step_record import StepRecord
 
 # Devices on which torch's AdamW has its fused form (one kernel over each tensor).
 FUSED_ADAM_DEVICES = ("cpu", "cuda")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import fused_logprobs
+from dph_async.kernels import fused_logprobs
 
 HEAD = "fused_head"
 

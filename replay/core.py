@@ -24,16 +24,16 @@ from dph_async.protocol import (
     TicketGrant,
     TicketRequest,
 )
+from dph_async.replay.dedup import AcceptedSeqs
+from dph_async.replay.metrics import ReplayMetrics
+from dph_async.replay.records import unstorable
+from dph_async.replay.reference_pool import ReferencePool
+from dph_async.replay.staleness import Admission, staleness
+from dph_async.replay.state import PendingBatch, ReplayState, read_state, write_state
+from dph_async.replay.store import Entry, FreshStore, GroupId, resident_cost
+from dph_async.replay.validation import problem
+from dph_async.replay.wal import IngestRecord, Record, ServeRecord, WriteAheadLog
 from dph_async.replay_stats import Mix, Occupancy, Refusals, ReplayStats, Served, Tickets, WalStats
-from replay.dedup import AcceptedSeqs
-from replay.metrics import ReplayMetrics
-from replay.records import unstorable
-from replay.reference_pool import ReferencePool
-from replay.staleness import Admission, staleness
-from replay.state import PendingBatch, ReplayState, read_state, write_state
-from replay.store import Entry, FreshStore, GroupId, resident_cost
-from replay.validation import problem
-from replay.wal import IngestRecord, Record, ServeRecord, WriteAheadLog
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dph_async.protocol import ReferenceSample
-from replay.records import list_array
+from dph_async.replay.records import list_array
 
 LOGPROB_TOLERANCE = 1e-3
 

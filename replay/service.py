@@ -58,12 +58,12 @@ from dph_async.protocol import (
 )
 from dph_async.receive import Received, guard, receive
 from dph_async.refusals import RefusalLog
+from dph_async.replay.core import ReplayCore
+from dph_async.replay.reference_pool import ReferencePool
+from dph_async.replay.state import ReplayStateError
+from dph_async.replay.wal import WriteAheadLog
 from dph_async.replay_client import LOCAL_REPLY, LocalInbox, ReplayClient
 from dph_async.replay_stats import ReplayStats
-from replay.core import ReplayCore
-from replay.reference_pool import ReferencePool
-from replay.state import ReplayStateError
-from replay.wal import WriteAheadLog
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20

@@ -31,7 +31,7 @@ import msgspec
 import pyarrow as pa
 
 from dph_async.protocol import RolloutGroup
-from replay.records import GROUP_FIELDS, group_columns, groups_from
+from dph_async.replay.records import GROUP_FIELDS, group_columns, groups_from
 
 FORMAT = 1
 STATE_FILE = "replay_state.arrow"

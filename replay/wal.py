@@ -67,7 +67,7 @@ import msgspec
 import pyarrow as pa
 
 from dph_async.protocol import Limits, ProtocolError, RolloutGroup, decode, encode
-from replay.state import ReplayStateError, digest, fsync_dir
+from dph_async.replay.state import ReplayStateError, digest, fsync_dir
 
 log = logging.getLogger(__name__)
 

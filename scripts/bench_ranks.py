@@ -27,13 +27,13 @@ import numpy as np
 import torch
 
 from dph_async.config import load_config
+from dph_async.learner.data_parallel import Rendezvous
+from dph_async.learner.objectives import make_objective
+from dph_async.learner.trainer import Trainer, follow
 from dph_async.protocol import Batch, Completion, ReferenceSample, RolloutGroup, SamplingInfo
 from dph_async.rewards.result import RewardResult
 from dph_async.tasks.embedded import ALPHABET
 from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer, save_model
-from learner.data_parallel import Rendezvous
-from learner.objectives import make_objective
-from learner.trainer import Trainer, follow
 
 
 def synthetic_batch(cfg, vocab: int, seed: int = 0):

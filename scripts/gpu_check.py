@@ -19,6 +19,7 @@ table last, writes everything to --json, and exits 1 when any check fails.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -35,12 +36,20 @@ import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The checkout's code, installed or not: a card's machine may have only torch and triton, so where the
+# project is not installed its design-card directories are mapped into the `dph_async` namespace here,
+# as pyproject.toml's package-dir mapping does for an install.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import dph_async  # noqa: E402
 
-from dph_async.config.loss import LossConfig
-from kernels import default_block_v, fused_logprobs
-from kernels.reference import naive_logprobs, reference_with_grads, rel_error
-from learner import losses as L
+if importlib.util.find_spec("dph_async.kernels") is None:
+    dph_async.__path__.append(str(ROOT))
+
+from dph_async.config.loss import LossConfig  # noqa: E402
+from dph_async.kernels import default_block_v, fused_logprobs  # noqa: E402
+from dph_async.kernels.reference import naive_logprobs, reference_with_grads, rel_error  # noqa: E402
+from dph_async.learner import losses as L  # noqa: E402
 
 GIB = 1 << 30
 # Liger-Kernel's published peak memory at N = 8,192 (Qwen-size V and H, bf16), for the record beside ours.
@@ -208,7 +217,7 @@ def sweep_tiles(report: Report, device: str, tiny: bool, g: torch.Generator) -> 
     """Forward and backward of the Triton kernel, separately, per candidate tile at N = 8,192, bf16."""
     # Defines the Triton kernels, so only here, after main's TRITON_INTERPRET check: Triton takes its
     # interpreter or the GPU when they are defined (kernels/fused.py imports it as late).
-    from kernels import triton_logprob as tk
+    from dph_async.kernels import triton_logprob as tk
 
     n, h, v = (100, 72, 1_500) if tiny else (8_192, 4_096, 151_936)
     hidden, weight, targets, grad, rows, ref_logp, ref_dh = _cost_inputs(n, h, v, torch.bfloat16, device, g)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import actors.engine  # noqa: F401  (vLLM, torch, transformers: what the children would import)
+import dph_async.actors.engine  # noqa: F401  (vLLM, torch, transformers: what the children would import)
 
 
 def child(request: dict) -> None:

@@ -31,7 +31,7 @@ import pyarrow as pa
 
 with atheris.instrument_imports(include=["dph_async.protocol", "replay"]):
     from dph_async import protocol as P
-    from replay import state, wal
+    from dph_async.replay import state, wal
 
 SEEDS = Path(__file__).parent / "data" / "fuzz"
 _FRAMES = struct.Struct("<I")

@@ -210,7 +210,7 @@ def test_reads_the_learners_own_checkpoint(tmp_path, monkeypatch):
     beside the weights) is read with weights_only loading, and holds the learner's weights."""
     from dph_async.config import LearnerConfig
     from dph_async.config.loss import LossConfig
-    from learner.trainer import Trainer
+    from dph_async.learner.trainer import Trainer
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"))
     model, tok = tiny(0)

@@ -20,7 +20,7 @@ import torch
 from conftest import SMALL, copy_base
 from safetensors.torch import load_file
 
-from actors.faults import ENV
+from dph_async.actors.faults import ENV
 
 pytestmark = pytest.mark.slow
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL, alive, copy_base, descendants, kill_tree, processes
 
-from replay.state import read_state
+from dph_async.replay.state import read_state
 
 pytestmark = pytest.mark.slow
 

@@ -14,11 +14,11 @@ from test_learner import recording_gradients
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dph_async.config import LearnerConfig, LossConfig
+from dph_async.kernels import onednn
+from dph_async.learner import cpu_gemm
+from dph_async.learner.cpu_gemm import OneDNNLinear
 from dph_async.protocol import Batch, Completion, RolloutGroup, SamplingInfo
 from dph_async.rewards.result import RewardResult
-from kernels import onednn
-from learner import cpu_gemm
-from learner.cpu_gemm import OneDNNLinear
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -122,7 +122,7 @@ def rollouts(rng: np.random.Generator, groups: int = 16, n: int = 8) -> Batch:
 
 
 def first_gradients(model_dir: str, gemm: str, batch: Batch) -> tuple[list[torch.Tensor], object]:
-    from learner.trainer import Trainer
+    from dph_async.learner.trainer import Trainer
 
     cfg = LearnerConfig(zero_stage=0, cpu_gemm=gemm, loss=LossConfig(objective="js", coeff=0.1))
     t = Trainer(model_dir, cfg, temperature=1.0, dtype="float32", pad_id=0, max_response_tokens=8)

@@ -12,9 +12,9 @@ from test_learner import batch, model_dir, trainer  # noqa: F401  (model_dir: th
 from dph_async.app.pipeline import validate
 from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, load_config
-from learner import losses as L
-from learner.batching import prepare
-from learner.trainer import StepRecord
+from dph_async.learner import losses as L
+from dph_async.learner.batching import prepare
+from dph_async.learner.trainer import StepRecord
 
 
 def gae_reference(rewards: list[float], values: list[float], gamma: float, lam: float) -> tuple[list, list]:

@@ -26,11 +26,11 @@ from test_learner import V, group, recording_gradients, tiny
 from test_zero3 import end_rank, recording
 
 from dph_async.config import LearnerConfig, LossConfig
+from dph_async.learner.batching import Sequence
+from dph_async.learner.data_parallel import Ranks, Rendezvous
+from dph_async.learner.trainer import follow
 from dph_async.protocol import Batch, ReferenceSample
 from dph_async.tasks.tiny_model import build_tokenizer
-from learner.batching import Sequence
-from learner.data_parallel import Ranks, Rendezvous
-from learner.trainer import follow
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def the_batch() -> Batch:
 
 
 def make_trainer(model_dir: str, settings: dict, rendezvous: Rendezvous | None = None):
-    from learner.trainer import Trainer
+    from dph_async.learner.trainer import Trainer
 
     settings = dict(settings)
     loss = LossConfig(**{"objective": "forward", "coeff": 0.5, **settings.pop("loss", {})})
@@ -150,7 +150,7 @@ def listening(rank: int, world: int, store: str, out: str) -> None:
     import psutil
     import torch.distributed as dist
 
-    from learner.data_parallel import init_distributed
+    from dph_async.learner.data_parallel import init_distributed
 
     init_distributed(Rendezvous(rank, world, store) if world > 1 else None)
     if world > 1:

@@ -7,8 +7,8 @@ import math
 import torch
 
 from dph_async.config.loss import LossConfig
-from learner import diagnostics as D
-from learner.losses import policy_loss
+from dph_async.learner import diagnostics as D
+from dph_async.learner.losses import policy_loss
 
 F64 = torch.float64
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from dph_async.config.loss import LossConfig
-from learner import dpo
-from learner import losses as L
-from learner.batching import Counts, Sequence
-from learner.objectives import make_objective
+from dph_async.learner import dpo
+from dph_async.learner import losses as L
+from dph_async.learner.batching import Counts, Sequence
+from dph_async.learner.objectives import make_objective
 
 F64 = torch.float64
 

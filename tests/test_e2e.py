@@ -168,7 +168,7 @@ def test_async_behaviour_logprobs_are_those_sampled_at_each_tokens_version(prepa
     from test_run_command import LOGPROB_TOL
 
     from dph_async.paths import checkpoint_dir
-    from replay.wal import IngestRecord, WriteAheadLog
+    from dph_async.replay.wal import IngestRecord, WriteAheadLog
 
     _, rl_dir = async_run
     groups = [g for r in WriteAheadLog(rl_dir / "replay_wal").records() if isinstance(r, IngestRecord)
@@ -533,9 +533,9 @@ def test_under_f_linear_the_actor_runs_on_the_learners_shared_weights(prepared):
     from test_run_command import LOGPROB_TOL, worst_gap
     from transformers import AutoModelForCausalLM
 
+    from dph_async.learner.batching import Sequence
     from dph_async.paths import checkpoint_weights
-    from learner.batching import Sequence
-    from replay.wal import IngestRecord, WriteAheadLog
+    from dph_async.replay.wal import IngestRecord, WriteAheadLog
 
     result, rl_dir = train(prepared, "views", "mode=sync", "learner.steps=4", "actors.num_actors=1",
                            "actors.cpu_gemm=torch", "actors.threads=2", "learner.checkpoint_every=2",

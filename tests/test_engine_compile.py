@@ -21,8 +21,8 @@ from conftest import run_child, save_tiny_llama
 CHILD = """
 import json, sys
 from transformers import AutoModelForCausalLM
-from actors.engine import VLLMEngine
-from actors.sampling import SamplingSpec
+from dph_async.actors.engine import VLLMEngine
+from dph_async.actors.sampling import SamplingSpec
 
 def main():
     out, a, b = sys.argv[1:]
@@ -69,7 +69,7 @@ def test_compiled_engine_samples_as_eager_and_loads_weights_in_place(tmp_path, e
 
 
 def test_a_compiled_engine_without_a_cpp_compiler_is_refused_by_its_setting(monkeypatch):
-    from actors.engine import VLLMEngine
+    from dph_async.actors.engine import VLLMEngine
 
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
     with pytest.raises(RuntimeError, match=r"actors\.compile=true.*'no-such-c\+\+-compiler' is not on PATH"):
@@ -77,13 +77,13 @@ def test_a_compiled_engine_without_a_cpp_compiler_is_refused_by_its_setting(monk
 
 
 def test_auto_compiles_where_the_node_has_a_cpp_compiler_and_runs_op_by_op_where_not(monkeypatch, caplog):
-    from actors.engine import resolve_compile
+    from dph_async.actors.engine import resolve_compile
 
     monkeypatch.setenv("CXX", sys.executable)  # any program on PATH stands for the compiler here
     assert resolve_compile("auto") is True and resolve_compile(True) is True
     assert resolve_compile(False) is False
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
-    with caplog.at_level(logging.WARNING, logger="actors.engine"):
+    with caplog.at_level(logging.WARNING, logger="dph_async.actors.engine"):
         assert resolve_compile("auto") is False
     assert "actors.compile=auto: no C++ compiler ('no-such-c++-compiler')" in caplog.text
     assert resolve_compile(False) is False

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 
 CHILD = """
 import json, sys
-from actors.engine import VLLMEngine, count_at_least
-from actors.sampling import SamplingSpec
+from dph_async.actors.engine import VLLMEngine, count_at_least
+from dph_async.actors.sampling import SamplingSpec
 
 def finished(engine):
     done = {}

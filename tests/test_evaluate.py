@@ -19,7 +19,7 @@ import torch
 from conftest import SMALL, small_config
 from transformers import AutoModelForCausalLM
 
-from actors.sampling import Sample, SamplingSpec
+from dph_async.actors.sampling import Sample, SamplingSpec
 from dph_async.app.evaluate import evaluate_split, pass_at_k
 from dph_async.app.presample import d_pef_prompts
 from dph_async.config import RunConfig
@@ -139,9 +139,9 @@ def test_reference_logprobs_are_pi0s_at_the_sampling_temperature(tmp_path):
     from transformers import AutoTokenizer
 
     from dph_async.app.presample import presample
+    from dph_async.learner.batching import Sequence
     from dph_async.tasks.dataset import load_prompts, verl_row, write_rows
     from dph_async.tasks.embedded import make_splits
-    from learner.batching import Sequence
 
     model = save_tiny_llama(tmp_path / "pi0")
     tok = AutoTokenizer.from_pretrained(model)
@@ -196,7 +196,7 @@ def test_presampling_output_follows_the_split_rule(small_base):
 ONE_ENGINE = """
 import json, sys
 from pathlib import Path
-from actors.engine import SamplingSpec, VLLMEngine
+from dph_async.actors.engine import SamplingSpec, VLLMEngine
 from dph_async.app import evaluate
 from dph_async.app.evaluate import evaluate_jobs
 from dph_async.app.evaluate import EvalJob

@@ -55,7 +55,7 @@ def test_an_arrow_file_whose_offsets_overrun_its_values_is_refused_not_read():
     Arrow's full validation, crashed the process (SIGSEGV). In a subprocess, so a regression fails this
     test rather than the whole run."""
     found = TESTS / "data" / "fuzz-found" / "state-list-offsets-overrun.arrow"
-    code = ("import sys, pyarrow as pa; from replay.state import decode_state, ReplayStateError\n"
+    code = ("import sys, pyarrow as pa; from dph_async.replay.state import decode_state, ReplayStateError\n"
             "try: decode_state(pa.py_buffer(open(sys.argv[1], 'rb').read()), sys.argv[1])\n"
             "except ReplayStateError as e: print(e)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])}

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from kernels.reference import naive_logprobs
+from dph_async.kernels.reference import naive_logprobs
 
 pytestmark = pytest.mark.triton
 
@@ -68,3 +68,23 @@ def test_gpu_check_refuses_to_run_without_a_device_or_interpreter(monkeypatch, c
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert check.main(["--tiny"]) == 2
     assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
+def test_gpu_check_runs_from_a_checkout_that_is_not_installed(tmp_path):
+    """A card's machine has torch and triton but not the project: without the install's finder the
+    script still maps the checkout's directories into `dph_async` (its --help imports everything)."""
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"""#!/bin/sh
+exec {sys.executable} -c '
+import importlib.util, runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+assert importlib.util.find_spec("dph_async") is None, "the install is still visible"
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+' "$@"
+""")
+    wrapper.chmod(0o755)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--help"], env={**os.environ,
+                          "PYTHON": str(wrapper)}, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "usage:" in proc.stdout

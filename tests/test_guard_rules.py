@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dph_async.protocol import Batch, Completion, ReferenceSample, RolloutGroup, SamplingInfo
-from dph_async.rewards.result import RewardResult
-from learner.guard import (
+from dph_async.learner.guard import (
     NonFiniteTraining,
     StepGuard,
     all_finite,
@@ -21,6 +19,8 @@ from learner.guard import (
     reference_problem,
     screen,
 )
+from dph_async.protocol import Batch, Completion, ReferenceSample, RolloutGroup, SamplingInfo
+from dph_async.rewards.result import RewardResult
 
 V = 8  # the vocabulary: ids 0..7
 
@@ -78,7 +78,7 @@ def test_screen_names_each_record_it_took_out_and_logs_the_first_five(caplog):
     groups[1] = rollout(1, ids(1, V), completion(ids(1)), actor=2)
     bad_refs = [sample(f"r{i}", ids(1), ids(2), np.array([np.nan])) for i in range(5)]
     batch = Batch(9, groups, [sample("ok", ids(1), ids(2)), *bad_refs], {})
-    with caplog.at_level(logging.ERROR, logger="learner.guard"):
+    with caplog.at_level(logging.ERROR, logger="dph_async.learner.guard"):
         clean, removed = screen(batch, V)
     outside = f"token ids span [1, {V}], outside the vocabulary [0, {V})"
     assert removed == {"2/1": outside} | {f"r{i}": "a non-finite log-prob" for i in range(5)}
@@ -110,7 +110,7 @@ def batch_of(actor_groups: list[tuple[int, int]]) -> Batch:
 
 def test_the_step_guard_stops_at_exactly_max_skipped_batches_in_a_row_naming_every_source(caplog):
     guard = StepGuard(max_skipped=3)
-    with caplog.at_level(logging.ERROR, logger="learner.guard"):
+    with caplog.at_level(logging.ERROR, logger="dph_async.learner.guard"):
         guard.after_batch(batch_of([(1, 0), (2, 1)]), 1, 5)
     assert caplog.messages == ["learner: batch 5: 1 updates skipped (non-finite loss or gradient); groups 1/0, 2/1"]
     guard.after_batch(batch_of([(2, 2), (2, 3), (1, 4)]), 2, 6)

@@ -453,9 +453,9 @@ def test_scorer_failures_are_masked_by_the_learner_and_counted():
     scored completions, with advantages over their rewards alone, (r - mean) / (unbiased std + eps)."""
     import numpy as np
 
+    from dph_async.learner.batching import prepare
     from dph_async.protocol import Batch, Completion, RolloutGroup, SamplingInfo
     from dph_async.rewards.result import RewardResult, failure
-    from learner.batching import prepare
 
     rewards = [RewardResult(1.0, True), RewardResult(0.0, False), failure("error", "reward worker died"),
                failure("error", "scorer service unavailable")]

@@ -28,8 +28,8 @@ CHILD = """
 import json, sys
 from dataclasses import replace
 from safetensors.torch import load_file
-from actors.engine import VLLMEngine
-from actors.sampling import SamplingSpec
+from dph_async.actors.engine import VLLMEngine
+from dph_async.actors.sampling import SamplingSpec
 
 out, a, b, temperature = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 spec = SamplingSpec(temperature=temperature, max_tokens=12)

@@ -22,7 +22,7 @@ import pytest
 import torch
 from conftest import TINY_VLLM_CONFIG, run_child, save_tiny_model
 
-from actors.engine import TORCH_GEMM_BELOW, resolve_cpu_gemm
+from dph_async.actors.engine import TORCH_GEMM_BELOW, resolve_cpu_gemm
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +32,11 @@ from dataclasses import replace
 from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
-from actors.engine import VLLMEngine
-from actors.sampling import SamplingSpec
-from actors.weights import WeightClient
+from dph_async.actors.engine import VLLMEngine
+from dph_async.actors.sampling import SamplingSpec
+from dph_async.actors.weights import WeightClient
 from dph_async.net import NetSecurity
-from learner.publish import WeightServer
+from dph_async.learner.publish import WeightServer
 
 def compare(a, b, gemm):
     spec = SamplingSpec(temperature=1.0, max_tokens=12, n=4, seed=7)

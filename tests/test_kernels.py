@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
-from kernels import default_block_v, fused_logprobs, onednn
-from kernels.fused import CPU_BLOCK_BUDGET
-from kernels.reference import reference_with_grads, rel_error
+from dph_async.kernels import default_block_v, fused_logprobs, onednn
+from dph_async.kernels.fused import CPU_BLOCK_BUDGET
+from dph_async.kernels.reference import reference_with_grads, rel_error
 
 LOGP_ATOL = 5e-5
 GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -185,16 +185,20 @@ def test_default_block_v():
     assert default_block_v(4_096, 1_001) == 1_001
 
 
-def test_transformers_does_not_take_ours_for_hf_kernels():
-    """Our top-level `kernels` shares its import name with Hugging Face's; transformers must neither
-    report Hugging Face kernels as available nor import ours while probing for it."""
+def test_transformers_does_not_take_ours_for_hf_kernels(tmp_path):
+    """Our kernels install as `dph_async.kernels`: the top-level name `kernels`, Hugging Face's, is not
+    the project's, so transformers neither reports Hugging Face kernels as available nor imports ours
+    while probing for it (run outside the checkout, as an installed project is)."""
     code = (
-        "import sys, transformers\n"
+        "import importlib.metadata, importlib.util, sys, transformers\n"
         "from transformers.utils.import_utils import is_kernels_available\n"
         "assert not is_kernels_available()\n"
-        "assert 'kernels' not in sys.modules, 'transformers imported the project kernels package'\n"
+        "assert 'kernels' not in sys.modules, 'transformers imported a kernels package'\n"
+        "assert importlib.util.find_spec('kernels') is None, importlib.util.find_spec('kernels')\n"
+        "assert 'dph-async' not in importlib.metadata.packages_distributions().get('kernels', [])\n"
+        "import dph_async.kernels.fused\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
 
 

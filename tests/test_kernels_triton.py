@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.reference import reference_with_grads, rel_error
+from dph_async.kernels.reference import reference_with_grads, rel_error
 
 pytestmark = pytest.mark.triton
 
@@ -107,7 +107,7 @@ def test_triton_peaked_distribution_never_positive(results):
 def _child(path_in: str, path_out: str) -> None:
     """Runs every case through impl="triton" (under the interpreter) and saves outputs and gradients."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    from kernels import fused_logprobs
+    from dph_async.kernels import fused_logprobs
 
     outputs = {}
     for name, case in torch.load(path_in).items():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from learner.kl_monitor import KLMonitor, estimate, sample, sequence_terms
+from dph_async.learner.kl_monitor import KLMonitor, estimate, sample, sequence_terms
 
 F64 = torch.float64
 

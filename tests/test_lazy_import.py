@@ -21,10 +21,10 @@ from dph_async.config import load_config
 validate(load_config("default", []), [RunSpec.parse(m) for m in ("grpo@d_exp", "js_low_var", "reverse_kl:0.1", "dpo")])
 print(sorted(m for m in ("torch", "matplotlib", "vllm", "transformers", "deepspeed") if m in sys.modules))
 import torch
-from learner.objectives import make_objective
+from dph_async.learner.objectives import make_objective
 from dph_async.config import LossConfig
 d = make_objective(LossConfig(objective="forward")).reference_divergence(torch.tensor([-1.0]), torch.tensor([-2.0]))
-print("forward KL", round(float(d), 6), type(sys.modules["learner.losses"]).__name__)
+print("forward KL", round(float(d), 6), type(sys.modules["dph_async.learner.losses"]).__name__)
 """
 
 

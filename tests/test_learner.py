@@ -19,11 +19,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from dph_async.config import CriticConfig, LearnerConfig, LossConfig
+from dph_async.learner.batching import MiniBatch, Sequence, pack, prepare
+from dph_async.learner.logprobs import response_logprobs
 from dph_async.protocol import Batch, Completion, ReferenceSample, RolloutGroup, SamplingInfo
 from dph_async.rewards.result import RewardResult
 from dph_async.tasks.tiny_model import build_tokenizer
-from learner.batching import MiniBatch, Sequence, pack, prepare
-from learner.logprobs import response_logprobs
 
 ROOT = Path(__file__).resolve().parents[1]
 V = 24
@@ -153,7 +153,7 @@ def model_dir(tmp_path_factory) -> str:
 
 def trainer(model_dir: str, lr: float = 3e-2, **learner):
     """A one-rank trainer on the tiny model (ZeRO stage 0: gradients stay on the parameters)."""
-    from learner.trainer import Trainer
+    from dph_async.learner.trainer import Trainer
 
     loss = learner.pop("loss", {})
     critic = learner.pop("critic", {})
@@ -285,7 +285,7 @@ def test_the_proximal_policy_is_the_batchs_start_for_every_mini_batch(model_dir)
 
 
 def test_gradient_parts_norms_and_cosine():
-    from learner.trainer import gradient_parts
+    from dph_async.learner.trainer import gradient_parts
 
     fresh = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])]
     ref = [torch.tensor([0.0, 2.0]), torch.tensor([[0.0]])]

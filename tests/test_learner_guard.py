@@ -17,9 +17,9 @@ import torch
 from test_learner import V, group, model_dir, trainer  # noqa: F401  (model_dir is a fixture)
 
 from dph_async.config import RunConfig
+from dph_async.learner.guard import NonFiniteTraining, StepGuard, check_finite, screen
+from dph_async.learner.loop import LearnerLoop
 from dph_async.protocol import Batch, ReferenceSample
-from learner.guard import NonFiniteTraining, StepGuard, check_finite, screen
-from learner.loop import LearnerLoop
 
 
 def _batch(rewards: list[list[float]], seed: int = 0, actor: int = 0) -> Batch:

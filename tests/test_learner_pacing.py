@@ -12,7 +12,7 @@ import torch
 from test_learner import group
 
 from dph_async.config import RunConfig
-from learner.loop import LearnerLoop
+from dph_async.learner.loop import LearnerLoop
 
 
 class Replay:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dph_async.config.loss import LossConfig
-from learner import losses as L
+from dph_async.learner import losses as L
 
 F64 = torch.float64
 K = 7

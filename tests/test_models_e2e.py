@@ -114,7 +114,7 @@ def family_run(ray_session, tokenizer, tmp_path_factory):
 
 
 def wal_groups(rl_dir: Path) -> list:
-    from replay.wal import IngestRecord, WriteAheadLog
+    from dph_async.replay.wal import IngestRecord, WriteAheadLog
 
     return [g for r in WriteAheadLog(rl_dir / "replay_wal").records() if isinstance(r, IngestRecord)
             for g in r.groups]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dph_async.config.loss import LossConfig
-from learner import losses as L
-from learner.batching import Counts
-from learner.objectives import OBJECTIVES, UnknownObjective, make_objective, objective_class
+from dph_async.learner import losses as L
+from dph_async.learner.batching import Counts
+from dph_async.learner.objectives import OBJECTIVES, UnknownObjective, make_objective, objective_class
 
 F64 = torch.float64
 
@@ -193,8 +193,8 @@ def test_without_a_share_the_reference_part_is_the_divergence_alone():
 
 def test_prepare_marks_the_share_of_reference_samples_over_steps():
     """floor(p n + frac(v g)) samples a batch: exactly p over steps, never more than one off per batch."""
+    from dph_async.learner.batching import prepare
     from dph_async.protocol import Batch, ReferenceSample
-    from learner.batching import prepare
 
     def ref(i: int) -> ReferenceSample:
         ids = np.array([1, 2, 3], dtype=np.int32)
@@ -215,7 +215,7 @@ def test_prepare_marks_the_share_of_reference_samples_over_steps():
 
 
 def test_official_share_from_the_scripts_layout():
-    from learner.as_run import official_pg_share
+    from dph_async.learner.as_run import official_pg_share
 
     # 8 GPUs: 288 a rank, rank 7 holds 32 rollouts + 256 preserved; its first mini-batch of 128 mixes
     # 32 with 96 of them. 16 GPUs: rank 14 holds 32 + 112, its first mini-batch of 64 mixes 32 + 32.
@@ -229,7 +229,7 @@ def test_official_share_from_the_scripts_layout():
 
 def test_as_run_presets_use_the_official_share():
     from dph_async.config import load_config
-    from learner.as_run import official_pg_share
+    from dph_async.learner.as_run import official_pg_share
 
     for preset, objective in (("js_low_var_as_run", "js_low_var"), ("dpef_pg", "dpef_pg")):
         loss = load_config(preset).learner.loss

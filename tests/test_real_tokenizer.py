@@ -11,11 +11,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from dph_async.config import ModelConfig
+from dph_async.kernels import default_block_v
 from dph_async.tasks.bpe import CHAT_TEMPLATE, build_bpe, corpus
 from dph_async.tasks.dataset import load_prompts, verl_row, write_rows
 from dph_async.tasks.embedded import make_splits
 from dph_async.tasks.tiny_model import build_tiny_llama, save_model
-from kernels import default_block_v
 
 pytestmark = pytest.mark.slow
 

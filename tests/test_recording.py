@@ -16,9 +16,7 @@ import numpy as np
 import pytest
 
 from dph_async.config import RunConfig, dump_config
-from dph_async.protocol import Batch, Completion, RolloutGroup, SamplingInfo, encode
-from dph_async.rewards.result import RewardResult
-from learner.recording import (
+from dph_async.learner.recording import (
     LEARNER_CONFIG,
     MAGIC,
     RECORDING,
@@ -29,6 +27,8 @@ from learner.recording import (
     read_run_info,
     write_run_info,
 )
+from dph_async.protocol import Batch, Completion, RolloutGroup, SamplingInfo, encode
+from dph_async.rewards.result import RewardResult
 
 
 def rollout(seq: int) -> RolloutGroup:
@@ -148,7 +148,7 @@ def test_a_resume_keeps_exactly_the_records_asked_for(tmp_path, caplog):
     recorder.append(batch(7))  # appended after the kept record
     recorder.close()
     assert [b.version for _, b in read_batches(path)] == [0, 7]
-    with caplog.at_level(logging.WARNING, logger="learner.recording"):
+    with caplog.at_level(logging.WARNING, logger="dph_async.learner.recording"):
         BatchRecorder(path, keep=3).close()  # more than the file holds: it starts anew
     assert path.read_bytes() == MAGIC
     assert caplog.messages == [f"{path}: the 3 steps before the checkpoint are not on record; recording from "
@@ -161,7 +161,7 @@ def test_a_resume_over_a_damaged_recording_starts_anew_and_says_why(tmp_path, ca
     data = bytearray(path.read_bytes())
     data[offsets[0] + 20] ^= 1
     path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="learner.recording"):
+    with caplog.at_level(logging.WARNING, logger="dph_async.learner.recording"):
         BatchRecorder(path, keep=1).close()
     assert path.read_bytes() == MAGIC
     assert caplog.messages[0] == f"{path}: record at byte {offsets[0]} fails its checksum"

@@ -18,8 +18,8 @@ import zmq
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import decode, encode
-from replay.core import ReplayCore
-from replay.store import COMPLETION_OVERHEAD, FreshStore, resident_cost
+from dph_async.replay.core import ReplayCore
+from dph_async.replay.store import COMPLETION_OVERHEAD, FreshStore, resident_cost
 
 MiB = 1 << 20
 

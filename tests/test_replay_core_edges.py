@@ -16,6 +16,12 @@ import numpy as np
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, ReferenceSample, ResumeInfo, TicketGrant, TicketRequest
+from dph_async.replay import core as core_module
+from dph_async.replay.core import MiB, ReplayCore
+from dph_async.replay.reference_pool import ReferencePool
+from dph_async.replay.state import read_state
+from dph_async.replay.store import resident_cost
+from dph_async.replay.wal import MAGIC, WriteAheadLog
 from dph_async.replay_stats import (
     IngestRate,
     Mix,
@@ -26,12 +32,6 @@ from dph_async.replay_stats import (
     Tickets,
     WalStats,
 )
-from replay import core as core_module
-from replay.core import MiB, ReplayCore
-from replay.reference_pool import ReferencePool
-from replay.state import read_state
-from replay.store import resident_cost
-from replay.wal import MAGIC, WriteAheadLog
 
 
 def make_core(wal_dir=None, **cfg) -> ReplayCore:
@@ -187,7 +187,7 @@ def test_a_ticketless_group_dropped_or_quarantined_leaves_the_ticketless_budget(
     bad = synthetic_group(9, 1, version=2)
     bad.sampling = msgspec.structs.replace(bad.sampling, top_k=2**64 - 1)  # cannot be stored
     core.ingest([bad])
-    with caplog.at_level(logging.ERROR, logger="replay.core"):
+    with caplog.at_level(logging.ERROR, logger="dph_async.replay.core"):
         core.snapshot(tmp_path / "s.arrow")
     assert re.fullmatch(r"replay: group \(9, 1\) quarantined: it cannot be stored \(.+\); dropped, its position "
                         "open again", caplog.messages[0])

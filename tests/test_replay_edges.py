@@ -8,9 +8,9 @@ import pytest
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, TicketRequest
-from replay.core import ReplayCore
-from replay.staleness import Admission, staleness
-from replay.store import resident_cost
+from dph_async.replay.core import ReplayCore
+from dph_async.replay.staleness import Admission, staleness
+from dph_async.replay.store import resident_cost
 
 MiB = 1 << 20
 

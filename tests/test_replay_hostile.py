@@ -38,8 +38,8 @@ from dph_async.protocol import (
     decode,
     encode,
 )
+from dph_async.replay.service import ReplayService
 from dph_async.replay_client import ReplayClient, RolloutSender
-from replay.service import ReplayService
 
 CFG = ReplayConfig(
     max_staleness=1, admission=True, max_group_mb=0.25, max_header_kb=64, max_frames=64,
@@ -140,7 +140,7 @@ def test_garbage_msgpack_gets_one_error_each_and_the_log_is_rate_limited(service
     sock = dealer(service.ingest_endpoint)
     junk = [[b"\xc1"], [b"\x92\x01"], [msgpack.packb({"v": 3, "t": "RolloutGroup", "n": 0, "m": [1, 2]})],
             [msgpack.packb({"v": 3, "t": "Nope", "n": 0, "m": {}})], [msgpack.packb({"v": 3})]]
-    with caplog.at_level(logging.WARNING, logger="replay.service"):
+    with caplog.at_level(logging.WARNING, logger="dph_async.replay.service"):
         for i in range(200):
             sock.send_multipart(junk[i % len(junk)])
         replies = [decode(sock.recv_multipart()) for _ in range(200)]

@@ -15,10 +15,10 @@ import pytest
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest
-from replay import core as core_module
-from replay.core import ReplayCore
-from replay.state import read_state
-from replay.wal import WriteAheadLog
+from dph_async.replay import core as core_module
+from dph_async.replay.core import ReplayCore
+from dph_async.replay.state import read_state
+from dph_async.replay.wal import WriteAheadLog
 
 
 def replay(wal_dir, **cfg) -> ReplayCore:
@@ -44,7 +44,7 @@ def accepted_unstorable(tmp_path, monkeypatch):
 
 def test_a_snapshot_quarantines_the_group_it_cannot_store_and_keeps_the_rest(accepted_unstorable, caplog):
     c, tmp_path = accepted_unstorable
-    with caplog.at_level(logging.ERROR, logger="replay.core"):
+    with caplog.at_level(logging.ERROR, logger="dph_async.replay.core"):
         reply = c.snapshot(tmp_path / "snap", version=0)
     assert "2 groups held" in reply
     assert [g.seq for g in read_state(tmp_path / "snap").groups] == [0, 2]

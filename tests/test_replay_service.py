@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import zmq
 
-import replay.service as service_module
+import dph_async.replay.service as service_module
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.net import InsecureBindError, NetSecurity, generate_keys, is_local_endpoint
 from dph_async.protocol import Ack, BatchRequest, ErrorReply, StatsRequest, decode, encode
+from dph_async.replay.service import ReplayService
 from dph_async.replay_client import ReplayClient, ReplayError, ReplayUnavailable, RolloutSender
-from replay.service import ReplayService
 
 CFG = ReplayConfig(max_staleness=100, admission=False, max_group_mb=0.05)
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dph_async.app.bench.transport import synthetic_group
-from replay.dedup import AcceptedSeqs
-from replay.store import FreshStore
+from dph_async.replay.dedup import AcceptedSeqs
+from dph_async.replay.store import FreshStore
 
 
 def test_oldest_version_first_and_groups_stay_whole():

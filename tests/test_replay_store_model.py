@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dph_async.app.bench.transport import synthetic_group
-from replay.store import FreshStore, resident_cost
+from dph_async.replay.store import FreshStore, resident_cost
 
 
 def _group(seq: int, versions: list[int], tokens: int):

@@ -13,10 +13,10 @@ import pytest
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, TicketRequest
+from dph_async.replay import validation
+from dph_async.replay.core import ReplayCore
+from dph_async.replay.service import ReplayService
 from dph_async.replay_client import RolloutSender
-from replay import validation
-from replay.core import ReplayCore
-from replay.service import ReplayService
 
 VOCAB = 1000
 

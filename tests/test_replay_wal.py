@@ -15,9 +15,9 @@ from dph_async.app.commands.status import row
 from dph_async.app.endpoints import Endpoint, Reading
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, encode
-from replay.core import ReplayCore
-from replay.state import ReplayStateError, read_state
-from replay.wal import HEADER_BYTES, WalFormatError, WriteAheadLog, record_header
+from dph_async.replay.core import ReplayCore
+from dph_async.replay.state import ReplayStateError, read_state
+from dph_async.replay.wal import HEADER_BYTES, WalFormatError, WriteAheadLog, record_header
 
 
 def make_core(wal_dir, **cfg) -> ReplayCore:
@@ -95,7 +95,7 @@ def test_a_damaged_record_mid_segment_is_skipped_reported_and_its_positions_reop
     segment = _segment(core)
     relative = OFFSET_CLASSES[where]
     _flip(segment, first_end + relative if relative is not None else (first_end + second_end) // 2)
-    with caplog.at_level("ERROR", logger="replay.wal"):
+    with caplog.at_level("ERROR", logger="dph_async.replay.wal"):
         recovered = make_core(tmp_path)
     # Only the damaged record is lost; the records after it are read (they were acknowledged too).
     assert sorted(e.group.seq for e in recovered.store) == [0, 1, 2, 6, 7, 8]
@@ -145,7 +145,7 @@ def test_damage_in_the_last_acknowledged_record_is_skipped_never_cut_off(tmp_pat
     core, _, (*_, second_end, third_end) = _three_records(tmp_path)
     segment = _segment(core)
     _flip(segment, (second_end + third_end) // 2)  # the last record: nothing sound after it, yet acknowledged
-    with caplog.at_level("ERROR", logger="replay.wal"):
+    with caplog.at_level("ERROR", logger="dph_async.replay.wal"):
         recovered = make_core(tmp_path)
     assert sorted(e.group.seq for e in recovered.store) == [0, 1, 2, 3, 4, 5]
     wal = recovered.stats().wal

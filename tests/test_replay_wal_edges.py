@@ -17,12 +17,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import replay.wal as wal
+import dph_async.replay.wal as wal
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, encode
-from replay.core import ReplayCore
-from replay.wal import (
+from dph_async.replay.core import ReplayCore
+from dph_async.replay.wal import (
     HEADER_BYTES,
     MAGIC,
     WAL_SCHEMA,
@@ -247,7 +247,7 @@ def three_records_and_a_torn_tail(directory: Path) -> tuple[list[int], int]:
 def test_every_loss_of_one_recovery_is_counted_and_said_with_its_bytes(tmp_path, caplog):
     starts, size = three_records_and_a_torn_tail(tmp_path)
     path = tmp_path / "seg-00000000.wal"
-    with caplog.at_level(logging.WARNING, logger="replay.wal"):
+    with caplog.at_level(logging.WARNING, logger="dph_async.replay.wal"):
         recovered = WriteAheadLog(tmp_path)
         assert [r.groups[0].seq for r in recovered.records(repair=True)] == [1, 3]
     lost = (starts[1] - starts[0]) + (starts[3] - starts[2])
@@ -269,7 +269,7 @@ def test_reading_without_repair_leaves_a_torn_tail_as_it_is_and_says_so(tmp_path
     path = tmp_path / "seg-00000000.wal"
     before = path.read_bytes()
     reader = WriteAheadLog(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="replay.wal"):
+    with caplog.at_level(logging.WARNING, logger="dph_async.replay.wal"):
         assert [r.groups[0].seq for r in reader.records()] == [1, 3]
     assert path.read_bytes() == before
     assert (reader.damaged_records, reader.skipped_bytes, reader.truncated_bytes) == (0, 0, 0)
@@ -334,7 +334,7 @@ def test_a_damaged_record_in_a_sealed_segment_is_skipped_on_restore_not_taken_fo
     data = bytearray(sealed.read_bytes())
     data[starts[1] + HEADER_BYTES + 3] ^= 1
     sealed.write_bytes(bytes(data))
-    with caplog.at_level(logging.ERROR, logger="replay.wal"):
+    with caplog.at_level(logging.ERROR, logger="dph_async.replay.wal"):
         assert [r.groups[0].seq for r in WriteAheadLog(tmp_path).records()] == [0, 2]
     assert f"{sealed}: bytes {starts[1]}-{starts[2] - 1} (payload fails its checksum): skipped" in caplog.text
 
@@ -504,7 +504,7 @@ def test_a_crash_before_dropped_files_are_deleted_leaves_them_to_the_next_start(
     del log
     assert {"seg-00000000.wal", "wal.json.tmp"} <= {p.name for p in tmp_path.iterdir()}
     restarted = WriteAheadLog(tmp_path)
-    with caplog.at_level(logging.INFO, logger="replay.wal"):
+    with caplog.at_level(logging.INFO, logger="dph_async.replay.wal"):
         restarted.open()
     assert not (tmp_path / "seg-00000000.wal").exists() and not (tmp_path / "wal.json.tmp").exists()
     assert f"write-ahead log: deleting {tmp_path / 'seg-00000000.wal'}, which its manifest no longer or not yet " \

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import replay.wal as wal
+import dph_async.replay.wal as wal
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
-from replay.core import ReplayCore
-from replay.wal import MAGIC, SEARCH_BYTES, Damage, WalFormatError, WriteAheadLog, record_header, scan
+from dph_async.replay.core import ReplayCore
+from dph_async.replay.wal import MAGIC, SEARCH_BYTES, Damage, WalFormatError, WriteAheadLog, record_header, scan
 
 
 def make_core(wal_dir: Path, fsync: bool = False) -> ReplayCore:
@@ -193,7 +193,7 @@ def test_a_restarted_machine_without_fsync_loses_only_what_the_os_held(tmp_path,
                 with pytest.raises(WalFormatError, match="acknowledged records from byte"):
                     make_core(directory)
                 continue
-            with caplog.at_level("ERROR", logger="replay.wal"):
+            with caplog.at_level("ERROR", logger="dph_async.replay.wal"):
                 recovered = make_core(directory)
         assert held(recovered) == [0, 1, 2] and recovered.resume(0).watermark == 3
         assert recovered.stats().wal.damaged_records == 1 and recovered.stats().wal.skipped_bytes == acked - size

@@ -24,12 +24,12 @@ import torch
 from conftest import ROOT, save_tiny_llama
 
 from dph_async.config import RunConfig, load_config
+from dph_async.learner.recording import RECORDING, BatchRecorder, RecordingError, read_batches, write_run_info
+from dph_async.learner.staleness_control import StalenessController, StalenessRule
 from dph_async.net import NetSecurity
 from dph_async.paths import checkpoint_dir
 from dph_async.protocol import Batch, Completion, ReferenceSample, RolloutGroup, SamplingInfo
 from dph_async.rewards.result import RewardResult
-from learner.recording import RECORDING, BatchRecorder, RecordingError, read_batches, write_run_info
-from learner.staleness_control import StalenessController, StalenessRule
 
 VOCAB = 16  # the tiny model's (conftest.TINY_VLLM_CONFIG)
 LEARNER = ["learner.zero_stage=0", "learner.micro_token_budget=256", "learner.lr=3e-3", "learner.keep_checkpoints=0",
@@ -91,8 +91,8 @@ class StandInReplay:
 def run_loop(cfg: RunConfig, model_dir: Path, rl_dir: Path, replay: StandInReplay, setup=None):
     """LearnerLoop.run as the learner process runs it, then the final model, as the launcher saves it."""
     from dph_async.app.learner_trainer import build_trainer
-    from learner.loop import LearnerLoop
-    from learner.publish import WeightServer
+    from dph_async.learner.loop import LearnerLoop
+    from dph_async.learner.publish import WeightServer
 
     rl_dir.mkdir(parents=True, exist_ok=True)
     trainer, tokenizer = build_trainer(cfg, str(model_dir), None)

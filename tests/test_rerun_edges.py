@@ -19,10 +19,10 @@ from dph_async.app import rerun as R
 from dph_async.app.commands.rerun import add_arguments
 from dph_async.app.rerun_report import HEADLINE, WeightCheck
 from dph_async.config import load_config
+from dph_async.learner.recording import RECORDING, BatchRecorder, write_run_info
+from dph_async.learner.staleness_control import StalenessController, StalenessRule
 from dph_async.paths import final_model
 from dph_async.safe_files import UnsafeFile
-from learner.recording import RECORDING, BatchRecorder, write_run_info
-from learner.staleness_control import StalenessController, StalenessRule
 
 # ---------------------------------------------------------------------------------------------
 # Comparing a step's metrics.

@@ -7,7 +7,7 @@ import pytest
 from dph_async.app.ablate.cells import staleness_sweep
 from dph_async.app.ablate.sweep import cell_config, eval_versions
 from dph_async.config import load_config
-from learner.retention import checkpoints, prune, to_delete
+from dph_async.learner.retention import checkpoints, prune, to_delete
 
 
 @pytest.mark.parametrize(("versions", "keep", "protect", "latest", "expected"), [

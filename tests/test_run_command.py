@@ -140,7 +140,7 @@ def tensors(obj, prefix: str = "") -> dict[str, object]:
 def assert_same_checkpoint(a: Path, b: Path, roots: tuple[Path, Path]) -> None:
     """All files (state files) of two DeepSpeed checkpoint tags: every tensor bitwise, every other value equal
     (paths compared relative to their run directory)."""
-    from learner.checkpoint_engine import CODEC  # heavy (DeepSpeed): the loss scaler's class
+    from dph_async.learner.checkpoint_engine import CODEC  # heavy (DeepSpeed): the loss scaler's class
 
     names = sorted(p.name for p in a.glob("*.pt"))
     assert names and names == sorted(p.name for p in b.glob("*.pt"))
@@ -298,8 +298,8 @@ def learner_logprobs(model: torch.nn.Module, units: list[list], kind: str,
                      temperature: float = 1.0) -> dict[int, np.ndarray]:
     """The learner's per-token log-probs of every sequence (by id) at `temperature`, packed as the
     learner packs them: a group's completions share their prompt's row."""
-    from learner.batching import pack
-    from learner.logprobs import response_logprobs
+    from dph_async.learner.batching import pack
+    from dph_async.learner.logprobs import response_logprobs
 
     out: dict[int, np.ndarray] = {}
     with torch.no_grad():
@@ -317,8 +317,8 @@ def worst_gap(model: torch.nn.Module, units: list[list], kind: str, temperature:
 
 
 def test_behaviour_logprobs_are_the_learners_at_the_stamped_version(runs):
-    from learner.batching import Sequence
-    from replay.wal import IngestRecord, WriteAheadLog
+    from dph_async.learner.batching import Sequence
+    from dph_async.replay.wal import IngestRecord, WriteAheadLog
 
     run, mode = runs["full"], MODES[1]
     rl_dir = run / "rl" / mode
@@ -346,7 +346,7 @@ def test_behaviour_logprobs_are_the_learners_at_the_stamped_version(runs):
 
 
 def test_reference_logprobs_are_the_learners_at_step_0(runs):
-    from learner.batching import Sequence
+    from dph_async.learner.batching import Sequence
 
     run = runs["full"]
     pool = pq.read_table(run / "presample" / "reference_pool.parquet").to_pylist()

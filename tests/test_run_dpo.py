@@ -42,7 +42,7 @@ def mixture_logprobs(models: dict, weight: float, prompt: list[int], tokens: lis
 
 
 def test_online_dpo_with_the_mixture_sampler_runs_end_to_end(small_base, tmp_path):
-    from replay.wal import IngestRecord, WriteAheadLog
+    from dph_async.replay.wal import IngestRecord, WriteAheadLog
 
     out = tmp_path / "out"
     copy_base(small_base, out)

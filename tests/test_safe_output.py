@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from dph_async.app.cli import main as cli
+from dph_async.learner.recording import RUN_INFO
 from dph_async.safe_files import UnsafeFile, open_output, output_dir, write_output
-from learner.recording import RUN_INFO
 
 
 def test_an_output_file_is_written_from_its_start_and_a_link_there_is_refused_untouched(tmp_path):

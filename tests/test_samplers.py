@@ -14,16 +14,16 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from actors.mixture import MixtureEngine
-from actors.sampling import SamplingSpec
 from dph_async import protocol as P
+from dph_async.actors.mixture import MixtureEngine
+from dph_async.actors.sampling import SamplingSpec
+from dph_async.learner.batching import Sequence, pack
+from dph_async.learner.logprobs import response_logprobs
 from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
+from dph_async.replay.records import group_columns, groups_from
 from dph_async.rewards.result import RewardResult
 from dph_async.samplers import SAMPLERS, sampler
 from dph_async.tasks.tiny_model import build_tokenizer
-from learner.batching import Sequence, pack
-from learner.logprobs import response_logprobs
-from replay.records import group_columns, groups_from
 
 TAU = 0.8
 PROMPT = [3, 7, 5, 9]

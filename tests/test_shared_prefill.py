@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 CHILD = """
 import json, random, sys
-from actors.engine import SamplingSpec, VLLMEngine
+from dph_async.actors.engine import SamplingSpec, VLLMEngine
 
 def stream(engine, prompts, spec, tag):
     for i, p in enumerate(prompts):

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dph_async.config.replay import ReplayConfig
-from learner.staleness_control import Decision, StalenessController, StalenessRule
+from dph_async.learner.staleness_control import Decision, StalenessController, StalenessRule
 
 
 def rule(**kw) -> StalenessRule:

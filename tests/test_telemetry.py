@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from actors.telemetry import ActorCollector, actor_health
+from dph_async.actors.telemetry import ActorCollector, actor_health
 from dph_async.app.bench.transport import synthetic_group
 from dph_async.app.cli import main as cli
 from dph_async.app.commands.status import row
@@ -29,17 +29,17 @@ from dph_async.app.evaluate import SplitResult
 from dph_async.config import NetConfig, RunConfig
 from dph_async.config.replay import ReplayConfig
 from dph_async.gate import HonestLoad
+from dph_async.learner.loop import LearnerLoop
+from dph_async.learner.telemetry import LearnerCollector, learner_health
 from dph_async.net import NetSecurity
 from dph_async.protocol import Batch
+from dph_async.replay.service import ReplayService
+from dph_async.replay.telemetry import ReplayCollector, replay_health, staleness_buckets
 from dph_async.replay_client import ReplayClient, RolloutSender
 from dph_async.replay_stats import ReplayStats
 from dph_async.run_stats import ActorStats, LearnerStats, RLResult
 from dph_async.spans import MAX_SPANS, add_span
 from dph_async.telemetry import CLIENT_TIMEOUT_S, MAX_CLIENTS, RENDER_INTERVAL_S, RESERVED, start_endpoint
-from learner.loop import LearnerLoop
-from learner.telemetry import LearnerCollector, learner_health
-from replay.service import ReplayService
-from replay.telemetry import ReplayCollector, replay_health, staleness_buckets
 
 
 def scrape_moved(ep, name: str, since: float | None, timeout_s: float = 30.0, **labels: str):
@@ -119,7 +119,7 @@ def test_a_gate_too_small_for_the_actors_seen_is_warned_about_and_flagged(tmp_pa
                               tmp_path / "endpoints")
     try:
         (ep,) = find_endpoints([str(tmp_path)])
-        with caplog.at_level("WARNING", logger="replay.service"):
+        with caplog.at_level("WARNING", logger="dph_async.replay.service"):
             needed = None
             for actor in range(3):
                 sender = RolloutSender(svc.ingest_endpoint, actor, token=svc.actor_token)

@@ -14,10 +14,10 @@ import torch
 from test_learner import random_units
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from kernels import fused_logprobs
-from kernels.reference import reference_logprobs, rel_error
-from learner.batching import pack
-from learner.logprobs import response_logprobs
+from dph_async.kernels import fused_logprobs
+from dph_async.kernels.reference import reference_logprobs, rel_error
+from dph_async.learner.batching import pack
+from dph_async.learner.logprobs import response_logprobs
 
 LOGP_ATOL = 5e-5
 GRAD_RTOL = 1e-4

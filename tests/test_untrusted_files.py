@@ -25,10 +25,10 @@ import torch
 from safetensors.torch import save_file
 from test_zero3 import ROOT, save_tiny, trainer, with_reference
 
+from dph_async.learner.checkpoint_engine import CODEC
 from dph_async.model_files import ModelFileError, weight_files
 from dph_async.paths import checkpoint_weights
 from dph_async.state_file import Codec, StateFile, StateFileError, load_state, save_state
-from learner.checkpoint_engine import CODEC
 
 
 class Plant:

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from actors.rollout import RolloutWorker
-from actors.weights import WeightClient, WeightFetchError
+from dph_async.actors.rollout import RolloutWorker
+from dph_async.actors.weights import WeightClient, WeightFetchError
 from dph_async.config import RunConfig
+from dph_async.learner.publish import WeightServer
 from dph_async.net import NetSecurity
 from dph_async.protocol import WeightsBucket, WeightsReady, WeightsRequest
 from dph_async.tasks.dataset import PromptRecord
 from dph_async.weights import checksum, make_buckets, tensor_to_array
-from learner.publish import WeightServer
 
 SECURITY = NetSecurity()
 

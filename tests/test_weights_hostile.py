@@ -18,11 +18,11 @@ import zmq
 from test_replay_hostile import ask, closed_within, dealer, flood, peak_rss_mb, port_of
 from test_weights import Net, RecordingEngine, assert_bitwise, worker
 
-from actors.weights import WeightClient
+from dph_async.actors.weights import WeightClient
+from dph_async.learner import publish
+from dph_async.learner.publish import WeightServer
 from dph_async.net import NetSecurity
 from dph_async.protocol import ErrorReply, TicketRequest, WeightsQuery, WeightsReady, decode, encode
-from learner import publish
-from learner.publish import WeightServer
 
 SECURITY = NetSecurity()
 
@@ -91,7 +91,7 @@ def test_garbage_gets_one_error_each_and_the_log_is_rate_limited(server, caplog)
     sock = dealer(server.address)
     junk = [[b"\xc1"], [b"\x92\x01"], [msgpack.packb({"v": 3, "t": "Nope", "n": 0, "m": {}})]]
     replies = []
-    with caplog.at_level(logging.WARNING, logger="learner.publish"):
+    with caplog.at_level(logging.WARNING, logger="dph_async.learner.publish"):
         # A few at a time: past REPLIES_PER_PEER unread replies the server's gate drops the rest, by
         # design (an honest actor has one request out).
         k = publish.REPLIES_PER_PEER
@@ -181,7 +181,7 @@ def test_an_actor_whose_request_a_dying_gate_took_keeps_its_weights_and_loads_fr
 SERVE = """
 import sys, time
 from dph_async.net import NetSecurity
-from learner.publish import WeightServer
+from dph_async.learner.publish import WeightServer
 srv = WeightServer("tcp://127.0.0.1:0", NetSecurity(gate=sys.argv[1] == "on", gate_memory_mb=16), 200, "tcp")
 print(srv.address, flush=True)
 time.sleep(300)

@@ -7,9 +7,9 @@ import time
 
 import torch
 
-from actors.weights import WeightClient
+from dph_async.actors.weights import WeightClient
+from dph_async.learner.publish import WeightServer
 from dph_async.net import NetSecurity
-from learner.publish import WeightServer
 
 
 def test_pushed_manifests_arrive_without_asking_and_fetch_matches():

@@ -16,11 +16,11 @@ import pytest
 import torch
 from test_weights import Net, RecordingEngine, assert_bitwise, newest, worker
 
-from actors.weights import WeightClient, WeightFetchError, WeightTransportError
 from dph_async import weights_shm as shm
+from dph_async.actors.weights import WeightClient, WeightFetchError, WeightTransportError
+from dph_async.learner.publish import WeightServer
 from dph_async.net import NetSecurity
 from dph_async.protocol import SHM_PREFIX, WeightsReady
-from learner.publish import WeightServer
 
 SECURITY = NetSecurity()
 
@@ -293,8 +293,8 @@ def test_tcp_transport_makes_no_segment(ipc):
 def test_checksums_hashed_while_writing_equal_those_of_the_written_bytes(monkeypatch):
     """The writer hashes each bucket in pieces as it copies; the checksums are those of the bytes
     in the slot, computed afresh, for every dtype and with pieces that split tensors anywhere."""
+    from dph_async.learner import shm_slots
     from dph_async.weights import make_buckets
-    from learner import shm_slots
 
     monkeypatch.setattr(shm_slots, "CHUNK_BYTES", 1000)  # not a multiple of any row or dtype
     g = torch.Generator().manual_seed(11)

@@ -26,12 +26,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from dph_async.app.analyze.weights import expand
 from dph_async.config import LearnerConfig, LossConfig
+from dph_async.learner.zero3 import full_state_dict
 from dph_async.net import NetSecurity
 from dph_async.paths import checkpoint_weights, is_learner_checkpoint
 from dph_async.protocol import Batch, ReferenceSample
 from dph_async.state_file import load_state, save_state
 from dph_async.tasks.tiny_model import build_tokenizer
-from learner.zero3 import full_state_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 UPDATE = dict(mini_batches=2, micro_token_budget=16,
@@ -56,7 +56,7 @@ def model_dirs(tmp_path_factory) -> dict[bool, str]:
 
 
 def trainer(model_dir: str, stage: int, lr: float = 1e-2, **learner):
-    from learner.trainer import Trainer
+    from dph_async.learner.trainer import Trainer
 
     settings = {**UPDATE, **learner}
     cfg = LearnerConfig(lr=lr, zero_stage=stage, zero3_persist_below=0,
@@ -147,7 +147,7 @@ def test_zero3_with_the_frozen_reference_model_and_the_kl_monitor(model_dirs):
 
 
 def test_zero3_publishes_saves_and_resumes_whole_weights(model_dirs, tmp_path):
-    from learner.publish import WeightServer
+    from dph_async.learner.publish import WeightServer
 
     one, three = trainer(model_dirs[False], 1), trainer(model_dirs[False], 3)
     for t in (one, three):
@@ -204,8 +204,8 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
     checkpoint of both partitions and a trainer resumed from it; rank 0 saves what it saw."""
     import deepspeed
 
-    import learner.trainer
-    from learner.data_parallel import Ranks
+    import dph_async.learner.trainer
+    from dph_async.learner.data_parallel import Ranks
 
     def init_distributed(rendezvous: object = None) -> Ranks:
         """Each rank trains its own batch as a plain DeepSpeed rank: to the trainer it is the only one
@@ -217,7 +217,7 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
 
     faulthandler.enable()  # a rank that dies of a signal shows where
     torch.set_num_threads(1)
-    learner.trainer.init_distributed = init_distributed
+    dph_async.learner.trainer.init_distributed = init_distributed
     one, ref, _ = train(model_dir, 1, rank)
     three, got, _ = train(model_dir, 3, rank)
     whole = full_state_dict(three.module)  # collective: both ranks gather

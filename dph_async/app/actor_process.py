@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Literal
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from actors.telemetry import ActorCollector, actor_health
 from dph_async import net
+from dph_async.actors.telemetry import ActorCollector, actor_health
 from dph_async.app.actor_pool import engine_settings, holding, keep, new_actor_options, release_actors, take
 from dph_async.app.cores import offload_threads
 from dph_async.app.evaluate import EvalJob, evaluate_jobs

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from actors.mixture import MixtureEngine
-from actors.rollout import RolloutWorker
-from actors.weights import WeightClient
+from dph_async.actors.mixture import MixtureEngine
+from dph_async.actors.rollout import RolloutWorker
+from dph_async.actors.weights import WeightClient
 from dph_async.app.model_shipping import first_weights, materialize
 from dph_async.config import RunConfig
 
 if TYPE_CHECKING:
-    from actors.engine import VLLMEngine
+    from dph_async.actors.engine import VLLMEngine
 
 # What ActorProcess builds its run's parts from.
 __all__ = ["MixtureEngine", "RolloutWorker", "WeightClient", "first_weights", "materialize", "online_engine",
@@ -26,7 +26,7 @@ __all__ = ["MixtureEngine", "RolloutWorker", "WeightClient", "first_weights", "m
 def vllm_engine() -> type[VLLMEngine]:
     """vLLM's engine class, vLLM imported with it (by an online sampler's process, in its __init__)."""
     # heavy (vLLM, about 8 CPU-s): an online sampler's process only; a mixture sampler's never loads it
-    from actors.engine import VLLMEngine
+    from dph_async.actors.engine import VLLMEngine
 
     return VLLMEngine
 

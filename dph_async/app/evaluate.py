@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from actors.sampling import SamplingSpec
+from dph_async.actors.sampling import SamplingSpec
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
 from dph_async.model_files import weight_files
@@ -28,7 +28,7 @@ from dph_async.tasks.dataset import PromptRecord, load_prompts
 if TYPE_CHECKING:  # torch and the engine load where a model is evaluated: a driver starts Ray without them
     import torch
 
-    from actors.engine import VLLMEngine
+    from dph_async.actors.engine import VLLMEngine
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def build_engine(cfg: RunConfig, model_dir: Path) -> VLLMEngine:
     """An engine of `model_dir`'s weights for a stage the driver runs in a worker of its own
     (evaluation, pre-sampling), on the learner's threads."""
     # heavy (vLLM, about 8 CPU-s): only a process that runs the engine loads it, never the driver
-    from actors.engine import VLLMEngine
+    from dph_async.actors.engine import VLLMEngine
 
     return VLLMEngine(str(model_dir), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
                       seed=cfg.seed, kv_cache_gib=cfg.actors.kv_cache_gib, threads=cfg.learner.threads,

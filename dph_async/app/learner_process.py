@@ -25,14 +25,14 @@ from dph_async import net
 from dph_async.app.placement import learner_placement
 from dph_async.app.process_env import bind_address, log_to_file
 from dph_async.config import RunConfig
+from dph_async.learner.telemetry import LearnerCollector, learner_health
 from dph_async.paths import checkpoint_dir, endpoints_dir
+from dph_async.replay.service import ReplayService
+from dph_async.replay.telemetry import ReplayCollector, replay_health
 from dph_async.replay_stats import ReplayStats
 from dph_async.run_stats import LearnerStats
 from dph_async.tasks.model_limits import replay_config
 from dph_async.telemetry import start_endpoint
-from learner.telemetry import LearnerCollector, learner_health
-from replay.service import ReplayService
-from replay.telemetry import ReplayCollector, replay_health
 
 if TYPE_CHECKING:
     from dph_async.app.model_shipping import Shipment

@@ -19,10 +19,10 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from dph_async.config import RunConfig
-from learner.data_parallel import Rendezvous
-from learner.loop import LearnerLoop
-from learner.recording import write_run_info
-from learner.trainer import Trainer, follow
+from dph_async.learner.data_parallel import Rendezvous
+from dph_async.learner.loop import LearnerLoop
+from dph_async.learner.recording import write_run_info
+from dph_async.learner.trainer import Trainer, follow
 
 # What the learner's processes build a run's trainer and loop from.
 __all__ = ["LearnerLoop", "build_trainer", "follow", "write_run_info"]

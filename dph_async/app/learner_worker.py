@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from dph_async.app.model_shipping import pack
-from learner.data_parallel import Rendezvous, private_dir
-from learner.publish import WeightServer
+from dph_async.learner.data_parallel import Rendezvous, private_dir
+from dph_async.learner.publish import WeightServer
 
 # What the learner's processes open a run's services from.
 __all__ = ["Rendezvous", "WeightServer", "empty_gpu_cache", "pack", "private_dir"]

@@ -23,16 +23,16 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from actors.engine import VLLMEngine
-from actors.sampling import Sample, SamplingSpec
+from dph_async.actors.engine import VLLMEngine
+from dph_async.actors.sampling import Sample, SamplingSpec
 from dph_async.app.evaluate import build_engine
 from dph_async.app.progress import progress
 from dph_async.config import RunConfig
+from dph_async.learner.batching import Sequence, pack
+from dph_async.learner.logprobs import response_logprobs
 from dph_async.rewards.result import RewardResult
 from dph_async.rewards.scorer import Scorer, make_scorer
 from dph_async.tasks.dataset import PromptRecord, load_prompts
-from learner.batching import Sequence, pack
-from learner.logprobs import response_logprobs
 
 
 @dataclass

@@ -36,13 +36,13 @@ from dph_async.app.learner_trainer import build_trainer
 from dph_async.app.rerun_report import HEADLINE, RerunReport, StepComparison, WeightCheck, write_report
 from dph_async.config import RunConfig, dump_config, load_config
 from dph_async.errors import UserError
+from dph_async.learner.loop import finish_metrics
+from dph_async.learner.recording import read_batches, read_run_info
+from dph_async.learner.staleness_control import StalenessController, StalenessRule
+from dph_async.learner.step_diagnosis import diagnose_step
 from dph_async.model_files import weight_files
 from dph_async.paths import checkpoint_dir, checkpoint_weights, final_model, is_learner_checkpoint
 from dph_async.safe_files import UnsafeFile, open_output, output_dir, write_output
-from learner.loop import finish_metrics
-from learner.recording import read_batches, read_run_info
-from learner.staleness_control import StalenessController, StalenessRule
-from learner.step_diagnosis import diagnose_step
 
 if TYPE_CHECKING:
     from dph_async.protocol import Batch

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dph_async.config import ConfigError, RunConfig
-from learner.objectives import Objective, UnknownObjective, objective_class
+from dph_async.learner.objectives import Objective, UnknownObjective, objective_class
 
 Prompts = Literal["auto", "all", "d_exp"]
 _SPEC = re.compile(r"^(?P<objective>[a-z_0-9]+)(:(?P<coeff>[0-9.eE+-]+))?(@(?P<prompts>all|d_exp))?$")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from learner.cpu_gemm import onednn_linear
+from dph_async.learner.cpu_gemm import onednn_linear
 
 
 @dataclass

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels import fused_logprobs
-from kernels.reference import naive_logprobs
+from dph_async.kernels import fused_logprobs
+from dph_async.kernels.reference import naive_logprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -34,9 +34,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from dph_async.app.bench.peer_spec import PeerSpec  # noqa: E402
 from dph_async.config import LossConfig, RewardConfig  # noqa: E402
+from dph_async.learner.losses import aggregate, grpo_advantages, policy_loss  # noqa: E402
 from dph_async.rewards.scorer import make_scorer  # noqa: E402
 from dph_async.tasks.dataset import load_prompts  # noqa: E402
-from learner.losses import aggregate, grpo_advantages, policy_loss  # noqa: E402
 
 
 @dataclass

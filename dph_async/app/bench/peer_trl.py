@@ -32,8 +32,9 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 # Not this file's folder (its kernels.py would shadow the name transformers probes), and of the
-# project only the `dph_async` package, through a link: the project's top-level `kernels` package
-# would be mistaken for Hugging Face's.
+# checkout only the `dph_async` directory, through a link: the project is not installed in TRL's
+# environment, and the checkout's root holds a `kernels/` directory that transformers would take for
+# Hugging Face's package.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402

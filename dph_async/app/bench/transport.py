@@ -37,11 +37,11 @@ import zmq
 from dph_async.config.replay import ReplayConfig
 from dph_async.net import NetSecurity
 from dph_async.protocol import BatchRequest, Completion, RolloutGroup, SamplingInfo, decode, encode
+from dph_async.replay.core import ReplayCore
+from dph_async.replay.service import ReplayService
+from dph_async.replay.wal import WriteAheadLog
 from dph_async.replay_client import ReplayClient, RolloutSender
 from dph_async.rewards.result import RewardResult
-from replay.core import ReplayCore
-from replay.service import ReplayService
-from replay.wal import WriteAheadLog
 
 HWM = 64  # messages queued per socket: bounds memory at the largest shapes, same for both modes
 

@@ -43,13 +43,13 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from actors.engine import VLLMEngine
-from actors.weights import WeightClient
+from dph_async.actors.engine import VLLMEngine
+from dph_async.actors.weights import WeightClient
 from dph_async.app.report import markdown_table
+from dph_async.learner.publish import WeightServer
 from dph_async.net import NetSecurity
 from dph_async.tasks.embedded import ALPHABET
 from dph_async.tasks.tiny_model import build_tokenizer
-from learner.publish import WeightServer
 
 
 @dataclass(frozen=True)

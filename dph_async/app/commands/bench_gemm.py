@@ -52,7 +52,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from dph_async.app.bench import gemm as bench
-    from learner import cpu_gemm
+    from dph_async.learner import cpu_gemm
     if not cpu_gemm.available():
         return fail("this torch build has no oneDNN (torch.backends.mkldnn): nothing to compare", 1)
     if args.model is not None and not (args.model / "config.json").is_file():

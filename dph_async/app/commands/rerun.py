@@ -8,8 +8,8 @@ from pathlib import Path
 from dph_async.app.commands.common import add_config_arguments, add_output_argument, fail
 from dph_async.app.progress import console
 from dph_async.app.rerun_report import verdict
+from dph_async.learner.recording import RUN_INFO, RecordingError
 from dph_async.safe_files import UnsafeFile, output_dir
-from learner.recording import RUN_INFO, RecordingError
 
 DESCRIPTION = """\
 Every RL run records the batches its learner trained on (rl/<mode>/batches.rec). `rerun` builds the

@@ -12,13 +12,13 @@ from pathlib import Path
 from dph_async.app.commands.common import add_config_arguments, fail
 from dph_async.config import load_config
 from dph_async.net import ACTOR_TOKEN_FILE, CONTROL_TOKEN_FILE, InsecureBindError, NetSecurity, control_token
+from dph_async.replay.reference_pool import ReferencePoolError
+from dph_async.replay.service import ReplayService
+from dph_async.replay.state import ReplayStateError
+from dph_async.replay.telemetry import ReplayCollector, replay_health
+from dph_async.replay.wal import WalFormatError
 from dph_async.tasks.model_limits import replay_config
 from dph_async.telemetry import start_endpoint
-from replay.reference_pool import ReferencePoolError
-from replay.service import ReplayService
-from replay.state import ReplayStateError
-from replay.telemetry import ReplayCollector, replay_health
-from replay.wal import WalFormatError
 
 DESCRIPTION = """\
 Run the replay service in this process: actors send rollout groups to the ingest endpoint, the
