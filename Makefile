@@ -18,7 +18,7 @@ lint: setup
 mutate: setup
 	.venv/bin/python scripts/mutate.py $(if $(MODULE),--module $(MODULE)) $(if $(BUDGET),--budget $(BUDGET))
 
-# The docs' tables and figures rendered from docs/data/ (dph_async/app/rendered_docs.py): CHECK=1 only
+# The docs' tables and figures rendered from docs/data/ (dph_async/tools/rendered_docs.py): CHECK=1 only
 # compares and names every stale block (the test suite does the same).
 docs: setup
-	.venv/bin/python -m dph_async.app.rendered_docs $(if $(CHECK),--check)
+	.venv/bin/python -m dph_async.tools.rendered_docs $(if $(CHECK),--check)

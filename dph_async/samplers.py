@@ -9,7 +9,7 @@ A sampler gives completion j of a group the policy weight a_j, cycling through i
 log-prob (actors/mixture.py). What a sampler needs follows from its weights: one that mixes in pi_0
 (any a != 1) runs the mixture engine on the driver's node, which holds pi_0, and its process cannot
 be reset for a later run; the policy alone (a = 1) runs on vLLM anywhere. The config's allowed
-values, the launcher's choice of engine and the bandit simulation (dph_async/app/sampler_bandit.py)
+values, the launcher's choice of engine and the bandit simulation (dph_async/tools/sampler_bandit.py)
 all come from `SAMPLERS`.
 """
 

@@ -84,7 +84,7 @@ class Trainer:
                  max_response_tokens: int, seed: int = 0, rendezvous: Rendezvous | None = None) -> None:
         """`rendezvous`: this rank's place among `cfg.ranks` ranks; None for a single rank."""
         # heavy (DeepSpeed): imported where a trainer is built, once its process has set the environment
-        # DeepSpeed reads at import (dph_async/app/learner_trainer.py); the learner's other users need none
+        # DeepSpeed reads at import (dph_async/runtime/learner_trainer.py); the learner's other users need none
         import deepspeed.accelerator
 
         self.objective: Objective = make_objective(cfg.loss)

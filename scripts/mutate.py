@@ -69,10 +69,10 @@ MODULES: dict[str, list[str]] = {
         "tests/test_rerun.py::test_the_recording_reads_back_what_was_written_and_a_resume_keeps_the_steps_before_its_checkpoint",
         "tests/test_rerun.py::test_a_damaged_recording_is_refused_with_file_and_offset",
         "tests/test_rerun.py::test_a_checksummed_record_that_is_no_batch_is_refused"],
-    "dph_async/app/rerun.py": ["tests/test_rerun_edges.py",
+    "dph_async/pipeline/rerun.py": ["tests/test_rerun_edges.py",
                                "tests/test_rerun.py::test_a_metrics_line_cut_short_is_one_error_naming_file_and_line"],
-    "dph_async/app/core_claims.py": ["tests/test_core_claims.py"],
-    "dph_async/app/warmstart.py": ["tests/test_warmstart.py"],
+    "dph_async/runtime/core_claims.py": ["tests/test_core_claims.py"],
+    "dph_async/pipeline/warmstart.py": ["tests/test_warmstart.py"],
     # The app around a stand-in pool (the real pool's workers take seconds to start; the pool has its own tests).
     "dph_async/rewards/service.py": [
         "tests/test_scorer_edges.py",
@@ -83,14 +83,14 @@ MODULES: dict[str, list[str]] = {
     "dph_async/rewards/result.py": ["tests/test_reward_result.py", "tests/test_rewards_registry.py"],
     "dph_async/protocol.py": ["tests/test_protocol_edges.py", "tests/test_protocol.py", "tests/test_protocol_fuzz.py"],
     # The pre-registered verdicts and the raw data they read (docs/preregistration.md).
-    "dph_async/app/ablate/confirm.py": ["tests/test_confirm.py", "tests/test_rendered_docs.py"],
-    "dph_async/app/ablate/confirm_staleness.py": ["tests/test_confirm_staleness.py"],
-    "dph_async/app/ablate/confirm_forgetting.py": ["tests/test_confirm_forgetting.py"],
-    "dph_async/app/ablate/seeds.py": ["tests/test_confirm.py", "tests/test_confirm_forgetting.py"],
+    "dph_async/tools/ablate/confirm.py": ["tests/test_confirm.py", "tests/test_rendered_docs.py"],
+    "dph_async/tools/ablate/confirm_staleness.py": ["tests/test_confirm_staleness.py"],
+    "dph_async/tools/ablate/confirm_forgetting.py": ["tests/test_confirm_forgetting.py"],
+    "dph_async/tools/ablate/seeds.py": ["tests/test_confirm.py", "tests/test_confirm_forgetting.py"],
     # The stride task's problems and reward: what every time-to-accuracy figure is measured on.
     "dph_async/tasks/stride.py": ["tests/test_task_stride.py"],
     # The docs' tables rendered from their committed data (the docs themselves among the tests' inputs).
-    "dph_async/app/rendered_docs.py": ["tests/test_rendered_docs.py"],
+    "dph_async/tools/rendered_docs.py": ["tests/test_rendered_docs.py"],
 }
 
 # Survivors no test can kill, by module and the mutated line (stripped), with the reason. A key no
@@ -123,22 +123,22 @@ _EXACT_EDGE = ("an interval's end (a mean plus or minus t times a standard error
                "exactly on its threshold (0, -0.03, 0.9) with probability zero, and no test can put it there: "
                "t_critical and the square root round (an end built to be -0.03 comes out -0.0299999...)")
 EQUIVALENT: dict[tuple[str, str], str] = {
-    **{("dph_async/app/warmstart.py", f"return functools.cache(functools.partial(tok.encode, {arg}))"):
+    **{("dph_async/pipeline/warmstart.py", f"return functools.cache(functools.partial(tok.encode, {arg}))"):
         "the embedded tokenizers have no template: encode adds no special token either way"
         for arg in ("", "add_special_tokens=True")},
-    ("dph_async/app/warmstart.py",
+    ("dph_async/pipeline/warmstart.py",
      "answer = _wrong_answer(p, rng) if rng.random() <= noise else rng.choice(p.solutions())"):
         "rng.random() equals the noise share with probability 2**-53 at most",
-    ("dph_async/app/warmstart.py", "opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, )"):
+    ("dph_async/pipeline/warmstart.py", "opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, )"):
         "torch's AdamW decays weights by 0.01 by default",
-    ("dph_async/app/warmstart.py", "loss = (nll * mask[:, 1:]).sum() / mask[:, 2:].sum()"):
+    ("dph_async/pipeline/warmstart.py", "loss = (nll * mask[:, 1:]).sum() / mask[:, 2:].sum()"):
         "the mask's first two positions are the prompt's (BOS and at least one token): counted by neither",
-    **{("dph_async/app/warmstart.py", f"torch.manual_seed(cfg.seed {d})"): (
+    **{("dph_async/pipeline/warmstart.py", f"torch.manual_seed(cfg.seed {d})"): (
         "nothing in the warm start draws from torch's generator: the model is built before, with its own "
         "seed, and has no dropout") for d in ("- 1", "+ 2")},
-    **{("dph_async/app/warmstart.py", f"opt.zero_grad(set_to_none={v})"):
+    **{("dph_async/pipeline/warmstart.py", f"opt.zero_grad(set_to_none={v})"):
         "the gradients are zeroed or dropped before each backward: the same step" for v in ("None", "False")},
-    **{("dph_async/app/warmstart.py", f"torch.set_num_threads(max({lo}, cfg.learner.threads {by}))"):
+    **{("dph_async/pipeline/warmstart.py", f"torch.set_num_threads(max({lo}, cfg.learner.threads {by}))"):
         "how many threads compute, not what: the same losses and weights to the tests' tolerance"
         for lo, by in (("2", "* 2"), ("1", "/ 2"), ("1", "* 3"))},
     **{("replay/staleness.py", line): (
@@ -286,29 +286,29 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "order: the same refusal",
     ("dph_async/protocol.py", 'return detail, cls.__name__ + path.rstrip("XX`XX")[1:]'):
         "msgspec's path ends in a field name (lower case) or ']': never in an X",
-    **{("dph_async/app/rerun.py", f"shutil.rmtree(fresh, {arg})"):
+    **{("dph_async/pipeline/rerun.py", f"shutil.rmtree(fresh, {arg})"):
        "the directory was made by mkdtemp just before and only the trainer's save wrote in it: removing it "
        "does not fail, so there is no error to ignore" for arg in ("ignore_errors=None", "", "ignore_errors=False")},
     ("dph_async/rewards/service.py", 'declared = request.headers.get("CONTENT-LENGTH", "")'):
         "Starlette's request headers are looked up case-insensitively",
     ("dph_async/rewards/service.py", 'declared = request.headers.get("content-length", "XXXX")'):
         "without a Content-Length the default is only tested for digits: neither \"\" nor \"XXXX\" is a number",
-    **{("dph_async/app/rerun.py", "d = (o.double() - t.double()) if o.shape == t.shape else "
+    **{("dph_async/pipeline/rerun.py", "d = (o.double() - t.double()) if o.shape == t.shape else "
                                   f"torch.full({shape}, math.inf, {dtype})"):
        "a tensor of +inf, of any length or float dtype, makes the distance and the largest difference +inf"
        for shape, dtype in (("(1,)", "dtype=None"), ("(1,)", ""), ("(2,)", "dtype=torch.float64"))},
-    **{("dph_async/app/rerun.py", f"self.report = RerunReport(str(rl_dir), str(out), overrides, counterfactual, "
+    **{("dph_async/pipeline/rerun.py", f"self.report = RerunReport(str(rl_dir), str(out), overrides, counterfactual, "
                                   f"start, start, {stopped})"):
        "run() says why it stopped before anything reads it" for stopped in ("None", '"XXXX"')},
-    **{("dph_async/app/rerun.py", f'write_output(self.out / f"diagnose_v{{diagnose}}.json", '
+    **{("dph_async/pipeline/rerun.py", f'write_output(self.out / f"diagnose_v{{diagnose}}.json", '
                                   f"json.dumps(asdict(found), {indent}))"):
        "the diagnosis's indentation: it reads back the same" for indent in ("indent=None", "", "indent=2")},
-    ("dph_async/app/core_claims.py", "path.unlink(missing_ok=None)"): _LISTED_UNDER_THE_LOCK,
-    ("dph_async/app/core_claims.py", "path.unlink(missing_ok=False)"): _LISTED_UNDER_THE_LOCK,
-    ("dph_async/app/core_claims.py",
+    ("dph_async/runtime/core_claims.py", "path.unlink(missing_ok=None)"): _LISTED_UNDER_THE_LOCK,
+    ("dph_async/runtime/core_claims.py", "path.unlink(missing_ok=False)"): _LISTED_UNDER_THE_LOCK,
+    ("dph_async/runtime/core_claims.py",
      "claim = Claim(uuid.uuid4().hex, me, start_time(me) or 1, sorted(used(plan)), _command(me))"):
         "the running process's own start time is never None: its /proc entry exists while it runs",
-    **{("dph_async/app/ablate/seeds.py", line): why for line, why in (
+    **{("dph_async/tools/ablate/seeds.py", line): why for line, why in (
         ('with path.open("w", newline=None) as f:', _POSIX_NEWLINES), ('with path.open("w", ) as f:', _POSIX_NEWLINES),
         ('with path.open(newline="", encoding="UTF-8-SIG") as f:', "the codec's name is case-blind: the same codec"),
         *((f"h.update(data.read({n}))", "after seeking to a MiB before the end, a read of a MiB or more reads the "
@@ -316,7 +316,7 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         ('name = column.rsplit("/", )[-1]', _LAST_PART), ('name = column.rsplit("/", 2)[-1]', _LAST_PART),
         *((f"r = dict(zip(header, values, {s}))", "the lengths were checked to agree on the line before")
           for s in ("strict=None", "", "strict=False")))},
-    **{("dph_async/app/ablate/confirm.py", line): why for line, why in (
+    **{("dph_async/tools/ablate/confirm.py", line): why for line, why in (
         ("if not bases[1] or bases[0] != bases[1] or len(prints) != 1 or not next(iter(prints)):",
          "pi_0's rows must be equal: one missing while the other is not fails the next clause"),
         ("if self.diff.se is None and self.diff.df is None:",
@@ -339,7 +339,7 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         *((f"return [replace(f, rejected=r) for f, r in zip(found, rejected, {s})]",
            "Holm returns one decision per p it was given: the lengths agree") for s in ("strict=None", "",
                                                                                       "strict=False")))},
-    **{("dph_async/app/rendered_docs.py", line): why for line, why in (
+    **{("dph_async/tools/rendered_docs.py", line): why for line, why in (
         *((f"with ctx.path(path).open({a}) as f:", "a CSV's line breaks in quoted fields are refused either way; "
            "the codec's name is case-blind") for a in ('newline=None, encoding="utf-8-sig"', 'encoding="utf-8-sig"',
                                                       'newline="", encoding="UTF-8-SIG"')),
@@ -367,7 +367,7 @@ EQUIVALENT: dict[tuple[str, str], str] = {
             '"w", encoding="utf-8", ', '"w", encoding="UTF-8", newline=""')),
         *((f"draft.unlink(missing_ok={v})", "every draft in the list was written a moment before")
           for v in ("None", "False")))},
-    **{("dph_async/app/ablate/confirm_staleness.py", line): _EXACT_EDGE for line in (
+    **{("dph_async/tools/ablate/confirm_staleness.py", line): _EXACT_EDGE for line in (
         "if high <= 0 and low <= -MARGIN:", "if high < 0 and low < -MARGIN:", "elif low >= -MARGIN:",
         "ok = accuracy.low >= -MARGIN and ratio.ratio >= AUTO_RATIO",
         "ok = accuracy.low > -MARGIN and ratio.ratio > AUTO_RATIO")},

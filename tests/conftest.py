@@ -100,7 +100,7 @@ BASE_PARTS = ("base_model", "data", "presample")
 TINY_VLLM_CONFIG = dict(vocab_size=16, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
                         eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-# Its config.json: a model directory the checks before start accept (dph_async/app/preflight.py), no weights.
+# Its config.json: a model directory the checks before start accept (dph_async/pipeline/preflight.py), no weights.
 TINY_LLAMA_JSON = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **TINY_VLLM_CONFIG}
 
 
@@ -166,15 +166,15 @@ def run_child(source: str, tmp_path: Path, *args: str, timeout: float = 900, zyg
 
 
 def small_config(root: Path, *overrides: str):
-    from dph_async.app.pipeline import validate
     from dph_async.config import load_config
+    from dph_async.pipeline.stages import validate
 
     return validate(load_config("default", [*SMALL, f"output_dir={root}", *overrides]), [])
 
 
 @pytest.fixture(scope="session", autouse=True)
 def private_core_claims(tmp_path_factory) -> Iterator[Path]:
-    """The runs of this test run claim cores among themselves only (dph_async/app/core_claims.py): other
+    """The runs of this test run claim cores among themselves only (dph_async/runtime/core_claims.py): other
     invocations on the machine would otherwise leave them cores other than the tests expect."""
     directory = tmp_path_factory.mktemp("core-claims")
     before = os.environ.get("DPH_CORES_DIR")
@@ -191,7 +191,7 @@ def ray_session(tmp_path_factory) -> Iterator[None]:
     """One local Ray cluster for every test that runs the processes in this one: their `ray_cluster`
     uses it and leaves it running, instead of paying a cluster's start (5-9 s here) each. Runs in
     subprocesses start clusters of their own. Four CPUs: the most any of these tests asks for."""
-    from dph_async.app.cluster import ray_cluster
+    from dph_async.runtime.cluster import ray_cluster
 
     with ray_cluster(small_config(tmp_path_factory.mktemp("ray"), "launcher.num_cpus=4")):
         yield
@@ -200,8 +200,8 @@ def ray_session(tmp_path_factory) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def small_base(ray_session, tmp_path_factory) -> Path:
     """A run directory holding pi_0 (warm start), the datasets and the pre-sampling of the small size."""
-    from dph_async.app.pipeline import StageTimer, prepare
     from dph_async.paths import RunPaths
+    from dph_async.pipeline.stages import StageTimer, prepare
 
     root = tmp_path_factory.mktemp("small-base")
     prepare(small_config(root), RunPaths(root), StageTimer(), need_presample=True)
@@ -282,7 +282,7 @@ def closed_port():
 @contextlib.contextmanager
 def _scorer(*args: str) -> Iterator[tuple[str, int]]:
     """`dph-async serve scorer --port 0 ARGS` in its own process, until ready: (url, pid)."""
-    server = subprocess.Popen([sys.executable, "-m", "dph_async.app.cli", "serve", "scorer", "--port", "0", *args],
+    server = subprocess.Popen([sys.executable, "-m", "dph_async.cli.main", "serve", "scorer", "--port", "0", *args],
                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         line = server.stderr.readline()  # "scorer: N workers, http://127.0.0.1:PORT"

@@ -1,7 +1,7 @@
 """A process with vLLM imported that forks one child per script: the engine tests run in these
 children (`run_child(..., zygote=engine_zygote)`, tests/conftest.py), so the suite pays vLLM's import
 (about 7 CPU-s of an engine's 11) once, not once per test. An actor process is in the same state when
-it builds its engine: vLLM imported by its __init__ (dph_async/app/actor_process.py), nothing run yet.
+it builds its engine: vLLM imported by its __init__ (dph_async/runtime/actor_process.py), nothing run yet.
 
     python tests/engine_zygote.py
 

@@ -91,7 +91,7 @@ TARGETS: dict[str, Callable[[bytes], None]] = {"protocol": fuzz_protocol, "state
 
 def seeds() -> dict[str, dict[str, bytes]]:
     """Small valid inputs of each target, the fuzzer's start."""
-    from dph_async.app.bench.transport import synthetic_group
+    from dph_async.tools.bench.transport import synthetic_group
 
     groups = [synthetic_group(1, i, n=2, tokens=3, prompt_tokens=4) for i in range(2)]
     batch = P.Batch(3, groups[:1], [], {"stale": 1}, 9)

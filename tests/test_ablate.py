@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from conftest import SMALL, copy_base, session_members
 
-from dph_async.app.cli import main
-from dph_async.app.evaluate import load_results
+from dph_async.cli.main import main
+from dph_async.runtime.evaluate import load_results
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def kill_midway(out: Path, cell: str) -> None:
     """Run the sweep as a user would, and SIGKILL its whole process group once the cell has its first
     checkpoint (the run is then mid-cell: more steps and the evaluations are still to come)."""
     latest = out / "rl" / cell / "checkpoints" / "latest"
-    proc = subprocess.Popen([sys.executable, "-m", "dph_async.app.cli", *args(out, ["1"])], start_new_session=True,
+    proc = subprocess.Popen([sys.executable, "-m", "dph_async.cli.main", *args(out, ["1"])], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while not latest.is_file():

@@ -108,7 +108,7 @@ def test_a_control_token_that_others_may_read_is_refused_not_trusted(tmp_path, c
     """The control token commands the replay (batches, snapshots, shutdown). Before: `serve replay`
     took a control.token planted in a copied or shared data directory, mode 0644 and of a value the
     planter knows, and obeyed whoever sent it."""
-    from dph_async.app.cli import main
+    from dph_async.cli.main import main
     from dph_async.net import CONTROL_TOKEN_FILE, control_token
 
     path = tmp_path / CONTROL_TOKEN_FILE
@@ -130,7 +130,7 @@ def test_a_control_token_that_others_may_read_is_refused_not_trusted(tmp_path, c
 def test_an_actor_token_equal_to_the_control_token_is_refused(tmp_path, capsys):
     """An actor token copied from control.token would let every actor take batches and shut the
     replay down. Before: `serve replay` started with the two files equal."""
-    from dph_async.app.cli import main
+    from dph_async.cli.main import main
     from dph_async.net import ACTOR_TOKEN_FILE, CONTROL_TOKEN_FILE
 
     for name in (CONTROL_TOKEN_FILE, ACTOR_TOKEN_FILE):

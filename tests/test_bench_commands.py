@@ -10,11 +10,11 @@ import json
 import pytest
 from conftest import SMALL, copy_base
 
-from dph_async.app.bench.figures import RunFigures, WeightSync
-from dph_async.app.bench.pipeline import Comparison
-from dph_async.app.bench.timeline import ideal_speedup
-from dph_async.app.bench.transport import synthetic_group
-from dph_async.app.cli import main
+from dph_async.cli.main import main
+from dph_async.tools.bench.figures import RunFigures, WeightSync
+from dph_async.tools.bench.pipeline import Comparison
+from dph_async.tools.bench.timeline import ideal_speedup
+from dph_async.tools.bench.transport import synthetic_group
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +125,7 @@ def test_every_benchmark_records_the_machine_the_same_way():
     import subprocess
     import sys
 
-    from dph_async.app.bench.machine import machine
+    from dph_async.tools.bench.machine import machine
 
     m = machine()
     with open("/proc/cpuinfo") as f:
@@ -133,9 +133,9 @@ def test_every_benchmark_records_the_machine_the_same_way():
     assert m["cpu"] in models and m["cores"] == os.cpu_count() and len(m["load_avg"]) == 3
     assert {"python", "numpy", "pyzmq", "libzmq", "msgpack"} <= set(m)
     assert ("torch" in m) == ("torch" in sys.modules)
-    code = "import json; from dph_async.app.bench.machine import machine; print(json.dumps(machine()))"
+    code = "import json; from dph_async.tools.bench.machine import machine; print(json.dumps(machine()))"
     bare = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert "torch" not in bare and "gpu" not in bare  # no torch import for a benchmark without it
-    code = "import torch, json; from dph_async.app.bench.machine import machine; print(json.dumps(machine()))"
+    code = "import torch, json; from dph_async.tools.bench.machine import machine; print(json.dumps(machine()))"
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert loaded["torch"] and "gpu" in loaded

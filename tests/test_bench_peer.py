@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dph_async.app.bench.peer import PeerRun, ensure_trl, intervals, summarise
-from dph_async.app.bench.peer_limit import limit_lines, limit_of, parts_of
-from dph_async.app.bench.peer_loop import completion_mask, response_logprobs
-from dph_async.app.bench.peer_spec import PeerSpec
-from dph_async.app.bench.weights import Round, _summary
+from dph_async.tools.bench.peer import PeerRun, ensure_trl, intervals, summarise
+from dph_async.tools.bench.peer_limit import limit_lines, limit_of, parts_of
+from dph_async.tools.bench.peer_loop import completion_mask, response_logprobs
+from dph_async.tools.bench.peer_spec import PeerSpec
+from dph_async.tools.bench.weights import Round, _summary
 
 
 def test_completion_mask_keeps_tokens_up_to_the_first_eos():
@@ -187,7 +187,7 @@ def test_loop_runs_the_work_and_times_its_phases(tmp_path):
     spec = PeerSpec(model=str(tmp_path / "model"), data=str(data), steps=2, prompts_per_step=4, n=3, max_tokens=5,
                     lr=1e-3, temperature=1.0, grad_clip=1.0, weight_decay=0.0, seed=0, max_prompt_tokens=48)
     (tmp_path / "spec.json").write_text(json.dumps(asdict(spec)))
-    subprocess.run([sys.executable, "-m", "dph_async.app.bench.peer_loop", str(tmp_path / "spec.json"),
+    subprocess.run([sys.executable, "-m", "dph_async.tools.bench.peer_loop", str(tmp_path / "spec.json"),
                     str(tmp_path / "out.json")], check=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
     out = json.loads((tmp_path / "out.json").read_text())
     assert len(out["steps"]) == 2
@@ -202,8 +202,8 @@ def test_loop_runs_the_work_and_times_its_phases(tmp_path):
 def test_weights_bench_runs_every_variant_through_its_own_transport(tmp_path):
     import os
 
-    from dph_async.app.bench.weights import VARIANTS, ModelShape, markdown, run
     from dph_async.protocol import SHM_PREFIX
+    from dph_async.tools.bench.weights import VARIANTS, ModelShape, markdown, run
 
     before = {n for n in os.listdir("/dev/shm") if n.startswith(SHM_PREFIX)}
     shape = ModelShape(hidden=128, layers=1, heads=2, intermediate=320, vocab=1000)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dph_async.app.bench.pipeline import Comparison, median_comparison, pair_names, plan
 from dph_async.config import load_config
+from dph_async.tools.bench.pipeline import Comparison, median_comparison, pair_names, plan
 
 
 def test_plan_alternates_pairs_and_splits_the_sync_batch():

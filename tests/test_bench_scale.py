@@ -13,11 +13,12 @@ from dataclasses import asdict
 
 import pytest
 
-from dph_async.app import scaling
-from dph_async.app.bench import scale
-from dph_async.app.bench.cpu import Memory, ProcessTreeCPU, memory_of
-from dph_async.app.bench.peer import PeerBench, PeerRun
-from dph_async.app.bench.scale import (
+from dph_async.cli.main import main
+from dph_async.tools import scaling
+from dph_async.tools.bench import scale
+from dph_async.tools.bench.cpu import Memory, ProcessTreeCPU, memory_of
+from dph_async.tools.bench.peer import PeerBench, PeerRun
+from dph_async.tools.bench.scale import (
     SIZES,
     CellPlan,
     GridError,
@@ -30,8 +31,7 @@ from dph_async.app.bench.scale import (
     plan_grid,
     projection,
 )
-from dph_async.app.bench.scale_report import markdown, plot
-from dph_async.app.cli import main
+from dph_async.tools.bench.scale_report import markdown, plot
 
 
 def test_the_grid_runs_size_by_size_and_keeps_a_steps_completion_tokens_near_the_budget():

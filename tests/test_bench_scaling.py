@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dph_async.app import scaling
-from dph_async.app.bench.figures import RunFigures, WeightSync
+from dph_async.tools import scaling
+from dph_async.tools.bench.figures import RunFigures, WeightSync
 
 # 128 samples (16 groups) per step; actors need 0.01 CPU-s per sample (1.28 s per step for one actor
 # alone); the learner 0.6 CPU-s per step; new weights reach the actors 0.05 s after a publish; a sync

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from dph_async.app.bench.cpu import CpuSample, cpu_between
-from dph_async.app.bench.timeline import (
+from dph_async.tools.bench.cpu import CpuSample, cpu_between
+from dph_async.tools.bench.timeline import (
     OTHER,
     Span,
     Timeline,
@@ -143,7 +143,7 @@ def test_process_tree_cpu_files_processes_under_their_ray_actor():
     import subprocess
     import sys
 
-    from dph_async.app.bench.cpu import ProcessTreeCPU
+    from dph_async.tools.bench.cpu import ProcessTreeCPU
 
     # A process titled like a Ray learner worker, which burns CPU itself and through a child; and
     # an untitled one, filed under "ray". CPU time, not wall time, decides when they stop.

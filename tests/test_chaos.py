@@ -30,7 +30,7 @@ STEPS = 8
 def test_a_run_survives_a_peer_that_keeps_sending_poison(small_base, tmp_path: Path):
     out = tmp_path / "chaos"
     copy_base(small_base, out)
-    cmd = [sys.executable, "-m", "dph_async.app.cli", "run", "--output", str(out), *SMALL,
+    cmd = [sys.executable, "-m", "dph_async.cli.main", "run", "--output", str(out), *SMALL,
            "actors.num_actors=2", f"learner.steps={STEPS}", "learner.loss.objective=grpo"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, ENV: "2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

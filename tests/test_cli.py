@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import stub_model_dir
 
-from dph_async.app import commands
-from dph_async.app.cli import build_parser, main
-from dph_async.app.commands import COMMANDS, command_module
+from dph_async.cli import commands
+from dph_async.cli.commands import COMMANDS, command_module
+from dph_async.cli.main import build_parser, main
 from dph_async.tasks.dataset import verl_row, write_rows
 
 A, B = "learner.lr=1e-4", "task.test_data.dev=dev.parquet"
@@ -141,7 +141,7 @@ def test_a_user_error_is_one_line_naming_what_is_wrong(argv, names, files, tmp_p
 
 def test_no_traceback_from_the_installed_command(files):
     # The process as a user starts it: the corrupt parquet of the issue, given to --data.
-    proc = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "eval", "--model", str(files["model"]),
+    proc = subprocess.run([sys.executable, "-m", "dph_async.cli.main", "eval", "--model", str(files["model"]),
                            "--data", str(files["corrupt"])], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
@@ -152,7 +152,7 @@ def test_no_traceback_from_the_installed_command(files):
 def test_a_command_line_loads_only_its_own_commands_options(argv):
     """A service started from the command line carries no torch: other commands' options (samplers,
     peers, objectives) are built only when those commands are named."""
-    code = (f"import sys; from dph_async.app.cli import build_parser; build_parser({argv!r}).parse_args({argv!r}); "
+    code = (f"import sys; from dph_async.cli.main import build_parser; build_parser({argv!r}).parse_args({argv!r}); "
             "print(sorted(m for m in ('torch', 'vllm', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
@@ -170,18 +170,18 @@ def test_the_table_of_commands_lists_exactly_the_command_modules():
 
 
 def test_the_top_level_help_imports_no_command():
-    code = ("import sys; from dph_async.app.cli import main\n"
+    code = ("import sys; from dph_async.cli.main import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in sys.modules if m.startswith('dph_async.app.commands.')), file=sys.stderr)")
+            "print(sorted(m for m in sys.modules if m.startswith('dph_async.cli.commands.')), file=sys.stderr)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stderr.strip() == "['dph_async.app.commands.common']"
+    assert out.stderr.strip() == "['dph_async.cli.commands.common']"
     listed = {line.split()[0] for line in out.stdout.splitlines() if line.startswith("    ")}
     assert {name.split()[0] for name in COMMANDS} <= listed
 
 
 def test_a_staleness_sweep_takes_auto_beside_integer_etas():
-    from dph_async.app.ablate.cells import staleness_sweep
-    from dph_async.app.cli import build_parser
+    from dph_async.cli.main import build_parser
+    from dph_async.tools.ablate.cells import staleness_sweep
 
     argv = ["ablate", "staleness", "--etas", "0", "auto", "--corrections", "decoupled", "--seeds", "0"]
     args = build_parser(argv).parse_args(argv)

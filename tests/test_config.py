@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from dph_async.app import pipeline
-from dph_async.app.cli import main
-from dph_async.app.pipeline import validate
-from dph_async.app.specs import RunSpec
+from dph_async.cli.main import main
 from dph_async.config import ConfigError, LearnerConfig, dump_config, load_config, presets, with_overrides
+from dph_async.pipeline import stages as pipeline
+from dph_async.pipeline.specs import RunSpec
+from dph_async.pipeline.stages import validate
 
 
 def refusal(overrides: list[str], preset: str = "default") -> str:

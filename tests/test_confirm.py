@@ -17,14 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dph_async.app.ablate import confirm
-from dph_async.app.ablate.cells import Cell
-from dph_async.app.ablate.results import CellResult, EvalPoint, Stat, split_metrics
-from dph_async.app.ablate.seeds import SeedRow, fingerprint, read_seeds, write_seeds
-from dph_async.app.cli import main
-from dph_async.app.evaluate import SplitResult
+from dph_async.cli.main import main
 from dph_async.config import load_config
+from dph_async.runtime.evaluate import SplitResult
 from dph_async.stats import Difference, holm, t_critical, t_two_sided_p
+from dph_async.tools.ablate import confirm
+from dph_async.tools.ablate.cells import Cell
+from dph_async.tools.ablate.results import CellResult, EvalPoint, Stat, split_metrics
+from dph_async.tools.ablate.seeds import SeedRow, fingerprint, read_seeds, write_seeds
 
 SEEDS = list(confirm.SEEDS)
 BASE_METRICS = {"in_domain/pass@1": 0.4, "in_domain/pass@16": 0.98, "ood/pass@1": 0.9, "ood/pass@16": 1.0}
@@ -401,8 +401,8 @@ def test_holm_rejects_at_exactly_its_threshold():
 def test_a_result_records_the_checkout_it_ran_from():
     import subprocess
 
-    from dph_async.app.bench import machine
-    from dph_async.app.bench.machine import commit, provenance
+    from dph_async.tools.bench import machine
+    from dph_async.tools.bench.machine import commit, provenance
 
     root = Path(machine.__file__).resolve().parents[3]
     if (root / ".git").exists():  # a checkout: its commit
@@ -477,7 +477,7 @@ def test_the_fingerprint_is_its_documented_recipe(tmp_path):
 
 def test_seeds_csv_holds_the_ood_share_and_each_evaluations_own_error_of_its_pass1(tmp_path):
     """pass@1_se: the s.d. of the per-prompt share of correct samples over the prompts / sqrt(prompts), float64."""
-    from dph_async.app.evaluate import PromptResult
+    from dph_async.runtime.evaluate import PromptResult
 
     rng = np.random.default_rng()
     correct = rng.integers(0, 17, 40)
@@ -498,7 +498,7 @@ def test_seeds_csv_holds_the_ood_share_and_each_evaluations_own_error_of_its_pas
 
 
 def test_a_data_file_task_never_takes_an_embedded_tasks_name(tmp_path):
-    from dph_async.app.ablate.seeds import task_name
+    from dph_async.tools.ablate.seeds import task_name
 
     assert task_name(load_config("default", [f"task.data={tmp_path / 'embedded'}"])) == "data:embedded"
     assert task_name(load_config("default", ["task.name=digit_sets"])) == "digit_sets"

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dph_async.app.ablate import confirm_forgetting as cf
-from dph_async.app.ablate.seeds import BASE, SeedRow, read_seeds
-from dph_async.app.cli import main
+from dph_async.cli.main import main
 from dph_async.stats import t_critical
+from dph_async.tools.ablate import confirm_forgetting as cf
+from dph_async.tools.ablate.seeds import BASE, SeedRow, read_seeds
 
 ROOT = Path(__file__).resolve().parents[1]
 ZERO_MEAN = np.array([-2.0, -1.0, 0.0, 1.0, 2.0])  # deviations with mean 0 and s.d. sqrt(2.5)

@@ -1,4 +1,4 @@
-"""Design 1's figure (dph_async/app/ablate/confirm_plot.py), read back from matplotlib: per task a panel
+"""Design 1's figure (dph_async/tools/ablate/confirm_plot.py), read back from matplotlib: per task a panel
 whose points sit at each arm's mean over the pre-registered seeds with its standard error as the
 error bar, the reverse-KL line through its three coefficients in order, and pi_0's star, on the
 committed confirmatory data."""
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dph_async.app.ablate import confirm, confirm_plot
-from dph_async.app.ablate.seeds import read_seeds
+from dph_async.tools.ablate import confirm, confirm_plot
+from dph_async.tools.ablate.seeds import read_seeds
 
 PREREG = Path(__file__).resolve().parents[1] / "docs" / "data" / "prereg"
 

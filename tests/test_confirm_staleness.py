@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dph_async.app.ablate import confirm_staleness as cs
-from dph_async.app.ablate.seeds import SeedRow
-from dph_async.app.cli import main
+from dph_async.cli.main import main
 from dph_async.stats import t_critical
+from dph_async.tools.ablate import confirm_staleness as cs
+from dph_async.tools.ablate.seeds import SeedRow
 
 SEEDS = list(cs.SEEDS)
 NOISE = np.array([-2.0, -1.0, 0.0, 1.0, 2.0])
@@ -398,7 +398,7 @@ def test_the_command_takes_the_trust_region_design(tmp_path, capsys):
 
 
 def test_files_from_before_the_mini_batch_count_was_recorded_read_as_one(tmp_path):
-    from dph_async.app.ablate.seeds import read_seeds
+    from dph_async.tools.ablate.seeds import read_seeds
 
     path = Path(__file__).resolve().parents[1] / "docs" / "data" / "prereg" / "embedded.csv"  # before the column
     assert {r.mini_batches for r in read_seeds(path)} == {1}

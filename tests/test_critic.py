@@ -9,12 +9,12 @@ import pytest
 import torch
 from test_learner import batch, model_dir, trainer  # noqa: F401  (model_dir: the fixture)
 
-from dph_async.app.pipeline import validate
-from dph_async.app.specs import RunSpec
 from dph_async.config import ConfigError, load_config
 from dph_async.learner import losses as L
 from dph_async.learner.batching import prepare
 from dph_async.learner.trainer import StepRecord
+from dph_async.pipeline.specs import RunSpec
+from dph_async.pipeline.stages import validate
 
 
 def gae_reference(rewards: list[float], values: list[float], gamma: float, lam: float) -> tuple[list, list]:

@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 
-from dph_async.app.ablate.report import difficulty_tables
-from dph_async.app.ablate.results import Group, Stat
-from dph_async.app.evaluate import DIFFICULTY, PromptResult, SplitResult, by_base_difficulty
-from dph_async.app.report import difficulty_rows, tables_by_test_set
+from dph_async.pipeline.report import difficulty_rows, tables_by_test_set
+from dph_async.runtime.evaluate import DIFFICULTY, PromptResult, SplitResult, by_base_difficulty
+from dph_async.tools.ablate.report import difficulty_tables
+from dph_async.tools.ablate.results import Group, Stat
 
 
 def split(counts: dict[str, int], n: int, distinct: int = 1) -> SplitResult:

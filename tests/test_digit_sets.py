@@ -13,9 +13,9 @@ from typing import get_args
 
 import pytest
 
-from dph_async.app.pipeline import StageTimer, prepare_embedded
 from dph_async.config import ConfigError, TaskConfig, load_config
 from dph_async.paths import RunPaths
+from dph_async.pipeline.stages import StageTimer, prepare_embedded
 from dph_async.rewards.registry import get_reward_fn
 from dph_async.tasks import digit_sets
 from dph_async.tasks.catalog import SPLITS

@@ -25,18 +25,18 @@ import ray
 import torch
 from conftest import alive, small_config
 
-from dph_async.app import actor_pool, actor_process, launcher, learner_process
-from dph_async.app.actor_pool import POOL_NAMESPACE, holding
-from dph_async.app.actor_process import ActorProcess
-from dph_async.app.cluster import ray_cluster
-from dph_async.app.core_claims import live_claims
-from dph_async.app.cores import host_cores, plan_cores, process_tree
-from dph_async.app.launcher import run_rl
-from dph_async.app.pipeline import StageTimer, prepare
-from dph_async.app.process_env import cache_dir
-from dph_async.app.specs import RunSpec
 from dph_async.paths import RunPaths
+from dph_async.pipeline.specs import RunSpec
+from dph_async.pipeline.stages import StageTimer, prepare
 from dph_async.run_stats import RLResult
+from dph_async.runtime import actor_pool, actor_process, launcher, learner_process
+from dph_async.runtime.actor_pool import POOL_NAMESPACE, holding
+from dph_async.runtime.actor_process import ActorProcess
+from dph_async.runtime.cluster import ray_cluster
+from dph_async.runtime.core_claims import live_claims
+from dph_async.runtime.cores import host_cores, plan_cores, process_tree
+from dph_async.runtime.launcher import run_rl
+from dph_async.runtime.process_env import cache_dir
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +94,8 @@ def test_a_local_run_starts_its_own_cluster_whatever_ray_remembers_of_a_stopped_
     try:
         (tmp / "ray").mkdir()
         (tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
-        code = ("import ray\nfrom dph_async.config import load_config\nfrom dph_async.app.cluster import ray_cluster\n"
+        code = ("import ray\nfrom dph_async.config import load_config\n"
+                "from dph_async.runtime.cluster import ray_cluster\n"
                 "with ray_cluster(load_config('default', ['launcher.num_cpus=1'])):\n"
                 "    print(ray.get_runtime_context().gcs_address)")
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(tmp)}
@@ -210,9 +211,9 @@ def test_pre_sampling_and_evaluation_run_in_a_runs_actor_process_as_in_a_process
     process of their own, bit for bit."""
     import pyarrow.parquet as pq
 
-    from dph_async.app.evaluate import EvalJob
-    from dph_async.app.pipeline import _evaluate_task, _presample_task
     from dph_async.paths import final_model
+    from dph_async.pipeline.stages import _evaluate_task, _presample_task
+    from dph_async.runtime.evaluate import EvalJob
 
     root, prep = prepared
     cfg = small_config(root)
@@ -284,10 +285,10 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from conftest import alive, small_config
-from dph_async.app.cluster import ray_cluster
-from dph_async.app.launcher import run_rl
-from dph_async.app.pipeline import StageTimer, prepare
-from dph_async.app.specs import RunSpec
+from dph_async.runtime.cluster import ray_cluster
+from dph_async.runtime.launcher import run_rl
+from dph_async.pipeline.stages import StageTimer, prepare
+from dph_async.pipeline.specs import RunSpec
 from dph_async.paths import RunPaths
 root, name, overrides = Path(sys.argv[2]), sys.argv[3], sys.argv[4:]
 spec = RunSpec.parse("grpo")
@@ -320,7 +321,7 @@ def test_an_actor_kept_on_the_cluster_serves_the_next_invocation(prepared):
     assert second["steps"] == 2 and second["pids"]["actor0"] == first.pids["actor0"]
 
     def pool_command(*args: str) -> list[dict]:
-        out = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "pool", address, "--json", *args],
+        out = subprocess.run([sys.executable, "-m", "dph_async.cli.main", "pool", address, "--json", *args],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout)
@@ -449,8 +450,8 @@ def test_killed_actor_is_restarted_and_run_completes(prepared, private_core_clai
 
 HOLD_EVERY_CORE = """
 import sys, time
-from dph_async.app.core_claims import claim_cores
-from dph_async.app.cores import host_cores
+from dph_async.runtime.core_claims import claim_cores
+from dph_async.runtime.cores import host_cores
 claim_cores(host_cores(), lambda free: free or None, list)
 print("claimed", flush=True)
 time.sleep(600)

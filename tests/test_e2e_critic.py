@@ -15,11 +15,11 @@ import statistics
 import pytest
 from conftest import small_config
 
-from dph_async.app.cluster import ray_cluster
-from dph_async.app.launcher import run_rl
-from dph_async.app.pipeline import StageTimer, prepare
-from dph_async.app.specs import RunSpec
 from dph_async.paths import RunPaths
+from dph_async.pipeline.specs import RunSpec
+from dph_async.pipeline.stages import StageTimer, prepare
+from dph_async.runtime.cluster import ray_cluster
+from dph_async.runtime.launcher import run_rl
 
 pytestmark = pytest.mark.slow
 

@@ -20,11 +20,11 @@ from conftest import SMALL, small_config
 from transformers import AutoModelForCausalLM
 
 from dph_async.actors.sampling import Sample, SamplingSpec
-from dph_async.app.evaluate import evaluate_split, pass_at_k
-from dph_async.app.presample import d_pef_prompts
 from dph_async.config import RunConfig
 from dph_async.rewards.registry import get_reward_fn
 from dph_async.rewards.worker import ScoreRequest, score_one
+from dph_async.runtime.evaluate import evaluate_split, pass_at_k
+from dph_async.runtime.presample import d_pef_prompts
 from dph_async.tasks.dataset import PromptRecord
 from dph_async.tasks.embedded import IN_DOMAIN
 
@@ -138,8 +138,8 @@ def test_reference_logprobs_are_pi0s_at_the_sampling_temperature(tmp_path):
     from test_run_command import learner_logprobs
     from transformers import AutoTokenizer
 
-    from dph_async.app.presample import presample
     from dph_async.learner.batching import Sequence
+    from dph_async.runtime.presample import presample
     from dph_async.tasks.dataset import load_prompts, verl_row, write_rows
     from dph_async.tasks.embedded import make_splits
 
@@ -197,9 +197,9 @@ ONE_ENGINE = """
 import json, sys
 from pathlib import Path
 from dph_async.actors.engine import SamplingSpec, VLLMEngine
-from dph_async.app import evaluate
-from dph_async.app.evaluate import evaluate_jobs
-from dph_async.app.evaluate import EvalJob
+from dph_async.runtime import evaluate
+from dph_async.runtime.evaluate import evaluate_jobs
+from dph_async.runtime.evaluate import EvalJob
 from dph_async.config import load_config
 
 root, base, other, overrides = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), json.loads(sys.argv[4])

@@ -21,8 +21,8 @@ BATCH = 16
 
 def actor(addr: str, actor_id: int) -> int:
     """An actor process: resume, then stream its shard at a steady pace under admission tickets."""
-    from dph_async.app.bench.transport import synthetic_group
     from dph_async.replay_client import RolloutSender
+    from dph_async.tools.bench.transport import synthetic_group
 
     sender = RolloutSender(addr, actor_id, reply_timeout_s=1.0, request_timeout_s=60)
     info = sender.resume()
@@ -39,7 +39,7 @@ def actor(addr: str, actor_id: int) -> int:
 
 
 def start_replay(ingest: str, batch: str, wal_dir: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dph_async.app.cli", "serve", "replay", "--ingest", ingest,
+    cmd = [sys.executable, "-m", "dph_async.cli.main", "serve", "replay", "--ingest", ingest,
            "--batch", batch, "--wal-dir", str(wal_dir), "--groups-per-batch", str(BATCH),
            "replay.max_staleness=1000000"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

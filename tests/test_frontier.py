@@ -1,4 +1,4 @@
-"""The frontier sweep's grid and its comparisons (dph_async/app/ablate/cells.py, frontier.py), on
+"""The frontier sweep's grid and its comparisons (dph_async/tools/ablate/cells.py, frontier.py), on
 given figures: the cells a ladder and a share axis make, the rival frontier interpolated at a
 group's Pass@1 with its standard error, differences with sqrt(se_1^2 + se_2^2) and their verdicts,
 and the table rows that carry them. The sweep itself runs in tests/test_ablate.py's way (slow)."""
@@ -10,11 +10,11 @@ import statistics
 
 import pytest
 
-from dph_async.app.ablate import frontier
-from dph_async.app.ablate.cells import Cell, frontier_sweep, share_ratio
-from dph_async.app.ablate.results import CellResult, Group, Stat
 from dph_async.config import ConfigError
 from dph_async.stats import t_two_sided_p
+from dph_async.tools.ablate import frontier
+from dph_async.tools.ablate.cells import Cell, frontier_sweep, share_ratio
+from dph_async.tools.ablate.results import CellResult, Group, Stat
 
 
 def test_ladder_multiplies_each_reference_coefficient_and_keeps_given_ones():

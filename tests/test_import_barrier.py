@@ -40,7 +40,7 @@ def __getattr__(name):
 ''',
     "modeling.py": "import time\ntime.sleep(0.2)\nAutoModel = object\n",
 }
-APP = {
+RUNTIME = {
     "actor_worker.py": '''
 class _Engine:
     def reset(self, model_dir):
@@ -68,8 +68,8 @@ import json, os, sys, tempfile, types
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import dph_async.app
-from dph_async.app import actor_process, learner_process
+import dph_async.runtime
+from dph_async.runtime import actor_process, learner_process
 from dph_async.config import load_config
 
 STUBS = json.loads(sys.argv[2])
@@ -79,7 +79,7 @@ for package, files in STUBS.items():
     for name, text in files.items():
         (root / package / name).write_text(text)
 sys.path.insert(0, str(root))
-dph_async.app.__path__.insert(0, str(root / "app"))  # the process's heavy modules: the light ones first
+dph_async.runtime.__path__.insert(0, str(root / "runtime"))  # the process's heavy modules: the light ones first
 for name in ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.zero", "deepspeed.runtime.zero.muon",
              "deepspeed.runtime.zero.muon.muon_optimizer"):
     sys.modules[name] = types.ModuleType(name)
@@ -136,8 +136,8 @@ def imported_by_init(make):
     """Which of the stand-ins a process's __init__ imported."""
     def trial():
         make()
-        names = ("dph_async.app.actor_worker", "dph_async.app.presample", "dph_async.app.learner_worker",
-                 "dph_async.app.learner_trainer", "lazypkg.modeling")
+        names = ("dph_async.runtime.actor_worker", "dph_async.runtime.presample", "dph_async.runtime.learner_worker",
+                 "dph_async.runtime.learner_trainer", "lazypkg.modeling")
         (root / f"imported{os.getpid()}").write_text(json.dumps([n for n in names if n in sys.modules]))
     return trial
 
@@ -166,7 +166,7 @@ Path(sys.argv[1]).write_text(json.dumps(out))
 def _stubs() -> str:
     import json
 
-    return json.dumps({"lazypkg": LAZYPKG, "app": APP})
+    return json.dumps({"lazypkg": LAZYPKG, "runtime": RUNTIME})
 
 
 def test_a_spare_that_pre_samples_at_once_never_meets_its_own_imports(tmp_path):
@@ -179,8 +179,8 @@ def test_every_ray_process_imports_what_its_calls_use_before_any_call(tmp_path):
     out = run_child(CHILD, tmp_path, _stubs(), "classes", timeout=120)
     assert out == {
         # vLLM and pre-sampling's modules with an online sampler's engine only
-        "actor_vllm": ["dph_async.app.actor_worker", "dph_async.app.presample", "lazypkg.modeling"],
-        "actor_mixture": ["dph_async.app.actor_worker"],
-        "learner": ["dph_async.app.learner_worker", "dph_async.app.learner_trainer", "lazypkg.modeling"],
-        "learner_rank": ["dph_async.app.learner_worker", "dph_async.app.learner_trainer", "lazypkg.modeling"],
+        "actor_vllm": ["dph_async.runtime.actor_worker", "dph_async.runtime.presample", "lazypkg.modeling"],
+        "actor_mixture": ["dph_async.runtime.actor_worker"],
+        "learner": ["dph_async.runtime.learner_worker", "dph_async.runtime.learner_trainer", "lazypkg.modeling"],
+        "learner_rank": ["dph_async.runtime.learner_worker", "dph_async.runtime.learner_trainer", "lazypkg.modeling"],
     }

@@ -204,7 +204,7 @@ def test_transformers_does_not_take_ours_for_hf_kernels(tmp_path):
 
 def test_bench_kernels_command_smoke(tmp_path):
     """`dph-async bench kernels` at a tiny shape: both paths run, agree, and the JSON has the ratios."""
-    from dph_async.app.cli import main
+    from dph_async.cli.main import main
 
     out = tmp_path / "kernels.json"
     shape = ["--n", "64", "--hidden", "32", "--vocab", "3001"]

@@ -109,7 +109,7 @@ def test_sampling_stops_after_eos_and_is_seeded():
 
 
 def test_report_shows_the_last_kl_estimate_of_each_run():
-    from dph_async.app.report import kl_rows
+    from dph_async.pipeline.report import kl_rows
 
     curves = {"a": [{"learner/version": 2.0, "kl/k1": 0.5, "kl/k1_se": 0.1, "kl/k3": 0.4, "kl/k3_se": 0.05,
                      "kl/sequences": 64.0},

@@ -1,6 +1,7 @@
-"""The tree's layers hold: actors, replay and learner import only the shared core (and the learner the
-kernels), never each other or the application; the shared core never imports the application.
-Read from the source with `ast`, function-level imports included."""
+"""The tree's layers hold, each importing only downward: actors, replay and learner import only the
+shared core (and the learner the kernels), never each other; the shared core imports none of the
+layers above it; the runtime (Ray hosting) never the pipeline, tools or CLI; the pipeline never the
+tools or CLI; the tools never the CLI. Read from the source with `ast`, function-level imports included."""
 
 from __future__ import annotations
 
@@ -13,15 +14,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # directory -> the modules it must never import (every import is `dph_async.…`; the design card's
 # directories install as dph_async.actors, .replay, .learner and .kernels)
-CORE = ("dph_async.actors", "dph_async.replay", "dph_async.learner", "dph_async.kernels", "dph_async.app")
+DATA_FLOW = ("dph_async.actors", "dph_async.replay", "dph_async.learner", "dph_async.kernels")
+ABOVE_CORE = ("dph_async.runtime", "dph_async.pipeline", "dph_async.tools", "dph_async.cli")
 FORBIDDEN = {
-    "actors": {"dph_async.replay", "dph_async.learner", "dph_async.app"},
-    "replay": {"dph_async.actors", "dph_async.learner", "dph_async.kernels", "dph_async.app"},
-    "learner": {"dph_async.actors", "dph_async.replay", "dph_async.app"},
+    "actors": {"dph_async.replay", "dph_async.learner", *ABOVE_CORE},
+    "replay": {"dph_async.actors", "dph_async.learner", "dph_async.kernels", *ABOVE_CORE},
+    "learner": {"dph_async.actors", "dph_async.replay", *ABOVE_CORE},
     "kernels": {"dph_async"},  # nothing of the project but the kernels themselves
-    "dph_async": set(CORE),
+    "dph_async": {*DATA_FLOW, *ABOVE_CORE},  # the shared core: dph_async/ outside the layers below
+    "dph_async/runtime": set(ABOVE_CORE[1:]),
+    "dph_async/pipeline": set(ABOVE_CORE[2:]),
+    "dph_async/tools": set(ABOVE_CORE[3:]),
 }
 ALLOWED = {"kernels": "dph_async.kernels"}  # an exception inside a forbidden prefix
+LAYERS = ("runtime", "pipeline", "tools", "cli")  # folders of dph_async/ that are not the shared core
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -38,7 +44,7 @@ def imported_modules(path: Path) -> set[str]:
 def sources(package: str) -> list[Path]:
     files = sorted((ROOT / package).rglob("*.py"))
     if package == "dph_async":
-        files = [f for f in files if "app" not in f.relative_to(ROOT / package).parts]
+        files = [f for f in files if f.relative_to(ROOT / package).parts[0] not in LAYERS]
     return files
 
 

@@ -15,8 +15,8 @@ from dph_async.lazy_import import lazy_module
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = """
 import sys
-from dph_async.app.pipeline import validate
-from dph_async.app.specs import RunSpec
+from dph_async.pipeline.stages import validate
+from dph_async.pipeline.specs import RunSpec
 from dph_async.config import load_config
 validate(load_config("default", []), [RunSpec.parse(m) for m in ("grpo@d_exp", "js_low_var", "reverse_kl:0.1", "dpo")])
 print(sorted(m for m in ("torch", "matplotlib", "vllm", "transformers", "deepspeed") if m in sys.modules))

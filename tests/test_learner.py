@@ -212,7 +212,7 @@ def test_a_trainer_frozen_with_the_heap_is_garbage_once_thawed(model_dir):
     """The learner process freezes its heap once a run's trainer is built, so that full collections
     no longer walk it, and thaws it when the run closes: a kept process then frees that trainer as
     before (the test above). Without the thaw the closed trainer would stay, frozen, for good."""
-    from dph_async.app.learner_process import freeze_heap, thaw_heap
+    from dph_async.runtime.learner_process import freeze_heap, thaw_heap
 
     t = trainer(model_dir)
     try:

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dph_async.actors.weights import WeightClient
-from dph_async.app.model_shipping import first_weights, materialize, pack
 from dph_async.config import ModelConfig
 from dph_async.learner.publish import WeightServer
 from dph_async.net import NetSecurity
+from dph_async.runtime.model_shipping import first_weights, materialize, pack
 from dph_async.tasks.dataset import load_prompts, verl_row, write_rows
 from dph_async.tasks.embedded import ALPHABET
 from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer, save_model

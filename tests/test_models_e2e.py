@@ -38,12 +38,12 @@ from conftest import ROOT, SMALL
 from model_families import FAMILIES, build_user_model, chatml_bpe, math_rows
 from test_run_command import LOGPROB_TOL
 
-from dph_async.app.bench.cpu import ProcessTreeCPU
-from dph_async.app.pipeline import run_pipeline
 from dph_async.config import load_config
 from dph_async.paths import RunPaths, checkpoint_dir, final_model
+from dph_async.pipeline.stages import run_pipeline
 from dph_async.rewards.registry import get_reward_fn, load_builtins
 from dph_async.tasks.dataset import write_rows
+from dph_async.tools.bench.cpu import ProcessTreeCPU
 
 pytestmark = pytest.mark.slow
 
@@ -153,7 +153,7 @@ def check_behaviour_logprobs(model_dir: Path, rl_dir: Path, temperature: float, 
 
 
 def rerun_is_bitwise(rl_dir: Path, out: Path, steps: int) -> None:
-    proc = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "rerun", str(rl_dir), "-o", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "dph_async.cli.main", "rerun", str(rl_dir), "-o", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())

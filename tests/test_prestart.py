@@ -14,10 +14,10 @@ CHILD = """
 import json, sys
 from pathlib import Path
 import ray
-from dph_async.app import actor_process, learner_process
-from dph_async.app.actor_process import actor_key, new_actor
-from dph_async.app.cluster import ray_cluster
-from dph_async.app.placement import actor_placement
+from dph_async.runtime import actor_process, learner_process
+from dph_async.runtime.actor_process import actor_key, new_actor
+from dph_async.runtime.cluster import ray_cluster
+from dph_async.runtime.placement import actor_placement
 from dph_async.config import load_config
 
 cfg = load_config("default", ["actors.num_actors=2", "launcher.num_cpus=4", *sys.argv[2:]])

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from dph_async import protocol as P
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.replay_stats import ReplayStats
+from dph_async.tools.bench.transport import synthetic_group
 from dph_async.weights_shm import layout
 
 # ---------------------------------------------------------------------------------------------

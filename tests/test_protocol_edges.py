@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from test_protocol import _error, _header, assert_same
 
 from dph_async import protocol as P
-from dph_async.app.bench.transport import synthetic_group
+from dph_async.tools.bench.transport import synthetic_group
 
 
 def refusal(msg: P.Message) -> str:

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from test_protocol import assert_same
 
 from dph_async import protocol as P
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.replay_stats import ReplayStats
+from dph_async.tools.bench.transport import synthetic_group
 
 REF = P.ReferenceSample(
     "r", np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32), np.zeros(2, np.float32), 1.0, "s"

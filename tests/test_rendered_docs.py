@@ -1,4 +1,4 @@
-"""Docs rendered from committed data (dph_async/app/rendered_docs.py): the repository's own docs match
+"""Docs rendered from committed data (dph_async/tools/rendered_docs.py): the repository's own docs match
 their data; a block is rewritten from its data and nothing outside it changes; a stale block is named
 by file, line and spec and fails --check; an unknown kind, an unclosed block, a missing file or a
 renderer's complaint is one error naming the line, and the doc is left as it was; the tables' figures
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from dph_async.app import rendered_docs
-from dph_async.app.ablate import confirm_plot
-from dph_async.app.ablate.seeds import BASE, CONFIG, IDENTITY, PROVENANCE
-from dph_async.app.rendered_docs import Context, render
+from dph_async.tools import rendered_docs
+from dph_async.tools.ablate import confirm_plot
+from dph_async.tools.ablate.seeds import BASE, CONFIG, IDENTITY, PROVENANCE
+from dph_async.tools.rendered_docs import Context, render
 
 ROOT = Path(__file__).resolve().parents[1]
 PREREG = ROOT / "docs" / "data" / "prereg"
@@ -363,7 +363,7 @@ def test_the_command_says_what_it_rendered_and_drew_and_teaches_in_help(tmp_path
     with pytest.raises(SystemExit):
         rendered_docs.main(["--help"])
     text = capsys.readouterr().out
-    assert text.startswith("usage: python -m dph_async.app.rendered_docs [-h] [--check] [FILE ...]".replace(
+    assert text.startswith("usage: python -m dph_async.tools.rendered_docs [-h] [--check] [FILE ...]".replace(
         "FILE", "files"))
     assert "\n    <!-- rendered: KIND ARG ... -->\n" in text  # the docstring's layout kept
     assert "--check     compare only; exit 1 naming every stale block" in text
@@ -469,8 +469,8 @@ def test_cells_lists_each_cells_columns_as_recorded(tmp_path):
 
 
 def test_confirm_staleness_renders_design_2_from_each_tasks_sweep():
-    from dph_async.app.ablate import confirm_staleness
-    from dph_async.app.ablate.seeds import read_seeds
+    from dph_async.tools.ablate import confirm_staleness
+    from dph_async.tools.ablate.seeds import read_seeds
 
     data = "docs/data/staleness/embedded.csv"
     ctx = Context(ROOT, ROOT / "docs" / "a.md", write=False)

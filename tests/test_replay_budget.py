@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import zmq
 
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import decode, encode
 from dph_async.replay.core import ReplayCore
 from dph_async.replay.store import COMPLETION_OVERHEAD, FreshStore, resident_cost
+from dph_async.tools.bench.transport import synthetic_group
 
 MiB = 1 << 20
 

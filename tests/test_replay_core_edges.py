@@ -13,7 +13,6 @@ import shutil
 import msgspec
 import numpy as np
 
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, ReferenceSample, ResumeInfo, TicketGrant, TicketRequest
 from dph_async.replay import core as core_module
@@ -32,6 +31,7 @@ from dph_async.replay_stats import (
     Tickets,
     WalStats,
 )
+from dph_async.tools.bench.transport import synthetic_group
 
 
 def make_core(wal_dir=None, **cfg) -> ReplayCore:

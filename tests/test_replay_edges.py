@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, TicketRequest
 from dph_async.replay.core import ReplayCore
 from dph_async.replay.staleness import Admission, staleness
 from dph_async.replay.store import resident_cost
+from dph_async.tools.bench.transport import synthetic_group
 
 MiB = 1 << 20
 

@@ -19,7 +19,6 @@ import msgpack
 import pytest
 import zmq
 
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.net import ACTOR_TOKEN_FILE, NetSecurity, connect, control_token, generate_keys
 from dph_async.protocol import (
@@ -40,6 +39,7 @@ from dph_async.protocol import (
 )
 from dph_async.replay.service import ReplayService
 from dph_async.replay_client import ReplayClient, RolloutSender
+from dph_async.tools.bench.transport import synthetic_group
 
 CFG = ReplayConfig(
     max_staleness=1, admission=True, max_group_mb=0.25, max_header_kb=64, max_frames=64,
@@ -524,7 +524,7 @@ def test_a_message_of_many_frames_grows_the_gate_not_the_replay(tmp_path, gate):
     make whoever reads the socket hold 120 MiB. Without a gate that is the replay (the control
     case: its peak memory rises by the flood); with one, the gate, whose memory limit makes libzmq
     drop the peer, and the replay's peak does not move."""
-    cmd = [sys.executable, "-m", "dph_async.app.cli", "serve", "replay", "--no-wal",
+    cmd = [sys.executable, "-m", "dph_async.cli.main", "serve", "replay", "--no-wal",
            "--ingest", "tcp://127.0.0.1:0", "--batch", "tcp://127.0.0.1:0", f"output_dir={tmp_path}",
            "replay.max_group_mb=1", "net.gate_memory_mb=16", f"net.gate={str(gate).lower()}"]  # fmt: skip
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)

@@ -12,13 +12,13 @@ import logging
 import msgspec
 import pytest
 
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest
 from dph_async.replay import core as core_module
 from dph_async.replay.core import ReplayCore
 from dph_async.replay.state import read_state
 from dph_async.replay.wal import WriteAheadLog
+from dph_async.tools.bench.transport import synthetic_group
 
 
 def replay(wal_dir, **cfg) -> ReplayCore:

@@ -7,11 +7,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, ReferenceSample
 from dph_async.replay.core import ReplayCore
 from dph_async.replay.reference_pool import ReferencePool, ReferencePoolError, write_reference_parquet
+from dph_async.tools.bench.transport import synthetic_group
 
 
 def samples(k: int, prefix: str = "s") -> list[ReferenceSample]:

@@ -10,12 +10,12 @@ import pytest
 import zmq
 
 import dph_async.replay.service as service_module
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.net import InsecureBindError, NetSecurity, generate_keys, is_local_endpoint
 from dph_async.protocol import Ack, BatchRequest, ErrorReply, StatsRequest, decode, encode
 from dph_async.replay.service import ReplayService
 from dph_async.replay_client import ReplayClient, ReplayError, ReplayUnavailable, RolloutSender
+from dph_async.tools.bench.transport import synthetic_group
 
 CFG = ReplayConfig(max_staleness=100, admission=False, max_group_mb=0.05)
 
@@ -274,7 +274,7 @@ def test_serve_replay_command_refuses_an_open_bind_and_stops_on_sigterm(tmp_path
     import subprocess
     import sys
 
-    base = [sys.executable, "-m", "dph_async.app.cli", "serve", "replay", "--wal-dir", str(tmp_path / "wal")]
+    base = [sys.executable, "-m", "dph_async.cli.main", "serve", "replay", "--wal-dir", str(tmp_path / "wal")]
     refused = subprocess.run([*base, "--ingest", "tcp://0.0.0.0:0"], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "refusing to bind tcp://0.0.0.0:0" in refused.stderr
     addr_in, addr_out = ipc("in"), ipc("out")
@@ -291,7 +291,7 @@ def test_serve_replay_command_refuses_an_open_bind_and_stops_on_sigterm(tmp_path
 
 
 def test_keys_command(tmp_path):
-    from dph_async.app.cli import main
+    from dph_async.cli.main import main
 
     assert main(["keys", str(tmp_path / "k")]) == 0
     assert (tmp_path / "k" / "authorized" / "client.key").is_file()

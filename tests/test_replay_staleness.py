@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, TicketRequest
 from dph_async.replay.core import ReplayCore
 from dph_async.replay.service import ReplayService
 from dph_async.replay.staleness import Admission
 from dph_async.replay_client import ReplayClient, RolloutSender
+from dph_async.tools.bench.transport import synthetic_group
 
 
 @pytest.mark.parametrize("eta", [0, 1, 3])

@@ -8,9 +8,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.replay.dedup import AcceptedSeqs
 from dph_async.replay.store import FreshStore
+from dph_async.tools.bench.transport import synthetic_group
 
 
 def test_oldest_version_first_and_groups_stay_whole():

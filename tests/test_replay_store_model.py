@@ -11,8 +11,8 @@ import numpy as np
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.replay.store import FreshStore, resident_cost
+from dph_async.tools.bench.transport import synthetic_group
 
 
 def _group(seq: int, versions: list[int], tokens: int):

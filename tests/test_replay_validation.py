@@ -10,13 +10,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, TicketRequest
 from dph_async.replay import validation
 from dph_async.replay.core import ReplayCore
 from dph_async.replay.service import ReplayService
 from dph_async.replay_client import RolloutSender
+from dph_async.tools.bench.transport import synthetic_group
 
 VOCAB = 1000
 

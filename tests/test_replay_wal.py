@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dph_async.app.bench.transport import synthetic_group
-from dph_async.app.commands.status import row
-from dph_async.app.endpoints import Endpoint, Reading
+from dph_async.cli.commands.status import row
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, encode
 from dph_async.replay.core import ReplayCore
 from dph_async.replay.state import ReplayStateError, read_state
 from dph_async.replay.wal import HEADER_BYTES, WalFormatError, WriteAheadLog, record_header
+from dph_async.runtime.endpoints import Endpoint, Reading
+from dph_async.tools.bench.transport import synthetic_group
 
 
 def make_core(wal_dir, **cfg) -> ReplayCore:

@@ -18,7 +18,6 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import dph_async.replay.wal as wal
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.protocol import BatchRequest, encode
 from dph_async.replay.core import ReplayCore
@@ -35,6 +34,7 @@ from dph_async.replay.wal import (
     record_header,
     scan,
 )
+from dph_async.tools.bench.transport import synthetic_group
 
 SYNC = record_header(b"")[:4]
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 import dph_async.replay.wal as wal
-from dph_async.app.bench.transport import synthetic_group
 from dph_async.config.replay import ReplayConfig
 from dph_async.replay.core import ReplayCore
 from dph_async.replay.wal import MAGIC, SEARCH_BYTES, Damage, WalFormatError, WriteAheadLog, record_header, scan
+from dph_async.tools.bench.transport import synthetic_group
 
 
 def make_core(wal_dir: Path, fsync: bool = False) -> ReplayCore:

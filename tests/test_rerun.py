@@ -90,9 +90,9 @@ class StandInReplay:
 
 def run_loop(cfg: RunConfig, model_dir: Path, rl_dir: Path, replay: StandInReplay, setup=None):
     """LearnerLoop.run as the learner process runs it, then the final model, as the launcher saves it."""
-    from dph_async.app.learner_trainer import build_trainer
     from dph_async.learner.loop import LearnerLoop
     from dph_async.learner.publish import WeightServer
+    from dph_async.runtime.learner_trainer import build_trainer
 
     rl_dir.mkdir(parents=True, exist_ok=True)
     trainer, tokenizer = build_trainer(cfg, str(model_dir), None)
@@ -200,7 +200,7 @@ def recorded(model_dir, tmp_path_factory) -> Path:
 
 
 def test_a_rerun_is_the_run_bit_for_bit(recorded, tmp_path):
-    from dph_async.app.rerun import rerun
+    from dph_async.pipeline.rerun import rerun
 
     report = rerun(recorded, tmp_path / "same", [])
     assert not report.counterfactual and report.end == 6 and len(report.steps) == 6
@@ -217,7 +217,7 @@ def test_a_rerun_is_the_run_bit_for_bit(recorded, tmp_path):
 
 
 def test_a_rerun_from_a_checkpoint_until_a_step_is_the_run_there(recorded, tmp_path):
-    from dph_async.app.rerun import rerun
+    from dph_async.pipeline.rerun import rerun
 
     report = rerun(recorded, tmp_path / "mid", [], start=2, until=4)
     assert (report.start, report.end, report.stopped) == (2, 4, "--until 4")
@@ -225,7 +225,7 @@ def test_a_rerun_from_a_checkpoint_until_a_step_is_the_run_there(recorded, tmp_p
 
 
 def test_a_counterfactual_coefficient_trains_other_weights_from_the_same_batches(recorded, tmp_path):
-    from dph_async.app.rerun import rerun
+    from dph_async.pipeline.rerun import rerun
 
     out = tmp_path / "cf"
     report = rerun(recorded, out, ["learner.loss.coeff=2.0"], diagnose=3, top_tokens=5)
@@ -245,8 +245,8 @@ def test_a_counterfactual_coefficient_trains_other_weights_from_the_same_batches
 
 
 def test_a_rerun_refuses_what_it_cannot_do(recorded, tmp_path):
-    from dph_async.app.commands.rerun import override_problem
-    from dph_async.app.rerun import RerunError, rerun
+    from dph_async.cli.commands.rerun import override_problem
+    from dph_async.pipeline.rerun import RerunError, rerun
 
     with pytest.raises(RerunError, match="no checkpoint of version 3"):
         rerun(recorded, tmp_path / "x", [], start=3)
@@ -257,7 +257,7 @@ def test_a_rerun_refuses_what_it_cannot_do(recorded, tmp_path):
 
 def test_a_rerun_writes_through_no_link_planted_in_its_output(recorded, tmp_path):
     """A stranger's run may hold rerun/<label>/metrics.jsonl -> ~/.bashrc, or final_model -> elsewhere."""
-    from dph_async.app.rerun import rerun
+    from dph_async.pipeline.rerun import rerun
     from dph_async.safe_files import UnsafeFile
 
     victim = tmp_path / "victim"
@@ -444,7 +444,7 @@ def test_a_recording_naming_no_usable_model_directory_is_one_error_line(tmp_path
     """recording.json names the model the run started from, and a run directory may be a stranger's.
     Before: transformers' OSError traceback from inside the trainer's build, for a directory that is
     not there as for one holding only a pytorch_model.bin (never unpickled either way)."""
-    from dph_async.app.cli import main
+    from dph_async.cli.main import main
     from dph_async.config import dump_config
 
     rl = tmp_path / "rl" / "m"
@@ -468,7 +468,7 @@ def test_a_recording_naming_no_usable_model_directory_is_one_error_line(tmp_path
 def test_a_metrics_line_cut_short_is_one_error_naming_file_and_line(tmp_path):
     """A run killed while it wrote a step's metrics leaves half a line. Before: json's JSONDecodeError
     traceback from the rerun, after the trainer had been built."""
-    from dph_async.app.rerun import RerunError, _run_metrics
+    from dph_async.pipeline.rerun import RerunError, _run_metrics
 
     (tmp_path / "metrics.jsonl").write_text('{"learner/version": 1.0}\n{"learner/version": 2.0, "loss/to\n')
     with pytest.raises(RerunError, match=rf"^{tmp_path / 'metrics.jsonl'}: line 2 is not a JSON record"):

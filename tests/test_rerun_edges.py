@@ -1,4 +1,4 @@
-"""`dph-async rerun`'s own logic (dph_async/app/rerun.py) around a stand-in trainer, in seconds: what it
+"""`dph-async rerun`'s own logic (dph_async/pipeline/rerun.py) around a stand-in trainer, in seconds: what it
 compares (metrics bit for bit, weights and their distance), which recorded batches it feeds from which
 version, where it stops, what it writes. The real trainer's rerun: tests/test_rerun.py."""
 
@@ -15,13 +15,13 @@ import torch
 from safetensors.torch import save_file
 from test_rerun import batches
 
-from dph_async.app import rerun as R
-from dph_async.app.commands.rerun import add_arguments
-from dph_async.app.rerun_report import HEADLINE, WeightCheck
+from dph_async.cli.commands.rerun import add_arguments
 from dph_async.config import load_config
 from dph_async.learner.recording import RECORDING, BatchRecorder, write_run_info
 from dph_async.learner.staleness_control import StalenessController, StalenessRule
 from dph_async.paths import final_model
+from dph_async.pipeline import rerun as R
+from dph_async.pipeline.rerun_report import HEADLINE, WeightCheck
 from dph_async.safe_files import UnsafeFile
 
 # ---------------------------------------------------------------------------------------------

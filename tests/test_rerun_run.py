@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, copy_base, small_config
 
-from dph_async.app.cluster import ray_cluster
-from dph_async.app.pipeline import StageTimer, prepare, train_mode
-from dph_async.app.specs import RunSpec
 from dph_async.paths import RunPaths
+from dph_async.pipeline.specs import RunSpec
+from dph_async.pipeline.stages import StageTimer, prepare, train_mode
+from dph_async.runtime.cluster import ray_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,7 @@ def rl_dir(small_base, tmp_path_factory) -> Path:
 
 
 def rerun(rl_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dph_async.app.cli", "rerun", str(rl_dir), *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "dph_async.cli.main", "rerun", str(rl_dir), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 

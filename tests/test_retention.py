@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from dph_async.app.ablate.cells import staleness_sweep
-from dph_async.app.ablate.sweep import cell_config, eval_versions
 from dph_async.config import load_config
 from dph_async.learner.retention import checkpoints, prune, to_delete
+from dph_async.tools.ablate.cells import staleness_sweep
+from dph_async.tools.ablate.sweep import cell_config, eval_versions
 
 
 @pytest.mark.parametrize(("versions", "keep", "protect", "latest", "expected"), [

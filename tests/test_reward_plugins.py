@@ -16,9 +16,9 @@ import pytest
 from conftest import ROOT, SMALL, stub_model_dir
 from fastapi.testclient import TestClient
 
-from dph_async.app.cli import main
-from dph_async.app.pipeline import validate
+from dph_async.cli.main import main
 from dph_async.config import ConfigError, load_config
+from dph_async.pipeline.stages import validate
 from dph_async.rewards.plugins import PluginError, load_plugins
 from dph_async.rewards.scorer import make_scorer
 from dph_async.rewards.service import make_app
@@ -144,7 +144,7 @@ def test_dph_async_score_with_a_plugin_that_exits_at_import(tmp_path, exits, say
     plugin.write_text(exits)
     responses = tmp_path / "responses.jsonl"
     responses.write_text(json.dumps({"data_source": "countdown", "response": "x", "reward_model": {"ground_truth": 1}}))
-    proc = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "score", str(responses),
+    proc = subprocess.run([sys.executable, "-m", "dph_async.cli.main", "score", str(responses),
                            f"rewards.plugins=[{plugin}]"], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])

@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from dph_async.app.cli import main
+from dph_async.cli.main import main
 from dph_async.config.rewards import RewardConfig
 from dph_async.rewards import context, sql
 from dph_async.rewards.fixtures import build_sql_fixture, example_responses, fixture_rows

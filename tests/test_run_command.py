@@ -34,11 +34,11 @@ import torch
 from conftest import SMALL, copy_base, descendants, kill_tree, processes, session_members
 from safetensors.torch import load_file
 
-from dph_async.app.evaluate import load_results
-from dph_async.app.report import TABLE_K, write_report
 from dph_async.paths import MODEL_STATES, RunPaths, checkpoint_weights
+from dph_async.pipeline.report import TABLE_K, write_report
 from dph_async.protocol import SHM_PREFIX
 from dph_async.run_stats import result_from
+from dph_async.runtime.evaluate import load_results
 from dph_async.state_file import load_state
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ NOT_REPEATED = ("learner/step_seconds", "learner/tokens_per_s", "drops/rewound")
 
 
 def command(out: Path) -> list[str]:
-    return [sys.executable, "-m", "dph_async.app.cli", "run", "--output", str(out), *SMALL, *RUN,
+    return [sys.executable, "-m", "dph_async.cli.main", "run", "--output", str(out), *SMALL, *RUN,
             "--compare", ",".join(MODES)]
 
 
@@ -384,7 +384,7 @@ def test_ctrl_c_during_rl_stops_everything(small_base, tmp_path: Path):
         # A session of its own, like a terminal's foreground job; SIGINT handled by default even where
         # the test runner was started with it ignored (background jobs of a non-interactive shell).
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dph_async.app.cli", "run", "--output", str(out),
+            [sys.executable, "-m", "dph_async.cli.main", "run", "--output", str(out),
              *SMALL, "learner.steps=100000", "learner.checkpoint_every=10"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
@@ -487,7 +487,7 @@ def test_a_run_that_fails_midway_leaves_no_process_socket_or_shared_memory(small
     copy_base(small_base, out)
     checkpoint = 60  # steps: seconds of training to place the file first, at the rate of a loaded machine too
     with (tmp_path / "run.log").open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "dph_async.app.cli", "run", "--output", str(out), *SMALL,
+        proc = subprocess.Popen([sys.executable, "-m", "dph_async.cli.main", "run", "--output", str(out), *SMALL,
                                  "learner.steps=100000", f"learner.checkpoint_every={checkpoint}"],
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     footprint, failed = Footprint(), None

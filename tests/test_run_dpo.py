@@ -46,7 +46,7 @@ def test_online_dpo_with_the_mixture_sampler_runs_end_to_end(small_base, tmp_pat
 
     out = tmp_path / "out"
     copy_base(small_base, out)
-    proc = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "run", "--output", str(out), "--preset", "dpo",
+    proc = subprocess.run([sys.executable, "-m", "dph_async.cli.main", "run", "--output", str(out), "--preset", "dpo",
                            *SMALL, "actors.sampler=mixp", f"learner.steps={STEPS}", "learner.checkpoint_every=1",
                            "learner.keep_checkpoints=0", f"sampling.temperature={TEMPERATURE}"],
                           capture_output=True, text=True, timeout=900)

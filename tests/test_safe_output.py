@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dph_async.app.cli import main as cli
+from dph_async.cli.main import main as cli
 from dph_async.learner.recording import RUN_INFO
 from dph_async.safe_files import UnsafeFile, open_output, output_dir, write_output
 

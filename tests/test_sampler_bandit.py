@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dph_async.app import sampler_bandit as B
-from dph_async.app.cli import main as cli
+from dph_async.cli.main import main as cli
 from dph_async.samplers import SAMPLERS
+from dph_async.tools import sampler_bandit as B
 
 F64 = torch.float64
 

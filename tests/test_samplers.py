@@ -157,8 +157,8 @@ def test_policy_weight_survives_the_wire_and_the_replay_columns():
 
 
 def test_samplers_sweep_has_one_cell_per_sampler_and_seed():
-    from dph_async.app.ablate.cells import samplers_sweep
-    from dph_async.app.cli import build_parser
+    from dph_async.cli.main import build_parser
+    from dph_async.tools.ablate.cells import samplers_sweep
 
     sweep = samplers_sweep(["online", "mixp"], [0, 1], "dpo")
     assert [c.key for c in sweep.cells] == ["online-seed0", "online-seed1", "mixp-seed0", "mixp-seed1"]

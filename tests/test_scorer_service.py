@@ -290,13 +290,13 @@ def test_serve_scorer_command_end_to_end(fixture_dir, cfg, scorer_process, close
             assert sum(r.correct for r in got) == 24
             with pytest.raises(UnknownDataSource, match="nope_ds"):
                 remote.score_many([ScoreRequest("nope_ds", "x", None, {})])
-    refused = subprocess.run([sys.executable, "-m", "dph_async.app.cli", "serve", "scorer", "--host", "0.0.0.0"],
+    refused = subprocess.run([sys.executable, "-m", "dph_async.cli.main", "serve", "scorer", "--host", "0.0.0.0"],
                              capture_output=True, text=True, env={**os.environ, "DPH_SCORER_TOKEN": ""})
     assert refused.returncode == 2 and "--insecure" in refused.stderr
 
 
 def test_benchmark_runs_on_the_pool():
-    from dph_async.app.bench import scorer as bench
+    from dph_async.tools.bench import scorer as bench
 
     cells = bench.run(workers=1, concurrency=[2], batch=4, seconds=0.3, timeout_s=10, backends=["pool"],
                       workloads=["sql", "math"], log=lambda line: None)

@@ -11,7 +11,11 @@ import pytest
 import zmq
 from conftest import copy_base
 
-from dph_async.app.soak import (
+from dph_async.config import load_config
+from dph_async.gate import Gate
+from dph_async.net import NetSecurity
+from dph_async.protocol import Limits
+from dph_async.tools.soak import (
     Check,
     ProcessSample,
     Sample,
@@ -23,10 +27,6 @@ from dph_async.app.soak import (
     throughputs,
     write_report,
 )
-from dph_async.config import load_config
-from dph_async.gate import Gate
-from dph_async.net import NetSecurity
-from dph_async.protocol import Limits
 
 MB = 2**20
 # The most a process may grow after the 30-second soak's warm-up (the learner is ~1 GB; a version of

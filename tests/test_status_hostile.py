@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from test_telemetry import announce_dead, closed_port, rl_result, write_summary
 
-from dph_async.app import endpoints
-from dph_async.app.cli import main as cli
-from dph_async.app.endpoints import Endpoint, find_endpoints, scrape
+from dph_async.cli.main import main as cli
+from dph_async.runtime import endpoints
+from dph_async.runtime.endpoints import Endpoint, find_endpoints, scrape
 from dph_async.safe_files import UnsafeFile, read_regular
 
 Answer = Callable[[str, socket.socket], None]

@@ -99,7 +99,7 @@ def test_the_catalog_keeps_a_share_of_the_warm_starts_up_rule():
 
 
 def test_a_run_of_the_stride_task_names_the_lengths_it_needs():
-    from dph_async.app.pipeline import validate
+    from dph_async.pipeline.stages import validate
 
     cfg = load_config("default", ["task.name=stride"])
     with pytest.raises(ConfigError, match=r"sampling.max_tokens >= 400 and model.max_model_len >= sampling.max_tokens "

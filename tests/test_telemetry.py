@@ -21,11 +21,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from dph_async.actors.telemetry import ActorCollector, actor_health
-from dph_async.app.bench.transport import synthetic_group
-from dph_async.app.cli import main as cli
-from dph_async.app.commands.status import row
-from dph_async.app.endpoints import find_endpoints, scrape
-from dph_async.app.evaluate import SplitResult
+from dph_async.cli.commands.status import row
+from dph_async.cli.main import main as cli
 from dph_async.config import NetConfig, RunConfig
 from dph_async.config.replay import ReplayConfig
 from dph_async.gate import HonestLoad
@@ -38,8 +35,11 @@ from dph_async.replay.telemetry import ReplayCollector, replay_health, staleness
 from dph_async.replay_client import ReplayClient, RolloutSender
 from dph_async.replay_stats import ReplayStats
 from dph_async.run_stats import ActorStats, LearnerStats, RLResult
+from dph_async.runtime.endpoints import find_endpoints, scrape
+from dph_async.runtime.evaluate import SplitResult
 from dph_async.spans import MAX_SPANS, add_span
 from dph_async.telemetry import CLIENT_TIMEOUT_S, MAX_CLIENTS, RENDER_INTERVAL_S, RESERVED, start_endpoint
+from dph_async.tools.bench.transport import synthetic_group
 
 
 def scrape_moved(ep, name: str, since: float | None, timeout_s: float = 30.0, **labels: str):

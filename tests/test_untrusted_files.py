@@ -93,7 +93,7 @@ def test_a_checkpoint_is_state_files_and_resumes_with_its_client_state(checkpoin
 def test_a_pickle_in_any_checkpoint_file_is_refused_by_name_and_never_run(checkpoints, stage, tmp_path, marker):
     """Each file in turn: the resume (`run`, `rerun --from`) and the weights' readers (`rerun`, `eval`,
     `analyze`) either never read it or refuse it, naming it."""
-    from dph_async.app.evaluate import read_weights
+    from dph_async.runtime.evaluate import read_weights
 
     names = sorted(f.name for f in (checkpoints[stage] / "v1").iterdir())
     t = trainer(str(checkpoints[stage].parent / "model"), stage)
@@ -143,9 +143,9 @@ def pickled_model(checkpoints, tmp_path, marker) -> Path:
 def test_a_model_directory_with_pickled_weights_is_refused_by_name(pickled_model, marker):
     from transformers import AutoModelForCausalLM
 
-    from dph_async.app.analyze.weights import Checkpoint, WeightReader
-    from dph_async.app.evaluate import read_weights
-    from dph_async.app.rerun import saved_weights
+    from dph_async.pipeline.rerun import saved_weights
+    from dph_async.runtime.evaluate import read_weights
+    from dph_async.tools.analyze.weights import Checkpoint, WeightReader
 
     bin_file = str(pickled_model / "pytorch_model.bin")
     for read in (weight_files, read_weights, saved_weights, lambda d: WeightReader(Checkpoint("m", d))):
@@ -157,7 +157,7 @@ def test_a_model_directory_with_pickled_weights_is_refused_by_name(pickled_model
 
 
 def test_an_index_naming_a_file_outside_the_directory_or_a_pickle_is_refused(pickled_model):
-    from dph_async.app.analyze.weights import Checkpoint, WeightReader
+    from dph_async.tools.analyze.weights import Checkpoint, WeightReader
 
     index = pickled_model / "model.safetensors.index.json"
     for name in ("pytorch_model.bin", "../elsewhere.safetensors"):
@@ -168,7 +168,7 @@ def test_an_index_naming_a_file_outside_the_directory_or_a_pickle_is_refused(pic
 
 def cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "dph_async.app.cli", *argv], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "dph_async.cli.main", *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dph_async.app.warmstart import _batch, _encoder, pieces, warm_start, warm_start_tiny
 from dph_async.config import load_config
+from dph_async.pipeline.warmstart import _batch, _encoder, pieces, warm_start, warm_start_tiny
 from dph_async.tasks import catalog
 from dph_async.tasks.embedded import ALPHABET, make_splits
 from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer

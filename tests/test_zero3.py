@@ -24,7 +24,6 @@ import torch
 from test_learner import V, batch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from dph_async.app.analyze.weights import expand
 from dph_async.config import LearnerConfig, LossConfig
 from dph_async.learner.zero3 import full_state_dict
 from dph_async.net import NetSecurity
@@ -32,6 +31,7 @@ from dph_async.paths import checkpoint_weights, is_learner_checkpoint
 from dph_async.protocol import Batch, ReferenceSample
 from dph_async.state_file import load_state, save_state
 from dph_async.tasks.tiny_model import build_tokenizer
+from dph_async.tools.analyze.weights import expand
 
 ROOT = Path(__file__).resolve().parents[1]
 UPDATE = dict(mini_batches=2, micro_token_budget=16,

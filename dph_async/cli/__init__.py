@@ -1,0 +1,3 @@
+"""The command line: `main.py` parses `dph-async COMMAND`, and `commands/` holds one module per
+command (imported only when that command runs). The top layer: nothing imports it.
+"""
