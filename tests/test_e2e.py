@@ -29,7 +29,7 @@ from dph_async.paths import RunPaths
 from dph_async.pipeline.specs import RunSpec
 from dph_async.pipeline.stages import StageTimer, prepare
 from dph_async.run_stats import RLResult
-from dph_async.runtime import actor_pool, actor_process, launcher, learner_process
+from dph_async.runtime import actor_process, launcher, learner_process, reuse
 from dph_async.runtime.actor_pool import POOL_NAMESPACE, holding
 from dph_async.runtime.actor_process import ActorProcess
 from dph_async.runtime.cluster import ray_cluster
@@ -221,12 +221,12 @@ def test_pre_sampling_and_evaluation_run_in_a_runs_actor_process_as_in_a_process
     key = actor_process.actor_key(cfg, prep.base.resolve(), 0)
 
     def kept_pid() -> int:
-        return ray.get(actor_pool._kept[key][0].pid.remote())
+        return ray.get(reuse.KEPT.actors[key][0].pid.remote())
 
     def results(job: EvalJob) -> dict:
         return _without_seconds(json.loads(job.out.read_text()))
 
-    actor_pool.release_actors()  # no process kept: the test's runs before may have kept one
+    reuse.release(spares=False, learner=False)  # no process kept: the test's runs before may have kept one
     first = EvalJob(prep.base, tmp_path / "new" / "base.json", 3)
     assert actor_process.evaluate_on_actor(cfg, prep.base, [first], tests)
     built = kept_pid()
@@ -255,13 +255,13 @@ def test_pre_sampling_and_evaluation_run_in_a_runs_actor_process_as_in_a_process
 def test_a_learner_started_ahead_is_the_next_runs_learner(prepared):
     """launcher.start_learner (before pre-sampling, before a sweep's pi_0 evaluation): the process it
     starts is the next run's learner, and it starts none while one is kept."""
-    learner_process.release_learner()
+    reuse.release(spares=False, actors=False)
     cfg = small_config(prepared[0])
     learner_process.start_learner(cfg)
-    ahead = learner_process._kept_learner
+    ahead = reuse.KEPT.learner
     assert ahead is not None
     learner_process.start_learner(cfg)
-    assert learner_process._kept_learner is ahead
+    assert reuse.KEPT.learner is ahead
     pid = ray.get(ahead[0].pid.remote())
     result, _ = train(prepared, "ahead", "learner.steps=2", mode="grpo")
     assert result.pids["learner"] == pid and len(result.metrics) == 2

@@ -14,7 +14,7 @@ CHILD = """
 import json, sys
 from pathlib import Path
 import ray
-from dph_async.runtime import actor_process, learner_process
+from dph_async.runtime import reuse
 from dph_async.runtime.actor_process import actor_key, new_actor
 from dph_async.runtime.cluster import ray_cluster
 from dph_async.runtime.placement import actor_placement
@@ -24,19 +24,19 @@ cfg = load_config("default", ["actors.num_actors=2", "launcher.num_cpus=4", *sys
 model = Path(sys.argv[1]).parent
 out = {}
 with ray_cluster(cfg, prestart=True):
-    spares = dict(actor_process._spares)
+    spares = dict(reuse.KEPT.spares)
     out["spares"] = sorted(k[0] for k in spares)
-    out["learner_started"] = learner_process._kept_learner is not None
+    out["learner_started"] = reuse.KEPT.learner is not None
     spare_pids = {k[0]: ray.get(h.pid.remote()) for k, h in spares.items()}
     first = new_actor(cfg, actor_key(cfg, model, 1), actor_placement())
     again = new_actor(cfg, actor_key(cfg, model, 1), actor_placement())
     out["first_is_spare"] = ray.get(first.pid.remote()) == spare_pids[1]
     out["again_is_new"] = ray.get(again.pid.remote()) not in spare_pids.values()
-    out["left"] = sorted(k[0] for k in actor_process._spares)
+    out["left"] = sorted(k[0] for k in reuse.KEPT.spares)
     # vLLM imported by its __init__, before any call ran
     spare = spares[(0, cfg.launcher.max_actor_restarts, cfg.actors.threads)]
     out["imported"] = ray.get(spare.__ray_call__.remote(lambda self: "vllm" in sys.modules))
-out["after"] = sorted(k[0] for k in actor_process._spares)
+out["after"] = sorted(k[0] for k in reuse.KEPT.spares)
 Path(sys.argv[1]).write_text(json.dumps(out))
 """
 

@@ -1,7 +1,8 @@
 """Actor processes kept from one RL run for the next, so that a later run skips vLLM's import and
 engine build (about 12 s of one core here; docs/decisions.md, "Actors kept between runs").
 
-Within an invocation (`launcher.reuse_actors`) the driver remembers the processes it kept. With
+Within an invocation (`launcher.reuse_actors`) the driver remembers the processes it kept
+(`dph_async.runtime.reuse`, the one place that holds what is kept). With
 `launcher.keep_actors_s` on a cluster that outlives the invocation (`launcher.address`), a kept
 process also outlives it: it is a detached Ray actor named after its engine settings, in the
 `POOL_NAMESPACE` namespace, and the next invocation with the same settings finds it by that name.
@@ -23,13 +24,11 @@ import ray
 from ray.exceptions import RayActorError
 
 from dph_async.config import RunConfig
+from dph_async.runtime import reuse
 
 POOL_NAMESPACE = "dph-async"
 # A driver calls each running actor this often (`touch`), so the shortest keep_actors_s is a few times it.
 TOUCH_EVERY_S = 2.0
-
-# Actor processes this driver kept, by their key: (handle, whether it outlives the invocation).
-_kept: dict[tuple, tuple[ray.actor.ActorHandle, bool]] = {}
 
 
 def engine_settings(cfg: RunConfig, model_dir: Path) -> tuple:
@@ -72,9 +71,9 @@ def _taken(actor: ray.actor.ActorHandle, keep_s: float) -> bool:
 def take(key: tuple, keep_s: float) -> ray.actor.ActorHandle | None:
     """A kept actor process for `key` that still answers and is free, or None: first one this driver
     kept, then (keep_s > 0) one that an earlier invocation left on the cluster."""
-    kept = _kept.pop(key, None)
-    if kept is not None and _taken(kept[0], keep_s):
-        return kept[0]
+    kept = reuse.take_actor(key)
+    if kept is not None and _taken(kept, keep_s):
+        return kept
     if keep_s <= 0:
         return None
     prefix = _prefix(key)
@@ -120,7 +119,7 @@ def keep(actor: ray.actor.ActorHandle, key: tuple, outlives: bool) -> bool:
         ray.get(actor.unbind.remote(), timeout=60)
     except (RayActorError, ray.exceptions.GetTimeoutError):
         return False
-    _kept[key] = (actor, outlives)
+    reuse.put_actor(key, actor, outlives)
     return True
 
 
@@ -146,14 +145,3 @@ def holding(actors: list[ray.actor.ActorHandle], keep_s: float) -> Iterator[None
     finally:
         done.set()
         toucher.join()
-
-
-def release_actors() -> None:
-    """End the actor processes kept for this invocation only: their engines' memory goes back (before
-    an evaluation builds its own engine, and when the cluster is left). Those that outlive it are
-    only forgotten here: they stay for a later invocation until their idle time runs out."""
-    for handle, outlives in _kept.values():
-        if not outlives:
-            with contextlib.suppress(Exception):
-                ray.kill(handle, no_restart=True)
-    _kept.clear()

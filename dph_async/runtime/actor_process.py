@@ -5,7 +5,6 @@ process actor 0 of the next run takes (pre-sampling, evaluation), so one engine 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import tempfile
 import threading
@@ -24,7 +23,8 @@ from dph_async.paths import endpoints_dir
 from dph_async.replay_client import RolloutSender
 from dph_async.rewards.scorer import make_scorer
 from dph_async.run_stats import ActorStats
-from dph_async.runtime.actor_pool import engine_settings, holding, keep, new_actor_options, release_actors, take
+from dph_async.runtime import reuse
+from dph_async.runtime.actor_pool import engine_settings, holding, keep, new_actor_options, take
 from dph_async.runtime.cores import offload_threads
 from dph_async.runtime.evaluate import EvalJob, evaluate_jobs
 from dph_async.runtime.placement import actor_placement, home_node, on_home_node
@@ -250,16 +250,6 @@ def actor_key(cfg: RunConfig, model_dir: Path, actor_id: int) -> tuple:
     return (actor_id, home_node(), cfg.launcher.keep_actors_s > 0, *engine_settings(cfg, model_dir))
 
 
-# Processes started with a local cluster for the first run's actors (`prestart_actors`), by
-# `_spare_key`; the first `new_actor` of the same id and options takes one instead of starting a process.
-_spares: dict[tuple, ray.actor.ActorHandle] = {}
-
-
-def _spare_key(cfg: RunConfig, actor_id: int) -> tuple:
-    """What a spare must match besides the node: the options it was started with."""
-    return actor_id, cfg.launcher.max_actor_restarts, cfg.actors.threads
-
-
 def prestart_actors(cfg: RunConfig) -> None:
     """Start the processes of the first run's actors now, on the cluster this invocation just started
     on this host, each importing vLLM in its __init__ (about 8 s of a core) while the driver goes on
@@ -269,16 +259,8 @@ def prestart_actors(cfg: RunConfig) -> None:
     if cfg.launcher.keep_actors_s > 0 or sampler(cfg.actors.sampler).engine != "vllm":
         return
     for i in range(cfg.actors.num_actors):
-        if _spare_key(cfg, i) not in _spares:
-            _spares[_spare_key(cfg, i)] = _new_process(cfg, i, on_home_node(), {})
-
-
-def release_spares() -> None:
-    """End the spares no run took (their imports' memory goes back)."""
-    for handle in _spares.values():
-        with contextlib.suppress(Exception):
-            ray.kill(handle, no_restart=True)
-    _spares.clear()
+        if not reuse.has_spare(key := reuse.spare_key(cfg, i)):
+            reuse.put_spare(key, _new_process(cfg, i, on_home_node(), {}))
 
 
 def new_actor(cfg: RunConfig, key: tuple, placement: dict) -> ray.actor.ActorHandle:
@@ -286,7 +268,7 @@ def new_actor(cfg: RunConfig, key: tuple, placement: dict) -> ray.actor.ActorHan
     live on the one node of a local cluster, where `placement` leads too). Ray restarts it if it dies
     (its __init__ runs again, then the run binds it again), on another node if its own is gone."""
     naming = new_actor_options(key, cfg.launcher.keep_actors_s)
-    if not naming and (spare := _spares.pop(_spare_key(cfg, key[0]), None)) is not None:
+    if not naming and (spare := reuse.take_spare(reuse.spare_key(cfg, key[0]))) is not None:
         return spare
     return _new_process(cfg, key[0], placement, naming)
 
@@ -347,7 +329,7 @@ def evaluate_on_actor(cfg: RunConfig, model_dir: Path, jobs: list[EvalJob], test
     no process is kept on the driver's node and a new one could not be kept (`_keepable`)."""
     keep_s, key = cfg.launcher.keep_actors_s, actor_key(cfg, model_dir.resolve(), 0)
     actor = take(key, keep_s) if not sampler(cfg.actors.sampler).uses_reference else None
-    release_actors()
+    reuse.release(spares=False, learner=False)
     if actor is not None and ray.get(actor.node.remote())[1] != home_node():  # it reads and writes the run directory
         if not keep(actor, key, keep_s > 0):
             ray.kill(actor, no_restart=True)

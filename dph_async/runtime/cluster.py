@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import ray
 
 from dph_async.config import RunConfig
-from dph_async.runtime.actor_pool import release_actors
-from dph_async.runtime.actor_process import prestart_actors, release_spares
-from dph_async.runtime.learner_process import release_learner, start_learner
+from dph_async.runtime import reuse
+from dph_async.runtime.actor_process import prestart_actors
+from dph_async.runtime.learner_process import start_learner
 from dph_async.runtime.process_env import cache_dir
 from dph_async.weights_shm import remove_stale as remove_stale_segments
 
@@ -67,9 +67,7 @@ def ray_cluster(cfg: RunConfig, prestart: bool = False) -> Iterator[None]:
     try:
         yield
     finally:
-        release_actors()
-        release_spares()
-        release_learner()
+        reuse.release()
         if owned:
             ray.shutdown()
         if owned and not lc.address:

@@ -34,7 +34,8 @@ from dph_async.paths import final_model
 from dph_async.progress import progress
 from dph_async.replay_stats import ReplayStats
 from dph_async.run_stats import ActorStats, LearnerStats, RLResult
-from dph_async.runtime.actor_pool import holding, keep, release_actors, take
+from dph_async.runtime import reuse
+from dph_async.runtime.actor_pool import holding, keep, take
 from dph_async.runtime.actor_process import actor_key, new_actor, wait_restarted
 from dph_async.runtime.core_claims import Claim, claim_cores, release_cores
 from dph_async.runtime.cores import host_cores, pin, plan_cores
@@ -139,7 +140,7 @@ def _launch(cfg: RunConfig, rl_dir: Path, model_dir: Path, prompts_path: Path, r
     keys = [actor_key(cfg, model_dir, i) for i in range(cfg.actors.num_actors)]
     placement = actor_placement()
     actors = [take(key, keep_s) or new_actor(cfg, key, placement) for key in keys]
-    release_actors()  # kept for runs unlike this one
+    reuse.release(spares=False, learner=False)  # actors kept for runs unlike this one
     ingest, weights, actor_token = ray.get(bound)
     store = ray.get(learner.rendezvous_store.remote())
     ranks = [LearnerRank.options(num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, r)).remote(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dph_async import net
@@ -29,6 +29,7 @@ from dph_async.replay.service import ReplayService
 from dph_async.replay.telemetry import ReplayCollector, replay_health
 from dph_async.replay_stats import ReplayStats
 from dph_async.run_stats import LearnerStats
+from dph_async.runtime import reuse
 from dph_async.runtime.placement import learner_placement
 from dph_async.runtime.process_env import bind_address, log_to_file
 from dph_async.tasks.model_limits import replay_config
@@ -238,22 +239,16 @@ class LearnerRank:
 
 
 
-# The learner process the last RL run of this invocation kept for the next (`launcher.reuse_learner`):
-# its handle, its placement group and its name, by which actors find it.
-_kept_learner: tuple[ray.actor.ActorHandle, PlacementGroup, str] | None = None
-
-
 def acquire_learner(cfg: RunConfig) -> tuple[ray.actor.ActorHandle, PlacementGroup, str]:
-    """The learner process for a run: the one the last run kept, if it still answers and may serve
-    this run, or a new one, in a new placement group. One `start_learner` just started answers once
-    its __init__ has made its imports: tens of seconds on a busy machine."""
-    global _kept_learner
-    kept, _kept_learner = _kept_learner, None
+    """The learner process for a run: the one the last run kept (`reuse`), if it still answers and may
+    serve this run, or a new one, in a new placement group. One `start_learner` just started answers
+    once its __init__ has made its imports: tens of seconds on a busy machine."""
+    kept = reuse.take_learner()
     if kept is not None:
         with contextlib.suppress(RayActorError, GetTimeoutError):
-            if _reusable_learner(cfg) and ray.get(kept[0].pid.remote(), timeout=300):
-                return kept
-        _end_learner(kept[0], kept[1])
+            if _reusable_learner(cfg) and ray.get(kept.handle.pid.remote(), timeout=300):
+                return kept.handle, kept.group, kept.name
+        reuse.end_learner(kept)
     return _new_learner(learner_placement(cfg.learner.ranks))
 
 
@@ -271,14 +266,13 @@ def start_learner(cfg: RunConfig) -> None:
     that its imports (its __init__'s) run beside the stage before it (pre-sampling, pi_0's evaluation:
     one core of an actor) instead of on the run's critical path. Nothing is started where one is kept already,
     where the run could not take it, or where no CPU is free for it within a few seconds."""
-    global _kept_learner
-    if _kept_learner is not None or not _reusable_learner(cfg):
+    if reuse.has_learner() or not _reusable_learner(cfg):
         return
     try:
         pg = learner_placement(1, timeout_s=5.0)
     except RuntimeError:
         return  # the run makes its own, and waits for its CPU as before
-    _kept_learner = _new_learner(pg)
+    reuse.put_learner(reuse.KeptLearner(*_new_learner(pg)))
 
 
 def _reusable_learner(cfg: RunConfig) -> bool:
@@ -289,22 +283,7 @@ def _reusable_learner(cfg: RunConfig) -> bool:
 
 def keep_learner(cfg: RunConfig, learner: ray.actor.ActorHandle, pg: PlacementGroup, name: str) -> None:
     """At the end of a run (the learner closed): keep the process for the next run, or end it."""
-    global _kept_learner
     if _reusable_learner(cfg):
-        _kept_learner = (learner, pg, name)
+        reuse.put_learner(reuse.KeptLearner(learner, pg, name))
     else:
-        _end_learner(learner, pg)
-
-
-def _end_learner(learner: ray.actor.ActorHandle, pg: PlacementGroup) -> None:
-    with contextlib.suppress(Exception):  # already gone with its cluster
-        ray.kill(learner, no_restart=True)
-        remove_placement_group(pg)
-
-
-def release_learner() -> None:
-    """End the kept learner process, if any (the cluster is being left)."""
-    global _kept_learner
-    if _kept_learner is not None:
-        _end_learner(_kept_learner[0], _kept_learner[1])
-        _kept_learner = None
+        reuse.end_learner(reuse.KeptLearner(learner, pg, name))
