@@ -84,7 +84,7 @@ class RLResult:
     # The cores each process of the driver's host was pinned to ("learner": every rank), if any
     # (launcher.pin_cores).
     cores: dict[str, list[int]] = field(default_factory=dict)
-    # Other invocations on the host whose claims left this run too few cores to pin (core_claims.py).
+    # Other invocations on the host whose claims left this run too few cores to pin (cpu_claims.py).
     cores_shared_with: list[str] = field(default_factory=list)
     # The learner's per-step metrics, as the driver read them (empty when read back from result.json:
     # metrics.jsonl has them).

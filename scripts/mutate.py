@@ -71,7 +71,7 @@ MODULES: dict[str, list[str]] = {
         "tests/test_rerun.py::test_a_checksummed_record_that_is_no_batch_is_refused"],
     "dph_async/pipeline/rerun.py": ["tests/test_rerun_edges.py",
                                "tests/test_rerun.py::test_a_metrics_line_cut_short_is_one_error_naming_file_and_line"],
-    "dph_async/runtime/core_claims.py": ["tests/test_core_claims.py"],
+    "dph_async/runtime/cpu_claims.py": ["tests/test_cpu_claims.py"],
     "dph_async/pipeline/warmstart.py": ["tests/test_warmstart.py"],
     # The app around a stand-in pool (the real pool's workers take seconds to start; the pool has its own tests).
     "dph_async/rewards/service.py": [
@@ -303,9 +303,9 @@ EQUIVALENT: dict[tuple[str, str], str] = {
     **{("dph_async/pipeline/rerun.py", f'write_output(self.out / f"diagnose_v{{diagnose}}.json", '
                                   f"json.dumps(asdict(found), {indent}))"):
        "the diagnosis's indentation: it reads back the same" for indent in ("indent=None", "", "indent=2")},
-    ("dph_async/runtime/core_claims.py", "path.unlink(missing_ok=None)"): _LISTED_UNDER_THE_LOCK,
-    ("dph_async/runtime/core_claims.py", "path.unlink(missing_ok=False)"): _LISTED_UNDER_THE_LOCK,
-    ("dph_async/runtime/core_claims.py",
+    ("dph_async/runtime/cpu_claims.py", "path.unlink(missing_ok=None)"): _LISTED_UNDER_THE_LOCK,
+    ("dph_async/runtime/cpu_claims.py", "path.unlink(missing_ok=False)"): _LISTED_UNDER_THE_LOCK,
+    ("dph_async/runtime/cpu_claims.py",
      "claim = Claim(uuid.uuid4().hex, me, start_time(me) or 1, sorted(used(plan)), _command(me))"):
         "the running process's own start time is never None: its /proc entry exists while it runs",
     **{("dph_async/tools/ablate/seeds.py", line): why for line, why in (

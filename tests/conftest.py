@@ -174,7 +174,7 @@ def small_config(root: Path, *overrides: str):
 
 @pytest.fixture(scope="session", autouse=True)
 def private_core_claims(tmp_path_factory) -> Iterator[Path]:
-    """The runs of this test run claim cores among themselves only (dph_async/runtime/core_claims.py): other
+    """The runs of this test run claim cores among themselves only (dph_async/runtime/cpu_claims.py): other
     invocations on the machine would otherwise leave them cores other than the tests expect."""
     directory = tmp_path_factory.mktemp("core-claims")
     before = os.environ.get("DPH_CORES_DIR")

@@ -33,8 +33,8 @@ from dph_async.runtime import actor_process, launcher, learner_process, reuse
 from dph_async.runtime.actor_pool import POOL_NAMESPACE, holding
 from dph_async.runtime.actor_process import ActorProcess
 from dph_async.runtime.cluster import ray_cluster
-from dph_async.runtime.core_claims import live_claims
-from dph_async.runtime.cores import host_cores, plan_cores, process_tree
+from dph_async.runtime.cpu_claims import live_claims
+from dph_async.runtime.cpu_cores import host_cores, plan_cores, process_tree
 from dph_async.runtime.launcher import run_rl
 from dph_async.runtime.process_env import cache_dir
 
@@ -450,8 +450,8 @@ def test_killed_actor_is_restarted_and_run_completes(prepared, private_core_clai
 
 HOLD_EVERY_CORE = """
 import sys, time
-from dph_async.runtime.core_claims import claim_cores
-from dph_async.runtime.cores import host_cores
+from dph_async.runtime.cpu_claims import claim_cores
+from dph_async.runtime.cpu_cores import host_cores
 claim_cores(host_cores(), lambda free: free or None, list)
 print("claimed", flush=True)
 time.sleep(600)

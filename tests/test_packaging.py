@@ -36,7 +36,7 @@ def test_the_wheel_holds_every_module_under_dph_async_and_nothing_else(tmp_path)
     sources = {f"dph_async/{p.relative_to(ROOT).as_posix()}" for d in MAPPED for p in (ROOT / d).rglob("*.py")}
     sources |= {p.relative_to(ROOT).as_posix() for p in (ROOT / "dph_async").rglob("*.py")}
     assert sources <= names, sorted(sources - names)[:5]
-    assert "dph_async/configs/default.yaml" in names
+    assert "dph_async/presets/default.yaml" in names
 
 
 def test_no_source_imports_a_directory_by_its_bare_name():

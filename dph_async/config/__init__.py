@@ -297,11 +297,11 @@ class LauncherConfig(Section):
     keep_actors_s: float = Field(0.0, ge=0)
     # Pin each RL run's processes on the driver's host: every actor there gets actors.threads cores of
     # its own, the learner (its ranks, the replay, the weight server) learner.ranks x learner.threads;
-    # where the cores are too few, the OS places them all (dph_async/runtime/cores.py). An actor's rollout
+    # where the cores are too few, the OS places them all (dph_async/runtime/cpu_cores.py). An actor's rollout
     # loop, which sets a small run's pace, then never gives its core to the learner's other threads.
     # A run claims the cores it pins until it ends: another invocation on the host pins to the cores
     # left, or, where too few are left, says with whom it shares and leaves its processes to the OS
-    # (dph_async/runtime/core_claims.py; the claims live in DPH_CORES_DIR, else the temporary directory).
+    # (dph_async/runtime/cpu_claims.py; the claims live in DPH_CORES_DIR, else the temporary directory).
     pin_cores: bool = True
 
     @field_validator("keep_actors_s")
@@ -379,7 +379,7 @@ class ConfigError(UserError):
     """A config key or value is wrong; the message names the dotted key."""
 
 
-PRESET_PACKAGE = "dph_async.configs"
+PRESET_PACKAGE = "dph_async.presets"
 
 
 def presets() -> list[str]:

@@ -25,7 +25,7 @@ from dph_async.rewards.scorer import make_scorer
 from dph_async.run_stats import ActorStats
 from dph_async.runtime import reuse
 from dph_async.runtime.actor_pool import engine_settings, holding, keep, new_actor_options, take
-from dph_async.runtime.cores import offload_threads
+from dph_async.runtime.cpu_cores import offload_threads
 from dph_async.runtime.evaluate import EvalJob, evaluate_jobs
 from dph_async.runtime.placement import actor_placement, home_node, on_home_node
 from dph_async.runtime.process_env import log_to_file
@@ -234,7 +234,7 @@ class ActorProcess:
 
     def run(self, max_groups: int | None = None, spare_cores: list[int] | None = None) -> ActorStats:
         """Generate until stopped; first, with `spare_cores`, every other thread of the process but ZMQ's
-        goes there, and the calling thread (Ray's choice) keeps the actor's cores (cores.py)."""
+        goes there, and the calling thread (Ray's choice) keeps the actor's cores (cpu_cores.py)."""
         self._stop.clear()
         if spare_cores:
             self.worker.stats.threads_offloaded = offload_threads(spare_cores)

@@ -37,8 +37,8 @@ from dph_async.run_stats import ActorStats, LearnerStats, RLResult
 from dph_async.runtime import reuse
 from dph_async.runtime.actor_pool import holding, keep, take
 from dph_async.runtime.actor_process import actor_key, new_actor, wait_restarted
-from dph_async.runtime.core_claims import Claim, claim_cores, release_cores
-from dph_async.runtime.cores import host_cores, pin, plan_cores
+from dph_async.runtime.cpu_claims import Claim, claim_cores, release_cores
+from dph_async.runtime.cpu_cores import host_cores, pin, plan_cores
 from dph_async.runtime.learner_process import LearnerRank, acquire_learner, keep_learner
 from dph_async.runtime.placement import actor_placement, home_node
 
@@ -51,13 +51,13 @@ class _Pinning:
 
     cores: dict[str, list[int]] = field(default_factory=dict)  # by name ("learner": every rank)
     local: dict[str, int] = field(default_factory=dict)  # pids of the run's processes on the driver's host
-    claim: Claim | None = None  # released when the run ends (core_claims.py)
+    claim: Claim | None = None  # released when the run ends (cpu_claims.py)
     shared_with: list[str] = field(default_factory=list)  # other invocations' claims, where they left too few
 
 
 def _pin_cores(cfg: RunConfig, pids: dict[str, int], nodes: dict[str, list[tuple[str, str]]]) -> _Pinning:
     """Pin the run's processes on the driver's host (`pids`: actor{i}, learner, learner{r}) to cores of
-    their own (dph_async/runtime/cores.py) among those no other invocation on the host has claimed, and
+    their own (dph_async/runtime/cpu_cores.py) among those no other invocation on the host has claimed, and
     claim them. Where the plan leaves the OS to place them (too few cores, or too few left by the
     others: then the run says with whom it shares), they get every core (a kept process may come
     pinned from an earlier run)."""
@@ -94,7 +94,7 @@ def _repin(name: str, pids: dict[str, int], nodes: dict[str, list[tuple[str, str
 
 
 def _spare_cores(cfg: RunConfig, cores: dict[str, list[int]], local: dict[str, int], name: str) -> list[int] | None:
-    """Where pinned actor `name`'s other threads go at the start of its run (cores.offload_threads), so
+    """Where pinned actor `name`'s other threads go at the start of its run (cpu_cores.offload_threads), so
     that its rollout loop keeps its cores to itself: the learner's. None for an actor not pinned here,
     and for engines of several threads (their OpenMP workers would be among the others)."""
     return cores["learner"] if name in cores and name in local and cfg.actors.threads == 1 else None

@@ -1,4 +1,4 @@
-"""Pinning a run's processes to cores (dph_async/runtime/cores.py): the plan, every thread pinned, and an
+"""Pinning a run's processes to cores (dph_async/runtime/cpu_cores.py): the plan, every thread pinned, and an
 actor's other threads moved off its rollout loop's cores."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from dph_async.runtime.cores import CorePlan, host_cores, offload_threads, pin, plan_cores, process_tree
+from dph_async.runtime.cpu_cores import CorePlan, host_cores, offload_threads, pin, plan_cores, process_tree
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
 

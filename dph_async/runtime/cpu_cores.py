@@ -11,7 +11,7 @@ endpoint's and vLLM's idle gloo loops, which wake often and took the loop's core
 
 Only the driver's host is planned, and the driver pins the processes there itself: the learner runs
 there, and an actor elsewhere has no learner to keep apart from. A run claims the cores it pins for
-its duration (dph_async/runtime/core_claims.py): another invocation on the host plans over the cores left,
+its duration (dph_async/runtime/cpu_claims.py): another invocation on the host plans over the cores left,
 and where they are too few it says so and leaves its processes to the OS.
 """
 
@@ -39,7 +39,7 @@ def host_cores() -> set[int]:
 def plan_cores(cores: Collection[int], actors: int, threads: int, learner: int = 1) -> CorePlan | None:
     """`threads` cores apiece for `actors` actors and `learner` cores for the learner, the lowest of
     `cores` first; None where no actor runs on the host or `cores` are too few (then the OS places
-    every thread). Cores beyond those stay free for another invocation on the host (core_claims.py)."""
+    every thread). Cores beyond those stay free for another invocation on the host (cpu_claims.py)."""
     ordered = sorted(cores)
     need = actors * threads
     if actors < 1 or learner < 1 or len(ordered) < need + learner:

@@ -1,4 +1,4 @@
-"""Cores claimed across invocations on one host (dph_async/runtime/core_claims.py): two claimants get
+"""Cores claimed across invocations on one host (dph_async/runtime/cpu_claims.py): two claimants get
 disjoint cores, a third finds too few and sees who holds them, a released or killed claimant's cores
 are free again, a pid taken by a new process does not keep a claim, and a claim waits for the lock;
 and at the edges: a claim file of exactly the size limit and one byte more, a process name holding
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dph_async.runtime.core_claims import (
+from dph_async.runtime.cpu_claims import (
     MAX_CLAIM_BYTES,
     Claim,
     _command,
@@ -29,7 +29,7 @@ from dph_async.runtime.core_claims import (
     release_cores,
     start_time,
 )
-from dph_async.runtime.cores import CorePlan, plan_cores
+from dph_async.runtime.cpu_cores import CorePlan, plan_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = [0, 1, 2, 3]  # the cores planned over: the claims never pin anything themselves
@@ -63,8 +63,8 @@ def test_two_claimants_get_disjoint_cores_and_a_third_sees_who_holds_them(tmp_pa
 
 CHILD = """
 import json, sys, time
-from dph_async.runtime.core_claims import claim_cores
-from dph_async.runtime.cores import plan_cores
+from dph_async.runtime.cpu_claims import claim_cores
+from dph_async.runtime.cpu_cores import plan_cores
 taken = claim_cores([0, 1, 2, 3], lambda free: plan_cores(free, 1, 1, 1),
                     lambda p: p.actors[0] + p.learner, __import__("pathlib").Path(sys.argv[1]))
 print(json.dumps(taken.plan.actors[0] + taken.plan.learner), flush=True)
@@ -157,7 +157,7 @@ def test_a_claim_file_of_exactly_the_size_limit_is_read_and_one_byte_more_is_not
     (tmp_path / "claim-big.json").write_text(text + " " * (MAX_CLAIM_BYTES - len(text)))
     assert [c.id for c in live_claims(tmp_path)] == ["big"] and not caplog.records
     (tmp_path / "claim-big.json").write_text(text + " " * (MAX_CLAIM_BYTES + 1 - len(text)))
-    with caplog.at_level(logging.WARNING, logger="dph_async.runtime.core_claims"):
+    with caplog.at_level(logging.WARNING, logger="dph_async.runtime.cpu_claims"):
         assert live_claims(tmp_path) == []
     assert caplog.messages == [f"core claims: {tmp_path / 'claim-big.json'} is not a claim; removed"]
     assert not (tmp_path / "claim-big.json").exists()
