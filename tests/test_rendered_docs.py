@@ -426,7 +426,7 @@ def test_errors_name_every_item_and_the_kind_that_complained(tmp_path):
     with pytest.raises(ValueError, match=r"^seeds\.csv: no pi_0 row"):
         rendered_docs.splits([_seeds(tmp_path, rows[1:])], ctx)
     with pytest.raises(ValueError, match=r"known: cells, confirm, confirm-figure, confirm-staleness, ood-calibration, "
-                                         r"splits\)$"):
+                                         r"results, splits\)$"):
         render("<!-- rendered: nope -->\n<!-- end rendered -->\n", ctx)
     with pytest.raises(ValueError, match=r"^line 3: a carriage return that ends no line \(lines end in LF or CRLF\)$"):
         render("\n\na\rb\n", ctx)
@@ -451,6 +451,37 @@ def test_the_source_chunk_is_read_as_written_and_nowhere_else(tmp_path):
     for data, want in cases:
         png.write_bytes(data)
         assert rendered_docs.source_of(png) == want, data[:40]
+
+
+RESULTS_HEADER = "benchmark,figure,date,commit,machine,command,load"
+
+
+def test_results_are_a_table_of_the_records_with_every_field_checked(tmp_path):
+    ctx = Context(tmp_path, tmp_path / "a.md", write=False)
+    (tmp_path / "r.csv").write_text(RESULTS_HEADER + "\n"
+                                    '`bench x`,"1.5× y, | z",2026-11-29 13:01–14:02,0c9c19e,host,`dph-async bench x`,\n'
+                                    "b,2×,2026-11-27,bf4ea29 to 7682f70+dirty,h,c,1.0–1.8\n")
+    assert rendered_docs.results(["r.csv"], ctx).splitlines() == [
+        "| benchmark | figure | date | commit | machine | command | load |", "|---|---|---|---|---|---|---|",
+        "| `bench x` | 1.5× y, \\| z | 2026-11-29 13:01–14:02 | 0c9c19e | host | `dph-async bench x` | - |",
+        "| b | 2× | 2026-11-27 | bf4ea29 to 7682f70+dirty | h | c | 1.0–1.8 |"]
+    for row, says in [("b,,2026-11-27,abcdef0,h,c,", "line 2: no figure"),
+                      ("b,f,2026-11-27,abcdef0,,,", "line 2: no machine, command"),
+                      ("b,f,27 Nov,abcdef0,h,c,", "line 2: date '27 Nov' is not YYYY-MM-DD"),
+                      ("b,f,2026-11-27,HEAD,h,c,", "line 2: commit 'HEAD' is not a hash"),
+                      ("b,f,2026-11-27,abcdef0,h,c", "line 2: 6 fields, the header has 7"),
+                      ('b,"f\ng",2026-11-27,abcdef0,h,c,', "a line break in a table cell")]:
+        (tmp_path / "r.csv").write_text(RESULTS_HEADER + "\n" + row + "\n")
+        with pytest.raises(ValueError, match=says):
+            rendered_docs.results(["r.csv"], ctx)
+    (tmp_path / "r.csv").write_text(RESULTS_HEADER + "\n")
+    with pytest.raises(ValueError, match=r"^r\.csv: no result$"):
+        rendered_docs.results(["r.csv"], ctx)
+    (tmp_path / "r.csv").write_text("benchmark,figure\nb,f\n")
+    with pytest.raises(ValueError, match=r"^r\.csv: columns benchmark, figure; want benchmark, figure, date"):
+        rendered_docs.results(["r.csv"], ctx)
+    with pytest.raises(ValueError, match=r"results CSV: 1 argument\(s\), got 2"):
+        rendered_docs.results(["r.csv", "x"], ctx)
 
 
 def test_cells_lists_each_cells_columns_as_recorded(tmp_path):

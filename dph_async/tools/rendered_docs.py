@@ -166,6 +166,39 @@ def cells(args: list[str], ctx: Context) -> str:
                             *(f"{r.metrics[c]:.6g}" if c in r.metrics else "" for c in columns)] for r in rows])
 
 
+RESULT_COLUMNS = ("benchmark", "figure", "date", "commit", "machine", "command", "load")
+DATE = re.compile(r"\d{4}-\d{2}-\d{2}( \d{2}:\d{2}(–\d{2}:\d{2})?)?")
+COMMIT = re.compile(r"[0-9a-f]{7,40}(\+dirty)?( (to|/) [0-9a-f]{7,40}(\+dirty)?)?")
+
+
+def results(args: list[str], ctx: Context) -> str:
+    """`results CSV`: a table of current figures, one row per result as recorded, with the columns
+    RESULT_COLUMNS (a figure with its date, commit, machine, the command that measured it and the
+    machine's load then; `-` where a load was not recorded). A row without a figure, a date that is no
+    date or a commit that is no hash is refused by line: the table is the record."""
+    path = ctx.path(_exactly(args, 1, "results CSV")[0])
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header = next(reader, [])
+        if tuple(header) != RESULT_COLUMNS:
+            raise ValueError(f"{args[0]}: columns {', '.join(header) or 'none'}; want {', '.join(RESULT_COLUMNS)}")
+        rows = []
+        for line, values in enumerate(reader, start=2):
+            if len(values) != len(header):
+                raise ValueError(f"{args[0]}, line {line}: {len(values)} fields, the header has {len(header)}")
+            r = dict(zip(header, values, strict=True))
+            if lacking := [c for c in ("benchmark", "figure", "machine", "command") if not r[c].strip()]:
+                raise ValueError(f"{args[0]}, line {line}: no {', '.join(lacking)}")
+            if not DATE.fullmatch(r["date"]):
+                raise ValueError(f"{args[0]}, line {line}: date {r['date']!r} is not YYYY-MM-DD [HH:MM[–HH:MM]]")
+            if not COMMIT.fullmatch(r["commit"]):
+                raise ValueError(f"{args[0]}, line {line}: commit {r['commit']!r} is not a hash")
+            rows.append([_cell(r[c]) if r[c] else "-" for c in RESULT_COLUMNS])
+    if not rows:
+        raise ValueError(f"{args[0]}: no result")
+    return markdown_table(list(RESULT_COLUMNS), rows)
+
+
 def _tasks(args: list[str], ctx: Context, usage: str) -> dict[str, confirm.Sweeps]:
     """TASK CSV CSV triples: a task's name, its first and its as-run sweep (checked as the design asks)."""
     if not args or len(args) % 3:
@@ -290,7 +323,7 @@ def _draft(fig, png: Path, source: str) -> tuple[Path, Path]:
 
 RENDERERS: dict[str, Renderer] = {"ood-calibration": ood_calibration, "splits": splits, "cells": cells,
                                   "confirm": confirm_tables, "confirm-figure": confirm_figure,
-                                  "confirm-staleness": confirm_staleness_tables}
+                                  "confirm-staleness": confirm_staleness_tables, "results": results}
 
 
 def _exactly(args: list[str], n: int, usage: str) -> list[str]:
