@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dph_async.cli.commands.ablate_common import add_common_arguments, run
+from dph_async.cli.ablate_common import add_common_arguments, run
 from dph_async.cli.commands.common import fail
 from dph_async.tools.ablate.cells import divergence_sweep, frontier_sweep
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dph_async.cli.commands.ablate_common import add_common_arguments, run
+from dph_async.cli.ablate_common import add_common_arguments, run
 from dph_async.tools.ablate.cells import staleness_sweep
 
 DESCRIPTION = """\
