@@ -3,8 +3,8 @@
     logp, entropy = fused_logprobs(hidden, lm_head.weight, targets, temperature, mask, with_entropy=True)
 
 The [N, V] logits are never materialised: vocabulary blocks, online log-sum-exp in fp32, and a
-backward that recomputes each block's logits. The package shares its import name with Hugging
-Face's `kernels`; it defines no `__version__` so transformers' probe never takes it for that one.
+backward that recomputes each block's logits. It installs as `dph_async.kernels` (pyproject.toml's
+package-dir mapping): the top-level name `kernels` is Hugging Face's, which transformers probes.
 """
 
 from dph_async.kernels.fused import default_block_v, fused_logprobs

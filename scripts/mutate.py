@@ -4,10 +4,11 @@
     make mutate MODULE=learner/guard.py             one module (several: comma-separated)
     make mutate MODULE=learner/guard.py BUDGET=600  seconds per module (default 1800)
 
-Each module runs in a directory of its own, .mutate/<module>/ (git-ignored): links to the packages
-and tests/, and the repo's pyproject.toml with a [tool.mutmut] section for that module (mutmut reads
-its settings from the pyproject.toml of the directory it runs in, and only there). mutmut copies the
-packages to mutants/ there, mutates the one module and keeps each mutant's verdict as it comes, so a
+Each module runs in a directory of its own, .mutate/<module>/ (git-ignored): a copy of the package
+as it imports (dph_async/ with actors/, replay/, learner/ and kernels/ inside), links to tests/ and
+docs/, and the repo's pyproject.toml with a [tool.mutmut] section for that module (mutmut reads its
+settings from the pyproject.toml of the directory it runs in, and only there). mutmut copies the
+package to mutants/ there, mutates the one module and keeps each mutant's verdict as it comes, so a
 run stopped by its budget or by Ctrl-C goes on where it stopped the next time. When the module's
 tests change, the mutants that survived them are tried again; `--fresh` starts the module anew.
 
@@ -34,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".mutate"
-PACKAGES = ["actors", "replay", "learner", "kernels", "dph_async"]
+MAPPED = ["actors", "replay", "learner", "kernels"]  # install as dph_async.<name> (pyproject.toml)
 
 # Each boundary module and the fast tests that claim its behaviour (pytest arguments: files or node
 # ids). Tests that start a trainer, vLLM or Ray stay out: mutmut runs a module's tests once per mutant.
@@ -404,23 +405,39 @@ def digest(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
+def staged(module: str) -> str:
+    """A module's path as it imports: the design card's directories install inside dph_async/."""
+    return module if module.startswith("dph_async/") else f"dph_async/{module}"
+
+
 def prepare(module: str, fresh: bool) -> Path:
-    """The module's directory: links to the packages, tests and docs (tests read the docs' data), and its
-    mutmut settings."""
+    """The module's directory: the package as it imports (dph_async/ with the design card's directories
+    inside it, copied: mutmut names a mutant by its file's path and its trampoline by the module's
+    __name__, and walks no linked folder), links to the tests and docs (tests read the docs' data), and
+    its mutmut settings."""
     work = WORK / slug(module)
     if fresh and work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
-    for name in [*PACKAGES, "tests", "docs"]:
+    for name in [*MAPPED, "dph_async"]:  # the layout before one namespace: links beside dph_async/
+        if (work / name).is_symlink():
+            (work / name).unlink()
+    stage = work / "dph_async"
+    shutil.rmtree(stage, ignore_errors=True)
+    skip = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(ROOT / "dph_async", stage, ignore=skip)
+    for name in MAPPED:
+        shutil.copytree(ROOT / name, stage / name, ignore=skip)
+    for name in ["tests", "docs"]:
         link = work / name
         if not link.is_symlink():
             link.symlink_to(Path("..", "..", name))
     selection = ", ".join(f'"{a}"' for a in MODULES[module])
     settings = f"""
 [tool.mutmut]
-source_paths = [{", ".join(f'"{p}"' for p in PACKAGES)}]
+source_paths = ["dph_async"]
 also_copy = ["docs"]
-only_mutate = ["{module}"]
+only_mutate = ["{staged(module)}"]
 pytest_add_cli_args_test_selection = [{selection}]
 pytest_add_cli_args = ["-p", "no:cacheprovider"]
 # Workers fork from a server that has imported the tests but run nothing: torch's thread pools are

@@ -97,7 +97,7 @@ HEADER = "cell,group,mode,seed,coeff,share,task,pg_share,steps,base,commit,date,
     (f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,b,,,,0,42\n", "in_domain/pass@1: 42.0 is not a share in"),
     (f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,b,,,,0\n", "line 2: 14 fields, the header has 15"),
     (f"{HEADER},in_domain/pass@1\n", "column in_domain/pass@1 given twice"),
-    ("\ufeff" + f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,b,,,,0,x\n", "line 2: could not convert"),
+    ("\ufeff" + f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,b,,,,0,x\n", "line 2: in_domain/pass@1: 'x' is not a number"),
     (f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,b,,,inf,0,0.5\n", "load: 'inf' is not a finite number"),
 ])
 def test_a_file_that_is_not_a_sweeps_seeds_is_named(tmp_path, text, says):

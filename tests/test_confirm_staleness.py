@@ -7,6 +7,7 @@ eta by geometric mean among binding ones, S1's and S2's verdicts, refused rows, 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -351,7 +352,8 @@ def test_design_4_is_design_2_at_four_mini_batches_and_refuses_the_others_rows()
         cs.verdict("embedded", rows, mini_batches=4)
     with pytest.raises(ValueError, match=r"cell eta0-behavior-seed200: learner.mini_batches=4; the design runs 1"):
         cs.markdown({"embedded": four})
-    assert cs.markdown({"embedded": four}, 4) == cs.markdown({"embedded": rows})
+    # the same tables and verdicts; design 4 adds its premise's line (no clip fraction recorded here)
+    assert cs.markdown({"embedded": four}, 4).splitlines()[:-2] == cs.markdown({"embedded": rows}).splitlines()
 
 
 def test_the_clip_fraction_and_mismatch_kl_are_shown_where_the_rows_record_them():
@@ -409,3 +411,51 @@ def test_files_from_before_the_mini_batch_count_was_recorded_read_as_one(tmp_pat
             read_seeds(tmp_path / "s.csv")
     (tmp_path / "s.csv").write_text("\n".join([lines[0] + ",mini_batches", lines[1] + ",8"]) + "\n")
     assert read_seeds(tmp_path / "s.csv")[0].mini_batches == 8
+
+
+def test_design_4s_premise_is_checked_beside_its_verdicts():
+    """The clip must act in every decoupled cell with eta >= 1 (auto included); a cell without it, or
+    without a record of it, is named, and the verdicts are then not what the design tests."""
+    rows = [replace(r, mini_batches=4, metrics={**r.metrics, "clip_frac": 0.02}) for r in sweep()]
+    assert cs.premise(rows) == "premise holds: decoupled's clip acted in all 30 decoupled cells with eta >= 1."
+    idle = [replace(r, metrics={**r.metrics, "clip_frac": 0.0}) if r.cell in ("eta4-decoupled-seed201",
+            "eta0-decoupled-seed200", "eta4-behavior-seed200") else r for r in rows]  # eta 0 and coupled: no matter
+    bare = [replace(r, metrics={k: v for k, v in r.metrics.items() if k != "clip_frac"})
+            if r.cell == "etaauto-decoupled-seed204" else r for r in idle]
+    assert cs.premise(bare) == ("premise not met: the design did not test what it means to; no clip in "
+                                "eta4-decoupled-seed201; clip fraction not recorded in etaauto-decoupled-seed204.")
+    assert cs.premise([r for r in rows if "decoupled" not in r.group]).startswith("premise not checked")
+    assert cs.markdown({"embedded": bare}, 4).splitlines()[-1] == f"embedded: {cs.premise(bare)}"
+    assert "premise" not in cs.markdown({"embedded": sweep()})  # design 2 has none
+
+
+@pytest.mark.parametrize(("value", "says"), [(" 4", "' 4' is not a whole number"), ("+4", "'+4'"), ("04", "'04'"),
+                                             ("4_0", "'4_0'"), ("٤", "'٤'"), ("", "'' is not a whole number"),
+                                             ("4.0", "'4.0'"), ("0", "0 is not at least 1")])
+def test_a_mini_batch_count_is_written_digits_only_and_an_empty_one_is_refused(tmp_path, value, says):
+    from dph_async.tools.ablate.seeds import read_seeds
+
+    lines = (Path(__file__).resolve().parents[1] / "docs/data/prereg/embedded.csv").read_text().splitlines()
+    (tmp_path / "s.csv").write_text("\n".join([lines[0] + ",mini_batches", lines[1] + f",{value}"]) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"line 2: mini_batches: {says}")):
+        read_seeds(tmp_path / "s.csv")
+
+
+def test_a_bad_field_names_its_column_and_the_file_line_after_a_quoted_line_break(tmp_path):
+    from dph_async.tools.ablate.seeds import read_seeds
+
+    lines = (Path(__file__).resolve().parents[1] / "docs/data/prereg/embedded.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    row = lines[2].split(",")
+    quoted = row.copy()
+    quoted[header.index("commit")] = '"abc\ndef"'
+    bad = row.copy()
+    bad[header.index("reward")] = "x"
+    (tmp_path / "s.csv").write_text("\n".join([lines[0], ",".join(quoted), ",".join(bad)]) + "\n")
+    with pytest.raises(ValueError, match=r"s\.csv, line 4: reward: 'x' is not a number"):  # the third record, line 4
+        read_seeds(tmp_path / "s.csv")
+    seed = row.copy()
+    seed[header.index("seed")] = "2_00"
+    (tmp_path / "s.csv").write_text("\n".join([lines[0], ",".join(seed)]) + "\n")
+    with pytest.raises(ValueError, match=r"line 2: seed: '2_00' is not a whole number"):
+        read_seeds(tmp_path / "s.csv")

@@ -253,7 +253,7 @@ def test_pre_sampling_and_evaluation_run_in_a_runs_actor_process_as_in_a_process
 
 
 def test_a_learner_started_ahead_is_the_next_runs_learner(prepared):
-    """launcher.start_learner (before pre-sampling, before a sweep's pi_0 evaluation): the process it
+    """learner_process.start_learner (before pre-sampling, before a sweep's pi_0 evaluation): the process it
     starts is the next run's learner, and it starts none while one is kept."""
     reuse.release(spares=False, actors=False)
     cfg = small_config(prepared[0])
@@ -262,7 +262,7 @@ def test_a_learner_started_ahead_is_the_next_runs_learner(prepared):
     assert ahead is not None
     learner_process.start_learner(cfg)
     assert reuse.KEPT.learner is ahead
-    pid = ray.get(ahead[0].pid.remote())
+    pid = ray.get(ahead.handle.pid.remote())
     result, _ = train(prepared, "ahead", "learner.steps=2", mode="grpo")
     assert result.pids["learner"] == pid and len(result.metrics) == 2
 

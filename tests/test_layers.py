@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA_FLOW = ("dph_async.actors", "dph_async.replay", "dph_async.learner", "dph_async.kernels")
 ABOVE_CORE = ("dph_async.runtime", "dph_async.pipeline", "dph_async.tools", "dph_async.cli")
 FORBIDDEN = {
-    "actors": {"dph_async.replay", "dph_async.learner", *ABOVE_CORE},
+    "actors": {"dph_async.replay", "dph_async.learner", "dph_async.kernels", *ABOVE_CORE},
     "replay": {"dph_async.actors", "dph_async.learner", "dph_async.kernels", *ABOVE_CORE},
     "learner": {"dph_async.actors", "dph_async.replay", *ABOVE_CORE},
     "kernels": {"dph_async"},  # nothing of the project but the kernels themselves

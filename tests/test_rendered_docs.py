@@ -470,10 +470,26 @@ def test_results_are_a_table_of_the_records_with_every_field_checked(tmp_path):
                       ("b,f,27 Nov,abcdef0,h,c,", "line 2: date '27 Nov' is not YYYY-MM-DD"),
                       ("b,f,2026-11-27,HEAD,h,c,", "line 2: commit 'HEAD' is not a hash"),
                       ("b,f,2026-11-27,abcdef0,h,c", "line 2: 6 fields, the header has 7"),
-                      ('b,"f\ng",2026-11-27,abcdef0,h,c,', "a line break in a table cell")]:
+                      ('b,"f\ng",2026-11-27,abcdef0,h,c,', r"r\.csv, line 3: .*a line break in a table cell")]:
         (tmp_path / "r.csv").write_text(RESULTS_HEADER + "\n" + row + "\n")
         with pytest.raises(ValueError, match=says):
             rendered_docs.results(["r.csv"], ctx)
+    for date in ("2026-13-45", "2026-11-29 99:99", "2026-11-29 10:00–25:61", "٢٠٢٦-١١-٢٩"):
+        (tmp_path / "r.csv").write_text(RESULTS_HEADER + f"\nb,f,{date},abcdef0,h,c,\n", encoding="utf-8")
+        with pytest.raises(ValueError, match="is not YYYY-MM-DD"):
+            rendered_docs.results(["r.csv"], ctx)
+    crlf = RESULTS_HEADER + "\r\nb,f,2026-11-27,abcdef0,h,c, \r\n"  # with a byte-order mark, a blank load
+    (tmp_path / "r.csv").write_bytes(b"\xef\xbb\xbf" + crlf.encode())
+    assert rendered_docs.results(["r.csv"], ctx).splitlines()[-1] == "| b | f | 2026-11-27 | abcdef0 | h | c | - |"
+    (tmp_path / "r.csv").write_text(RESULTS_HEADER + "\nb," + "f" * 200_000 + ",2026-11-27,abcdef0,h,c,\n")
+    with pytest.raises(ValueError, match=r"^r\.csv: not a CSV file of UTF-8 text \(field larger"):
+        rendered_docs.results(["r.csv"], ctx)
+    (tmp_path / "r.csv").write_bytes((RESULTS_HEADER + "\nb,\xe9,2026-11-27,abcdef0,h,c,\n").encode("latin-1"))
+    with pytest.raises(ValueError, match=r"^r\.csv: not a CSV file of UTF-8 text"):
+        rendered_docs.results(["r.csv"], ctx)
+    (tmp_path / "r.csv").write_text(RESULTS_HEADER + '\nb,f,2026-11-27,abcdef0,"h\n\ni",c,\n')
+    with pytest.raises(ValueError, match=r"^r\.csv, line 4: .*a line break"):  # the file's line the record ends on
+        rendered_docs.results(["r.csv"], ctx)
     (tmp_path / "r.csv").write_text(RESULTS_HEADER + "\n")
     with pytest.raises(ValueError, match=r"^r\.csv: no result$"):
         rendered_docs.results(["r.csv"], ctx)

@@ -14,6 +14,7 @@ meant for the caller does not reach it. It reads `hello` (its settings), limits 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import resource
 import signal
@@ -25,8 +26,19 @@ from pathlib import Path
 
 import dph_async
 
-# The child must find this package even when the caller runs from a source tree that is not installed.
-_PACKAGE_PARENT = str(Path(dph_async.__file__).resolve().parent.parent)
+
+def _package_parent() -> str | None:
+    """What a child needs on its path to find this package: nothing where the project is installed (the
+    install finds it, and the checkout's root would also offer the design card's directories under
+    their bare names, `kernels` among them); the source tree's root where it is not."""
+    try:
+        importlib.metadata.distribution("dph-async")
+    except importlib.metadata.PackageNotFoundError:
+        return str(Path(dph_async.__file__).resolve().parent.parent)
+    return None
+
+
+_PACKAGE_PARENT = _package_parent()
 
 
 class Child:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import hashlib
 import os
 import re
@@ -167,8 +168,22 @@ def cells(args: list[str], ctx: Context) -> str:
 
 
 RESULT_COLUMNS = ("benchmark", "figure", "date", "commit", "machine", "command", "load")
-DATE = re.compile(r"\d{4}-\d{2}-\d{2}( \d{2}:\d{2}(–\d{2}:\d{2})?)?")
+DATE = re.compile(r"([0-9]{4}-[0-9]{2}-[0-9]{2})(?: ([0-9]{2}:[0-9]{2})(?:–([0-9]{2}:[0-9]{2}))?)?")
 COMMIT = re.compile(r"[0-9a-f]{7,40}(\+dirty)?( (to|/) [0-9a-f]{7,40}(\+dirty)?)?")
+
+
+def _a_date(text: str) -> bool:
+    """YYYY-MM-DD, then HH:MM or HH:MM–HH:MM (UTC), each a real date and time."""
+    if (m := DATE.fullmatch(text)) is None:
+        return False
+    try:
+        datetime.date.fromisoformat(m[1])
+        for t in m.groups()[1:]:
+            if t is not None:
+                datetime.time.fromisoformat(t)
+    except ValueError:
+        return False
+    return True
 
 
 def results(args: list[str], ctx: Context) -> str:
@@ -176,26 +191,36 @@ def results(args: list[str], ctx: Context) -> str:
     RESULT_COLUMNS (a figure with its date, commit, machine, the command that measured it and the
     machine's load then; `-` where a load was not recorded). A row without a figure, a date that is no
     date or a commit that is no hash is refused by line: the table is the record."""
-    path = ctx.path(_exactly(args, 1, "results CSV")[0])
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
-        header = next(reader, [])
-        if tuple(header) != RESULT_COLUMNS:
-            raise ValueError(f"{args[0]}: columns {', '.join(header) or 'none'}; want {', '.join(RESULT_COLUMNS)}")
-        rows = []
-        for line, values in enumerate(reader, start=2):
-            if len(values) != len(header):
-                raise ValueError(f"{args[0]}, line {line}: {len(values)} fields, the header has {len(header)}")
-            r = dict(zip(header, values, strict=True))
-            if lacking := [c for c in ("benchmark", "figure", "machine", "command") if not r[c].strip()]:
-                raise ValueError(f"{args[0]}, line {line}: no {', '.join(lacking)}")
-            if not DATE.fullmatch(r["date"]):
-                raise ValueError(f"{args[0]}, line {line}: date {r['date']!r} is not YYYY-MM-DD [HH:MM[–HH:MM]]")
-            if not COMMIT.fullmatch(r["commit"]):
-                raise ValueError(f"{args[0]}, line {line}: commit {r['commit']!r} is not a hash")
+    name = _exactly(args, 1, "results CSV")[0]
+    try:
+        with ctx.path(name).open(newline="", encoding="utf-8-sig") as f:
+            return _results(name, csv.reader(f))
+    except (csv.Error, UnicodeDecodeError) as e:
+        raise ValueError(f"{name}: not a CSV file of UTF-8 text ({e})") from None
+
+
+def _results(name: str, reader) -> str:
+    header = next(reader, [])
+    if tuple(header) != RESULT_COLUMNS:
+        raise ValueError(f"{name}: columns {', '.join(header) or 'none'}; want {', '.join(RESULT_COLUMNS)}")
+    rows = []
+    for values in reader:
+        where = f"{name}, line {reader.line_num}"
+        if len(values) != len(header):
+            raise ValueError(f"{where}: {len(values)} fields, the header has {len(header)}")
+        r = {k: v.strip() for k, v in zip(header, values, strict=True)}
+        if lacking := [c for c in ("benchmark", "figure", "machine", "command") if not r[c]]:
+            raise ValueError(f"{where}: no {', '.join(lacking)}")
+        if not _a_date(r["date"]):
+            raise ValueError(f"{where}: date {r['date'][:40]!r} is not YYYY-MM-DD [HH:MM[–HH:MM]]")
+        if not COMMIT.fullmatch(r["commit"]):
+            raise ValueError(f"{where}: commit {r['commit'][:40]!r} is not a hash")
+        try:
             rows.append([_cell(r[c]) if r[c] else "-" for c in RESULT_COLUMNS])
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     if not rows:
-        raise ValueError(f"{args[0]}: no result")
+        raise ValueError(f"{name}: no result")
     return markdown_table(list(RESULT_COLUMNS), rows)
 
 

@@ -59,7 +59,7 @@ def check_rows(task: str, rows: list[SeedRow], mini_batches: int = 1) -> None:
                              f"runs {task}, {STEPS} steps, {MODE}")
         if r.mini_batches != mini_batches:
             raise ValueError(f"{task}, cell {r.cell}: learner.mini_batches={r.mini_batches}; the design runs "
-                             f"{mini_batches}")
+                             f"{mini_batches} (another design's rows?)")
         if r.group == BASE or r.seed not in SEEDS:
             continue
         need = [PASS1, "samples", "wall_s", *(() if r.group.startswith("etaauto") else ("staleness_mean",
@@ -241,7 +241,24 @@ def markdown(tasks: dict[str, list[SeedRow]], mini_batches: int = 1) -> str:
             lines.append(f"{task}: 1-minute load above {LOAD_LIMIT:g} at the end of {', '.join(loaded)}.")
         if resumed := [r.cell for r in analysed if r.resumed]:
             lines.append(f"{task}: resumed (throughput left out until run again): {', '.join(resumed)}.")
+        if mini_batches > 1:
+            lines.append(f"{task}: {premise(analysed)}")
     return "\n".join(lines)
+
+
+def premise(rows: list[SeedRow]) -> str:
+    """Design 4's premise, checked before its verdicts are read: decoupled's clip acted (clip fraction
+    above 0) in every decoupled cell with η >= 1."""
+    decoupled = [r for r in rows if r.group.endswith("-decoupled") and r.group != "eta0-decoupled"]
+    unknown = [r.cell for r in decoupled if "clip_frac" not in r.metrics]
+    idle = [r.cell for r in decoupled if r.metrics.get("clip_frac") == 0.0]
+    if not decoupled:
+        return "premise not checked: no decoupled cell with eta >= 1."
+    if idle or unknown:
+        return ("premise not met: the design did not test what it means to"
+                + (f"; no clip in {', '.join(idle)}" if idle else "")
+                + (f"; clip fraction not recorded in {', '.join(unknown)}" if unknown else "") + ".")
+    return f"premise holds: decoupled's clip acted in all {len(decoupled)} decoupled cells with eta >= 1."
 
 
 def _mean(have: dict[int, SeedRow], key: str) -> str:

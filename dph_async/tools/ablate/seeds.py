@@ -35,13 +35,14 @@ from __future__ import annotations
 import csv
 import hashlib
 import math
-from collections.abc import Iterator
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from dph_async.config import RunConfig
 from dph_async.tools.ablate.results import CellResult, cell_metrics, split_metrics
 
+_Reader = type(csv.reader([]))  # csv's reader: its records and the line it has read to
 IDENTITY = ("cell", "group", "mode", "seed", "coeff", "share")
 CONFIG = ("task", "pg_share", "steps", "base")
 PROVENANCE = ("commit", "date", "load", "resumed")
@@ -145,7 +146,10 @@ def _number(x: float | None) -> str:
 
 
 def _finite(text: str, column: str) -> float:
-    x = float(text)
+    try:
+        x = float(text)
+    except ValueError:
+        raise ValueError(f"{column}: {text!r} is not a number") from None
     if not math.isfinite(x):
         raise ValueError(f"{column}: {text!r} is not a finite number")
     return x
@@ -168,11 +172,18 @@ def _share(text: str) -> float:
     return x
 
 
-def _mini_batches(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"mini_batches: {text!r} is not a whole number") from None
+def _whole(text: str, column: str) -> int:
+    """A count as the writer writes it: decimal digits, no sign, space or leading zero."""
+    if not re.fullmatch(r"0|[1-9][0-9]{0,8}", text):
+        raise ValueError(f"{column}: {text[:40]!r} is not a whole number")
+    return int(text)
+
+
+def _mini_batches(text: str | None) -> int:
+    """learner.mini_batches; a file without the column ran at the default, 1."""
+    if text is None:
+        return 1
+    n = _whole(text, "mini_batches")
     if n < 1:
         raise ValueError(f"mini_batches: {n} is not at least 1")
     return n
@@ -188,7 +199,7 @@ def read_seeds(path: Path) -> list[SeedRow]:
         raise ValueError(f"{path}: not a CSV file of UTF-8 text ({e})") from None
 
 
-def _rows(path: Path, reader: Iterator[list[str]]) -> list[SeedRow]:
+def _rows(path: Path, reader: _Reader) -> list[SeedRow]:
     header = next(reader, [])
     twice = sorted({c for c in header if header.count(c) > 1})
     if twice:
@@ -197,17 +208,20 @@ def _rows(path: Path, reader: Iterator[list[str]]) -> list[SeedRow]:
     if missing:
         raise ValueError(f"{path}: no column {', '.join(missing)} (not a sweep's seeds.csv)")
     rows = []
-    for line, values in enumerate(reader, start=2):
+    for values in reader:
+        line = reader.line_num  # of the record's last line: a quoted field may hold line breaks
         try:
             if len(values) != len(header):
                 raise ValueError(f"{len(values)} fields, the header has {len(header)}")
             r = dict(zip(header, values, strict=True))
             metrics = {k: _in_range(k, _finite(v, k)) for k, v in r.items() if k not in (*TEXT, *OPTIONAL) and v}
-            rows.append(SeedRow(r["cell"], r["group"], r["mode"], int(r["seed"]), _finite(r["coeff"], "coeff"),
-                                _finite(r["share"], "share"), r["task"], _finite(r["pg_share"], "pg_share"),
-                                int(r["steps"]), r["base"], r["commit"], r["date"],
+            rows.append(SeedRow(r["cell"], r["group"], r["mode"], _whole(r["seed"], "seed"),
+                                _finite(r["coeff"], "coeff"), _finite(r["share"], "share"), r["task"],
+                                _finite(r["pg_share"], "pg_share"),
+                                _whole(r["steps"], "steps"), r["base"], r["commit"], r["date"],
                                 _finite(r["load"], "load") if r["load"] else None, r["resumed"] == "1", metrics,
-                                _share(r.get("ood_share") or "1"), _mini_batches(r.get("mini_batches") or "1")))
+                                _share(r["ood_share"]) if "ood_share" in r else 1.0,
+                                _mini_batches(r.get("mini_batches"))))
         except ValueError as e:
             raise ValueError(f"{path}, line {line}: {e}") from None
     return rows
