@@ -87,7 +87,9 @@ MODULES: dict[str, list[str]] = {
     "dph_async/tools/ablate/confirm.py": ["tests/test_confirm.py", "tests/test_rendered_docs.py"],
     "dph_async/tools/ablate/confirm_staleness.py": ["tests/test_confirm_staleness.py"],
     "dph_async/tools/ablate/confirm_forgetting.py": ["tests/test_confirm_forgetting.py"],
-    "dph_async/tools/ablate/seeds.py": ["tests/test_confirm.py", "tests/test_confirm_forgetting.py"],
+    "dph_async/tools/ablate/seeds.py": ["tests/test_confirm.py", "tests/test_confirm_forgetting.py",
+                                        "tests/test_confirm_staleness.py"],
+    "dph_async/runtime/reuse.py": ["tests/test_reuse.py"],
     # The stride task's problems and reward: what every time-to-accuracy figure is measured on.
     "dph_async/tasks/stride.py": ["tests/test_task_stride.py"],
     # The docs' tables rendered from their committed data (the docs themselves among the tests' inputs).

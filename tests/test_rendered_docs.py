@@ -425,8 +425,8 @@ def test_errors_name_every_item_and_the_kind_that_complained(tmp_path):
         rendered_docs.splits([_seeds(tmp_path, rows)], ctx)
     with pytest.raises(ValueError, match=r"^seeds\.csv: no pi_0 row"):
         rendered_docs.splits([_seeds(tmp_path, rows[1:])], ctx)
-    with pytest.raises(ValueError, match=r"known: cells, confirm, confirm-figure, confirm-staleness, ood-calibration, "
-                                         r"results, splits\)$"):
+    with pytest.raises(ValueError, match=r"known: cells, confirm, confirm-figure, confirm-forgetting, "
+                                         r"confirm-staleness, ood-calibration, results, splits\)$"):
         render("<!-- rendered: nope -->\n<!-- end rendered -->\n", ctx)
     with pytest.raises(ValueError, match=r"^line 3: a carriage return that ends no line \(lines end in LF or CRLF\)$"):
         render("\n\na\rb\n", ctx)
@@ -532,7 +532,7 @@ def test_confirm_staleness_renders_design_2_from_each_tasks_sweep():
         rendered_docs.confirm_staleness_tables(["digit_sets", data], ctx)
     with pytest.raises(ValueError, match=r"cell .*: learner.mini_batches=1; the design runs 4"):
         rendered_docs.confirm_staleness_tables(["mini_batches=4", "embedded", data], ctx)
-    for bad in ("0", "x", "-1", ""):
+    for bad in ("0", "x", "-1", "", "04", "٤", "²"):
         with pytest.raises(ValueError, match=f"confirm-staleness: mini_batches='{bad}' is not a whole number"):
             rendered_docs.confirm_staleness_tables([f"mini_batches={bad}", "embedded", data], ctx)
     assert rendered_docs.confirm_staleness_tables(["mini_batches=1", "embedded", data], ctx) == text

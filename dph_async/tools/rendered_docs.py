@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dph_async.pipeline.report import markdown_table
-from dph_async.tools.ablate import confirm, confirm_plot, confirm_staleness
+from dph_async.tools.ablate import confirm, confirm_forgetting, confirm_plot, confirm_staleness
 from dph_async.tools.ablate.results import stat
 from dph_async.tools.ablate.seeds import BASE, SeedRow, read_seeds, repeated_seed
 
@@ -245,6 +245,22 @@ def confirm_tables(args: list[str], ctx: Context) -> str:
     return confirm.markdown(confirm.family(tasks), tasks)
 
 
+def _task_sweeps(args: list[str], usage: str, ctx: Context) -> dict[str, list[SeedRow]]:
+    """TASK CSV pairs: each task's name and its one sweep's seeds.csv."""
+    if not args or len(args) % 2:
+        raise ValueError(f"{usage}: give TASK CSV per task, got {len(args)} argument(s)")
+    names = args[::2]
+    if len(set(names)) < len(names):
+        raise ValueError(f"{usage}: a task given twice ({', '.join(names)})")
+    return {args[i]: read_seeds(ctx.path(args[i + 1])) for i in range(0, len(args), 2)}
+
+
+def confirm_forgetting_tables(args: list[str], ctx: Context) -> str:
+    """`confirm-forgetting TASK CSV ...`: design 3's family, bound and verdicts, each task from its
+    sweep (`dph-async ablate confirm --design forgetting`)."""
+    return confirm_forgetting.markdown(_task_sweeps(args, "confirm-forgetting", ctx))
+
+
 def confirm_staleness_tables(args: list[str], ctx: Context) -> str:
     """`confirm-staleness [mini_batches=N] TASK CSV ...`: a staleness design's readings and verdicts per
     task, each from its sweep (`dph-async ablate confirm --design staleness`; N = 4: design 4's
@@ -252,16 +268,10 @@ def confirm_staleness_tables(args: list[str], ctx: Context) -> str:
     mini_batches = 1
     if args and args[0].startswith("mini_batches="):
         text, args = args[0].removeprefix("mini_batches="), args[1:]
-        if not text.isdigit() or int(text) < 1:
+        if not re.fullmatch(r"[1-9][0-9]{0,3}", text):
             raise ValueError(f"confirm-staleness: mini_batches={text!r} is not a whole number of at least 1")
         mini_batches = int(text)
-    if not args or len(args) % 2:
-        raise ValueError(f"confirm-staleness: give TASK CSV per task, got {len(args)} argument(s)")
-    names = args[::2]
-    if len(set(names)) < len(names):
-        raise ValueError(f"confirm-staleness: a task given twice ({', '.join(names)})")
-    return confirm_staleness.markdown({args[i]: read_seeds(ctx.path(args[i + 1])) for i in range(0, len(args), 2)},
-                                      mini_batches)
+    return confirm_staleness.markdown(_task_sweeps(args, "confirm-staleness", ctx), mini_batches)
 
 
 def source_of(png: Path) -> str | None:
@@ -348,7 +358,8 @@ def _draft(fig, png: Path, source: str) -> tuple[Path, Path]:
 
 RENDERERS: dict[str, Renderer] = {"ood-calibration": ood_calibration, "splits": splits, "cells": cells,
                                   "confirm": confirm_tables, "confirm-figure": confirm_figure,
-                                  "confirm-staleness": confirm_staleness_tables, "results": results}
+                                  "confirm-staleness": confirm_staleness_tables,
+                                  "confirm-forgetting": confirm_forgetting_tables, "results": results}
 
 
 def _exactly(args: list[str], n: int, usage: str) -> list[str]:
