@@ -157,7 +157,7 @@ def test_rows_that_cannot_be_the_designs_are_refused():
     rows = sweep()
     for bad, says in [([replace(rows[0], mode="js_low_var")], "objective js_low_var"),
                       ([replace(rows[0], steps=50)], "50 steps"), ([replace(rows[0], task="digit_sets")], "task"),
-                      ([rows[0], rows[0]], "has seed 200 twice")]:
+                      ([rows[0], rows[0]], "embedded: group eta0-behavior has seed 200 twice")]:
         with pytest.raises(ValueError, match=says):
             cs.verdict("embedded", bad)
 
@@ -425,6 +425,16 @@ def test_design_4s_premise_is_checked_beside_its_verdicts():
     assert cs.premise(bare) == ("premise not met: the design did not test what it means to; no clip in "
                                 "eta4-decoupled-seed201; clip fraction not recorded in etaauto-decoupled-seed204.")
     assert cs.premise([r for r in rows if "decoupled" not in r.group]).startswith("premise not checked")
+    two_idle = [replace(r, metrics={**r.metrics, "clip_frac": 0.0}) if r.cell in ("eta1-decoupled-seed200",
+                "eta2-decoupled-seed203") else r for r in rows]
+    assert cs.premise(two_idle) == ("premise not met: the design did not test what it means to; no clip in "
+                                    "eta1-decoupled-seed200, eta2-decoupled-seed203.")
+    two_bare = [replace(r, metrics={k: v for k, v in r.metrics.items() if k != "clip_frac"})
+                if r.cell in ("eta8-decoupled-seed200", "eta16-decoupled-seed201") else r for r in rows]
+    assert cs.premise(two_bare) == ("premise not met: the design did not test what it means to; clip fraction "
+                                    "not recorded in eta8-decoupled-seed200, eta16-decoupled-seed201.")
+    twos = [replace(r, mini_batches=2) for r in rows]  # any design of more than one update per batch is checked
+    assert cs.markdown({"embedded": twos}, 2).splitlines()[-1] == f"embedded: {cs.premise(twos)}"
     assert cs.markdown({"embedded": bare}, 4).splitlines()[-1] == f"embedded: {cs.premise(bare)}"
     assert "premise" not in cs.markdown({"embedded": sweep()})  # design 2 has none
 

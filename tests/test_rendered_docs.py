@@ -536,3 +536,20 @@ def test_confirm_staleness_renders_design_2_from_each_tasks_sweep():
         with pytest.raises(ValueError, match=f"confirm-staleness: mini_batches='{bad}' is not a whole number"):
             rendered_docs.confirm_staleness_tables([f"mini_batches={bad}", "embedded", data], ctx)
     assert rendered_docs.confirm_staleness_tables(["mini_batches=1", "embedded", data], ctx) == text
+
+
+def test_confirm_forgetting_renders_design_3_from_each_tasks_sweep():
+    from dph_async.tools.ablate import confirm_forgetting
+    from dph_async.tools.ablate.seeds import read_seeds
+
+    data = {t: f"docs/data/forgetting/{t}.csv" for t in ("embedded", "digit_sets")}
+    ctx = Context(ROOT, ROOT / "docs" / "a.md", write=False)
+    text = rendered_docs.confirm_forgetting_tables([x for t, d in data.items() for x in (t, d)], ctx)
+    assert text == confirm_forgetting.markdown({t: read_seeds(ROOT / d) for t, d in data.items()})
+    assert "| digit_sets | 3 | R − G |" in text and "- **embedded**: F " in text
+    with pytest.raises(ValueError, match="confirm-forgetting: give TASK CSV per task, got 1 argument"):
+        rendered_docs.confirm_forgetting_tables(["embedded"], ctx)
+    with pytest.raises(ValueError, match=r"confirm-forgetting: a task given twice"):
+        rendered_docs.confirm_forgetting_tables(["embedded", data["embedded"]] * 2, ctx)
+    with pytest.raises(ValueError, match=r"digit_sets, cell .*: task embedded"):  # the rows are another task's
+        rendered_docs.confirm_forgetting_tables(["digit_sets", data["embedded"]], ctx)

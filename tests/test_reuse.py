@@ -53,8 +53,10 @@ def test_release_ends_what_this_invocation_alone_holds_of_the_kinds_asked(ended)
     reuse.release(spares=False, learner=False)
     assert ended == ["mine"]  # the pooled process stays for a later invocation
     assert reuse.KEPT.actors == {} and set(reuse.KEPT.spares) == {(0,), (1,)} and reuse.has_learner()
+    reuse.put_actor(("c",), "kept", outlives=False)
     reuse.release(actors=False, learner=False)
     assert ended == ["mine", "raises", "s1"] and reuse.KEPT.spares == {} and reuse.has_learner()
+    assert reuse.take_actor(("c",)) == "kept"  # actors not asked: neither ended nor forgotten
     reuse.release()
     assert ended == ["mine", "raises", "s1", "L", "group pg"] and not reuse.has_learner()
     reuse.release()

@@ -47,7 +47,7 @@ LOAD_LIMIT = 4.0  # cells ending above this 1-minute load are listed
 DIAGNOSED = {"clip_frac": "clip fraction (mean)", "mismatch_kl_k1": "mismatch KL (mean)"}
 
 
-def check_rows(task: str, rows: list[SeedRow], mini_batches: int = 1) -> None:
+def check_rows(task: str, rows: list[SeedRow], mini_batches: int) -> None:
     """Refuse rows that cannot be the design's: another task, step count, objective or mini-batch count,
     a seed twice, or a cell without the figures its verdicts read (Pass@1, a positive wall time,
     staleness)."""
