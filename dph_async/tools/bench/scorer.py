@@ -102,7 +102,8 @@ def _free_port() -> int:
 
 @contextmanager
 def scorer_service(workers: int, timeout_s: float, db_root: Path) -> Iterator[str]:
-    """A `dph-async serve scorer` process on a free loopback port; yields its URL."""
+    """A `dph-async serve scorer` process on a free loopback port; yields its URL. The service is started
+    as an operator starts it, a process of its own: a command line run, not an import of the CLI."""
     port = _free_port()
     command = [sys.executable, "-m", "dph_async.cli.main", "serve", "scorer", "--port", str(port),
                f"rewards.workers={workers}", f"rewards.timeout_s={timeout_s}",
