@@ -343,9 +343,11 @@ EQUIVALENT: dict[tuple[str, str], str] = {
            "Holm returns one decision per p it was given: the lengths agree") for s in ("strict=None", "",
                                                                                       "strict=False")))},
     **{("dph_async/tools/rendered_docs.py", line): why for line, why in (
-        *((f"with ctx.path(path).open({a}) as f:", "a CSV's line breaks in quoted fields are refused either way; "
-           "the codec's name is case-blind") for a in ('newline=None, encoding="utf-8-sig"', 'encoding="utf-8-sig"',
-                                                      'newline="", encoding="UTF-8-SIG"')),
+        *((f"with ctx.path({p}).open({a}) as f:", "a CSV's line breaks in quoted fields are refused either way; "
+           "the codec's name is case-blind") for p in ("path", "name") for a in (
+            'newline=None, encoding="utf-8-sig"', 'encoding="utf-8-sig"', 'newline="", encoding="UTF-8-SIG"')),
+        *((f"r = {{k: v.strip() for k, v in zip(header, values, {a})}}", "the lengths were checked to agree just "
+           "before") for a in ("strict=None", "", "strict=False")),
         ('length, kind = struct.unpack(">i4s", header)', "a PNG chunk's length is below 2**31 (the format's bound)"),
         ('return value.decode("LATIN-1")', "the codec's name is case-blind"),
         *((f"parts += [(t.get_text(), tuple(round(v, {n}) for v in getattr(t, \"xy\", t.get_position()))) "

@@ -99,6 +99,10 @@ HEADER = "cell,group,mode,seed,coeff,share,task,pg_share,steps,base,commit,date,
     (f"{HEADER},in_domain/pass@1\n", "column in_domain/pass@1 given twice"),
     ("\ufeff" + f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,b,,,,0,x\n", "line 2: in_domain/pass@1: 'x' is not a number"),
     (f"{HEADER}\nc,g,m,1,0,0,embedded,0,100,b,,,inf,0,0.5\n", "load: 'inf' is not a finite number"),
+    (f"{HEADER}\nc,g,m,1,0,0,embedded,0,1e2,b,,,,0,0.5\n", "line 2: steps: '1e2' is not a whole number"),
+    (f"{HEADER}\nc,g,m,{'7' * 60},0,0,embedded,0,100,b,,,,0,0.5\n",
+     f"line 2: seed: '{'7' * 40}' is not a whole number"),  # a long value cut at 40 characters
+    (f"{HEADER},clip_frac\nc,g,m,1,0,0,embedded,0,100,b,,,,0,0.5,1.5\n", "clip_frac: 1.5 is not a share in"),
 ])
 def test_a_file_that_is_not_a_sweeps_seeds_is_named(tmp_path, text, says):
     (tmp_path / "seeds.csv").write_text(text)

@@ -490,6 +490,14 @@ def test_results_are_a_table_of_the_records_with_every_field_checked(tmp_path):
     (tmp_path / "r.csv").write_text(RESULTS_HEADER + '\nb,f,2026-11-27,abcdef0,"h\n\ni",c,\n')
     with pytest.raises(ValueError, match=r"^r\.csv, line 4: .*a line break"):  # the file's line the record ends on
         rendered_docs.results(["r.csv"], ctx)
+    for field, value in (("date", "2" * 60), ("commit", "z" * 60)):  # a long value cut at 40 characters
+        row = {"date": "2026-11-27", "commit": "abcdef0", field: value}
+        (tmp_path / "r.csv").write_text(RESULTS_HEADER + f"\nb,f,{row['date']},{row['commit']},h,c,\n")
+        with pytest.raises(ValueError, match=f"line 2: {field} '{value[:40]}' is not"):
+            rendered_docs.results(["r.csv"], ctx)
+    (tmp_path / "r.csv").write_text("")
+    with pytest.raises(ValueError, match=r"^r\.csv: columns none; want benchmark, figure"):
+        rendered_docs.results(["r.csv"], ctx)
     (tmp_path / "r.csv").write_text(RESULTS_HEADER + "\n")
     with pytest.raises(ValueError, match=r"^r\.csv: no result$"):
         rendered_docs.results(["r.csv"], ctx)
@@ -524,9 +532,9 @@ def test_confirm_staleness_renders_design_2_from_each_tasks_sweep():
     text = rendered_docs.confirm_staleness_tables(["embedded", data], ctx)
     assert text == confirm_staleness.markdown({"embedded": read_seeds(ROOT / data)})
     assert "| embedded | decoupled | 16 | yes |" in text and "- **embedded**: S1 " in text
-    with pytest.raises(ValueError, match="give TASK CSV per task, got 3 argument"):
+    with pytest.raises(ValueError, match=r"^confirm-staleness: give TASK CSV per task, got 3 argument"):
         rendered_docs.confirm_staleness_tables(["embedded", data, "digit_sets"], ctx)
-    with pytest.raises(ValueError, match=r"a task given twice \(embedded, embedded\)"):
+    with pytest.raises(ValueError, match=r"^confirm-staleness: a task given twice \(embedded, embedded\)"):
         rendered_docs.confirm_staleness_tables(["embedded", data, "embedded", data], ctx)
     with pytest.raises(ValueError, match=r"digit_sets, cell .*: task embedded"):  # the rows are another task's
         rendered_docs.confirm_staleness_tables(["digit_sets", data], ctx)
