@@ -92,6 +92,8 @@ MODULES: dict[str, list[str]] = {
     "dph_async/runtime/reuse.py": ["tests/test_reuse.py"],
     # The stride task's problems and reward: what every time-to-accuracy figure is measured on.
     "dph_async/tasks/stride.py": ["tests/test_task_stride.py"],
+    # Time to target and the speed-up's interval: the headline of `bench tta`.
+    "dph_async/tools/bench/tta_report.py": ["tests/test_bench_tta.py"],
     # The docs' tables rendered from their committed data (the docs themselves among the tests' inputs).
     "dph_async/tools/rendered_docs.py": ["tests/test_rendered_docs.py"],
 }

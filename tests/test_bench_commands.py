@@ -1,5 +1,6 @@
 """The benchmarks run, at a tiny size: `dph-async bench` (sync against async with the real processes),
-`dph-async bench transport` and `dph-async bench gemm`, checking the fields of the JSON they write and
+`dph-async bench tta` (async and sync to a target), `dph-async bench transport` and `dph-async bench
+gemm`, checking the fields of the JSON they write and
 that the figures in it agree with each other and with the runs' own records (the arithmetic alone is
 tests/test_bench_*.py)."""
 
@@ -11,6 +12,7 @@ import pytest
 from conftest import SMALL, copy_base
 
 from dph_async.cli.main import main
+from dph_async.tools.bench import tta
 from dph_async.tools.bench.figures import RunFigures, WeightSync
 from dph_async.tools.bench.pipeline import Comparison
 from dph_async.tools.bench.timeline import ideal_speedup
@@ -139,3 +141,27 @@ def test_every_benchmark_records_the_machine_the_same_way():
     code = "import torch, json; from dph_async.tools.bench.machine import machine; print(json.dumps(machine()))"
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
     assert loaded["torch"] and "gpu" in loaded
+
+
+def test_bench_tta_runs_async_and_sync_to_the_report(small_base, tmp_path):
+    out = tmp_path / "tta"
+    copy_base(small_base, out)
+    sets = [x for item in [*SMALL, "task.name=embedded", "model.max_model_len=32"] for x in ("--set", item)]
+    assert main(["bench", "tta", "-o", str(out), "--systems", "async", "sync", "--seeds", "3", "--steps", "4",
+                 "--every", "2", "--target", "0.01", *sets]) == 0
+    res = tta.load(out / "tta.json")
+    assert [(c.system, c.seed) for c in res.curves] == [("async", 3), ("sync", 3)]
+    for c in res.curves:
+        assert c.steps == [0, 2, 4]
+        assert c.wall[0] == 0.0 and 0 < c.wall[1] < c.wall[2] == c.run_s
+        assert all(0.0 <= p <= 1.0 for p in c.pass1)
+        for v in (2, 4):
+            got = json.loads((out / "eval" / f"{c.system}-seed3" / f"v{v}.json").read_text())
+            assert got["in_domain"]["pass_at_k"]["1"] == pytest.approx(c.pass1[c.steps.index(v)])
+        metrics = [json.loads(x) for x in (out / "rl" / f"{c.system}-seed3" / "metrics.jsonl").read_text().splitlines()]
+        assert [int(m["learner/version"]) for m in metrics] == [1, 2, 3, 4]
+    base = json.loads((out / "eval" / "base.json").read_text())["in_domain"]["pass_at_k"]["1"]
+    assert all(c.pass1[0] == pytest.approx(base) for c in res.curves)
+    md = (out / "tta.md").read_text()
+    assert "Target: held-out Pass@1 >= 0.010" in md and "| sync |" in md
+    assert (out / "plots" / "tta.png").is_file()

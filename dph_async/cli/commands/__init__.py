@@ -30,6 +30,8 @@ COMMANDS: dict[str, str] = {
     "bench scale": ("dph-async against TRL's GRPOTrainer and the in-repo loop over a grid of model sizes x completion "
                     "lengths"),
     "bench scorer": "scorer throughput and latency percentiles: local pool against the HTTP service",
+    "bench tta": ("time to accuracy: wall-clock to a held-out Pass@1 target, dph-async async against its sync mode "
+                  "and TRL, over seeds"),
     "bench transport": "rollout transport bandwidth: protocol vs bare ZeroMQ vs pickle queues, and replay ops/s",
     "bench weights": "weight sync: publish -> loaded in a vLLM actor, per stage, against memcpy",
     "config": "print the resolved config (preset + overrides) as YAML, or list the presets",

@@ -23,7 +23,10 @@ completions, the same model, prompts, max tokens, lr and temperature) through:
               checkpointing, which GRPOConfig turns on by default), installed on first
               use into its own environment under --cache (about a minute); if that fails, the bench
               says so and reports the others
-Repeats rotate the order of the systems. Reported over each run's steady state (the steps after
+Repeats rotate the order of the systems. Every side does the same training work: dph-async runs
+sequences of zero advantage through the model as the peers do (learner.skip_zero_advantage=false;
+its default skips them, which changes no update but saves the work: --set
+learner.skip_zero_advantage=true measures that). Reported over each run's steady state (the steps after
 --skip): seconds per step, completions/s, tokens/s, per-phase times (generate, reward, forward,
 backward, optimizer for the loops; the learner's wait and training for dph-async, with its timeline
 in rl/), the machine's load and the cores others used; then medians over the repeats and the ratio
@@ -74,6 +77,11 @@ def add_run_arguments(p: argparse.ArgumentParser, steps: int, skip: int) -> None
                    "(default: %(default)s)")
     p.add_argument("--systems", nargs="+", choices=peer.SYSTEMS, default=list(peer.SYSTEMS), help="which systems "
                    "(default: all)")
+    add_setup_arguments(p)
+
+
+def add_setup_arguments(p: argparse.ArgumentParser) -> None:
+    """dph-async's preset and overrides, and where TRL's environment lives (`bench tta` too)."""
     p.add_argument("--preset", default="grpo", help="a preset name or a YAML file (default: %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="a dotted config override, repeatable; a bare KEY=VALUE anywhere does the same")
@@ -97,7 +105,8 @@ def main(args: argparse.Namespace) -> int:
                 base, train = peer.make_user_case(args.output / "user_case", seed=0)
             model, data, extra = str(base), str(train), list(peer.USER_CASE)
         flags = {"learner.steps": args.steps, "model.path": model, "task.data": data}
-        cfg = load_config(args.preset, [*BENCH_DEFAULTS, *extra, *args.overrides, f"output_dir={args.output}",
+        cfg = load_config(args.preset, [*BENCH_DEFAULTS, *peer.SAME_WORK, *extra, *args.overrides,
+                                        f"output_dir={args.output}",
                                         *(f"{k}={v}" for k, v in flags.items() if v is not None)])
         cfg = validate(cfg, [])
         res = peer.run(cfg, args.output, args.repeats, args.skip, machine(), args.systems, args.cache,

@@ -51,6 +51,9 @@ from dph_async.tools.bench.pipeline import MEMORY_FILE, _run_one, measure
 SYSTEMS = ("dph-async", "loop", "trl")
 TRL_PACKAGES = ("transformers==5.23.0", "trl==1.16.0", "datasets==5.2.0", "accelerate==1.15.0")
 PHASES = ("generate", "reward", "forward", "backward", "optimizer")
+# The peers run every sequence through the model, zero advantage or not; so does dph-async here (its
+# default skips them: the update is the same, the work is not).
+SAME_WORK = ("learner.skip_zero_advantage=false",)
 
 
 @dataclass
@@ -125,6 +128,19 @@ def ensure_trl(cache: Path, log) -> tuple[Path | None, str]:
     return python, ""
 
 
+def trl_python(systems: list[str], cache: Path, notes: list[str], log) -> tuple[Path | None, list[str]]:
+    """TRL's Python where `systems` name it (made on first use), and the systems that will run: without
+    TRL where it could not be had, which goes into `notes`."""
+    if "trl" not in systems:
+        return None, systems
+    python, why = ensure_trl(cache, log)
+    if python is None:
+        notes.append(why)
+        log(why)
+        return None, [s for s in systems if s != "trl"]
+    return python, systems
+
+
 def _window(steps: list[dict], skip: int) -> list[dict]:
     return steps[skip:] if len(steps) > skip else steps
 
@@ -168,7 +184,7 @@ def run_peer(system: str, python: Path, spec_file: Path, prompts_file: Path, out
     )
 
 
-def _cluster(cfg: RunConfig, prestart: bool = False) -> contextlib.AbstractContextManager:
+def held_cluster(cfg: RunConfig, prestart: bool = False) -> contextlib.AbstractContextManager:
     """The Ray cluster this process holds, where it holds one (`bench scale`'s cells share it, and the
     processes their runs keep), else a cluster of its own for the block (a fresh one per dph-async run,
     so that each run starts as an invocation does)."""
@@ -180,7 +196,7 @@ def run_dph(cfg: RunConfig, out: Path, repeat: int, skip: int) -> PeerRun:
     name = f"dph-async-{repeat}"
     paths = RunPaths(out)
     load0 = os.getloadavg()[0]
-    with _cluster(cfg, prestart=True):
+    with held_cluster(cfg, prestart=True):
         prepared = prepare(cfg, paths, StageTimer(), False)
         cpu = _run_one(cfg, paths, prepared, RunSpec.of(cfg), name, StageTimer())
     f = measure(name, cfg, paths.rl(name), skip, cpu)
@@ -270,20 +286,15 @@ def run(cfg: RunConfig, out: Path, repeats: int, skip: int, machine: dict, syste
     `cfg` was made with, recorded so that runs of one workload under other settings tell apart."""
     out.mkdir(parents=True, exist_ok=True)
     notes = []
-    with _cluster(cfg):
+    with held_cluster(cfg):
         prepared = prepare(cfg, RunPaths(out), StageTimer(), False)
     peers = out / "peers"
     peers.mkdir(exist_ok=True)
     spec_file, prompts_file = write_inputs(cfg, prepared.base, prepared.train, peers)
     pythons = {"loop": Path(sys.executable)}
-    if "trl" in systems:
-        trl, why = ensure_trl(cache, log)
-        if trl is None:
-            notes.append(why)
-            log(why)
-            systems = [s for s in systems if s != "trl"]
-        else:
-            pythons["trl"] = trl
+    trl, systems = trl_python(systems, cache, notes, log)
+    if trl is not None:
+        pythons["trl"] = trl
     runs: list[PeerRun] = []
     for repeat in range(1, repeats + 1):
         shift = (repeat - 1) % len(systems)
@@ -306,7 +317,7 @@ def run(cfg: RunConfig, out: Path, repeats: int, skip: int, machine: dict, syste
     res = PeerBench(date=time.strftime("%Y-%m-%d %H:%M %Z"), machine={**machine, "load_avg_end": os.getloadavg()},
                     workload={**asdict(spec_of(cfg, prepared.base, prepared.train)), "eta": cfg.replay.max_staleness,
                               "objective": cfg.learner.loss.objective, "actors": cfg.actors.num_actors,
-                              "settings": list(settings)},
+                              "skip_zero_advantage": cfg.learner.skip_zero_advantage, "settings": list(settings)},
                     skip=skip, runs=runs, medians=medians, ratios=ratios,
                     limit=limit_of(runs, os.cpu_count() or 1), notes=notes, intervals=intervals(runs))
     (out / "bench.json").write_text(res.to_json())
@@ -327,7 +338,8 @@ def markdown(res: PeerBench) -> str:
         f"Work: {w['prompts_per_step']} prompts x {w['n']} completions per step, at most {w['max_tokens']} tokens, "
         f"lr {w['lr']:g}, temperature {w['temperature']:g}, {w['steps']} steps (steady state: steps after "
         f"{res.skip}); model {w['model']}; data {w['data']}; dph-async: objective {w['objective']}, "
-        f"{w['actors']} actors, eta {w['eta']}"
+        f"{w['actors']} actors, eta {w['eta']}, sequences of zero advantage "
+        f"{'skipped' if w.get('skip_zero_advantage') else 'trained, as the peers do'}"
         + (f"; settings given: {', '.join(w['settings'])}." if w.get("settings") else "."), "",
         "## Medians over the repeats", "",
         markdown_table(["system", "s/step", "completions/s", "tokens/s", "dph-async / system (medians)",

@@ -22,3 +22,8 @@ class PeerSpec:
     weight_decay: float
     seed: int
     max_prompt_tokens: int
+    # `bench tta`: keep the weights every this many steps and at the last (0: never), each as a model
+    # directory `<save_dir>/v<step>` (the model's files with the step's weights), for the project's
+    # evaluator; the time the writing takes is left out of the run's clock.
+    save_every: int = 0
+    save_dir: str = ""

@@ -15,6 +15,10 @@ the backward to save activation memory, which these models do not need; neither 
 learner nor the loop). TRL aggregates the loss with its default `loss_type` (recorded in the output: "dapo",
 the token mean over the batch, as the project's token-mean).
 
+With `save_every` in the spec (`dph-async bench tta`), the weights are kept every that many steps
+and at the last as model directories (the model's own files with the step's weights), and every
+step records `wall`: seconds since its first step began (generation first), less the writing.
+
 Phases per step: generate (TRL's `_generate_single_turn`), reward (`_calculate_rewards`), forward
 (`compute_loss`), backward (the rest of `training_step`), optimizer (clipping, step, zero_grad).
 """
@@ -27,6 +31,7 @@ T_START = time.time()
 
 import json  # noqa: E402
 import resource  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -39,6 +44,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from safetensors.torch import save_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -94,10 +100,13 @@ class StepTimer(TrainerCallback):
         self.trainer: TimedGRPO | None = None
         self.steps: list[dict] = []
         self.first_step: float | None = None
+        self.clock0: float | None = None  # perf_counter at the first step's start
+        self.paused = 0.0  # seconds spent keeping weights: not the run's
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.first_step = self.first_step or time.time()
         self.start, self.cpu = time.perf_counter(), time.process_time()
+        self.clock0 = self.clock0 or self.start
         self.trainer.phase = dict.fromkeys(PHASES, 0.0)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -109,7 +118,28 @@ class StepTimer(TrainerCallback):
                            "completions": t.args.per_device_train_batch_size,
                            "tokens": round(metrics["completions/mean_length"][-1] *
                                            t.args.per_device_train_batch_size),
-                           "reward_mean": float(metrics["reward"][-1]), "cpu_s": time.process_time() - self.cpu})
+                           "reward_mean": float(metrics["reward"][-1]), "cpu_s": time.process_time() - self.cpu,
+                           "wall": end - self.clock0 - self.paused})
+
+
+class Saver(TrainerCallback):
+    """Keeps the weights every `every` steps and at the last, as `<root>/v<step>`: the model's
+    directory with the step's weights (what the project's evaluator loads); the time it takes goes to
+    the timer's pause. After StepTimer in the callbacks, so a step's `wall` is taken first."""
+
+    def __init__(self, timer: StepTimer, every: int, model_dir: Path, root: Path) -> None:
+        self.timer, self.every, self.model_dir, self.root = timer, every, model_dir, root
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        if step % self.every and step != args.max_steps:
+            return
+        start = time.perf_counter()
+        out = self.root / f"v{step}"
+        shutil.copytree(self.model_dir, out, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json", "*.bin"))
+        save_model(self.timer.trainer.model, str(out / "model.safetensors"), metadata={"format": "pt"})
+        self.timer.paused += time.perf_counter() - start
 
 
 def main() -> None:
@@ -137,8 +167,11 @@ def main() -> None:
     )
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, use_safetensors=True)
     timer = StepTimer()
+    callbacks = [timer]
+    if spec.get("save_every"):
+        callbacks.append(Saver(timer, spec["save_every"], Path(spec["model"]), Path(spec["save_dir"])))
     trainer = TimedGRPO(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok,
-                        callbacks=[timer])
+                        callbacks=callbacks)
     timer.trainer = trainer
     trainer.train()
     out.write_text(json.dumps({"system": "trl", "threads": torch.get_num_threads(), "loss_type": args.loss_type,

@@ -49,8 +49,6 @@ from dph_async.tools.bench.pipeline import BENCH_DEFAULTS
 
 PROMPT_TOKENS = 16  # the embedded task's prompts in the chat template: 8 BPE tokens, room to spare
 MAX_POSITIONS = 2048  # the models' max_position_embeddings: any length a grid asks for up to that
-# Every cell's dph-async run: sequences of zero advantage trained (see the module docstring).
-GRID_DEFAULTS = ("learner.skip_zero_advantage=false",)
 
 
 @dataclass(frozen=True)
@@ -205,7 +203,7 @@ def cell_config(preset: str, overrides: Sequence[str], plan: CellPlan, inputs: I
             f"sampling.max_tokens={plan.length}", f"sampling.n={plan.n}",
             f"learner.groups_per_step={plan.prompts_per_step}", f"model.max_model_len={PROMPT_TOKENS + longest}",
             f"learner.steps={steps}", f"output_dir={out}"]
-    return validate(load_config(preset, [*BENCH_DEFAULTS, *GRID_DEFAULTS, *overrides, *work]), [])
+    return validate(load_config(preset, [*BENCH_DEFAULTS, *peer.SAME_WORK, *overrides, *work]), [])
 
 
 def projection(res: peer.PeerBench, cores: Sequence[int]) -> list[dict[str, float]]:
@@ -272,7 +270,7 @@ def run_grid(sizes: Sequence[Size], lengths: Sequence[int], out: Path, *, preset
     cells: list[ScaleCell] = []
     longest = max(lengths)
     # Ray first: the first cell's learner and actor processes import beside the inputs being made.
-    with ray_cluster(validate(load_config(preset, [*BENCH_DEFAULTS, *GRID_DEFAULTS, *overrides]), []), prestart=True):
+    with ray_cluster(validate(load_config(preset, [*BENCH_DEFAULTS, *peer.SAME_WORK, *overrides]), []), prestart=True):
         inputs = make_inputs(out / "inputs", sizes, seed, log, vocab)
         finished = {}
         for plan in plans:  # every finished cell checked before any runs

@@ -1,0 +1,200 @@
+"""`dph-async bench tta`: wall-clock to a held-out Pass@1, dph-async against its own sync mode and
+TRL's GRPOTrainer on the same work.
+
+Systems, each training the same pi_0 (the task's warm start, prepared once in the output directory)
+on the same prompts for `learner.steps` steps of `learner.groups_per_step` prompts x `sampling.n`
+completions at the same lr, temperature and max tokens:
+
+    async  dph-async as configured (vLLM actors generating while the learner trains, within eta)
+    sync   dph-async with mode=sync (the actors generate the batch the learner waits for)
+    trl    TRL's GRPOTrainer (bench/peer_trl.py: HF generate, fp32, beta 0), in its own environment
+
+Each run keeps its weights every `every` steps and at the last, with the run's clock at that moment:
+seconds since its first generation began (dph-async: the first prompt an actor handed to its engine;
+TRL: the start of its first step, which begins by generating). dph-async's clock holds its
+checkpoint writing; TRL's has its writing taken out. After each run the project's evaluator scores
+every kept version on the same test prompts with the same seed (eval.k_max samples a prompt:
+Pass@1 as the mean share correct), off the clock. Seeds rotate the systems' order (seed i starts
+with the (i mod 3)-th), so a drift of the machine's speed falls on all of them.
+
+    <out>/base_model, data/, eval/base.json       pi_0 and the prompts, shared
+    <out>/rl/<system>-seed<s>/                     dph-async's runs (metrics.jsonl, timeline.json, ...)
+    <out>/peers/trl-seed<s>.json, trl-seed<s>/v<N>  TRL's steps and kept weights
+    <out>/eval/<system>-seed<s>/v<N>.json          the evaluations
+    <out>/tta.json                                 every curve (tta_report.py reads it)
+
+A finished run (dph-async: result.json; TRL: its JSON) and a written evaluation are kept: the same
+command again runs only what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from dph_async.config import RunConfig, with_overrides
+from dph_async.paths import RunPaths, checkpoint_dir, final_model
+from dph_async.pipeline.specs import RunSpec
+from dph_async.pipeline.stages import Prepared, StageTimer, evaluate_models, prepare, train_mode, validate
+from dph_async.runtime.evaluate import EvalJob, load_results
+from dph_async.tools.bench.machine import provenance
+from dph_async.tools.bench.peer import held_cluster, run_peer, spec_of, trl_python, write_inputs
+from dph_async.tools.bench.timeline import Timeline
+
+SYSTEMS = ("async", "sync", "trl")
+SPLIT = "in_domain"  # the held-out split whose Pass@1 is the target's
+
+
+@dataclass
+class Curve:
+    """One run: its kept versions, the run's clock at each, and the held-out Pass@1 there; the
+    first point is pi_0 at 0 s."""
+
+    system: str
+    seed: int
+    steps: list[int]
+    wall: list[float]
+    pass1: list[float]
+    ood_pass1: list[float] = field(default_factory=list)
+    run_s: float = 0.0  # the run's clock at its last step
+
+
+@dataclass
+class TTABench:
+    provenance: dict
+    workload: dict
+    base_pass1: float  # pi_0's held-out Pass@1, where every curve starts
+    every: int
+    curves: list[Curve]
+    notes: list[str]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def load(path: Path) -> TTABench:
+    raw = json.loads(path.read_text())
+    return TTABench(**{**raw, "curves": [Curve(**c) for c in raw["curves"]]})
+
+
+def kept_steps(steps: int, every: int) -> list[int]:
+    """The steps whose weights a run keeps: every `every`-th and the last."""
+    return sorted({*range(every, steps, every), steps})
+
+
+def system_config(cfg: RunConfig, system: str, seed: int, every: int) -> RunConfig:
+    """dph-async's config for one of its systems and seeds, checkpointing at the kept steps."""
+    out = with_overrides(cfg, [f"mode={system}", f"seed={seed}"])
+    out.learner.checkpoint_every = every
+    out.learner.keep_versions = kept_steps(out.learner.steps, every)
+    return validate(out, [RunSpec.of(out)])
+
+
+def generation_start(rl_dir: Path) -> float:
+    """When a dph-async run's first generation began: the first prompt an actor handed to its engine
+    (the learner's first training step, should no actor span say so)."""
+    tl = Timeline.load(rl_dir / "timeline.json")
+    starts = [s.start for spans in tl.actors for s in spans if s.what == "submit"]
+    starts += [s.start for s in tl.learner if s.what == "train"]
+    return min(starts)
+
+
+def dph_clock(rl_dir: Path) -> dict[int, float]:
+    """Learner version -> the run's clock when that version existed (metrics.jsonl's time/wall, from
+    the first generation)."""
+    t0 = generation_start(rl_dir)
+    rows = [json.loads(x) for x in (rl_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {int(r["learner/version"]): r["time/wall"] - t0 for r in rows}
+
+
+def _pass1(path: Path) -> tuple[float, float]:
+    res = load_results(path)
+    return res[SPLIT].pass_at_k[1], res["ood"].pass_at_k[1] if "ood" in res else float("nan")
+
+
+def curve(system: str, seed: int, clock: dict[int, float], evals: dict[int, Path], base_eval: Path) -> Curve:
+    """A run's curve from its clock (step -> seconds) and its evaluations (step -> file)."""
+    c = Curve(system, seed, [0], [0.0], *([x] for x in _pass1(base_eval)))
+    for step in sorted(evals):
+        p1, ood = _pass1(evals[step])
+        c.steps.append(step)
+        c.wall.append(clock[step])
+        c.pass1.append(p1)
+        c.ood_pass1.append(ood)
+    c.run_s = clock[max(clock)]
+    return c
+
+
+def run_dph(cfg: RunConfig, system: str, seed: int, every: int, out: Path, prepared: Prepared,
+            timer: StageTimer) -> Curve:
+    """One dph-async run (skipped if finished) and its evaluations (skipped if written)."""
+    scfg = system_config(cfg, system, seed, every)
+    name = f"{system}-seed{seed}"
+    paths = RunPaths(out)
+    rl_dir = paths.rl(name)
+    train_mode(scfg, paths, prepared, RunSpec.of(scfg), rl_dir, timer, name=name)
+    steps = scfg.learner.steps
+    evals = {v: out / "eval" / name / f"v{v}.json" for v in kept_steps(steps, every)}
+    jobs = [EvalJob(final_model(rl_dir) if v == steps else checkpoint_dir(rl_dir) / f"v{v}", f, seed)
+            for v, f in evals.items()]
+    evaluate_models(scfg, jobs, prepared.tests, arch=prepared.base)
+    return curve(system, seed, dph_clock(rl_dir), evals, paths.eval / "base.json")
+
+
+def run_trl(cfg: RunConfig, seed: int, every: int, out: Path, prepared: Prepared, python: Path,
+            prompts_file: Path) -> Curve:
+    """One TRL run (skipped if finished), keeping its weights at the kept steps, and their evaluations."""
+    peers = prompts_file.parent
+    name = f"trl-seed{seed}"
+    spec = replace(spec_of(cfg, prepared.base, prepared.train), seed=seed, save_every=every,
+                   save_dir=str((peers / name).resolve()))
+    seed_spec = peers / f"spec-{name}.json"
+    seed_spec.write_text(json.dumps(asdict(spec), indent=2))
+    # run_peer names its result <system>-<repeat>.json: here the repeat is the seed
+    run_peer("trl", python, seed_spec, prompts_file, peers, seed, skip=0)
+    steps = json.loads((peers / f"trl-{seed}.json").read_text())["steps"]
+    clock = {i + 1: s["wall"] for i, s in enumerate(steps)}
+    evals = {v: out / "eval" / name / f"v{v}.json" for v in kept_steps(len(steps), every)}
+    jobs = [EvalJob(peers / name / f"v{v}", f, seed) for v, f in evals.items()]
+    evaluate_models(cfg, jobs, prepared.tests)
+    return curve("trl", seed, clock, evals, RunPaths(out).eval / "base.json")
+
+
+def order(systems: list[str], seed_index: int) -> list[str]:
+    """The systems in the order one seed runs them: rotated by one per seed."""
+    shift = seed_index % len(systems)
+    return systems[shift:] + systems[:shift]
+
+
+def run(cfg: RunConfig, out: Path, seeds: list[int], systems: list[str], every: int, cache: Path,
+        log=print) -> TTABench:
+    """Prepare pi_0 once, then every seed's systems in rotating order; write tta.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    notes: list[str] = []
+    python, systems = trl_python(systems, cache, notes, log)
+    paths, timer = RunPaths(out), StageTimer()
+    curves: list[Curve] = []
+    with held_cluster(cfg, prestart=True):
+        prepared = prepare(cfg, paths, timer, False)
+        evaluate_models(cfg, [EvalJob(prepared.base, paths.eval / "base.json", cfg.seed)], prepared.tests)
+        if python is not None:
+            (out / "peers").mkdir(exist_ok=True)
+            prompts_file = write_inputs(cfg, prepared.base, prepared.train, out / "peers")[1]
+        for i, seed in enumerate(seeds):
+            for system in order(systems, i):
+                log(f"seed {seed} ({i + 1}/{len(seeds)}): {system}")
+                c = run_trl(cfg, seed, every, out, prepared, python, prompts_file) if system == "trl" else \
+                    run_dph(cfg, system, seed, every, out, prepared, timer)
+                curves.append(c)
+                log(f"  {system}: {c.run_s:.1f} s for {c.steps[-1]} steps; held-out Pass@1 "
+                    + " ".join(f"{p:.3f}" for p in c.pass1) + f" (load {os.getloadavg()[0]:.1f})")
+    spec = spec_of(cfg, prepared.base, prepared.train)
+    base_pass1 = _pass1(paths.eval / "base.json")[0]
+    res = TTABench(provenance=provenance(), base_pass1=base_pass1, every=every, curves=curves, notes=notes,
+                   workload={**asdict(spec), "task": cfg.task.name, "eta": cfg.replay.max_staleness,
+                             "actors": cfg.actors.num_actors, "objective": cfg.learner.loss.objective,
+                             "k": cfg.eval.k_max, "test_prompts": cfg.eval.max_prompts})
+    (out / "tta.json").write_text(res.to_json())
+    return res
