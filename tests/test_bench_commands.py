@@ -157,11 +157,12 @@ def test_bench_tta_runs_async_and_sync_to_the_report(small_base, tmp_path):
         assert all(0.0 <= p <= 1.0 for p in c.pass1)
         for v in (2, 4):
             got = json.loads((out / "eval" / f"{c.system}-seed3" / f"v{v}.json").read_text())
+            assert set(got) == {"in_domain"}  # the target's split alone
             assert got["in_domain"]["pass_at_k"]["1"] == pytest.approx(c.pass1[c.steps.index(v)])
         metrics = [json.loads(x) for x in (out / "rl" / f"{c.system}-seed3" / "metrics.jsonl").read_text().splitlines()]
         assert [int(m["learner/version"]) for m in metrics] == [1, 2, 3, 4]
     base = json.loads((out / "eval" / "base.json").read_text())["in_domain"]["pass_at_k"]["1"]
-    assert all(c.pass1[0] == pytest.approx(base) for c in res.curves)
+    assert all(c.pass1[0] == pytest.approx(base) for c in res.curves) and res.base_pass1 == pytest.approx(base)
     md = (out / "tta.md").read_text()
     assert "Target: held-out Pass@1 >= 0.010" in md and "| sync |" in md
     assert (out / "plots" / "tta.png").is_file()

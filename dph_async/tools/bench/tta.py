@@ -13,8 +13,8 @@ Each run keeps its weights every `every` steps and at the last, with the run's c
 seconds since its first generation began (dph-async: the first prompt an actor handed to its engine;
 TRL: the start of its first step, which begins by generating). dph-async's clock holds its
 checkpoint writing; TRL's has its writing taken out. After each run the project's evaluator scores
-every kept version on the same test prompts with the same seed (eval.k_max samples a prompt:
-Pass@1 as the mean share correct), off the clock. Seeds rotate the systems' order (seed i starts
+every kept version on the same in-domain test prompts with the same seed (eval.k_max samples a
+prompt: Pass@1 as the mean share correct), off the clock. Seeds rotate the systems' order (seed i starts
 with the (i mod 3)-th), so a drift of the machine's speed falls on all of them.
 
     <out>/base_model, data/, eval/base.json       pi_0 and the prompts, shared
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from dph_async.config import RunConfig, with_overrides
@@ -57,7 +57,6 @@ class Curve:
     steps: list[int]
     wall: list[float]
     pass1: list[float]
-    ood_pass1: list[float] = field(default_factory=list)
     run_s: float = 0.0  # the run's clock at its last step
 
 
@@ -92,6 +91,12 @@ def system_config(cfg: RunConfig, system: str, seed: int, every: int) -> RunConf
     return validate(out, [RunSpec.of(out)])
 
 
+def held_out(prepared: Prepared) -> dict[str, Path]:
+    """The split the target is on, alone: an evaluation of the other splits would double the bench's
+    time and decide nothing."""
+    return {SPLIT: prepared.tests[SPLIT]}
+
+
 def generation_start(rl_dir: Path) -> float:
     """When a dph-async run's first generation began: the first prompt an actor handed to its engine
     (the learner's first training step, should no actor span say so)."""
@@ -109,20 +114,17 @@ def dph_clock(rl_dir: Path) -> dict[int, float]:
     return {int(r["learner/version"]): r["time/wall"] - t0 for r in rows}
 
 
-def _pass1(path: Path) -> tuple[float, float]:
-    res = load_results(path)
-    return res[SPLIT].pass_at_k[1], res["ood"].pass_at_k[1] if "ood" in res else float("nan")
+def _pass1(path: Path) -> float:
+    return load_results(path)[SPLIT].pass_at_k[1]
 
 
 def curve(system: str, seed: int, clock: dict[int, float], evals: dict[int, Path], base_eval: Path) -> Curve:
     """A run's curve from its clock (step -> seconds) and its evaluations (step -> file)."""
-    c = Curve(system, seed, [0], [0.0], *([x] for x in _pass1(base_eval)))
+    c = Curve(system, seed, [0], [0.0], [_pass1(base_eval)])
     for step in sorted(evals):
-        p1, ood = _pass1(evals[step])
         c.steps.append(step)
         c.wall.append(clock[step])
-        c.pass1.append(p1)
-        c.ood_pass1.append(ood)
+        c.pass1.append(_pass1(evals[step]))
     c.run_s = clock[max(clock)]
     return c
 
@@ -139,7 +141,7 @@ def run_dph(cfg: RunConfig, system: str, seed: int, every: int, out: Path, prepa
     evals = {v: out / "eval" / name / f"v{v}.json" for v in kept_steps(steps, every)}
     jobs = [EvalJob(final_model(rl_dir) if v == steps else checkpoint_dir(rl_dir) / f"v{v}", f, seed)
             for v, f in evals.items()]
-    evaluate_models(scfg, jobs, prepared.tests, arch=prepared.base)
+    evaluate_models(scfg, jobs, held_out(prepared), arch=prepared.base)
     return curve(system, seed, dph_clock(rl_dir), evals, paths.eval / "base.json")
 
 
@@ -158,7 +160,7 @@ def run_trl(cfg: RunConfig, seed: int, every: int, out: Path, prepared: Prepared
     clock = {i + 1: s["wall"] for i, s in enumerate(steps)}
     evals = {v: out / "eval" / name / f"v{v}.json" for v in kept_steps(len(steps), every)}
     jobs = [EvalJob(peers / name / f"v{v}", f, seed) for v, f in evals.items()]
-    evaluate_models(cfg, jobs, prepared.tests)
+    evaluate_models(cfg, jobs, held_out(prepared))
     return curve("trl", seed, clock, evals, RunPaths(out).eval / "base.json")
 
 
@@ -178,7 +180,7 @@ def run(cfg: RunConfig, out: Path, seeds: list[int], systems: list[str], every: 
     curves: list[Curve] = []
     with held_cluster(cfg, prestart=True):
         prepared = prepare(cfg, paths, timer, False)
-        evaluate_models(cfg, [EvalJob(prepared.base, paths.eval / "base.json", cfg.seed)], prepared.tests)
+        evaluate_models(cfg, [EvalJob(prepared.base, paths.eval / "base.json", cfg.seed)], held_out(prepared))
         if python is not None:
             (out / "peers").mkdir(exist_ok=True)
             prompts_file = write_inputs(cfg, prepared.base, prepared.train, out / "peers")[1]
@@ -191,7 +193,7 @@ def run(cfg: RunConfig, out: Path, seeds: list[int], systems: list[str], every: 
                 log(f"  {system}: {c.run_s:.1f} s for {c.steps[-1]} steps; held-out Pass@1 "
                     + " ".join(f"{p:.3f}" for p in c.pass1) + f" (load {os.getloadavg()[0]:.1f})")
     spec = spec_of(cfg, prepared.base, prepared.train)
-    base_pass1 = _pass1(paths.eval / "base.json")[0]
+    base_pass1 = _pass1(paths.eval / "base.json")
     res = TTABench(provenance=provenance(), base_pass1=base_pass1, every=every, curves=curves, notes=notes,
                    workload={**asdict(spec), "task": cfg.task.name, "eta": cfg.replay.max_staleness,
                              "actors": cfg.actors.num_actors, "objective": cfg.learner.loss.objective,
