@@ -12,11 +12,11 @@ import pytest
 from conftest import SMALL, copy_base
 
 from dph_async.cli.main import main
-from dph_async.tools.bench import tta
 from dph_async.tools.bench.figures import RunFigures, WeightSync
 from dph_async.tools.bench.pipeline import Comparison
 from dph_async.tools.bench.timeline import ideal_speedup
 from dph_async.tools.bench.transport import synthetic_group
+from dph_async.tools.bench.tta_data import load
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +149,7 @@ def test_bench_tta_runs_async_and_sync_to_the_report(small_base, tmp_path):
     sets = [x for item in [*SMALL, "task.name=embedded", "model.max_model_len=32"] for x in ("--set", item)]
     assert main(["bench", "tta", "-o", str(out), "--systems", "async", "sync", "--seeds", "3", "--steps", "4",
                  "--every", "2", "--target", "0.01", *sets]) == 0
-    res = tta.load(out / "tta.json")
+    res = load(out / "tta.json")
     assert [(c.system, c.seed) for c in res.curves] == [("async", 3), ("sync", 3)]
     for c in res.curves:
         assert c.steps == [0, 2, 4]

@@ -15,7 +15,7 @@ from dph_async.cli.commands import bench_tta
 from dph_async.cli.main import main
 from dph_async.stats import t_critical
 from dph_async.tools.bench import tta, tta_report
-from dph_async.tools.bench.tta import Curve, TTABench
+from dph_async.tools.bench.tta_data import Curve, TTABench, load
 from dph_async.tools.bench.tta_report import compare, time_to_target
 
 
@@ -123,7 +123,7 @@ def _bench(curves: list[Curve], notes: list[str]) -> TTABench:
                     workload={"task": "stride", "prompts_per_step": 16, "n": 8, "max_tokens": 400, "lr": 1e-3,
                               "temperature": 1.0, "steps": 20, "objective": "grpo", "actors": 2, "eta": 1,
                               "test_prompts": 100, "k": 16},
-                    base_pass1=0.1, every=10, curves=curves, notes=notes)
+                    base_pass1=0.1, base_se=0.02, every=10, curves=curves, notes=notes)
 
 
 def test_the_report_says_every_figure_in_its_place(tmp_path):
@@ -134,24 +134,27 @@ def test_the_report_says_every_figure_in_its_place(tmp_path):
               Curve("trl", 1, [0, 10, 20], [0.0, 20.0, 40.0], [0.1, 0.28, 0.4], run_s=40.0)]
     res = _bench(curves, ["TRL could not be installed"])
     (tmp_path / "tta.json").write_text(res.to_json())
-    assert tta.load(tmp_path / "tta.json") == res
+    assert load(tmp_path / "tta.json") == res
     # times to 0.25: async 7.5 (seed 0: 0.2 at 5 s -> 0.3 at 10 s) and 4.5 (seed 1: 0.1 -> 0.3 over 6 s);
     # sync seed 1 12.0 (0.2 at 8 -> 0.3 at 16), seed 0 never; trl seed 1 16.7 (0.1 -> 0.28 over 20 s).
     # One pair per peer: no interval, which the table shows as "-".
     expected = "\n".join([
         "# dph-async bench tta (2026-11-29 20:00 UTC, commit abc1234)", "",
-        "Command: `dph-async bench tta`. Machine: EPYC, 2 cores, load average [0.5, 0.4, 0.3].",
+        "Command: `dph-async bench tta`. Machine: EPYC, 2 cores, load average 0.50 0.40 0.30 at the end.",
         "Work: task stride, 16 prompts x 8 completions a step, at most 400 tokens, lr 0.001, temperature 1, "
-        "20 steps, objective grpo; dph-async: 2 actors, eta 1 (async). Evaluated every 10 steps on 100 held-out "
+        "20 steps, objective grpo; dph-async: actors 2, eta 1 (async). Evaluated every 10 steps on 100 held-out "
         "prompts x 16 samples.",
-        "Target: held-out Pass@1 >= 0.250.", "",
+        "Target: held-out Pass@1 >= 0.250 (given with --target); one evaluation's sampling standard error on these "
+        "prompts is about 0.020.",
+        "The clock starts at each run's first generation, on one host; dph-async's holds its checkpoint writing, "
+        "TRL's has its writing taken out.", "",
         "## Time to target", "",
         "| system | reached | median s to target | median steps to target | median gap between evaluations, s "
         "| median s/step | final Pass@1 (mean) |",
         "|---|---|---|---|---|---|---|",
-        "| async | 2 of 2 | 6.0 | 11.2 | 5.5 | 0.6 | 0.325 |",
-        "| sync | 1 of 2 | 12.0 | 15.0 | 8.0 | 0.9 | 0.240 |",
-        "| trl | 1 of 1 | 16.7 | 8.3 | 20.0 | 2.0 | 0.400 |", "",
+        "| async | 2 of 2 | 6.0 | 11.2 | 5.5 | 0.55 | 0.325 |",
+        "| sync | 1 of 2 | 12.0 | 15.0 | 8.0 | 0.85 | 0.240 |",
+        "| trl | 1 of 1 | 16.7 | 8.3 | 20.0 | 2.00 | 0.400 |", "",
         "## async's speed-up to target (per seed: t_peer / t_async)", "",
         "| peer | geometric mean (95% interval) | seeds both reached | only async | only the peer | neither |",
         "|---|---|---|---|---|---|",
@@ -166,8 +169,12 @@ def test_the_report_says_every_figure_in_its_place(tmp_path):
         "| sync | 1 | 12.0 | 15.0 | 16.0 | 0.100 0.200 0.300 |",
         "| trl | 1 | 16.7 | 8.3 | 40.0 | 0.100 0.280 0.400 |", "",
         "Notes:", "", "- TRL could not be installed", ""])
-    assert tta_report.markdown(res, 0.25) == expected
+    assert tta_report.markdown(res, 0.25, "given with --target") == expected
     assert tta_report.default_target(res, 0.05) == pytest.approx(0.15)
+    # within two standard errors of pi_0 (0.1 + 2 x 0.02): said beside the target
+    near = tta_report.markdown(res, 0.139, "given with --target")
+    assert "is about 0.020, so a crossing this close to pi_0 may be noise." in near
+    assert "may be noise" not in tta_report.markdown(res, 0.14, "given with --target")
 
 
 def test_the_figure_draws_every_run_in_its_system_colour(tmp_path):
@@ -190,17 +197,101 @@ def test_the_figure_draws_every_run_in_its_system_colour(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_command_names_its_systems_as_the_bench_does():
-    assert bench_tta.SYSTEMS == tta.SYSTEMS
+def test_the_command_names_its_systems_and_split_as_the_bench_does():
+    assert bench_tta.SYSTEMS == tta.SYSTEMS and bench_tta.SPLIT == tta.SPLIT
+
+
+def test_a_report_of_a_damaged_or_foreign_summary_names_the_file(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    for text in ("{not json", json.dumps({"date": "x"}), json.dumps({**json.loads(_bench([], []).to_json()),
+                                                                    "curves": [{"system": "async"}]})):
+        (out / "tta.json").write_text(text)
+        assert main(["bench", "tta", "-o", str(out), "--report-only"]) == 2
+        err = capsys.readouterr().err
+        assert f"{out / 'tta.json'} is not a tta.json this version of `bench tta` writes" in err
+
+
+def test_a_target_at_or_below_pi_0_is_refused(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tta.json").write_text(_bench([Curve("async", 0, [0, 10], [0.0, 4.0], [0.1, 0.9])], []).to_json())
+    assert main(["bench", "tta", "-o", str(out), "--report-only", "--target", "0.1"]) == 2
+    assert "target 0.100: pi_0's held-out Pass@1 is 0.100, so it must lie in (0.100, 1]" in capsys.readouterr().err
+    assert not (out / "tta.md").exists()
+    assert main(["bench", "tta", "-o", str(out), "--report-only"]) == 0  # pi_0's + 0.04
+    assert "Target: held-out Pass@1 >= 0.140 (pi_0's 0.100 + 0.04, set before the runs)" in (out / "tta.md").read_text()
+
+
+def test_a_directory_keeps_its_settings_and_fresh_deletes_only_a_bench(tmp_path):
+    from dph_async.config import ConfigError, load_config
+
+    out = tmp_path / "out"
+    out.mkdir()
+    cfg = load_config("grpo", ["learner.steps=40"])
+    tta.lock(cfg, 10, out)
+    tta.lock(cfg, 10, out)  # the same settings again
+    for other, every in ((load_config("grpo", ["learner.steps=41"]), 10), (cfg, 20)):
+        with pytest.raises(ConfigError, match="made with other settings"):
+            tta.lock(other, every, out)
+    for name in ("rl/async-seed0", "base_model", "plots"):
+        (out / name).mkdir(parents=True)
+    (out / "tta.json").write_text("{}")
+    (out / "keep.txt").write_text("not the bench's")
+    tta.clear(out)
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    with pytest.raises(ConfigError, match=r"holds no tta_config\.json"):
+        tta.clear(out)  # no longer a bench's directory: nothing deleted
+    assert (out / "keep.txt").is_file()
+    tta.clear(tmp_path / "missing")  # nothing there: nothing to do
 
 
 @pytest.mark.parametrize("argv, words", [
     (["--every", "0"], "--every must be >= 1"),
     (["--target", "1.5"], "--target is a Pass@1 in (0, 1]"),
-    (["--seeds", "1", "1"], "--seeds names a seed twice"),
+    (["--gain", "0"], "--gain is a rise of Pass@1 in (0, 1)"),
+    (["--gain", "1"], "--gain is a rise of Pass@1 in (0, 1)"),
+    (["--seeds", "1", "1"], "--seeds names one twice: 1 1"),
+    (["--systems", "async", "trl", "async"], "--systems names one twice"),
     (["--report-only"], "no "),
     (["--steps", "5", "--every", "10"], "is fewer than --every"),
+    (["--set", "model.path=m", "--set", "task.data=d.parquet", "--set", "task.test_data.bird_dev=t.parquet"],
+     "give its prompts as task.test_data.in_domain=PATH (given: bird_dev)"),
 ])
 def test_the_command_refuses_what_cannot_run(tmp_path, capsys, argv, words):
     assert main(["bench", "tta", "-o", str(tmp_path / "out"), *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_the_sampling_error_of_an_evaluation_is_the_binomial_one_on_its_prompts(tmp_path):
+    from dph_async.runtime.evaluate import PromptResult, SplitResult, write_results
+
+    rng = random.Random()
+    n = rng.choice([4, 8, 16])
+    correct = [rng.randint(0, n) for _ in range(rng.randint(2, 40))]
+    prompts = [PromptResult(str(i), c, min(c, 1), False) for i, c in enumerate(correct)]
+    split = SplitResult("in_domain", len(prompts), 0.0, {1: statistics.fmean(c / n for c in correct)}, 0.0, 0.0, 0.0,
+                        samples=n, per_prompt=prompts)
+    write_results({"in_domain": split}, tmp_path / "e.json")
+    # the variance of a prompt's share is p(1-p)/n; of the mean over N prompts, the sum over N^2
+    variance = sum((c / n) * (1 - c / n) / n for c in correct) / len(correct) ** 2
+    assert tta._se(tmp_path / "e.json") == pytest.approx(math.sqrt(variance))
+    assert tta._pass1(tmp_path / "e.json") == pytest.approx(statistics.fmean(c / n for c in correct))
+
+
+def test_the_docs_render_a_summary_at_its_default_target(tmp_path):
+    from dph_async.tools.rendered_docs import Context, render
+
+    curves = [Curve("async", 0, [0, 10], [0.0, 4.0], [0.1, 0.3]), Curve("trl", 0, [0, 10], [0.0, 9.0], [0.1, 0.2])]
+    (tmp_path / "t.json").write_text(_bench(curves, []).to_json())
+    text, changed = render("<!-- rendered: tta t.json -->\n<!-- end rendered -->\n",
+                           Context(tmp_path, tmp_path / "a.md", write=True))
+    body = "\n".join(text.splitlines()[1:-1])
+    assert changed and body.startswith("Target: held-out Pass@1 >= 0.140 (pi_0's 0.100 + 0.04).\n\n#### Time to target")
+    # async at 0.1 + 0.04 / 0.2 x 4 s = 0.8 s; trl at 0.4 x 9 s = 3.6 s
+    assert "| async | 1 of 1 | 0.8 |" in body and "| trl | 1 of 1 | 3.6 |" in body
+    assert body.endswith(tta_report.tables(_bench(curves, []), 0.14).rstrip("\n").replace("## ", "#### ").split(
+        "#### Time to target", 1)[1])
+    with pytest.raises(ValueError, match=r"tta JSON: 1 argument\(s\), got 2"):
+        render("<!-- rendered: tta t.json u.json -->\n<!-- end rendered -->\n",
+               Context(tmp_path, tmp_path / "a.md", write=False))

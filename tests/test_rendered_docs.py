@@ -30,7 +30,7 @@ def test_the_repositorys_docs_match_their_data(capsys):
     # hand leaves its data unrendered, and fails here.
     specs = [b.spec.split() for d in rendered_docs.docs(ROOT) for b in rendered_docs.blocks(d.read_text())]
     inputs = {a for _, *args in specs for a in args}
-    data = {str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "data").rglob("*.csv")}
+    data = {str(p.relative_to(ROOT)) for ext in ("csv", "json") for p in (ROOT / "docs" / "data").rglob(f"*.{ext}")}
     assert data and data <= inputs, data - inputs
     figures = [args[0] for kind, *args in specs if kind == "confirm-figure"]
     assert figures and all(rendered_docs.source_of(ROOT / f).startswith(rendered_docs.SOURCE) for f in figures)
@@ -426,7 +426,7 @@ def test_errors_name_every_item_and_the_kind_that_complained(tmp_path):
     with pytest.raises(ValueError, match=r"^seeds\.csv: no pi_0 row"):
         rendered_docs.splits([_seeds(tmp_path, rows[1:])], ctx)
     with pytest.raises(ValueError, match=r"known: cells, confirm, confirm-figure, confirm-forgetting, "
-                                         r"confirm-staleness, ood-calibration, results, splits\)$"):
+                                         r"confirm-staleness, ood-calibration, results, splits, tta\)$"):
         render("<!-- rendered: nope -->\n<!-- end rendered -->\n", ctx)
     with pytest.raises(ValueError, match=r"^line 3: a carriage return that ends no line \(lines end in LF or CRLF\)$"):
         render("\n\na\rb\n", ctx)

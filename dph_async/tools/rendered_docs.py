@@ -37,6 +37,7 @@ from dph_async.pipeline.report import markdown_table
 from dph_async.tools.ablate import confirm, confirm_forgetting, confirm_plot, confirm_staleness
 from dph_async.tools.ablate.results import stat
 from dph_async.tools.ablate.seeds import BASE, SeedRow, read_seeds, repeated_seed
+from dph_async.tools.bench import tta_data, tta_report
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "docs/**/*.md")
@@ -199,6 +200,16 @@ def results(args: list[str], ctx: Context) -> str:
         raise ValueError(f"{name}: not a CSV file of UTF-8 text ({e})") from None
 
 
+def tta_tables(args: list[str], ctx: Context) -> str:
+    """`tta JSON`: a time-to-accuracy bench's tables (bench/tta_report.py) from its tta.json, at its
+    default target (pi_0's held-out Pass@1 + tta_data.DEFAULT_GAIN, fixed before its runs)."""
+    name = _exactly(args, 1, "tta JSON")[0]
+    res = tta_data.load(ctx.path(name))
+    target = tta_report.default_target(res, tta_data.DEFAULT_GAIN)
+    return f"Target: held-out Pass@1 >= {target:.3f} (pi_0's {res.base_pass1:.3f} + {tta_data.DEFAULT_GAIN:g}).\n\n" \
+        + tta_report.tables(res, target).rstrip("\n").replace("## ", "#### ")
+
+
 def _results(name: str, reader) -> str:
     header = next(reader, [])
     if tuple(header) != RESULT_COLUMNS:
@@ -359,7 +370,8 @@ def _draft(fig, png: Path, source: str) -> tuple[Path, Path]:
 RENDERERS: dict[str, Renderer] = {"ood-calibration": ood_calibration, "splits": splits, "cells": cells,
                                   "confirm": confirm_tables, "confirm-figure": confirm_figure,
                                   "confirm-staleness": confirm_staleness_tables,
-                                  "confirm-forgetting": confirm_forgetting_tables, "results": results}
+                                  "confirm-forgetting": confirm_forgetting_tables, "results": results,
+                                  "tta": tta_tables}
 
 
 def _exactly(args: list[str], n: int, usage: str) -> list[str]:

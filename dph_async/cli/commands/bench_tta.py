@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 from dph_async.cli.commands.bench_peer import add_setup_arguments
 from dph_async.cli.commands.common import add_output_argument, fail, guarded
 from dph_async.config import load_config
 from dph_async.progress import console
+from dph_async.tools.bench.tta_data import DEFAULT_GAIN, load
 
 SYSTEMS = ("async", "sync", "trl")  # bench/tta.py's, named here so that --help imports no torch
+SPLIT = "in_domain"  # bench/tta.py's: the held-out split the target is on
 # The embedded task, on which GRPO raises held-out Pass@1 (docs/benchmarks.md, Time to accuracy);
 # STRIDE gives the long-tailed lengths, whose pi_0 does not yet learn held out.
 TTA_DEFAULTS = ("logging.wandb_mode=disabled", "learner.steps=200", "eval.max_prompts=100")
@@ -59,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--every", type=int, default=20, help="steps between kept, evaluated versions "
                    "(default: %(default)s)")
     p.add_argument("--target", type=float, help="held-out Pass@1 to reach (default: pi_0's plus --gain)")
-    p.add_argument("--gain", type=float, default=0.04, help="the default target's rise over pi_0 "
+    p.add_argument("--gain", type=float, default=DEFAULT_GAIN, help="the default target's rise over pi_0 "
                    "(default: %(default)s)")
     add_setup_arguments(p)
     p.add_argument("--report-only", action="store_true", help="redo the report from --output/tta.json")
@@ -71,8 +72,12 @@ def main(args: argparse.Namespace) -> int:
         return fail(f"--every must be >= 1 (got {args.every})")
     if args.target is not None and not 0 < args.target <= 1:
         return fail(f"--target is a Pass@1 in (0, 1] (got {args.target})")
-    if len(set(args.seeds)) != len(args.seeds):
-        return fail(f"--seeds names a seed twice: {args.seeds}")
+    if not 0 < args.gain < 1:
+        return fail(f"--gain is a rise of Pass@1 in (0, 1) (got {args.gain})")
+    for name in ("seeds", "systems"):
+        given = getattr(args, name)
+        if len(set(given)) != len(given):
+            return fail(f"--{name} names one twice: {' '.join(map(str, given))}")
     summary = args.output / "tta.json"
     if args.report_only:
         if not summary.is_file():
@@ -82,16 +87,18 @@ def main(args: argparse.Namespace) -> int:
     task = STRIDE if args.stride else ()
     cfg = load_config(args.preset, [*TTA_DEFAULTS, *task, *args.overrides, f"output_dir={args.output}",
                                     *(f"{k}={v}" for k, v in flags.items() if v is not None)])
+    if cfg.model.path is not None and SPLIT not in cfg.task.test_data:
+        return fail(f"the target is a held-out Pass@1 on the test split named {SPLIT}: give its prompts as "
+                    f"task.test_data.{SPLIT}=PATH (given: {', '.join(cfg.task.test_data) or 'none'})")
     if cfg.learner.steps < args.every:
         return fail(f"learner.steps ({cfg.learner.steps}) is fewer than --every ({args.every}): nothing would be "
                     "evaluated along the run")
-    if args.fresh:
-        for sub in ("rl", "peers", "eval"):
-            shutil.rmtree(args.output / sub, ignore_errors=True)
 
     def work() -> None:
         from dph_async.tools.bench import tta  # heavy: Ray, torch
 
+        if args.fresh:
+            tta.clear(args.output)
         tta.run(cfg, args.output, args.seeds, args.systems, args.every, args.cache,
                 log=lambda m: console.print(m, highlight=False))
         _report(args, summary)
@@ -100,15 +107,24 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace, summary: Path) -> int:
-    from dph_async.tools.bench import tta, tta_report
+    from dph_async.tools.bench import tta_report  # matplotlib
 
-    res = tta.load(summary)
-    target = args.target if args.target is not None else tta_report.default_target(res, args.gain)
-    (args.output / "tta.md").write_text(tta_report.markdown(res, target))
+    res = load(summary)
+    if args.target is None:
+        target = tta_report.default_target(res, args.gain)
+        source = f"pi_0's {res.base_pass1:.3f} + {args.gain:g}, set before the runs"
+    else:
+        target, source = args.target, "given with --target"
+    if target <= res.base_pass1 or target > 1:
+        return fail(f"target {target:.3f}: pi_0's held-out Pass@1 is {res.base_pass1:.3f}, so it must lie in "
+                    f"({res.base_pass1:.3f}, 1]")
+    (args.output / "tta.md").write_text(tta_report.markdown(res, target, source))
     tta_report.plot(res, target, args.output / "plots" / "tta.png")
     for comp in (tta_report.compare(res.curves, target, p) for p in dict.fromkeys(c.system for c in res.curves)
                  if p != tta_report.BASELINE):
         shown = comp.interval.fmt() if comp.interval else f"no interval ({comp.both} seeds reached on both sides)"
-        console.print(f"async / {comp.peer}, time to Pass@1 {target:.3f}: {shown}", highlight=False)
+        console.print(f"t_{comp.peer} / t_async to Pass@1 {target:.3f}: {shown}; only async reached it on "
+                      f"{comp.only_async} seeds, only {comp.peer} on {comp.only_peer}, neither on {comp.neither}",
+                      highlight=False)
     console.print(f"report: {args.output / 'tta.md'}; figure: {args.output / 'plots' / 'tta.png'}")
     return 0

@@ -54,6 +54,8 @@ PHASES = ("generate", "reward", "forward", "backward", "optimizer")
 # The peers run every sequence through the model, zero advantage or not; so does dph-async here (its
 # default skips them: the update is the same, the work is not).
 SAME_WORK = ("learner.skip_zero_advantage=false",)
+# What a report says of that setting; None: a bench.json from before it was recorded.
+ZERO_ADVANTAGE = {True: "skipped", False: "trained, as the peers do", None: "(not recorded: skipped before 2026-11-29)"}
 
 
 @dataclass
@@ -339,7 +341,7 @@ def markdown(res: PeerBench) -> str:
         f"lr {w['lr']:g}, temperature {w['temperature']:g}, {w['steps']} steps (steady state: steps after "
         f"{res.skip}); model {w['model']}; data {w['data']}; dph-async: objective {w['objective']}, "
         f"{w['actors']} actors, eta {w['eta']}, sequences of zero advantage "
-        f"{'skipped' if w.get('skip_zero_advantage') else 'trained, as the peers do'}"
+        f"{ZERO_ADVANTAGE[w.get('skip_zero_advantage')]}"
         + (f"; settings given: {', '.join(w['settings'])}." if w.get("settings") else "."), "",
         "## Medians over the repeats", "",
         markdown_table(["system", "s/step", "completions/s", "tokens/s", "dph-async / system (medians)",

@@ -44,7 +44,6 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from safetensors.torch import save_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -125,7 +124,9 @@ class StepTimer(TrainerCallback):
 class Saver(TrainerCallback):
     """Keeps the weights every `every` steps and at the last, as `<root>/v<step>`: the model's
     directory with the step's weights (what the project's evaluator loads); the time it takes goes to
-    the timer's pause. After StepTimer in the callbacks, so a step's `wall` is taken first."""
+    the timer's pause. After StepTimer in the callbacks, so a step's `wall` is taken first. The
+    weights are written by `save_pretrained` (tied embeddings kept under the names loaders read),
+    beside the model's own config and tokenizer, which the evaluator then reads as pi_0's."""
 
     def __init__(self, timer: StepTimer, every: int, model_dir: Path, root: Path) -> None:
         self.timer, self.every, self.model_dir, self.root = timer, every, model_dir, root
@@ -136,9 +137,13 @@ class Saver(TrainerCallback):
             return
         start = time.perf_counter()
         out = self.root / f"v{step}"
-        shutil.copytree(self.model_dir, out, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json", "*.bin"))
-        save_model(self.timer.trainer.model, str(out / "model.safetensors"), metadata={"format": "pt"})
+        weights = ("*.safetensors", "*.safetensors.index.json", "*.bin")
+        shutil.copytree(self.model_dir, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns(*weights))
+        with tempfile.TemporaryDirectory(dir=self.root) as tmp:
+            self.timer.trainer.model.save_pretrained(tmp, safe_serialization=True)
+            for f in Path(tmp).iterdir():
+                if f.name.endswith((".safetensors", ".safetensors.index.json")):
+                    shutil.move(f, out / f.name)
         self.timer.paused += time.perf_counter() - start
 
 

@@ -21,20 +21,27 @@ with the (i mod 3)-th), so a drift of the machine's speed falls on all of them.
     <out>/rl/<system>-seed<s>/                     dph-async's runs (metrics.jsonl, timeline.json, ...)
     <out>/peers/trl-seed<s>.json, trl-seed<s>/v<N>  TRL's steps and kept weights
     <out>/eval/<system>-seed<s>/v<N>.json          the evaluations
-    <out>/tta.json                                 every curve (tta_report.py reads it)
+    <out>/tta_config.json                          the settings the directory was made with
+    <out>/tta.json                                 every curve (tta_report.py reads it), after each run
 
 A finished run (dph-async: result.json; TRL: its JSON) and a written evaluation are kept: the same
-command again runs only what is missing.
+command again runs only what is missing, and other seeds join the same tta.json. A run stopped
+midway starts over (its clock would otherwise hold only its resumed part), and a directory made
+with other settings is refused. The clock assumes one host: its start is an actor's wall clock,
+its steps the learner's.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import asdict, dataclass, replace
+import shutil
+import statistics
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from dph_async.config import RunConfig, with_overrides
+from dph_async.config import ConfigError, RunConfig, dump_config, with_overrides
 from dph_async.paths import RunPaths, checkpoint_dir, final_model
 from dph_async.pipeline.specs import RunSpec
 from dph_async.pipeline.stages import Prepared, StageTimer, evaluate_models, prepare, train_mode, validate
@@ -42,40 +49,10 @@ from dph_async.runtime.evaluate import EvalJob, load_results
 from dph_async.tools.bench.machine import provenance
 from dph_async.tools.bench.peer import held_cluster, run_peer, spec_of, trl_python, write_inputs
 from dph_async.tools.bench.timeline import Timeline
+from dph_async.tools.bench.tta_data import Curve, TTABench, load
 
 SYSTEMS = ("async", "sync", "trl")
 SPLIT = "in_domain"  # the held-out split whose Pass@1 is the target's
-
-
-@dataclass
-class Curve:
-    """One run: its kept versions, the run's clock at each, and the held-out Pass@1 there; the
-    first point is pi_0 at 0 s."""
-
-    system: str
-    seed: int
-    steps: list[int]
-    wall: list[float]
-    pass1: list[float]
-    run_s: float = 0.0  # the run's clock at its last step
-
-
-@dataclass
-class TTABench:
-    provenance: dict
-    workload: dict
-    base_pass1: float  # pi_0's held-out Pass@1, where every curve starts
-    every: int
-    curves: list[Curve]
-    notes: list[str]
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-
-def load(path: Path) -> TTABench:
-    raw = json.loads(path.read_text())
-    return TTABench(**{**raw, "curves": [Curve(**c) for c in raw["curves"]]})
 
 
 def kept_steps(steps: int, every: int) -> list[int]:
@@ -118,9 +95,51 @@ def _pass1(path: Path) -> float:
     return load_results(path)[SPLIT].pass_at_k[1]
 
 
-def curve(system: str, seed: int, clock: dict[int, float], evals: dict[int, Path], base_eval: Path) -> Curve:
-    """A run's curve from its clock (step -> seconds) and its evaluations (step -> file)."""
-    c = Curve(system, seed, [0], [0.0], [_pass1(base_eval)])
+def _se(path: Path) -> float:
+    """The sampling standard error of an evaluation's Pass@1 on its prompts: what another draw of
+    the samples of the same prompts would change, sqrt(sum_i p_i (1 - p_i) / n) / N for N prompts
+    of n samples, p_i a prompt's share correct (the prompts are the same at every evaluation, so
+    their own spread does not enter a comparison along a curve)."""
+    res = load_results(path)[SPLIT]
+    shares = [p.correct / res.samples for p in res.per_prompt]
+    return math.sqrt(sum(q * (1 - q) / res.samples for q in shares)) / len(shares)
+
+
+def base_eval(out: Path, seed: int) -> Path:
+    """pi_0's evaluation under a run's seed: the first point of that seed's curves."""
+    return RunPaths(out).eval / f"base-seed{seed}.json"
+
+
+CONFIG_FILE = "tta_config.json"
+MADE = ("rl", "peers", "eval", "base_model", "data", "plots", "tta.json", "tta.md", CONFIG_FILE)
+
+
+def lock(cfg: RunConfig, every: int, out: Path) -> None:
+    """Record the settings `out` is made with; refuse a directory made with others (its runs would mix)."""
+    settings = json.dumps({"config": dump_config(cfg), "every": every}, indent=2)
+    path = out / CONFIG_FILE
+    if path.is_file() and path.read_text() != settings:
+        raise ConfigError(f"{out} holds a time-to-accuracy bench made with other settings ({path}): give another "
+                          "--output, or --fresh to start over")
+    path.write_text(settings)
+
+
+def clear(out: Path) -> None:
+    """--fresh: delete what a bench made in `out` (refused for a directory no bench made)."""
+    if out.is_dir() and any(out.iterdir()) and not (out / CONFIG_FILE).is_file():
+        raise ConfigError(f"--fresh: {out} holds no {CONFIG_FILE}, so no time-to-accuracy bench made it; "
+                          "nothing deleted")
+    for name in MADE:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.is_file():
+            path.unlink()
+
+
+def curve(system: str, seed: int, clock: dict[int, float], evals: dict[int, Path], base: Path) -> Curve:
+    """A run's curve from its clock (step -> seconds), its evaluations (step -> file) and pi_0's."""
+    c = Curve(system, seed, [0], [0.0], [_pass1(base)])
     for step in sorted(evals):
         c.steps.append(step)
         c.wall.append(clock[step])
@@ -136,13 +155,15 @@ def run_dph(cfg: RunConfig, system: str, seed: int, every: int, out: Path, prepa
     name = f"{system}-seed{seed}"
     paths = RunPaths(out)
     rl_dir = paths.rl(name)
+    if rl_dir.exists() and not (rl_dir / "result.json").is_file():
+        shutil.rmtree(rl_dir)  # resumed, its clock would hold only the part after the stop: start it over
     train_mode(scfg, paths, prepared, RunSpec.of(scfg), rl_dir, timer, name=name)
     steps = scfg.learner.steps
     evals = {v: out / "eval" / name / f"v{v}.json" for v in kept_steps(steps, every)}
     jobs = [EvalJob(final_model(rl_dir) if v == steps else checkpoint_dir(rl_dir) / f"v{v}", f, seed)
             for v, f in evals.items()]
     evaluate_models(scfg, jobs, held_out(prepared), arch=prepared.base)
-    return curve(system, seed, dph_clock(rl_dir), evals, paths.eval / "base.json")
+    return curve(system, seed, dph_clock(rl_dir), evals, base_eval(out, seed))
 
 
 def run_trl(cfg: RunConfig, seed: int, every: int, out: Path, prepared: Prepared, python: Path,
@@ -161,7 +182,7 @@ def run_trl(cfg: RunConfig, seed: int, every: int, out: Path, prepared: Prepared
     evals = {v: out / "eval" / name / f"v{v}.json" for v in kept_steps(len(steps), every)}
     jobs = [EvalJob(peers / name / f"v{v}", f, seed) for v, f in evals.items()]
     evaluate_models(cfg, jobs, held_out(prepared))
-    return curve("trl", seed, clock, evals, RunPaths(out).eval / "base.json")
+    return curve("trl", seed, clock, evals, base_eval(out, seed))
 
 
 def order(systems: list[str], seed_index: int) -> list[str]:
@@ -172,31 +193,47 @@ def order(systems: list[str], seed_index: int) -> list[str]:
 
 def run(cfg: RunConfig, out: Path, seeds: list[int], systems: list[str], every: int, cache: Path,
         log=print) -> TTABench:
-    """Prepare pi_0 once, then every seed's systems in rotating order; write tta.json."""
+    """Prepare pi_0 once and evaluate it under every seed, then every seed's systems in rotating order;
+    tta.json is rewritten after each run, with the curves of earlier invocations (the same settings)."""
     out.mkdir(parents=True, exist_ok=True)
+    lock(cfg, every, out)
     notes: list[str] = []
     python, systems = trl_python(systems, cache, notes, log)
     paths, timer = RunPaths(out), StageTimer()
-    curves: list[Curve] = []
+    summary = out / "tta.json"
+    curves = {(c.system, c.seed): c for c in load(summary).curves} if summary.is_file() else {}
     with held_cluster(cfg, prestart=True):
         prepared = prepare(cfg, paths, timer, False)
-        evaluate_models(cfg, [EvalJob(prepared.base, paths.eval / "base.json", cfg.seed)], held_out(prepared))
+        all_seeds = sorted({*seeds, *(s for _, s in curves)})
+        evaluate_models(cfg, [EvalJob(prepared.base, base_eval(out, s), s) for s in all_seeds], held_out(prepared))
+        spec = spec_of(cfg, prepared.base, prepared.train)
+        res = TTABench(provenance=provenance(), every=every, curves=[], notes=notes,
+                       base_pass1=statistics.fmean(_pass1(base_eval(out, s)) for s in all_seeds),
+                       base_se=_se(base_eval(out, all_seeds[0])),
+                       workload={**asdict(spec), "task": cfg.task.name, "eta": cfg.replay.max_staleness,
+                                 "actors": cfg.actors.num_actors, "objective": cfg.learner.loss.objective,
+                                 "k": cfg.eval.k_max, "test_prompts": cfg.eval.max_prompts})
         if python is not None:
             (out / "peers").mkdir(exist_ok=True)
             prompts_file = write_inputs(cfg, prepared.base, prepared.train, out / "peers")[1]
         for i, seed in enumerate(seeds):
             for system in order(systems, i):
                 log(f"seed {seed} ({i + 1}/{len(seeds)}): {system}")
-                c = run_trl(cfg, seed, every, out, prepared, python, prompts_file) if system == "trl" else \
-                    run_dph(cfg, system, seed, every, out, prepared, timer)
-                curves.append(c)
+                try:
+                    c = run_trl(cfg, seed, every, out, prepared, python, prompts_file) if system == "trl" else \
+                        run_dph(cfg, system, seed, every, out, prepared, timer)
+                except RuntimeError as e:
+                    if system != "trl":
+                        raise
+                    notes.append(f"TRL did not run: {e}")  # e.g. no reward for a user's data in its environment
+                    log(notes[-1])
+                    systems = [s for s in systems if s != "trl"]
+                    continue
+                curves[(system, seed)] = c
+                res.curves = list(curves.values())
+                summary.write_text(res.to_json())
                 log(f"  {system}: {c.run_s:.1f} s for {c.steps[-1]} steps; held-out Pass@1 "
                     + " ".join(f"{p:.3f}" for p in c.pass1) + f" (load {os.getloadavg()[0]:.1f})")
-    spec = spec_of(cfg, prepared.base, prepared.train)
-    base_pass1 = _pass1(paths.eval / "base.json")
-    res = TTABench(provenance=provenance(), base_pass1=base_pass1, every=every, curves=curves, notes=notes,
-                   workload={**asdict(spec), "task": cfg.task.name, "eta": cfg.replay.max_staleness,
-                             "actors": cfg.actors.num_actors, "objective": cfg.learner.loss.objective,
-                             "k": cfg.eval.k_max, "test_prompts": cfg.eval.max_prompts})
-    (out / "tta.json").write_text(res.to_json())
+    res.curves = list(curves.values())
+    summary.write_text(res.to_json())
     return res

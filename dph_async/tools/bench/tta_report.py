@@ -19,7 +19,7 @@ from pathlib import Path
 from dph_async.pipeline.plot_colours import pyplot
 from dph_async.pipeline.report import markdown_table
 from dph_async.stats import RatioInterval, ratio_interval
-from dph_async.tools.bench.tta import Curve, TTABench
+from dph_async.tools.bench.tta_data import Curve, TTABench
 
 BASELINE = "async"
 COLOURS = {"async": "C0", "sync": "C1", "trl": "C2"}
@@ -70,24 +70,40 @@ def compare(curves: list[Curve], target: float, peer: str) -> Comparison:
     return Comparison(peer, ratio_interval(pairs), len(pairs), **counts)
 
 
-def _median(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.1f}" if xs else "-"
+def _median(xs: list[float], digits: int = 1) -> str:
+    return f"{statistics.median(xs):.{digits}f}" if xs else "-"
 
 
-def markdown(res: TTABench, target: float) -> str:
+def markdown(res: TTABench, target: float, source: str) -> str:
     w, prov = res.workload, res.provenance
-    systems = list(dict.fromkeys(c.system for c in res.curves))
+    machine = prov.get("machine", {})
     lines = [
         f"# dph-async bench tta ({prov.get('date')}, commit {prov.get('commit')})", "",
-        f"Command: `{prov.get('command')}`. Machine: {prov.get('machine', {}).get('cpu', '?')}, "
-        f"{prov.get('machine', {}).get('cores')} cores, load average {prov.get('machine', {}).get('load_avg')}.",
+        f"Command: `{prov.get('command')}`. Machine: {machine.get('cpu', '?')}, {machine.get('cores')} cores, "
+        f"load average {' '.join(f'{x:.2f}' for x in machine.get('load_avg', ()))} at the end.",
         f"Work: task {w['task']}, {w['prompts_per_step']} prompts x {w['n']} completions a step, at most "
         f"{w['max_tokens']} tokens, lr {w['lr']:g}, temperature {w['temperature']:g}, {w['steps']} steps, "
-        f"objective {w['objective']}; dph-async: {w['actors']} actors, eta {w['eta']} (async). Evaluated every "
+        f"objective {w['objective']}; dph-async: actors {w['actors']}, eta {w['eta']} (async). Evaluated every "
         f"{res.every} steps on {w['test_prompts']} held-out prompts x {w['k']} samples.",
-        f"Target: held-out Pass@1 >= {target:.3f}.", "",
-        "## Time to target", "",
+        f"Target: held-out Pass@1 >= {target:.3f} ({source}); one evaluation's sampling standard error "
+        f"on these prompts is about {res.base_se:.3f}"
+        + (", so a crossing this close to pi_0 may be noise." if target < res.base_pass1 + 2 * res.base_se else "."),
+        "The clock starts at each run's first generation, on one host; dph-async's holds its checkpoint "
+        "writing, TRL's has its writing taken out.", "",
     ]
+    lines += [tables(res, target), "## Runs", "", markdown_table(
+        ["system", "seed", "s to target", "steps to target", "s for all steps", "Pass@1 along the run"],
+        [[c.system, str(c.seed), _fmt(time_to_target(c, target)), _fmt_step(time_to_target(c, target)),
+          f"{c.run_s:.1f}", " ".join(f"{p:.3f}" for p in c.pass1)] for c in res.curves]), ""]
+    if res.notes:
+        lines += ["Notes:", "", *(f"- {n}" for n in res.notes), ""]
+    return "\n".join(lines)
+
+
+def tables(res: TTABench, target: float) -> str:
+    """Time to target per system and async's speed-up over each peer (what the docs render)."""
+    systems = list(dict.fromkeys(c.system for c in res.curves))
+    lines = ["## Time to target", ""]
     rows = []
     for system in systems:
         cs = [c for c in res.curves if c.system == system]
@@ -95,7 +111,7 @@ def markdown(res: TTABench, target: float) -> str:
         hit = [r for r in reach if r.seconds is not None]
         rows.append([system, f"{len(hit)} of {len(cs)}", _median([r.seconds for r in hit]),
                      _median([r.step for r in hit]), _median([r.gap_s for r in hit]),
-                     _median([c.run_s / c.steps[-1] for c in cs]),
+                     _median([c.run_s / c.steps[-1] for c in cs], 2),
                      f"{statistics.fmean(c.pass1[-1] for c in cs):.3f}"])
     lines += [markdown_table(["system", "reached", "median s to target", "median steps to target",
                               "median gap between evaluations, s", "median s/step", "final Pass@1 (mean)"], rows), ""]
@@ -106,12 +122,6 @@ def markdown(res: TTABench, target: float) -> str:
                                   "only the peer", "neither"],
                                  [[c.peer, c.interval.fmt() if c.interval else "-", str(c.both), str(c.only_async),
                                    str(c.only_peer), str(c.neither)] for c in comps]), ""]
-    lines += ["## Runs", "", markdown_table(
-        ["system", "seed", "s to target", "steps to target", "s for all steps", "Pass@1 along the run"],
-        [[c.system, str(c.seed), _fmt(time_to_target(c, target)), _fmt_step(time_to_target(c, target)),
-          f"{c.run_s:.1f}", " ".join(f"{p:.3f}" for p in c.pass1)] for c in res.curves]), ""]
-    if res.notes:
-        lines += ["Notes:", "", *(f"- {n}" for n in res.notes), ""]
     return "\n".join(lines)
 
 

@@ -1,0 +1,49 @@
+"""What `dph-async bench tta` records (tta.json): every run's curve and the workload. Light (no
+torch, no Ray), so that the command line and the docs renderer read it without the bench."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dph_async.errors import UserError
+
+DEFAULT_GAIN = 0.04  # the default target: pi_0's held-out Pass@1 plus this
+
+
+@dataclass
+class Curve:
+    """One run: its kept versions, the run's clock at each, and the held-out Pass@1 there; the
+    first point is pi_0 at 0 s."""
+
+    system: str
+    seed: int
+    steps: list[int]
+    wall: list[float]
+    pass1: list[float]
+    run_s: float = 0.0  # the run's clock at its last step
+
+
+@dataclass
+class TTABench:
+    provenance: dict
+    workload: dict
+    base_pass1: float  # pi_0's held-out Pass@1: the mean of its evaluations under the seeds
+    base_se: float  # one of those evaluations' sampling standard error on its prompts (bench/tta.py)
+    every: int
+    curves: list[Curve]
+    notes: list[str]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def load(path: Path) -> TTABench:
+    """A tta.json; a file that is not one this version writes is an error naming it."""
+    try:
+        raw = json.loads(path.read_text())
+        return TTABench(**{**raw, "curves": [Curve(**c) for c in raw["curves"]]})
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise UserError(f"{path} is not a tta.json this version of `bench tta` writes ({type(e).__name__}: {e})") \
+            from e
