@@ -8,6 +8,7 @@ import json
 import math
 import random
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -175,6 +176,18 @@ def test_the_report_says_every_figure_in_its_place(tmp_path):
     near = tta_report.markdown(res, 0.139, "given with --target")
     assert "is about 0.020, so a crossing this close to pi_0 may be noise." in near
     assert "may be noise" not in tta_report.markdown(res, 0.14, "given with --target")
+    # a summary without its machine (written by hand, or cut) still reads
+    bare = replace(res, provenance={"date": "d", "commit": "c", "command": "x"})
+    assert "Machine: ?, ? cores, load average ? at the end." in tta_report.markdown(bare, 0.25, "given")
+    assert tta_report._median([]) == "-"
+
+
+def test_the_report_gives_the_interval_where_two_seeds_pair():
+    times = [(4.0, 9.0), (5.0, 8.0), (3.0, 9.5)]  # (async, trl) per seed
+    curves = [Curve(system, seed, [0, 10], [0.0, t], [0.1, 0.5])
+              for seed, pair in enumerate(times) for system, t in zip(("async", "trl"), pair, strict=True)]
+    md = tta_report.markdown(_bench(curves, []), 0.3, "given")
+    assert f"| trl | {compare(curves, 0.3, 'trl').interval.fmt()} | 3 | 0 | 0 | 0 |" in md
 
 
 def test_the_figure_draws_every_run_in_its_system_colour(tmp_path):
@@ -191,6 +204,8 @@ def test_the_figure_draws_every_run_in_its_system_colour(tmp_path):
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["async", "trl", "target 0.220"]
     assert ax.get_xlabel() == "seconds since the run's first generation" and ax.get_ylabel() == "held-out Pass@1"
     assert ax.get_title() == "time to accuracy: stride, 2 seeds"
+    assert tuple(fig.get_size_inches()) == (7.0, 4.5)
+    assert all(line.get_marker() == "." for line in runs) and target.get_color() == "grey"
     out = tmp_path / "a" / "b" / "tta.png"
     tta_report.plot(res, 0.22, out)
     tta_report.plot(res, 0.22, out)  # again over the same file

@@ -79,8 +79,8 @@ def markdown(res: TTABench, target: float, source: str) -> str:
     machine = prov.get("machine", {})
     lines = [
         f"# dph-async bench tta ({prov.get('date')}, commit {prov.get('commit')})", "",
-        f"Command: `{prov.get('command')}`. Machine: {machine.get('cpu', '?')}, {machine.get('cores')} cores, "
-        f"load average {' '.join(f'{x:.2f}' for x in machine.get('load_avg', ()))} at the end.",
+        f"Command: `{prov.get('command')}`. Machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, "
+        f"load average {' '.join(f'{x:.2f}' for x in machine.get('load_avg', ())) or '?'} at the end.",
         f"Work: task {w['task']}, {w['prompts_per_step']} prompts x {w['n']} completions a step, at most "
         f"{w['max_tokens']} tokens, lr {w['lr']:g}, temperature {w['temperature']:g}, {w['steps']} steps, "
         f"objective {w['objective']}; dph-async: actors {w['actors']}, eta {w['eta']} (async). Evaluated every "
