@@ -8,6 +8,7 @@ from pathlib import Path
 from dph_async.cli.commands.bench_peer import add_setup_arguments
 from dph_async.cli.commands.common import add_output_argument, fail, guarded
 from dph_async.config import load_config
+from dph_async.errors import UserError
 from dph_async.progress import console
 from dph_async.tools.bench.tta_data import DEFAULT_GAIN, load
 
@@ -115,9 +116,9 @@ def _report(args: argparse.Namespace, summary: Path) -> int:
         source = f"pi_0's {res.base_pass1:.3f} + {args.gain:g}, set before the runs"
     else:
         target, source = args.target, "given with --target"
-    if target <= res.base_pass1 or target > 1:
-        return fail(f"target {target:.3f}: pi_0's held-out Pass@1 is {res.base_pass1:.3f}, so it must lie in "
-                    f"({res.base_pass1:.3f}, 1]")
+    if target <= res.base_pass1 or target > 1:  # raised: after a run too, the command must fail
+        raise UserError(f"target {target:.3f}: pi_0's held-out Pass@1 is {res.base_pass1:.3f}, so it must lie in "
+                        f"({res.base_pass1:.3f}, 1]")
     (args.output / "tta.md").write_text(tta_report.markdown(res, target, source))
     tta_report.plot(res, target, args.output / "plots" / "tta.png")
     for comp in (tta_report.compare(res.curves, target, p) for p in dict.fromkeys(c.system for c in res.curves)
