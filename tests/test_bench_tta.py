@@ -234,8 +234,11 @@ def test_a_target_at_or_below_pi_0_is_refused(tmp_path, capsys):
     assert main(["bench", "tta", "-o", str(out), "--report-only", "--target", "0.1"]) == 2
     assert "target 0.100: pi_0's held-out Pass@1 is 0.100, so it must lie in (0.100, 1]" in capsys.readouterr().err
     assert not (out / "tta.md").exists()
+    assert main(["bench", "tta", "-o", str(out), "--report-only", "--gain", "0.05"]) == 0
+    assert "(pi_0's 0.100 + 0.05, --gain given)" in (out / "tta.md").read_text()
     assert main(["bench", "tta", "-o", str(out), "--report-only"]) == 0  # pi_0's + 0.04
-    assert "Target: held-out Pass@1 >= 0.140 (pi_0's 0.100 + 0.04, set before the runs)" in (out / "tta.md").read_text()
+    text = (out / "tta.md").read_text()
+    assert "Target: held-out Pass@1 >= 0.140 (pi_0's 0.100 + 0.04, the default gain, fixed before any run)" in text
 
 
 def test_a_directory_keeps_its_settings_and_fresh_deletes_only_a_bench(tmp_path):

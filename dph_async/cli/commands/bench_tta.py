@@ -113,7 +113,9 @@ def _report(args: argparse.Namespace, summary: Path) -> int:
     res = load(summary)
     if args.target is None:
         target = tta_report.default_target(res, args.gain)
-        source = f"pi_0's {res.base_pass1:.3f} + {args.gain:g}, set before the runs"
+        # the default gain is fixed before any run; another may have been chosen after seeing the curves
+        how = "the default gain, fixed before any run" if args.gain == DEFAULT_GAIN else "--gain given"
+        source = f"pi_0's {res.base_pass1:.3f} + {args.gain:g}, {how}"
     else:
         target, source = args.target, "given with --target"
     if target <= res.base_pass1 or target > 1:  # raised: after a run too, the command must fail
