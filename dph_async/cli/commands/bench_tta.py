@@ -10,10 +10,8 @@ from dph_async.cli.commands.common import add_output_argument, fail, guarded
 from dph_async.config import load_config
 from dph_async.errors import UserError
 from dph_async.progress import console
-from dph_async.tools.bench.tta_data import DEFAULT_GAIN, load
+from dph_async.tools.bench.tta_data import DEFAULT_GAIN, SPLIT, SYSTEMS, load
 
-SYSTEMS = ("async", "sync", "trl")  # bench/tta.py's, named here so that --help imports no torch
-SPLIT = "in_domain"  # bench/tta.py's: the held-out split the target is on
 # The embedded task, on which GRPO raises held-out Pass@1 (docs/benchmarks.md, Time to accuracy);
 # STRIDE gives the long-tailed lengths, whose pi_0 does not yet learn held out.
 TTA_DEFAULTS = ("logging.wandb_mode=disabled", "learner.steps=200", "eval.max_prompts=100")

@@ -49,10 +49,8 @@ from dph_async.runtime.evaluate import EvalJob, load_results
 from dph_async.tools.bench.machine import provenance
 from dph_async.tools.bench.peer import held_cluster, run_peer, spec_of, trl_python, write_inputs
 from dph_async.tools.bench.timeline import Timeline
-from dph_async.tools.bench.tta_data import Curve, TTABench, load
-
-SYSTEMS = ("async", "sync", "trl")
-SPLIT = "in_domain"  # the held-out split whose Pass@1 is the target's
+from dph_async.tools.bench.tta_data import SPLIT, Curve, TTABench, load
+from dph_async.tools.bench.tta_data import SYSTEMS as SYSTEMS  # the systems this bench runs, for its callers
 
 
 def kept_steps(steps: int, every: int) -> list[int]:

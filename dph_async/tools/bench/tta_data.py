@@ -9,6 +9,8 @@ from pathlib import Path
 
 from dph_async.errors import UserError
 
+SYSTEMS = ("async", "sync", "trl")
+SPLIT = "in_domain"  # the held-out split whose Pass@1 is the target's
 DEFAULT_GAIN = 0.04  # the default target: pi_0's held-out Pass@1 plus this
 
 
