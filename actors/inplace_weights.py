@@ -164,7 +164,7 @@ class InPlaceLoader:
     place them (nothing is changed then).
 
     With `keep`, the caller promises the tensors stay valid and unchanged until its next load (a
-    leased shared-memory segment, actors/weights.py): a parameter the update fills whole, in its own
+    leased shared-memory segment, actors/weight_client.py): a parameter the update fills whole, in its own
     dtype and from one buffer (q/k/v lying back to back included), then becomes a view of it instead
     of a copy. The load is then no copy at all, and every actor on the host runs on the learner's one
     copy of the weights. A later load without `keep` gives such parameters memory of their own again

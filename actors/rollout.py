@@ -22,7 +22,7 @@ import numpy as np
 
 from dph_async.actors.faults import Faults
 from dph_async.actors.sampling import Engine, Sample, SamplingSpec
-from dph_async.actors.weights import WeightClient, WeightFetchError
+from dph_async.actors.weight_client import WeightClient, WeightFetchError
 from dph_async.config import RunConfig
 from dph_async.protocol import Completion, RolloutGroup, SamplingInfo
 from dph_async.replay_client import RolloutSender

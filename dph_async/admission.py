@@ -1,5 +1,5 @@
 """Which connections an HTTP service serves when it cannot serve them all: the run's own clients first,
-then every connection alike. Shared by the /health and /metrics endpoints (`dph_async/telemetry.py`)
+then every connection alike. Shared by the /health and /metrics endpoints (`dph_async/metrics_endpoint.py`)
 and the scorer (`dph_async/rewards/service_http.py`).
 
 On one machine every client is 127.0.0.1, so an address tells nothing about who asks: a connection

@@ -42,7 +42,7 @@ from dph_async.protocol import (
 )
 from dph_async.receive import Received, guard, receive
 from dph_async.refusals import RefusalLog
-from dph_async.weights import make_buckets, tensor_to_array
+from dph_async.weight_buckets import make_buckets, tensor_to_array
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ the model's tensors into /dev/shm files that actors on this host map (dph_async/
 after the first version, no intermediate buffer), and checksums each bucket piece by piece as it is
 written; the returned numpy views of the slot are what the TCP path serves too, so a version exists
 once in the learner's memory whichever way it travels. Actors on this host may keep their engine's
-weights as views of a slot (a reader's lease, actors/weights.py): a slot a reader holds is never
+weights as views of a slot (a reader's lease, actors/weight_client.py): a slot a reader holds is never
 rewritten, so the learner writes the next version into another one.
 """
 
@@ -25,7 +25,7 @@ import xxhash
 
 from dph_async import weights_shm as shm
 from dph_async.protocol import SHM_PREFIX, ShmSegment, storage_dtype
-from dph_async.weights import bucket_groups, tensor_tag
+from dph_async.weight_buckets import bucket_groups, tensor_tag
 
 # Copied and hashed in pieces that stay in a core's L2 cache, so the checksum reads each piece from
 # the cache rather than from memory: copy + hash of 536 MB ran at 12.1 GB/s this way, against 9.5 GB/s

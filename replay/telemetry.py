@@ -1,6 +1,6 @@
 """The replay's Prometheus metrics and health, read from `ReplayService.stats()` at each scrape.
 
-Served by a `MetricsEndpoint` (dph_async/telemetry.py) in the replay's process: the learner's process
+Served by a `MetricsEndpoint` (dph_async/metrics_endpoint.py) in the replay's process: the learner's process
 when the launcher runs it, or `dph-async serve replay`.
 """
 

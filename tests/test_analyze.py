@@ -21,9 +21,9 @@ from dph_async.runtime.evaluate import load_results
 from dph_async.state_file import save_state
 from dph_async.tasks.embedded import ALPHABET
 from dph_async.tasks.tiny_model import build_tiny_llama, build_tokenizer, save_model
+from dph_async.tools.analyze.checkpoints import Checkpoint, WeightReader, common_matrices, default_out, describe, expand
 from dph_async.tools.analyze.recover import Recovery, select, write_recovered
 from dph_async.tools.analyze.svd import compare, principal_angles, replace_top_k, svd64
-from dph_async.tools.analyze.weights import Checkpoint, WeightReader, common_matrices, default_out, describe, expand
 
 F64 = torch.float64
 

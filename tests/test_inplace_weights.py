@@ -34,7 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from dph_async.actors.engine import VLLMEngine
 from dph_async.actors.sampling import SamplingSpec
-from dph_async.actors.weights import WeightClient
+from dph_async.actors.weight_client import WeightClient
 from dph_async.net import NetSecurity
 from dph_async.learner.publish import WeightServer
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dph_async.actors.weights import WeightClient
+from dph_async.actors.weight_client import WeightClient
 from dph_async.config import ModelConfig
 from dph_async.learner.publish import WeightServer
 from dph_async.net import NetSecurity

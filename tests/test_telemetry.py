@@ -28,6 +28,7 @@ from dph_async.config.replay import ReplayConfig
 from dph_async.gate import HonestLoad
 from dph_async.learner.loop import LearnerLoop
 from dph_async.learner.telemetry import LearnerCollector, learner_health
+from dph_async.metrics_endpoint import CLIENT_TIMEOUT_S, MAX_CLIENTS, RENDER_INTERVAL_S, RESERVED, start_endpoint
 from dph_async.net import NetSecurity
 from dph_async.protocol import Batch
 from dph_async.replay.service import ReplayService
@@ -38,7 +39,6 @@ from dph_async.run_stats import ActorStats, LearnerStats, RLResult
 from dph_async.runtime.endpoints import find_endpoints, scrape
 from dph_async.runtime.evaluate import SplitResult
 from dph_async.spans import MAX_SPANS, add_span
-from dph_async.telemetry import CLIENT_TIMEOUT_S, MAX_CLIENTS, RENDER_INTERVAL_S, RESERVED, start_endpoint
 from dph_async.tools.bench.transport import synthetic_group
 
 
@@ -503,7 +503,7 @@ def test_a_client_that_hung_up_prints_no_traceback_and_another_error_does(capfd)
     reset or was cut off, a log any client could flood; the process's own errors still print."""
     from prometheus_client import CollectorRegistry
 
-    from dph_async.telemetry import MetricsEndpoint
+    from dph_async.metrics_endpoint import MetricsEndpoint
 
     endpoint = MetricsEndpoint("t", CollectorRegistry(), health=dict)
     try:

@@ -145,7 +145,7 @@ def test_a_model_directory_with_pickled_weights_is_refused_by_name(pickled_model
 
     from dph_async.pipeline.rerun import saved_weights
     from dph_async.runtime.evaluate import read_weights
-    from dph_async.tools.analyze.weights import Checkpoint, WeightReader
+    from dph_async.tools.analyze.checkpoints import Checkpoint, WeightReader
 
     bin_file = str(pickled_model / "pytorch_model.bin")
     for read in (weight_files, read_weights, saved_weights, lambda d: WeightReader(Checkpoint("m", d))):
@@ -157,7 +157,7 @@ def test_a_model_directory_with_pickled_weights_is_refused_by_name(pickled_model
 
 
 def test_an_index_naming_a_file_outside_the_directory_or_a_pickle_is_refused(pickled_model):
-    from dph_async.tools.analyze.weights import Checkpoint, WeightReader
+    from dph_async.tools.analyze.checkpoints import Checkpoint, WeightReader
 
     index = pickled_model / "model.safetensors.index.json"
     for name in ("pytorch_model.bin", "../elsewhere.safetensors"):

@@ -1,4 +1,4 @@
-"""Weight transfer integrity (dph_async/weights.py, learner/publish.py, actors/weights.py), over real
+"""Weight transfer integrity (dph_async/weight_buckets.py, learner/publish.py, actors/weight_client.py), over real
 ZeroMQ sockets: every dtype (bf16 included) arrives bit for bit; a corrupted or torn bucket is refused
 by its checksum and nothing of that version reaches the engine; the two newest versions stay
 fetchable while a fetch is in progress, and a published version never changes under the actors.
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from dph_async.actors.rollout import RolloutWorker
-from dph_async.actors.weights import WeightClient, WeightFetchError
+from dph_async.actors.weight_client import WeightClient, WeightFetchError
 from dph_async.config import RunConfig
 from dph_async.learner.publish import WeightServer
 from dph_async.net import NetSecurity
 from dph_async.protocol import WeightsBucket, WeightsReady, WeightsRequest
 from dph_async.tasks.dataset import PromptRecord
-from dph_async.weights import checksum, make_buckets, tensor_to_array
+from dph_async.weight_buckets import checksum, make_buckets, tensor_to_array
 
 SECURITY = NetSecurity()
 

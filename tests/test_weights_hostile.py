@@ -18,7 +18,7 @@ import zmq
 from test_replay_hostile import ask, closed_within, dealer, flood, peak_rss_mb, port_of
 from test_weights import Net, RecordingEngine, assert_bitwise, worker
 
-from dph_async.actors.weights import WeightClient
+from dph_async.actors.weight_client import WeightClient
 from dph_async.learner import publish
 from dph_async.learner.publish import WeightServer
 from dph_async.net import NetSecurity

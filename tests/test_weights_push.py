@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from dph_async.actors.weights import WeightClient
+from dph_async.actors.weight_client import WeightClient
 from dph_async.learner.publish import WeightServer
 from dph_async.net import NetSecurity
 

@@ -1,4 +1,4 @@
-"""The shared-memory weight transport (dph_async/weights_shm.py, learner/shm_slots.py, actors/weights.py):
+"""The shared-memory weight transport (dph_async/weights_shm.py, learner/shm_slots.py, actors/weight_client.py):
 a version read from the learner's /dev/shm slot is bit for bit what was published, read in place (no
 bucket crosses the socket); a byte of the slot changed after it was written is refused by its
 checksum whichever transport reads it, and never reaches the engine; a segment that cannot be opened
@@ -17,7 +17,7 @@ import torch
 from test_weights import Net, RecordingEngine, assert_bitwise, newest, worker
 
 from dph_async import weights_shm as shm
-from dph_async.actors.weights import WeightClient, WeightFetchError, WeightTransportError
+from dph_async.actors.weight_client import WeightClient, WeightFetchError, WeightTransportError
 from dph_async.learner.publish import WeightServer
 from dph_async.net import NetSecurity
 from dph_async.protocol import SHM_PREFIX, WeightsReady
@@ -294,7 +294,7 @@ def test_checksums_hashed_while_writing_equal_those_of_the_written_bytes(monkeyp
     """The writer hashes each bucket in pieces as it copies; the checksums are those of the bytes
     in the slot, computed afresh, for every dtype and with pieces that split tensors anywhere."""
     from dph_async.learner import shm_slots
-    from dph_async.weights import make_buckets
+    from dph_async.weight_buckets import make_buckets
 
     monkeypatch.setattr(shm_slots, "CHUNK_BYTES", 1000)  # not a multiple of any row or dtype
     g = torch.Generator().manual_seed(11)

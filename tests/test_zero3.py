@@ -31,7 +31,7 @@ from dph_async.paths import checkpoint_weights, is_learner_checkpoint
 from dph_async.protocol import Batch, ReferenceSample
 from dph_async.state_file import load_state, save_state
 from dph_async.tasks.tiny_model import build_tokenizer
-from dph_async.tools.analyze.weights import expand
+from dph_async.tools.analyze.checkpoints import expand
 
 ROOT = Path(__file__).resolve().parents[1]
 UPDATE = dict(mini_batches=2, micro_token_budget=16,

@@ -38,13 +38,13 @@ from starlette.requests import ClientDisconnect
 
 from dph_async.admission import authorized
 from dph_async.config.rewards import RewardConfig
+from dph_async.metrics_endpoint import CachedExposition
 from dph_async.rewards.body import BodyParser, BodyRefused
 from dph_async.rewards.plugins import load_plugins
 from dph_async.rewards.pool import RewardPool
 from dph_async.rewards.registry import UnknownDataSource, get_reward_fn
 from dph_async.rewards.service_metrics import ServiceMetrics
 from dph_async.rewards.wire import ScoreBatch, ScoreReply
-from dph_async.telemetry import CachedExposition
 
 MiB = 2**20
 

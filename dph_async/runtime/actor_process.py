@@ -19,6 +19,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from dph_async import net
 from dph_async.actors.telemetry import ActorCollector, actor_health
 from dph_async.config import RunConfig
+from dph_async.metrics_endpoint import start_endpoint
 from dph_async.paths import endpoints_dir
 from dph_async.replay_client import RolloutSender
 from dph_async.rewards.scorer import make_scorer
@@ -31,7 +32,6 @@ from dph_async.runtime.placement import actor_placement, home_node, on_home_node
 from dph_async.runtime.process_env import log_to_file
 from dph_async.samplers import sampler
 from dph_async.tasks.dataset import load_prompts
-from dph_async.telemetry import start_endpoint
 
 if TYPE_CHECKING:
     from dph_async.runtime.model_shipping import Shipment

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from dph_async.actors.mixture import MixtureEngine
 from dph_async.actors.rollout import RolloutWorker
-from dph_async.actors.weights import WeightClient
+from dph_async.actors.weight_client import WeightClient
 from dph_async.config import RunConfig
 from dph_async.runtime.model_shipping import first_weights, materialize
 

@@ -24,9 +24,9 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from dph_async.admission import bearer
+from dph_async.metrics_endpoint import access_token
 from dph_async.runtime.http_get import FetchError, http_get
 from dph_async.safe_files import UnsafeFile, read_regular
-from dph_async.telemetry import access_token
 
 TIMEOUT_S = 3.0  # one endpoint's whole scrape: /health and /metrics
 MAX_ANNOUNCE_BYTES = 4 << 10

@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dph_async import net
 from dph_async.config import RunConfig
 from dph_async.learner.telemetry import LearnerCollector, learner_health
+from dph_async.metrics_endpoint import start_endpoint
 from dph_async.paths import checkpoint_dir, endpoints_dir
 from dph_async.replay.service import ReplayService
 from dph_async.replay.telemetry import ReplayCollector, replay_health
@@ -33,7 +34,6 @@ from dph_async.runtime import reuse
 from dph_async.runtime.placement import learner_placement
 from dph_async.runtime.process_env import bind_address, log_to_file
 from dph_async.tasks.model_limits import replay_config
-from dph_async.telemetry import start_endpoint
 
 if TYPE_CHECKING:
     from dph_async.runtime.model_shipping import Shipment

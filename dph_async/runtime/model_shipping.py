@@ -24,7 +24,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from dph_async.actors.weights import WeightClient, WeightServerSilent
+from dph_async.actors.weight_client import WeightClient, WeightServerSilent
 from dph_async.protocol import WeightsReady
 
 # Files of a model directory that hold weights (or index them): they come from the weight server.

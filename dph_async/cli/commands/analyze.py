@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dph_async.cli.commands.common import add_output_argument, fail
 from dph_async.progress import console
-from dph_async.tools.analyze.weights import default_out, expand
+from dph_async.tools.analyze.checkpoints import default_out, expand
 
 DESCRIPTION = """\
 Compare every weight matrix (attention q/k/v/o, MLP gate/up/down, embeddings, LM head) of one or more

@@ -14,9 +14,9 @@ from dph_async.paths import RunPaths
 from dph_async.pipeline.report import print_tables
 from dph_async.pipeline.stages import StageTimer, prepare
 from dph_async.progress import console
+from dph_async.tools.analyze.checkpoints import default_out, run_dir_of
 from dph_async.tools.analyze.recover import Recovery, run_recovery
 from dph_async.tools.analyze.svd import REPLACEMENTS
-from dph_async.tools.analyze.weights import default_out, run_dir_of
 
 if TYPE_CHECKING:
     from dph_async.config import RunConfig

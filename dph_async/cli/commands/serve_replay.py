@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dph_async.cli.commands.common import add_config_arguments, fail
 from dph_async.config import load_config
+from dph_async.metrics_endpoint import start_endpoint
 from dph_async.net import ACTOR_TOKEN_FILE, CONTROL_TOKEN_FILE, InsecureBindError, NetSecurity, control_token
 from dph_async.replay.reference_pool import ReferencePoolError
 from dph_async.replay.service import ReplayService
@@ -18,7 +19,6 @@ from dph_async.replay.state import ReplayStateError
 from dph_async.replay.telemetry import ReplayCollector, replay_health
 from dph_async.replay.wal import WalFormatError
 from dph_async.tasks.model_limits import replay_config
-from dph_async.telemetry import start_endpoint
 
 DESCRIPTION = """\
 Run the replay service in this process: actors send rollout groups to the ingest endpoint, the

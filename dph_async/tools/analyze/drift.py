@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from dph_async.progress import progress
+from dph_async.tools.analyze.checkpoints import Checkpoint, MatrixInfo, WeightReader, common_matrices, type_rank
 from dph_async.tools.analyze.svd import SVD, MatrixStats, compare, svd64
-from dph_async.tools.analyze.weights import Checkpoint, MatrixInfo, WeightReader, common_matrices, type_rank
 
 
 @dataclass

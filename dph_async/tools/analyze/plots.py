@@ -18,8 +18,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
+from dph_async.tools.analyze.checkpoints import type_rank
 from dph_async.tools.analyze.drift import Analysis, MatrixResult
-from dph_async.tools.analyze.weights import type_rank
 
 
 def _types(matrices: list[MatrixResult]) -> list[str]:

@@ -40,8 +40,8 @@ from dph_async.pipeline.stages import evaluate_models
 from dph_async.progress import console, progress
 from dph_async.runtime.cluster import ray_cluster
 from dph_async.runtime.evaluate import EvalJob, SplitResult, load_results
+from dph_async.tools.analyze.checkpoints import Checkpoint, MatrixInfo, WeightReader, common_matrices
 from dph_async.tools.analyze.svd import REPLACEMENTS, SVD, Replacement, replace_top_k, svd64
-from dph_async.tools.analyze.weights import Checkpoint, MatrixInfo, WeightReader, common_matrices
 
 # Files a model directory holds besides its weights (config, tokenizer, generation config): copied.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")

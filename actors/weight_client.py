@@ -30,7 +30,7 @@ import zmq
 from dph_async import net, protocol
 from dph_async import weights_shm as shm
 from dph_async.protocol import ErrorReply, ShmSegment, WeightsBucket, WeightsQuery, WeightsReady, WeightsRequest
-from dph_async.weights import array_to_tensor, checksum, tag_dtype
+from dph_async.weight_buckets import array_to_tensor, checksum, tag_dtype
 
 log = logging.getLogger(__name__)
 
