@@ -14,6 +14,7 @@ from dataclasses import asdict
 import pytest
 
 from dph_async.cli.main import main
+from dph_async.stats import RatioInterval, ratio_interval
 from dph_async.tools import scaling
 from dph_async.tools.bench import scale
 from dph_async.tools.bench.cpu import Memory, ProcessTreeCPU, memory_of
@@ -30,6 +31,7 @@ from dph_async.tools.bench.scale import (
     parse_size,
     plan_grid,
     projection,
+    summarise_cell,
 )
 from dph_async.tools.bench.scale_report import markdown, plot
 
@@ -99,15 +101,43 @@ def _cell(key: str = "2m-L64", length: int = 64, trl_ratio: float = 1.8) -> Scal
 
 def test_a_cells_record_reads_back_and_one_with_other_work_is_refused():
     cell = _cell()
+    cell.repeats, cell.intervals = 3, {"trl": RatioInterval(1.8, 1.5, 2.1, 3)}
     again = ScaleCell.from_json(json.loads(json.dumps(asdict(cell))))
     assert again == cell
     plan = CellPlan("2m-L64", SIZES["2m"], 64, 4, 4)
-    check_recorded(again, plan, 2_120_864, steps=8, skip=2)
-    for other in (dict(steps=9, skip=2), dict(steps=8, skip=3)):
+    check_recorded(again, plan, 2_120_864, steps=8, skip=2, repeats=3)
+    for other in (dict(steps=9, skip=2, repeats=3), dict(steps=8, skip=3, repeats=3),
+                  dict(steps=8, skip=2, repeats=1)):
         with pytest.raises(GridError, match="recorded with other work"):
             check_recorded(again, plan, 2_120_864, **other)
     with pytest.raises(GridError, match="recorded with other work"):
-        check_recorded(again, CellPlan("2m-L64", SIZES["2m"], 64, 2, 4), 2_120_864, steps=8, skip=2)
+        check_recorded(again, CellPlan("2m-L64", SIZES["2m"], 64, 2, 4), 2_120_864, steps=8, skip=2, repeats=3)
+    # A cell recorded before repeats ran each system once and had no interval.
+    old = {k: v for k, v in asdict(_cell()).items() if k not in ("repeats", "intervals")}
+    assert ScaleCell.from_json(json.loads(json.dumps(old))) == _cell()
+    check_recorded(ScaleCell.from_json(old), plan, 2_120_864, steps=8, skip=2, repeats=1)
+
+
+def test_a_cell_of_repeats_keeps_medians_the_largest_peaks_and_the_paired_interval():
+    """Three rotations: each system's row is its runs' medians (CPU-seconds of the runs that kept
+    them), each process's peak the largest of its runs; the interval pairs the runs of one repeat."""
+    dph = [_dph_run(s) for s in (0.5, 0.4, 0.8)]
+    trl = [_peer_run("trl", s, c) for s, c in ((0.9, 1.6), (1.0, None), (1.2, 2.0))]
+    for k, (d, t) in enumerate(zip(dph, trl, strict=True), 1):
+        d.repeat = t.repeat = k
+    dph[1].peak_rss_mb = {"learner": 950.0, "actor": 1100.0}
+    bench = PeerBench("now", {}, {"prompts_per_step": 4, "eta": 1}, 2, [*dph, *trl], {}, {"trl": 1.5}, None, [],
+                      {"trl": ratio_interval([(d.completions_per_s, t.completions_per_s)
+                                              for d, t in zip(dph, trl, strict=True)])})
+    cell = summarise_cell(CellPlan("2m-L64", SIZES["2m"], 64, 4, 4), 2_120_864, bench, 6, 1, 30.0, (1.0, 1.0), 3)
+    d, t = cell.systems["dph-async"], cell.systems["trl"]
+    assert (d.step_s, d.completions_per_s, d.tokens_per_s) == (0.5, 128.0, 2048.0)
+    assert d.peak_rss_mb == {"learner": 950.0, "actor": 1200.0, "Ray and the driver": 800.0}
+    assert t.step_s == 1.0 and t.cpu_s_per_step == pytest.approx(1.8) and t.startup_s == 5.0
+    ci = cell.intervals["trl"]
+    # Per repeat the pairs are 1.8, 2.5, 1.5: their geometric mean, not the ratio of medians (1.5).
+    assert ci.ratio == pytest.approx((1.8 * 2.5 * 1.5) ** (1 / 3)) and ci.low < ci.ratio < ci.high and ci.n == 3
+    assert cell.repeats == 3 and cell.ratios == {"trl": 1.5}
 
 
 def test_report_and_plot_carry_every_cell(tmp_path):
@@ -118,6 +148,12 @@ def test_report_and_plot_carry_every_cell(tmp_path):
     text = markdown(res)
     assert "| 2.1 M, 16 | 4 x 4 | 128 | - | 71.1 | 1.20x |" in text  # below 1.5x: not bold
     assert "| 2.1 M, 64 | 4 x 4 | 128 | - | 71.1 | **1.80x** |" in text
+    assert "One run per system per cell: no interval." in text  # a grid recorded before repeats
+    cells[1].intervals = {"trl": RatioInterval(1.7, 1.45, 2.05, 3)}
+    res.settings["repeats"] = 3
+    text = markdown(res)
+    assert "| 2.1 M, 64 | 4 x 4 | 128 | - | 71.1 | **1.80x** (1.45-2.05) |" in text
+    assert "3 runs per system per cell, the order rotating each repeat." in text
     assert "| 2.1 M, 64 | 900 | 1200 | - | - | 700 |" in text  # peak memory per process
     assert "2.10x" in text and "2.20x" in text  # the bounds against TRL
     rows = projection(_bench(), (2, 4))
@@ -154,7 +190,7 @@ def test_each_processs_peak_memory_is_this_runs_and_kept_by_component():
 
 
 SCALE = ["bench", "scale", "--sizes", "32x1", "--vocab", "512", "--tokens-per-step", "16", "--n", "2", "--steps", "8",
-         "--skip", "2", "--systems", "dph-async", "loop", "--set", "actors.compile=false"]
+         "--skip", "2", "--systems", "dph-async", "loop", "--set", "actors.compile=false", "--repeats", "1"]
 
 
 def test_a_grid_runs_only_the_cells_not_finished_and_refuses_one_recorded_with_other_work(tmp_path, monkeypatch):
@@ -165,6 +201,7 @@ def test_a_grid_runs_only_the_cells_not_finished_and_refuses_one_recorded_with_o
 
     def run(cfg, cell_dir, repeats, skip, machine, systems, cache, log, settings):
         ran.append(cfg.sampling.max_tokens)
+        assert repeats == 2
         cell_dir.mkdir(parents=True)  # as the real one does
         bench = _bench(q=cfg.learner.groups_per_step)
         bench.workload.update(n=2, max_tokens=cfg.sampling.max_tokens, lr=1e-3, temperature=1.0, steps=4, model="m",
@@ -175,10 +212,11 @@ def test_a_grid_runs_only_the_cells_not_finished_and_refuses_one_recorded_with_o
     monkeypatch.setattr(scale, "ray_cluster", lambda cfg, prestart: contextlib.nullcontext())
     out = tmp_path / "scale"
 
-    def grid(lengths: list[int], steps: int = 4) -> list[str]:
+    def grid(lengths: list[int], steps: int = 4, repeats: int = 2) -> list[str]:
         return [c.key for c in scale.run_grid([parse_size("32x1")], lengths, out, preset="grpo", overrides=[],
                                               tokens_per_step=16, n=2, steps=steps, skip=1, systems=["dph-async"],
-                                              cache=tmp_path, machine={}, vocab=512, log=lambda m: None).cells]
+                                              cache=tmp_path, machine={}, repeats=repeats, vocab=512,
+                                              log=lambda m: None).cells]
 
     assert grid([4]) == ["32x1-L4"] and ran == [4]
     stamp = (out / "cells" / "32x1-L4" / "cell.json").stat().st_mtime_ns
@@ -186,9 +224,11 @@ def test_a_grid_runs_only_the_cells_not_finished_and_refuses_one_recorded_with_o
     assert grid([8, 4]) == ["32x1-L4", "32x1-L8"] and ran == [4, 8]
     assert (out / "cells" / "32x1-L4" / "cell.json").stat().st_mtime_ns == stamp
     assert [c["key"] for c in json.loads((out / "bench.json").read_text())["cells"]] == ["32x1-L4", "32x1-L8"]
-    with pytest.raises(GridError, match="32x1-L4 is recorded with other work"):
-        grid([4, 8, 16], steps=5)
+    for other in (dict(steps=5), dict(repeats=3)):
+        with pytest.raises(GridError, match="32x1-L4 is recorded with other work"):
+            grid([4, 8, 16], **other)
     assert ran == [4, 8]  # refused before the new cell ran
+    assert json.loads((out / "bench.json").read_text())["settings"]["repeats"] == 2
 
 
 @pytest.mark.slow

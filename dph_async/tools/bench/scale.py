@@ -1,13 +1,14 @@
 """`dph-async bench scale`: `bench peer` over a grid of model sizes x completion lengths.
 
 Every cell is the same GRPO work through dph-async, the in-repo loop and TRL's GRPOTrainer
-(bench/peer.py runs them, one run each): a random-init Llama of the cell's size over a 32k byte-level
-BPE vocabulary (tasks/bpe.py, made here), the embedded task's prompts in chat format, completions of
-exactly the cell's length (a random model over 32k tokens almost never samples EOS), `n` completions
-per prompt and as many prompts per step as keep the completion tokens of a step near
-`tokens_per_step` (at least one). A random model scores 0 everywhere, so every group's advantages are
-0: dph-async is told to train on those sequences anyway (`learner.skip_zero_advantage=false`), as
-the peers do, so that every system does the same training work.
+(bench/peer.py runs them, `repeats` runs each, the order rotating per repeat): a random-init Llama
+of the cell's size over a 32k byte-level BPE vocabulary (tasks/bpe.py, made here), the embedded
+task's prompts in chat format, completions of exactly the cell's length (a random model over 32k
+tokens almost never samples EOS), `n` completions per prompt and as many prompts per step as keep
+the completion tokens of a step near `tokens_per_step` (at least one). A random model scores 0
+everywhere, so every group's advantages are 0: dph-async is told to train on those sequences anyway
+(`learner.skip_zero_advantage=false`), as the peers do, so that every system does the same training
+work.
 
     <out>/inputs/tokenizer, inputs/<size>/, inputs/train.parquet   made once, shared by the cells
     <out>/cells/<key>/          the cell's `bench peer` directory (rl/, peers/, bench.json, bench.md)
@@ -16,7 +17,7 @@ the peers do, so that every system does the same training work.
 
 A cell whose cell.json exists is not run again, so an interrupted grid goes on where it stopped and
 a grown grid (another size or length) runs only the new cells; a cell recorded with other work (its
-size, length, prompts, n, steps) is refused rather than mixed in. Cells run size by size: the
+size, length, prompts, n, steps, repeats) is refused rather than mixed in. Cells run size by size: the
 dph-async actor's process (its vLLM engine built) serves every length of a size, and the learner's
 process every cell (`launcher.reuse_actors`, `reuse_learner`); Ray starts once for the grid.
 """
@@ -39,6 +40,7 @@ from dph_async.config import ModelConfig, RunConfig, load_config
 from dph_async.errors import UserError
 from dph_async.pipeline.stages import validate
 from dph_async.runtime.cluster import ray_cluster
+from dph_async.stats import RatioInterval
 from dph_async.tasks.bpe import VOCAB, build_bpe
 from dph_async.tasks.dataset import verl_row, write_rows
 from dph_async.tasks.embedded import make_splits
@@ -104,7 +106,7 @@ def plan_grid(sizes: Sequence[Size], lengths: Sequence[int], tokens_per_step: in
 
 @dataclass
 class SystemFigures:
-    """One system's figures in a cell (its one run's steady state)."""
+    """One system's figures in a cell: medians over its runs' steady states; peak memory the largest."""
 
     step_s: float
     completions_per_s: float
@@ -128,26 +130,30 @@ class ScaleCell:
     steps: int
     skip: int
     date: str
-    wall_s: float  # the cell's three runs and their start-ups
+    wall_s: float  # the cell's runs and their start-ups
     load_avg: tuple[float, float]  # 1-minute load average at the cell's start and end
     outside_cores: float | None  # cores others' jobs used during dph-async's steady state
     systems: dict[str, SystemFigures]
-    ratios: dict[str, float]  # peer -> dph-async completions/s / the peer's
+    ratios: dict[str, float]  # peer -> dph-async completions/s / the peer's (medians over the repeats)
     parts: dict[str, float]  # dph-async's CPU-seconds per step by part (bench/peer_limit.py)
     threads: dict[str, float]  # the busiest actor thread's CPU-seconds per step
     ceilings: dict[str, dict[str, float]]  # peer -> bound -> the most dph-async / peer it allows
     projection: list[dict[str, float]]  # scaling model: dph-async and the peers' best on more cores
     notes: list[str] = field(default_factory=list)
+    repeats: int = 1  # runs of each system (a cell recorded before repeats: one)
+    # peer -> the repeats' paired ratios' geometric mean with its 95% interval (none under two repeats)
+    intervals: dict[str, RatioInterval] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: dict) -> ScaleCell:
         return cls(**{**data, "systems": {k: SystemFigures(**v) for k, v in data["systems"].items()},
-                      "load_avg": tuple(data["load_avg"])})
+                      "load_avg": tuple(data["load_avg"]),
+                      "intervals": {k: RatioInterval(**v) for k, v in data.get("intervals", {}).items()}})
 
     def work(self) -> dict[str, int]:
         """What makes two records of a cell the same measurement."""
         return {"params": self.params, "length": self.length, "prompts_per_step": self.prompts_per_step,
-                "n": self.n, "steps": self.steps, "skip": self.skip}
+                "n": self.n, "steps": self.steps, "skip": self.skip, "repeats": self.repeats}
 
 
 @dataclass
@@ -235,10 +241,28 @@ def projection(res: peer.PeerBench, cores: Sequence[int]) -> list[dict[str, floa
     return rows
 
 
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def system_figures(runs: list[peer.PeerRun]) -> SystemFigures:
+    """One system's runs in a cell as one row: medians, and each process's largest peak."""
+    peaks: dict[str, float] = {}
+    for r in runs:
+        for name, mib in r.peak_rss_mb.items():
+            peaks[name] = max(mib, peaks.get(name, mib))
+    def median(key: str) -> float:
+        return statistics.median(getattr(r, key) for r in runs)
+
+    return SystemFigures(median("step_s"), median("completions_per_s"), median("tokens_per_s"),
+                         _median([r.cpu_s_per_step for r in runs]), _median([r.startup_s for r in runs]), peaks)
+
+
 def summarise_cell(plan: CellPlan, params: int, res: peer.PeerBench, steps: int, skip: int, wall_s: float,
-                   load_avg: tuple[float, float]) -> ScaleCell:
-    systems = {r.system: SystemFigures(r.step_s, r.completions_per_s, r.tokens_per_s, r.cpu_s_per_step, r.startup_s,
-                                       r.peak_rss_mb) for r in res.runs}
+                   load_avg: tuple[float, float], repeats: int) -> ScaleCell:
+    systems = {name: system_figures([r for r in res.runs if r.system == name])
+               for name in dict.fromkeys(r.system for r in res.runs)}
     dph = [r.outside_cores for r in res.runs if r.system == "dph-async" and r.outside_cores is not None]
     lim = res.limit
     s = plan.size
@@ -249,12 +273,12 @@ def summarise_cell(plan: CellPlan, params: int, res: peer.PeerBench, steps: int,
         outside_cores=statistics.median(dph) if dph else None, systems=systems, ratios=res.ratios,
         parts=lim.parts if lim else {}, threads=lim.threads if lim else {},
         ceilings={p: c.ceilings for p, c in lim.peers.items()} if lim else {},
-        projection=projection(res, (2, 4, 8, 16)), notes=res.notes)
+        projection=projection(res, (2, 4, 8, 16)), notes=res.notes, repeats=repeats, intervals=res.intervals)
 
 
-def check_recorded(cell: ScaleCell, plan: CellPlan, params: int, steps: int, skip: int) -> None:
+def check_recorded(cell: ScaleCell, plan: CellPlan, params: int, steps: int, skip: int, repeats: int) -> None:
     want = {"params": params, "length": plan.length, "prompts_per_step": plan.prompts_per_step, "n": plan.n,
-            "steps": steps, "skip": skip}
+            "steps": steps, "skip": skip, "repeats": repeats}
     if cell.work() != want:
         raise GridError(f"cell {plan.key} is recorded with other work ({cell.work()}) than asked ({want}): give "
                          "another --out, or --fresh to measure the grid again")
@@ -262,11 +286,11 @@ def check_recorded(cell: ScaleCell, plan: CellPlan, params: int, steps: int, ski
 
 def run_grid(sizes: Sequence[Size], lengths: Sequence[int], out: Path, *, preset: str, overrides: Sequence[str],
              tokens_per_step: int, n: int, steps: int, skip: int, systems: list[str], cache: Path, machine: dict,
-             vocab: int = VOCAB, seed: int = 0, log: Callable[[str], None] = print) -> ScaleBench:
+             repeats: int = 1, vocab: int = VOCAB, seed: int = 0, log: Callable[[str], None] = print) -> ScaleBench:
     """Run the grid's unfinished cells in `out` and write bench.json; return every cell's figures."""
     plans = plan_grid(sizes, lengths, tokens_per_step, n)
     settings = {"preset": preset, "overrides": list(overrides), "vocab": vocab, "tokens_per_step": tokens_per_step,
-                "n": n, "steps": steps, "skip": skip, "systems": list(systems)}
+                "n": n, "steps": steps, "skip": skip, "systems": list(systems), "repeats": repeats}
     cells: list[ScaleCell] = []
     longest = max(lengths)
     # Ray first: the first cell's learner and actor processes import beside the inputs being made.
@@ -276,7 +300,7 @@ def run_grid(sizes: Sequence[Size], lengths: Sequence[int], out: Path, *, preset
         for plan in plans:  # every finished cell checked before any runs
             if (done := out / "cells" / plan.key / "cell.json").is_file():
                 finished[plan.key] = ScaleCell.from_json(json.loads(done.read_text()))
-                check_recorded(finished[plan.key], plan, inputs.params[plan.size.name], steps, skip)
+                check_recorded(finished[plan.key], plan, inputs.params[plan.size.name], steps, skip, repeats)
         for i, plan in enumerate(plans):
             if plan.key in finished:
                 cells.append(finished[plan.key])
@@ -286,9 +310,11 @@ def run_grid(sizes: Sequence[Size], lengths: Sequence[int], out: Path, *, preset
                 f"prompts x {plan.n} completions of {plan.length} tokens per step)")
             cfg = cell_config(preset, overrides, plan, inputs, steps, cell_dir, longest)
             load0, start = os.getloadavg()[0], time.time()
-            res = peer.run(cfg, cell_dir, 1, skip, machine, list(systems), cache, log=log, settings=list(overrides))
+            res = peer.run(cfg, cell_dir, repeats, skip, machine, list(systems), cache, log=log,
+                           settings=list(overrides))
             (cell_dir / "bench.md").write_text(peer.markdown(res))
-            cell = summarise_cell(plan, params, res, steps, skip, time.time() - start, (load0, os.getloadavg()[0]))
+            cell = summarise_cell(plan, params, res, steps, skip, time.time() - start, (load0, os.getloadavg()[0]),
+                                  repeats)
             (cell_dir / "cell.json").write_text(json.dumps(asdict(cell), indent=2))
             cells.append(cell)
             write_grid(out, machine, settings, cells)  # the cells so far, for a grid still running

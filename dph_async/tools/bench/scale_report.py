@@ -24,9 +24,13 @@ def _cps(cell: ScaleCell, system: str) -> str:
 
 
 def _ratio(cell: ScaleCell, peer: str) -> str:
+    """The median ratio, bold where it meets TARGET against TRL, and the repeats' interval."""
     r = cell.ratios.get(peer)
-    return "-" if r is None else f"{'**' if peer == 'trl' and r >= TARGET else ''}{r:.2f}x" \
-                                 f"{'**' if peer == 'trl' and r >= TARGET else ''}"
+    if r is None:
+        return "-"
+    bold = "**" if peer == "trl" and r >= TARGET else ""
+    ci = cell.intervals.get(peer)
+    return f"{bold}{r:.2f}x{bold}" + (f" ({ci.low:.2f}-{ci.high:.2f})" if ci else "")
 
 
 def _cell_name(c: ScaleCell) -> str:
@@ -88,6 +92,12 @@ def projection_table(cells: list[ScaleCell]) -> str:
                           [[_cell_name(c), *(at(c, n) for n in counts)] for c in cells])
 
 
+def _repeats(settings: dict) -> str:
+    n = settings.get("repeats", 1)  # a grid recorded before repeats ran each system once
+    return "One run per system per cell: no interval." if n == 1 else \
+        f"{n} runs per system per cell, the order rotating each repeat."
+
+
 def markdown(res: ScaleBench) -> str:
     s, cells = res.settings, res.cells
     cores = res.machine.get("cores") or 2
@@ -99,11 +109,12 @@ def markdown(res: ScaleBench) -> str:
         f"in a chat template (8 tokens), completions of exactly the cell's length, n = {s['n']} completions per "
         f"prompt, prompts per step = completion tokens per step ({s['tokens_per_step']}) / (n x length), at least "
         f"one; {s['steps']} steps per system, steady state after {s['skip']}; preset {s['preset']}"
-        + (f", settings {', '.join(s['overrides'])}" if s["overrides"] else "") + ". One run per system per cell.",
+        + (f", settings {', '.join(s['overrides'])}" if s["overrides"] else "") + f". {_repeats(s)}",
         "", "## Completions per second", "",
-        "c/s: completions per second over the steady state; / TRL, / loop: dph-async's completions/s over the "
-        f"peer's (bold: at least {TARGET:g}x TRL); cell s: the cell's wall time, its three runs with their "
-        "start-ups; others' cores: cores other jobs used during dph-async's steady state.", "",
+        "c/s: completions per second over the steady state (medians over the repeats); / TRL, / loop: "
+        f"dph-async's completions/s over the peer's (bold: at least {TARGET:g}x TRL), in brackets the 95% "
+        "interval of the geometric mean of the repeats' paired ratios; cell s: the cell's wall time, its "
+        "runs with their start-ups; others' cores: cores other jobs used during dph-async's steady state.", "",
         throughput_table(cells), "",
         f"## CPU-seconds per step, and the bound they set on {cores} cores", "",
         "dph-async's CPU-seconds per step by part (train: the learner's forward, loss, backward and optimizer; "
@@ -126,6 +137,12 @@ def markdown(res: ScaleBench) -> str:
     return "\n".join(lines)
 
 
+def _ends(cell: ScaleCell, peer: str) -> tuple[float, float]:
+    """The ratio's 95% interval, or the median ratio twice where the cell ran once."""
+    ci = cell.intervals.get(peer)
+    return (ci.low, ci.high) if ci else (cell.ratios[peer], cell.ratios[peer])
+
+
 def plot(res: ScaleBench, out: Path) -> None:
     """scale.png: dph-async / TRL (and / the loop) per cell, and every system's completions/s."""
     plt = pyplot()
@@ -137,9 +154,14 @@ def plot(res: ScaleBench, out: Path) -> None:
         label = f"{cells[0].params / 1e6:.1f} M"
         xs = [c.length for c in cells]
         for peer, style in (("trl", "-o"), ("loop", "--s")):
-            pts = [(x, c.ratios[peer]) for x, c in zip(xs, cells, strict=True) if peer in c.ratios]
+            pts = [(x, c) for x, c in zip(xs, cells, strict=True) if peer in c.ratios]
             if pts:
-                left.plot(*zip(*pts, strict=True), style, color=color, label=f"{label} / {peer}")
+                ys = [c.ratios[peer] for _, c in pts]
+                ends = [_ends(c, peer) for _, c in pts]  # a cell run once: no bar
+                err = [[y - lo for y, (lo, _) in zip(ys, ends, strict=True)],
+                       [hi - y for y, (_, hi) in zip(ys, ends, strict=True)]]
+                left.errorbar([x for x, _ in pts], ys, yerr=err, fmt=style, color=color, capsize=3,
+                              label=f"{label} / {peer}")
         for system, style in (("dph-async", "-o"), ("loop", "--s"), ("trl", ":^")):
             pts = [(x, c.systems[system].completions_per_s) for x, c in zip(xs, cells, strict=True)
                    if system in c.systems]
