@@ -94,6 +94,21 @@ MODULES: dict[str, list[str]] = {
     "dph_async/tasks/stride.py": ["tests/test_task_stride.py"],
     # Time to target and the speed-up's interval: the headline of `bench tta`.
     "dph_async/tools/bench/tta_report.py": ["tests/test_bench_tta.py"],
+    # bench scale's record and report: the grid's fast tests (its one real cell stays out), and the
+    # docs' tables and figure rendered again from the committed grid
+    **dict.fromkeys(("dph_async/tools/bench/scale.py", "dph_async/tools/bench/scale_data.py",
+                     "dph_async/tools/bench/scale_report.py"),
+                    [f"tests/test_bench_scale.py::{t}" for t in (
+                        "test_the_grid_runs_size_by_size_and_keeps_a_steps_completion_tokens_near_the_budget",
+                        "test_sizes_by_name_or_shape_with_heads_vllm_can_serve",
+                        "test_projection_is_the_scaling_model_on_the_cells_costs_against_the_peers_best",
+                        "test_a_cells_record_reads_back_and_one_with_other_work_is_refused",
+                        "test_a_cell_of_repeats_keeps_medians_the_largest_peaks_and_the_paired_interval",
+                        "test_report_and_plot_carry_every_cell",
+                        "test_the_docs_table_puts_sizes_in_rows_and_lengths_in_columns_with_when_and_where",
+                        "test_a_finished_cell_that_is_no_record_is_refused_by_name",
+                        "test_a_grid_runs_only_the_cells_not_finished_and_refuses_one_recorded_with_other_work")]
+                    + ["tests/test_rendered_docs.py::test_the_repositorys_docs_match_their_data"]),
     # The docs' tables rendered from their committed data (the docs themselves among the tests' inputs).
     "dph_async/tools/rendered_docs.py": ["tests/test_rendered_docs.py"],
 }

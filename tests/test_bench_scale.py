@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 from dataclasses import asdict
@@ -14,25 +15,24 @@ from dataclasses import asdict
 import pytest
 
 from dph_async.cli.main import main
+from dph_async.errors import UserError
 from dph_async.stats import RatioInterval, ratio_interval
 from dph_async.tools import scaling
-from dph_async.tools.bench import scale
+from dph_async.tools.bench import scale, scale_data, scale_report
 from dph_async.tools.bench.cpu import Memory, ProcessTreeCPU, memory_of
 from dph_async.tools.bench.peer import PeerBench, PeerRun
 from dph_async.tools.bench.scale import (
     SIZES,
     CellPlan,
     GridError,
-    ScaleBench,
-    ScaleCell,
     Size,
-    SystemFigures,
     check_recorded,
     parse_size,
     plan_grid,
     projection,
     summarise_cell,
 )
+from dph_async.tools.bench.scale_data import ScaleBench, ScaleCell, SystemFigures
 from dph_async.tools.bench.scale_report import markdown, plot
 
 
@@ -105,17 +105,25 @@ def test_a_cells_record_reads_back_and_one_with_other_work_is_refused():
     again = ScaleCell.from_json(json.loads(json.dumps(asdict(cell))))
     assert again == cell
     plan = CellPlan("2m-L64", SIZES["2m"], 64, 4, 4)
-    check_recorded(again, plan, 2_120_864, steps=8, skip=2, repeats=3)
-    for other in (dict(steps=9, skip=2, repeats=3), dict(steps=8, skip=3, repeats=3),
-                  dict(steps=8, skip=2, repeats=1)):
+    setup = {"preset": "grpo", "overrides": [], "systems": ["dph-async", "trl"], "vocab": 32768}
+    cell.setup = setup
+    again = ScaleCell.from_json(json.loads(json.dumps(asdict(cell))))
+    check_recorded(again, plan, 2_120_864, steps=8, skip=2, repeats=3, setup=setup)
+    for other in (dict(steps=9, skip=2, repeats=3, setup=setup), dict(steps=8, skip=3, repeats=3, setup=setup),
+                  dict(steps=8, skip=2, repeats=1, setup=setup),
+                  dict(steps=8, skip=2, repeats=3, setup={**setup, "overrides": ["actors.compile=false"]}),
+                  dict(steps=8, skip=2, repeats=3, setup={**setup, "vocab": 512})):
         with pytest.raises(GridError, match="recorded with other work"):
             check_recorded(again, plan, 2_120_864, **other)
     with pytest.raises(GridError, match="recorded with other work"):
-        check_recorded(again, CellPlan("2m-L64", SIZES["2m"], 64, 2, 4), 2_120_864, steps=8, skip=2, repeats=3)
-    # A cell recorded before repeats ran each system once and had no interval.
-    old = {k: v for k, v in asdict(_cell()).items() if k not in ("repeats", "intervals")}
+        check_recorded(again, CellPlan("2m-L64", SIZES["2m"], 64, 2, 4), 2_120_864, steps=8, skip=2, repeats=3,
+                       setup=setup)
+    # A cell recorded before repeats ran each system once and had no interval, nor its setup.
+    old = {k: v for k, v in asdict(_cell()).items() if k not in ("repeats", "intervals", "commit", "setup")}
     assert ScaleCell.from_json(json.loads(json.dumps(old))) == _cell()
-    check_recorded(ScaleCell.from_json(old), plan, 2_120_864, steps=8, skip=2, repeats=1)
+    check_recorded(ScaleCell.from_json(old), plan, 2_120_864, steps=8, skip=2, repeats=1, setup={})
+    with pytest.raises(GridError, match="recorded with other work"):  # its setup unknown: not taken as this one
+        check_recorded(ScaleCell.from_json(old), plan, 2_120_864, steps=8, skip=2, repeats=1, setup=setup)
 
 
 def test_a_cell_of_repeats_keeps_medians_the_largest_peaks_and_the_paired_interval():
@@ -129,7 +137,8 @@ def test_a_cell_of_repeats_keeps_medians_the_largest_peaks_and_the_paired_interv
     bench = PeerBench("now", {}, {"prompts_per_step": 4, "eta": 1}, 2, [*dph, *trl], {}, {"trl": 1.5}, None, [],
                       {"trl": ratio_interval([(d.completions_per_s, t.completions_per_s)
                                               for d, t in zip(dph, trl, strict=True)])})
-    cell = summarise_cell(CellPlan("2m-L64", SIZES["2m"], 64, 4, 4), 2_120_864, bench, 6, 1, 30.0, (1.0, 1.0), 3)
+    cell = summarise_cell(CellPlan("2m-L64", SIZES["2m"], 64, 4, 4), 2_120_864, bench, 6, 1, 30.0, (1.0, 1.0), 3,
+                          {"preset": "grpo"})
     d, t = cell.systems["dph-async"], cell.systems["trl"]
     assert (d.step_s, d.completions_per_s, d.tokens_per_s) == (0.5, 128.0, 2048.0)
     assert d.peak_rss_mb == {"learner": 950.0, "actor": 1200.0, "Ray and the driver": 800.0}
@@ -137,7 +146,16 @@ def test_a_cell_of_repeats_keeps_medians_the_largest_peaks_and_the_paired_interv
     ci = cell.intervals["trl"]
     # Per repeat the pairs are 1.8, 2.5, 1.5: their geometric mean, not the ratio of medians (1.5).
     assert ci.ratio == pytest.approx((1.8 * 2.5 * 1.5) ** (1 / 3)) and ci.low < ci.ratio < ci.high and ci.n == 3
-    assert cell.repeats == 3 and cell.ratios == {"trl": 1.5}
+    assert cell.repeats == 3 and cell.ratios == {"trl": 1.5} and cell.setup == {"preset": "grpo"}
+    assert cell.ratio("trl") == ci.ratio  # what the docs show: the interval's centre, never outside it
+    # The projection takes each system's median run (by completions/s) of those that kept their costs:
+    # dph-async's first (128 of 80, 128, 160), TRL's last (53 of 53 and 71; the second kept no CPU figure).
+    for d in dph:
+        d.detail = {**d.detail, "cpu_cores": {**d.detail["cpu_cores"], "actors": 0.5 + d.step_s}}
+    want = projection(PeerBench("now", {}, {"prompts_per_step": 4, "eta": 1}, 2, [dph[0], trl[2]], {}, {}, None, []),
+                      (2, 4))
+    assert want[0]["trl"] == pytest.approx(64 / (2.0 / 2))
+    assert projection(bench, (2, 4)) == want and scale.median_run([]) is None
 
 
 def test_report_and_plot_carry_every_cell(tmp_path):
@@ -152,7 +170,7 @@ def test_report_and_plot_carry_every_cell(tmp_path):
     cells[1].intervals = {"trl": RatioInterval(1.7, 1.45, 2.05, 3)}
     res.settings["repeats"] = 3
     text = markdown(res)
-    assert "| 2.1 M, 64 | 4 x 4 | 128 | - | 71.1 | **1.80x** (1.45-2.05) |" in text
+    assert "| 2.1 M, 64 | 4 x 4 | 128 | - | 71.1 | **1.70x** [1.45-2.05] |" in text  # the interval's centre
     assert "3 runs per system per cell, the order rotating each repeat." in text
     assert "| 2.1 M, 64 | 900 | 1200 | - | - | 700 |" in text  # peak memory per process
     assert "2.10x" in text and "2.20x" in text  # the bounds against TRL
@@ -161,6 +179,53 @@ def test_report_and_plot_carry_every_cell(tmp_path):
     assert f"{four['dph-async']:.0f} ({four['actors']} act., {four['dph-async'] / four['trl']:.2f}x)" in text
     plot(res, tmp_path / "scale.png")
     assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_docs_table_puts_sizes_in_rows_and_lengths_in_columns_with_when_and_where(tmp_path):
+    a, b = _cell("2m-L16", 16, 1.2), _cell("2m-L64", 64, 1.8)
+    b.ratios["loop"], b.intervals = 1.3, {"trl": RatioInterval(1.7, 1.45, 2.05, 3)}
+    a.date, b.date, b.commit = "2026-11-29 23:01 UTC", "2026-11-29 23:10 UTC", "f337f21"
+    big = _cell("52m-L64", 64, 2.5)
+    big.params = 52_400_000
+    res = ScaleBench("now", {"cpu": "test cpu", "cores": 2}, {"repeats": 3}, [a, b, big])
+    assert scale_report.ratio_table(res.cells).splitlines() == [
+        "| dph-async / TRL (/ loop) | 16 tokens | 64 tokens |", "|---|---|---|",
+        "| 2.1 M (2m) | 1.20x (-) | **1.70x** [1.45-2.05] (1.30x) |", "| 52.4 M (52m) | - | **2.50x** (-) |"]
+    same = _cell("512x6-L64", 64, 2.0)  # another name for a size of as many parameters: a row of its own
+    same.params = 52_400_000
+    assert "| 52.4 M (512x6) | - | **2.00x** (-) |" in scale_report.ratio_table([*res.cells, same])
+    assert scale_report.provenance(res) == ("Cells run 2026-11-29 23:01 UTC to now at commit not recorded, f337f21; "
+                                            "test cpu, 2 cores; 3 runs per system per cell, the order rotating "
+                                            "each repeat.")
+    assert scale_report.provenance(ScaleBench("now", {}, {}, [])) == "No cell recorded."
+    path = tmp_path / "bench.json"
+    path.write_text(res.to_json())
+    assert scale_data.load(path) == res
+    for text in ("{not json", json.dumps({"date": "x"}), json.dumps({**json.loads(res.to_json()), "cells": [{}]})):
+        path.write_text(text)
+        with pytest.raises(UserError, match=r"is not a bench\.json this version of `bench scale` writes"):
+            scale_data.load(path)
+    path.unlink()
+    path.symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(UserError, match="a symbolic link, not followed"):
+        scale_data.load(path)
+
+
+def test_a_finished_cell_that_is_no_record_is_refused_by_name(tmp_path):
+    path = tmp_path / "cell.json"
+    path.write_text(json.dumps(asdict(_cell())))
+    assert scale.read_cell(path) == _cell()
+    deep = "[" * 100_000 + "]" * 100_000
+    for text in ("[]", json.dumps({**asdict(_cell()), "systems": {"trl": {"step_s": 1}}}), "x" * 10, deep,
+                 json.dumps({**asdict(_cell()), "ratios": {"trl": "2"}}),
+                 json.dumps({**asdict(_cell()), "load_avg": "1, 2"}),
+                 json.dumps({**asdict(_cell()), "wall_s": float("nan")})):
+        path.write_text(text)
+        with pytest.raises(GridError, match=re.escape(f"{path} is not a cell this version of `bench scale` writes")):
+            scale.read_cell(path)
+    path.write_text(" " * (scale_data.MAX_BYTES + 1))
+    with pytest.raises(GridError, match="more than the"):
+        scale.read_cell(path)
 
 
 def test_each_processs_peak_memory_is_this_runs_and_kept_by_component():
@@ -193,7 +258,8 @@ SCALE = ["bench", "scale", "--sizes", "32x1", "--vocab", "512", "--tokens-per-st
          "--skip", "2", "--systems", "dph-async", "loop", "--set", "actors.compile=false", "--repeats", "1"]
 
 
-def test_a_grid_runs_only_the_cells_not_finished_and_refuses_one_recorded_with_other_work(tmp_path, monkeypatch):
+def test_a_grid_runs_only_the_cells_not_finished_and_refuses_one_recorded_with_other_work(tmp_path, monkeypatch,
+                                                                                          capsys):
     """The resume rules of run_grid, around a stand-in for the runs (the real ones: the test below):
     the same grid again runs no cell, a grown grid runs only its new cell, a finished cell recorded
     with other work is refused before any cell runs."""
@@ -229,6 +295,33 @@ def test_a_grid_runs_only_the_cells_not_finished_and_refuses_one_recorded_with_o
             grid([4, 8, 16], **other)
     assert ran == [4, 8]  # refused before the new cell ran
     assert json.loads((out / "bench.json").read_text())["settings"]["repeats"] == 2
+    # A cell stopped midway starts over: what its earlier runs left (of other settings, maybe) goes.
+    (out / "cells" / "32x1-L16" / "peers").mkdir(parents=True)
+    (out / "cells" / "32x1-L16" / "peers" / "trl-1.json").write_text("{}")
+    assert grid([4, 8, 16]) == ["32x1-L4", "32x1-L8", "32x1-L16"] and ran == [4, 8, 16]
+    assert not (out / "cells" / "32x1-L16" / "peers").exists()
+    with pytest.raises(GridError, match="holds inputs made with other settings"):
+        scale.run_grid([parse_size("32x1")], [4], out, preset="grpo", overrides=[], tokens_per_step=16, n=2, steps=4,
+                       skip=1, systems=["dph-async"], cache=tmp_path, machine={}, repeats=2, vocab=600,
+                       log=lambda m: None)
+    # A shared directory's links are not followed: not for the grid's record, nor for its cells.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "bench.json").write_text("theirs")
+    (out / "bench.json").unlink()
+    (out / "bench.json").symlink_to(elsewhere / "bench.json")
+    with pytest.raises(UserError, match="a symbolic link, not followed"):
+        grid([4])
+    assert (elsewhere / "bench.json").read_text() == "theirs"
+    (out / "bench.json").unlink()
+    (out / "cells").rename(elsewhere / "cells")
+    (out / "cells").symlink_to(elsewhere / "cells")
+    with pytest.raises(UserError, match="a symbolic link, where an output directory belongs"):
+        grid([4])
+    assert ran == [4, 8, 16]
+    assert main([*SCALE, "-o", str(out), "--lengths", "4", "--fresh"]) == 2  # --fresh deletes nothing through it
+    assert "a symbolic link, where an output directory belongs" in capsys.readouterr().err
+    assert sorted(p.name for p in (elsewhere / "cells").iterdir()) == ["32x1-L16", "32x1-L4", "32x1-L8"]
 
 
 @pytest.mark.slow

@@ -14,8 +14,9 @@ import pytest
 
 from dph_async.cli.commands import bench_tta
 from dph_async.cli.main import main
+from dph_async.safe_files import UnsafeFile
 from dph_async.stats import t_critical
-from dph_async.tools.bench import tta, tta_report
+from dph_async.tools.bench import tta, tta_data, tta_report
 from dph_async.tools.bench.tta_data import Curve, TTABench, load
 from dph_async.tools.bench.tta_report import compare, time_to_target
 
@@ -219,12 +220,37 @@ def test_the_command_names_its_systems_and_split_as_the_bench_does():
 def test_a_report_of_a_damaged_or_foreign_summary_names_the_file(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
+    record = json.loads(_bench([Curve("async", 0, [0, 10], [0.0, 4.0], [0.1, 0.9])], []).to_json())
+    mistyped = {**record, "curves": [{**record["curves"][0], "pass1": ["0.1", "0.9"]}]}
     for text in ("{not json", json.dumps({"date": "x"}), json.dumps({**json.loads(_bench([], []).to_json()),
-                                                                    "curves": [{"system": "async"}]})):
+                                                                    "curves": [{"system": "async"}]}),
+                 json.dumps(mistyped), json.dumps({**record, "base_pass1": float("nan")}),
+                 "[" * 100_000 + "]" * 100_000):
         (out / "tta.json").write_text(text)
         assert main(["bench", "tta", "-o", str(out), "--report-only"]) == 2
         err = capsys.readouterr().err
         assert f"{out / 'tta.json'} is not a tta.json this version of `bench tta` writes" in err
+    good = tmp_path / "elsewhere.json"
+    good.write_text(_bench([], []).to_json())
+    (out / "tta.json").unlink()
+    (out / "tta.json").symlink_to(good)  # a link is not followed, even to a good summary
+    assert main(["bench", "tta", "-o", str(out), "--report-only"]) == 2
+    assert "a symbolic link, not followed" in capsys.readouterr().err
+    (out / "tta.json").unlink()
+    (out / "tta.json").write_text(_bench([], []).to_json()[:-1] + " " * tta_data.MAX_BYTES + "}")
+    assert main(["bench", "tta", "-o", str(out), "--report-only"]) == 2
+    assert f"more than the {tta_data.MAX_BYTES} allowed" in capsys.readouterr().err
+    (out / "tta.json").write_text(_bench([Curve("async", 0, [0, 10], [0.0, 4.0], [0.1, 0.9])], []).to_json())
+    (out / "tta.md").symlink_to(good)  # the report is not written through a link either
+    assert main(["bench", "tta", "-o", str(out), "--report-only"]) == 2
+    assert f"{out / 'tta.md'}: a symbolic link, not followed" in capsys.readouterr().err
+    assert good.read_text() == _bench([], []).to_json()
+    (out / "tta.md").unlink()
+    (tmp_path / "theirs").mkdir()
+    (out / "plots").symlink_to(tmp_path / "theirs")  # nor is the figure drawn into a linked directory
+    assert main(["bench", "tta", "-o", str(out), "--report-only"]) == 2
+    assert "a symbolic link, where an output directory belongs" in capsys.readouterr().err
+    assert list((tmp_path / "theirs").iterdir()) == []
 
 
 def test_a_target_at_or_below_pi_0_is_refused(tmp_path, capsys):
@@ -252,6 +278,17 @@ def test_a_directory_keeps_its_settings_and_fresh_deletes_only_a_bench(tmp_path)
     for other, every in ((load_config("grpo", ["learner.steps=41"]), 10), (cfg, 20)):
         with pytest.raises(ConfigError, match="made with other settings"):
             tta.lock(other, every, out)
+    # A shared directory's links are not followed: the lock is neither read nor written through one.
+    victim = tmp_path / "victim.json"
+    victim.write_text("theirs")
+    saved = (out / tta.CONFIG_FILE).read_text()
+    (out / tta.CONFIG_FILE).unlink()
+    (out / tta.CONFIG_FILE).symlink_to(victim)
+    with pytest.raises(UnsafeFile, match="a symbolic link, not followed"):
+        tta.lock(cfg, 10, out)
+    assert victim.read_text() == "theirs"
+    (out / tta.CONFIG_FILE).unlink()
+    (out / tta.CONFIG_FILE).write_text(saved)
     for name in ("rl/async-seed0", "base_model", "plots"):
         (out / name).mkdir(parents=True)
     (out / "tta.json").write_text("{}")

@@ -417,7 +417,12 @@ def test_errors_name_every_item_and_the_kind_that_complained(tmp_path):
                              (rendered_docs.confirm_figure, ["f.png", "a"],
                               "confirm-figure: give TASK FIRST_CSV AS_RUN_CSV per task"),
                              (rendered_docs.confirm_figure, [],
-                              "^confirm-figure: give PNG, then TASK FIRST_CSV AS_RUN_CSV per task$")]:
+                              "^confirm-figure: give PNG, then TASK FIRST_CSV AS_RUN_CSV per task$"),
+                             (rendered_docs.scale_tables, ["s.json"], r"^scale JSON TABLE: 2 argument\(s\), got 1$"),
+                             (rendered_docs.scale_tables, ["s.json", "speed"],
+                              r"^scale: table 'speed' \(known: ratios, cpu, memory, projection\)$"),
+                             (rendered_docs.scale_figure, ["s.json"],
+                              r"^scale-figure PNG JSON: 2 argument\(s\), got 1$")]:
         with pytest.raises(ValueError, match=says):
             kind(args, ctx)
     rows = [(BASE, 0, {"in_domain/pass@1": 0.5, "in_domain/pass@16": 0.5, "ood/pass@1": "", "ood/pass@16": ""})]
@@ -426,13 +431,27 @@ def test_errors_name_every_item_and_the_kind_that_complained(tmp_path):
     with pytest.raises(ValueError, match=r"^seeds\.csv: no pi_0 row"):
         rendered_docs.splits([_seeds(tmp_path, rows[1:])], ctx)
     with pytest.raises(ValueError, match=r"known: cells, confirm, confirm-figure, confirm-forgetting, "
-                                         r"confirm-staleness, ood-calibration, results, splits, tta\)$"):
+                                         r"confirm-staleness, ood-calibration, results, scale, scale-figure, "
+                                         r"splits, tta\)$"):
         render("<!-- rendered: nope -->\n<!-- end rendered -->\n", ctx)
     with pytest.raises(ValueError, match=r"^line 3: a carriage return that ends no line \(lines end in LF or CRLF\)$"):
         render("\n\na\rb\n", ctx)
     for line in ("<!-- end rendered -->  ", "<!-- end rendered -->X"):
         with pytest.raises(ValueError, match=r"line 1: a block without `<!-- end rendered -->` \(line 3 comes first\)"):
             render(f"<!-- rendered: splits s.csv -->\nx\n{line}\n", ctx)
+
+
+def test_data_that_would_write_a_block_marker_is_refused(tmp_path, monkeypatch):
+    """A renderer's output is the data's: a line of it that is a marker would end the block early or
+    open another, so the block is refused, whichever renderer made it."""
+    ctx = Context(tmp_path, tmp_path / "a.md", write=True)
+    for line in ("<!-- end rendered -->", "  <!-- rendered: splits x.csv -->", "<!--END RENDERED"):
+        monkeypatch.setitem(rendered_docs.RENDERERS, "echo", lambda args, ctx, line=line: f"| a |\n{line}\n# b")
+        with pytest.raises(ValueError, match=r"^line 1: echo: its data holds a block marker$"):
+            render("<!-- rendered: echo -->\n<!-- end rendered -->\n", ctx)
+    monkeypatch.setitem(rendered_docs.RENDERERS, "echo", lambda args, ctx: "| <!-- end rendered --> |")
+    assert render("<!-- rendered: echo -->\n<!-- end rendered -->\n", ctx)[0] == \
+        "<!-- rendered: echo -->\n| <!-- end rendered --> |\n<!-- end rendered -->\n"  # inside a line: text
 
 
 def _png(*chunks: tuple[bytes, bytes]) -> bytes:

@@ -83,6 +83,11 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def rate(per_s: float) -> str:
+    """A rate to three figures below 100 (a large model's completions/s), whole numbers above."""
+    return f"{per_s:.0f}" if per_s >= 100 else f"{per_s:.3g}"
+
+
 def print_tables(evals: dict[str, dict[str, SplitResult]]) -> None:
     """The comparison on the terminal, one narrow table per test set (models as rows)."""
     splits, metrics = _splits_and_metrics(evals)

@@ -37,7 +37,7 @@ from dph_async.pipeline.report import markdown_table
 from dph_async.tools.ablate import confirm, confirm_forgetting, confirm_plot, confirm_staleness
 from dph_async.tools.ablate.results import stat
 from dph_async.tools.ablate.seeds import BASE, SeedRow, read_seeds, repeated_seed
-from dph_async.tools.bench import tta_data, tta_report
+from dph_async.tools.bench import scale_data, scale_report, tta_data, tta_report
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", "docs/**/*.md")
@@ -210,6 +210,25 @@ def tta_tables(args: list[str], ctx: Context) -> str:
         + tta_report.tables(res, target).rstrip("\n").replace("## ", "#### ")
 
 
+def scale_tables(args: list[str], ctx: Context) -> str:
+    """`scale JSON TABLE`: one table of a `bench scale` grid's bench.json (bench/scale_report.py), after
+    when, at which commit and how often each system ran. TABLE: ratios (dph-async's to each peer per
+    cell, with the repeats' intervals), cpu (CPU-seconds per step by part, the bounds they set),
+    memory (peak resident set per process) or projection (the scaling model on more cores)."""
+    name, table = _exactly(args, 2, "scale JSON TABLE")
+    if table not in SCALE_TABLES:
+        raise ValueError(f"scale: table {table!r} (known: {', '.join(SCALE_TABLES)})")
+    res = scale_data.load(ctx.path(name))
+    return f"{_cell(scale_report.provenance(res))}\n\n{SCALE_TABLES[table](res)}"
+
+
+SCALE_TABLES: dict[str, Callable[[scale_data.ScaleBench], str]] = {
+    "ratios": lambda res: scale_report.ratio_table(res.cells),
+    "cpu": lambda res: scale_report.cpu_table(res.cells, res.machine.get("cores") or 2),
+    "memory": lambda res: scale_report.memory_table(res.cells),
+    "projection": lambda res: scale_report.projection_table(res.cells)}
+
+
 def _results(name: str, reader) -> str:
     header = next(reader, [])
     if tuple(header) != RESULT_COLUMNS:
@@ -345,19 +364,34 @@ def confirm_figure(args: list[str], ctx: Context) -> str:
         raise ValueError("confirm-figure: give PNG, then TASK FIRST_CSV AS_RUN_CSV per task")
     png = _figure_path(args[0], ctx)
     tasks = _tasks(args[1:], ctx, "confirm-figure")
-    fig = confirm_plot.figure(tasks)
+    return _figure(args[0], png, confirm_plot.figure(tasks), ctx,
+                   f"Pass@16 against Pass@1 per task: {', '.join(tasks)}")
+
+
+def scale_figure(args: list[str], ctx: Context) -> str:
+    """`scale-figure PNG JSON`: a `bench scale` grid's ratios per cell with their intervals, and each
+    system's completions/s (bench/scale_report.py), drawn to PNG; the block holds its link."""
+    png_arg, name = _exactly(args, 2, "scale-figure PNG JSON")
+    png = _figure_path(png_arg, ctx)
+    return _figure(png_arg, png, scale_report.figure(scale_data.load(ctx.path(name))), ctx,
+                   "completions/s against TRL and the in-repo loop over the grid")
+
+
+def _figure(arg: str, png: Path, fig, ctx: Context, alt: str) -> str:
+    """The block's link to `png`, drawn from `fig` unless it already shows the same (under --check: only
+    compared, a stale one named)."""
     want = SOURCE + fingerprint(fig)
     have = source_of(png) if png.exists() else None
     if have == want or not ctx.write:
         confirm_plot.pyplot().close(fig)
         if have != want:
-            ctx.stale_figures.append(args[0])
+            ctx.stale_figures.append(arg)
     elif png.exists() and not (have or "").startswith(SOURCE):
         confirm_plot.pyplot().close(fig)
-        raise ValueError(f"{args[0]}: a figure this command did not draw; it would be overwritten")
+        raise ValueError(f"{arg}: a figure this command did not draw; it would be overwritten")
     else:
         ctx.figures.append(lambda: _draft(fig, png, want))
-    return f"![Pass@16 against Pass@1 per task: {', '.join(tasks)}]({os.path.relpath(png, ctx.doc.parent)})"
+    return f"![{alt}]({os.path.relpath(png, ctx.doc.parent)})"
 
 
 def _draft(fig, png: Path, source: str) -> tuple[Path, Path]:
@@ -371,7 +405,7 @@ RENDERERS: dict[str, Renderer] = {"ood-calibration": ood_calibration, "splits": 
                                   "confirm": confirm_tables, "confirm-figure": confirm_figure,
                                   "confirm-staleness": confirm_staleness_tables,
                                   "confirm-forgetting": confirm_forgetting_tables, "results": results,
-                                  "tta": tta_tables}
+                                  "tta": tta_tables, "scale": scale_tables, "scale-figure": scale_figure}
 
 
 def _exactly(args: list[str], n: int, usage: str) -> list[str]:
@@ -429,6 +463,8 @@ def render(text: str, ctx: Context) -> tuple[str, list[tuple[int, str]]]:
             body = RENDERERS[kind](args, ctx).rstrip("\n") + "\n"
         except (ValueError, OSError) as e:
             raise ValueError(f"line {b.line}: {b.spec}: {e}") from None
+        if any(MARKER.match(line) for line in body.splitlines()):  # data that would end the block early
+            raise ValueError(f"line {b.line}: {b.spec}: its data holds a block marker")
         if body != text[b.body[0]:b.body[1]] or len(ctx.stale_figures) > stale:
             changed.append((b.line, b.spec))
         out += [text[end:b.body[0]], body]

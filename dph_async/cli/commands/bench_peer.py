@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dph_async.cli.commands.common import add_output_argument, fail, guarded
 from dph_async.config import load_config
+from dph_async.pipeline.report import rate
 from dph_async.pipeline.stages import validate
 from dph_async.progress import console
 from dph_async.tools.bench import peer
@@ -116,7 +117,7 @@ def main(args: argparse.Namespace) -> int:
             ratio = f"; dph-async / {system}: {res.ratios[system]:.2f}x" if system in res.ratios else ""
             if system in res.intervals:
                 ratio += f", per repeat {res.intervals[system].fmt()}"
-            per_s = peer.rate(m["completions_per_s"])
+            per_s = rate(m["completions_per_s"])
             console.print(f"{system}: {m['step_s']:.3f} s/step, {per_s} completions/s{ratio}", highlight=False)
         console.print(f"report: {args.output / 'bench.md'}")
 

@@ -8,10 +8,11 @@ from pathlib import Path
 
 from dph_async.cli.commands.bench_peer import add_run_arguments
 from dph_async.cli.commands.common import add_output_argument, fail, guarded
+from dph_async.pipeline.report import rate
 from dph_async.progress import console
+from dph_async.safe_files import UnsafeFile, output_dir, write_output
 from dph_async.tasks.bpe import VOCAB
 from dph_async.tools.bench.machine import machine
-from dph_async.tools.bench.peer import rate
 
 DESCRIPTION = """\
 The comparison of `bench peer` in every cell of a grid: model sizes (random-init Llamas over a 32k
@@ -52,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p, steps=5, skip=1)
     p.add_argument("--repeats", type=int, default=3, help="runs of every system per cell, order rotating; an "
                    "interval needs 2 (default: %(default)s)")
-    p.add_argument("--fresh", action="store_true", help="delete the finished cells in --output and measure again")
+    p.add_argument("--fresh", action="store_true", help="delete the cells and inputs in --output and measure "
+                   "again")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -70,8 +72,12 @@ def main(args: argparse.Namespace) -> int:
     if args.n < 2 or args.tokens_per_step < 1 or args.vocab < 512:
         return fail("--n must be at least 2 (a group's advantages need two completions), --tokens-per-step at "
                     "least 1 and --vocab at least 512 (a byte-level BPE starts from 256 byte tokens)")
-    if args.fresh:
-        shutil.rmtree(args.output / "cells", ignore_errors=True)
+    if args.fresh:  # the cells and the inputs; a link where either belongs is refused, not followed
+        try:
+            for name in ("cells", "inputs"):
+                shutil.rmtree(output_dir(args.output, args.output / name))
+        except UnsafeFile as e:
+            return fail(str(e))
 
     def work() -> None:
         res = scale.run_grid(sizes, args.lengths, args.output, preset=args.preset, overrides=args.overrides,
@@ -79,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
                              systems=args.systems, cache=args.cache, machine=machine(), repeats=args.repeats,
                              vocab=args.vocab,
                              log=lambda m: console.print(m, highlight=False))
-        (args.output / "bench.md").write_text(scale_report.markdown(res))
+        write_output(args.output / "bench.md", scale_report.markdown(res))
         scale_report.plot(res, args.output / "scale.png")
         for c in res.cells:
             ratios = ", ".join(f"/ {p} {c.intervals[p].fmt() if p in c.intervals else f'{r:.2f}x'}"

@@ -10,6 +10,7 @@ from dph_async.cli.commands.common import add_output_argument, fail, guarded
 from dph_async.config import load_config
 from dph_async.errors import UserError
 from dph_async.progress import console
+from dph_async.safe_files import output_dir, write_output
 from dph_async.tools.bench.tta_data import DEFAULT_GAIN, SPLIT, SYSTEMS, load
 
 # The embedded task, on which GRPO raises held-out Pass@1 (docs/benchmarks.md, Time to accuracy);
@@ -119,8 +120,8 @@ def _report(args: argparse.Namespace, summary: Path) -> int:
     if target <= res.base_pass1 or target > 1:  # raised: after a run too, the command must fail
         raise UserError(f"target {target:.3f}: pi_0's held-out Pass@1 is {res.base_pass1:.3f}, so it must lie in "
                         f"({res.base_pass1:.3f}, 1]")
-    (args.output / "tta.md").write_text(tta_report.markdown(res, target, source))
-    tta_report.plot(res, target, args.output / "plots" / "tta.png")
+    write_output(args.output / "tta.md", tta_report.markdown(res, target, source))
+    tta_report.plot(res, target, output_dir(args.output, args.output / "plots") / "tta.png")
     for comp in (tta_report.compare(res.curves, target, p) for p in dict.fromkeys(c.system for c in res.curves)
                  if p != tta_report.BASELINE):
         shown = comp.interval.fmt() if comp.interval else f"no interval ({comp.both} seeds reached on both sides)"

@@ -36,7 +36,7 @@ import ray
 
 from dph_async.config import RunConfig, load_config
 from dph_async.paths import RunPaths
-from dph_async.pipeline.report import markdown_table
+from dph_async.pipeline.report import markdown_table, rate
 from dph_async.pipeline.specs import RunSpec
 from dph_async.pipeline.stages import StageTimer, prepare, prepare_embedded
 from dph_async.run_stats import ActorStats, read_result
@@ -324,11 +324,6 @@ def run(cfg: RunConfig, out: Path, repeats: int, skip: int, machine: dict, syste
                     limit=limit_of(runs, os.cpu_count() or 1), notes=notes, intervals=intervals(runs))
     (out / "bench.json").write_text(res.to_json())
     return res
-
-
-def rate(per_s: float) -> str:
-    """A rate to three figures below 100 (a large model's completions/s), whole numbers above."""
-    return f"{per_s:.0f}" if per_s >= 100 else f"{per_s:.3g}"
 
 
 def markdown(res: PeerBench) -> str:

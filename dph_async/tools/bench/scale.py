@@ -11,15 +11,20 @@ everywhere, so every group's advantages are 0: dph-async is told to train on tho
 work.
 
     <out>/inputs/tokenizer, inputs/<size>/, inputs/train.parquet   made once, shared by the cells
+    <out>/inputs/inputs.json    the vocabulary and seed they were made with
     <out>/cells/<key>/          the cell's `bench peer` directory (rl/, peers/, bench.json, bench.md)
-    <out>/cells/<key>/cell.json the cell's figures (ScaleCell), written last: a finished cell
+    <out>/cells/<key>/cell.json the cell's figures (scale_data.ScaleCell), written last: a finished cell
     <out>/bench.json, bench.md, scale.png                           the grid
 
 A cell whose cell.json exists is not run again, so an interrupted grid goes on where it stopped and
 a grown grid (another size or length) runs only the new cells; a cell recorded with other work (its
-size, length, prompts, n, steps, repeats) is refused rather than mixed in. Cells run size by size: the
-dph-async actor's process (its vLLM engine built) serves every length of a size, and the learner's
-process every cell (`launcher.reuse_actors`, `reuse_learner`); Ray starts once for the grid.
+size, length, prompts, n, steps, repeats, preset, overrides, systems, vocabulary) is refused rather
+than mixed in, and a cell stopped midway starts over. The grid's own files (its records, reports and
+the inputs' records) are handled as a shared directory's: no link followed, reads bounded, records
+type-checked (scale_data.decode); the runs' files inside a cell are `bench peer`'s. Cells run size
+by size: the dph-async actor's process (its vLLM engine built) serves every length of a size, and
+the learner's process every cell (`launcher.reuse_actors`, `reuse_learner`); Ray starts once for the
+grid.
 """
 
 from __future__ import annotations
@@ -28,26 +33,30 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import msgspec
 from transformers import AutoTokenizer
 
 from dph_async.config import ModelConfig, RunConfig, load_config
 from dph_async.errors import UserError
 from dph_async.pipeline.stages import validate
 from dph_async.runtime.cluster import ray_cluster
-from dph_async.stats import RatioInterval
+from dph_async.safe_files import UnsafeFile, output_dir, read_regular, write_output
 from dph_async.tasks.bpe import VOCAB, build_bpe
 from dph_async.tasks.dataset import verl_row, write_rows
 from dph_async.tasks.embedded import make_splits
 from dph_async.tasks.tiny_model import build_tiny_llama, save_model
 from dph_async.tools import scaling
 from dph_async.tools.bench import peer
+from dph_async.tools.bench.machine import commit
 from dph_async.tools.bench.pipeline import BENCH_DEFAULTS
+from dph_async.tools.bench.scale_data import MAX_BYTES, ScaleBench, ScaleCell, SystemFigures, decode
 
 PROMPT_TOKENS = 16  # the embedded task's prompts in the chat template: 8 BPE tokens, room to spare
 MAX_POSITIONS = 2048  # the models' max_position_embeddings: any length a grid asks for up to that
@@ -101,70 +110,12 @@ def plan_grid(sizes: Sequence[Size], lengths: Sequence[int], tokens_per_step: in
         if not 1 <= length <= MAX_POSITIONS - PROMPT_TOKENS:
             raise GridError(f"length {length}: between 1 and {MAX_POSITIONS - PROMPT_TOKENS}")
     return [CellPlan(f"{s.name}-L{length}", s, length, max(1, tokens_per_step // (n * length)), n)
-            for s in sizes for length in sorted(set(lengths))]
+            for s in dict.fromkeys(sizes) for length in sorted(set(lengths))]
 
 
-@dataclass
-class SystemFigures:
-    """One system's figures in a cell: medians over its runs' steady states; peak memory the largest."""
-
-    step_s: float
-    completions_per_s: float
-    tokens_per_s: float
-    cpu_s_per_step: float | None
-    startup_s: float | None
-    peak_rss_mb: dict[str, float]
-
-
-@dataclass
-class ScaleCell:
-    key: str
-    size: str
-    params: int
-    hidden: int
-    layers: int
-    heads: int
-    length: int
-    prompts_per_step: int
-    n: int
-    steps: int
-    skip: int
-    date: str
-    wall_s: float  # the cell's runs and their start-ups
-    load_avg: tuple[float, float]  # 1-minute load average at the cell's start and end
-    outside_cores: float | None  # cores others' jobs used during dph-async's steady state
-    systems: dict[str, SystemFigures]
-    ratios: dict[str, float]  # peer -> dph-async completions/s / the peer's (medians over the repeats)
-    parts: dict[str, float]  # dph-async's CPU-seconds per step by part (bench/peer_limit.py)
-    threads: dict[str, float]  # the busiest actor thread's CPU-seconds per step
-    ceilings: dict[str, dict[str, float]]  # peer -> bound -> the most dph-async / peer it allows
-    projection: list[dict[str, float]]  # scaling model: dph-async and the peers' best on more cores
-    notes: list[str] = field(default_factory=list)
-    repeats: int = 1  # runs of each system (a cell recorded before repeats: one)
-    # peer -> the repeats' paired ratios' geometric mean with its 95% interval (none under two repeats)
-    intervals: dict[str, RatioInterval] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, data: dict) -> ScaleCell:
-        return cls(**{**data, "systems": {k: SystemFigures(**v) for k, v in data["systems"].items()},
-                      "load_avg": tuple(data["load_avg"]),
-                      "intervals": {k: RatioInterval(**v) for k, v in data.get("intervals", {}).items()}})
-
-    def work(self) -> dict[str, int]:
-        """What makes two records of a cell the same measurement."""
-        return {"params": self.params, "length": self.length, "prompts_per_step": self.prompts_per_step,
-                "n": self.n, "steps": self.steps, "skip": self.skip, "repeats": self.repeats}
-
-
-@dataclass
-class ScaleBench:
-    date: str
-    machine: dict
-    settings: dict
-    cells: list[ScaleCell]
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+@dataclass(frozen=True)
+class SizeRecord:
+    params: int  # what size.json holds that the grid reads back
 
 
 @dataclass(frozen=True)
@@ -176,7 +127,13 @@ class Inputs:
 
 def make_inputs(root: Path, sizes: Sequence[Size], seed: int, log: Callable[[str], None], vocab: int = VOCAB) -> Inputs:
     """The tokenizer (a BPE of `vocab` tokens), the prompts and a model per size under `root` (what is
-    there already is kept)."""
+    there already is kept; inputs made with another vocabulary or seed are refused)."""
+    output_dir(root.parent, root)
+    made, want = root / "inputs.json", json.dumps({"vocab": vocab, "seed": seed})
+    if made.is_file() and read_regular(made, MAX_BYTES).decode(errors="replace") != want:
+        raise GridError(f"{root} holds inputs made with other settings ({made}) than asked ({want}): give another "
+                        "--out, or --fresh to make them again")
+    write_output(made, want)
     tok_dir, train = root / "tokenizer", root / "train.parquet"
     if not (tok_dir / "tokenizer.json").is_file():
         log(f"building the BPE tokenizer of {vocab} tokens")
@@ -188,16 +145,20 @@ def make_inputs(root: Path, sizes: Sequence[Size], seed: int, log: Callable[[str
         write_rows(rows, train)
     models, params = {}, {}
     for s in sizes:
-        d, info = root / s.name, root / s.name / "size.json"
+        d, info = output_dir(root, root / s.name), root / s.name / "size.json"
         if not info.is_file():
             log(f"building the {s.name} model (hidden {s.hidden}, {s.layers} layers, {s.heads} heads)")
             cfg = ModelConfig(tiny_hidden=s.hidden, tiny_layers=s.layers, tiny_heads=s.heads,
                               max_model_len=MAX_POSITIONS)
             model = build_tiny_llama(cfg, len(tok), seed)
             save_model(model, tok, d)
-            info.write_text(json.dumps({**asdict(s), "heads": s.heads,
-                                        "params": sum(p.numel() for p in model.parameters())}))
-        models[s.name], params[s.name] = d, json.loads(info.read_text())["params"]
+            write_output(info, json.dumps({**asdict(s), "heads": s.heads,
+                                           "params": sum(p.numel() for p in model.parameters())}))
+        try:
+            params[s.name] = decode(info, SizeRecord).params
+        except msgspec.MsgspecError as e:
+            raise GridError(f"{info}: not a model's size record ({e}): --fresh makes the inputs again") from e
+        models[s.name] = d
     return Inputs(train, models, params)
 
 
@@ -216,9 +177,10 @@ def projection(res: peer.PeerBench, cores: Sequence[int]) -> list[dict[str, floa
     """dph-async's completions/s on `cores` cores by the scaling model (dph_async/tools/scaling.py), with
     its costs from this cell's run and the best number of actors (1 to cores - 1, batches split
     evenly where the prompts allow), against each peer's best on those cores: its CPU-seconds per step
-    spread over every core without loss (a bound in the peer's favour). Empty without the figures."""
-    dph = next((r for r in res.runs if r.system == "dph-async"), None)
-    if dph is None or not dph.detail.get("cpu_cores"):
+    spread over every core without loss (a bound in the peer's favour). Each system's costs are those of
+    its median run (by completions/s) among the runs that kept them. Empty without the figures."""
+    dph = median_run([r for r in res.runs if r.system == "dph-async" and r.detail.get("cpu_cores")])
+    if dph is None:
         return []
     used, b = dph.detail["cpu_cores"], dph.completions_per_s * dph.step_s
     costs = scaling.Costs(samples_per_step=b, actor_cpu_s_per_sample=used.get("actors", 0.0) * dph.step_s / b,
@@ -234,11 +196,17 @@ def projection(res: peer.PeerBench, cores: Sequence[int]) -> list[dict[str, floa
     for c in cores:
         actors = max(range(1, max(2, c)), key=lambda n: at(n, c))
         row = {"cores": c, "actors": actors, "dph-async": at(actors, c)}
-        for r in res.runs:
-            if r.system != "dph-async" and r.cpu_s_per_step:
-                row[r.system] = r.completions_per_s * r.step_s / (r.cpu_s_per_step / c)
+        for system in dict.fromkeys(r.system for r in res.runs if r.system != "dph-async"):
+            if (r := median_run([x for x in res.runs if x.system == system and x.cpu_s_per_step])) is not None:
+                row[system] = r.completions_per_s * r.step_s / (r.cpu_s_per_step / c)
         rows.append(row)
     return rows
+
+
+def median_run(runs: list[peer.PeerRun]) -> peer.PeerRun | None:
+    """The run whose completions/s is the median (the lower of the middle two), None if no run."""
+    ranked = sorted(runs, key=lambda r: r.completions_per_s)
+    return ranked[(len(ranked) - 1) // 2] if ranked else None
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -260,7 +228,7 @@ def system_figures(runs: list[peer.PeerRun]) -> SystemFigures:
 
 
 def summarise_cell(plan: CellPlan, params: int, res: peer.PeerBench, steps: int, skip: int, wall_s: float,
-                   load_avg: tuple[float, float], repeats: int) -> ScaleCell:
+                   load_avg: tuple[float, float], repeats: int, setup: dict) -> ScaleCell:
     systems = {name: system_figures([r for r in res.runs if r.system == name])
                for name in dict.fromkeys(r.system for r in res.runs)}
     dph = [r.outside_cores for r in res.runs if r.system == "dph-async" and r.outside_cores is not None]
@@ -273,12 +241,24 @@ def summarise_cell(plan: CellPlan, params: int, res: peer.PeerBench, steps: int,
         outside_cores=statistics.median(dph) if dph else None, systems=systems, ratios=res.ratios,
         parts=lim.parts if lim else {}, threads=lim.threads if lim else {},
         ceilings={p: c.ceilings for p, c in lim.peers.items()} if lim else {},
-        projection=projection(res, (2, 4, 8, 16)), notes=res.notes, repeats=repeats, intervals=res.intervals)
+        projection=projection(res, (2, 4, 8, 16)), notes=res.notes, repeats=repeats, intervals=res.intervals,
+        commit=commit(), setup=setup)
 
 
-def check_recorded(cell: ScaleCell, plan: CellPlan, params: int, steps: int, skip: int, repeats: int) -> None:
+def read_cell(path: Path) -> ScaleCell:
+    """A finished cell's record; one this version did not write (damaged, mistyped, a link, too large)
+    is refused."""
+    try:
+        return decode(path, ScaleCell)
+    except (OSError, UnsafeFile, msgspec.MsgspecError, RecursionError) as e:
+        raise GridError(f"{path} is not a cell this version of `bench scale` writes ({type(e).__name__}: {e}): "
+                        "delete it to measure the cell again") from e
+
+
+def check_recorded(cell: ScaleCell, plan: CellPlan, params: int, steps: int, skip: int, repeats: int,
+                   setup: dict) -> None:
     want = {"params": params, "length": plan.length, "prompts_per_step": plan.prompts_per_step, "n": plan.n,
-            "steps": steps, "skip": skip, "repeats": repeats}
+            "steps": steps, "skip": skip, "repeats": repeats, "setup": setup}
     if cell.work() != want:
         raise GridError(f"cell {plan.key} is recorded with other work ({cell.work()}) than asked ({want}): give "
                          "another --out, or --fresh to measure the grid again")
@@ -291,31 +271,35 @@ def run_grid(sizes: Sequence[Size], lengths: Sequence[int], out: Path, *, preset
     plans = plan_grid(sizes, lengths, tokens_per_step, n)
     settings = {"preset": preset, "overrides": list(overrides), "vocab": vocab, "tokens_per_step": tokens_per_step,
                 "n": n, "steps": steps, "skip": skip, "systems": list(systems), "repeats": repeats}
+    setup = {"preset": preset, "overrides": list(overrides), "systems": list(systems), "vocab": vocab}
     cells: list[ScaleCell] = []
     longest = max(lengths)
     # Ray first: the first cell's learner and actor processes import beside the inputs being made.
     with ray_cluster(validate(load_config(preset, [*BENCH_DEFAULTS, *peer.SAME_WORK, *overrides]), []), prestart=True):
         inputs = make_inputs(out / "inputs", sizes, seed, log, vocab)
+        output_dir(out, out / "cells")
         finished = {}
         for plan in plans:  # every finished cell checked before any runs
-            if (done := out / "cells" / plan.key / "cell.json").is_file():
-                finished[plan.key] = ScaleCell.from_json(json.loads(done.read_text()))
-                check_recorded(finished[plan.key], plan, inputs.params[plan.size.name], steps, skip, repeats)
+            if (done := output_dir(out, out / "cells" / plan.key) / "cell.json").is_file():
+                finished[plan.key] = read_cell(done)
+                check_recorded(finished[plan.key], plan, inputs.params[plan.size.name], steps, skip, repeats,
+                               setup)
         for i, plan in enumerate(plans):
             if plan.key in finished:
                 cells.append(finished[plan.key])
                 continue
             params, cell_dir = inputs.params[plan.size.name], out / "cells" / plan.key
+            shutil.rmtree(cell_dir)  # a cell stopped midway starts over: its runs may be of other settings
             log(f"cell {i + 1}/{len(plans)}: {plan.key} ({params / 1e6:.1f} M parameters, {plan.prompts_per_step} "
                 f"prompts x {plan.n} completions of {plan.length} tokens per step)")
             cfg = cell_config(preset, overrides, plan, inputs, steps, cell_dir, longest)
             load0, start = os.getloadavg()[0], time.time()
             res = peer.run(cfg, cell_dir, repeats, skip, machine, list(systems), cache, log=log,
                            settings=list(overrides))
-            (cell_dir / "bench.md").write_text(peer.markdown(res))
+            write_output(cell_dir / "bench.md", peer.markdown(res))
             cell = summarise_cell(plan, params, res, steps, skip, time.time() - start, (load0, os.getloadavg()[0]),
-                                  repeats)
-            (cell_dir / "cell.json").write_text(json.dumps(asdict(cell), indent=2))
+                                  repeats, setup)
+            write_output(cell_dir / "cell.json", json.dumps(asdict(cell), indent=2))
             cells.append(cell)
             write_grid(out, machine, settings, cells)  # the cells so far, for a grid still running
     return write_grid(out, machine, settings, cells)
@@ -324,5 +308,5 @@ def run_grid(sizes: Sequence[Size], lengths: Sequence[int], out: Path, *, preset
 def write_grid(out: Path, machine: dict, settings: dict, cells: list[ScaleCell]) -> ScaleBench:
     res = ScaleBench(date=time.strftime("%Y-%m-%d %H:%M %Z"), machine={**machine, "load_avg_end": os.getloadavg()},
                      settings=settings, cells=cells)
-    (out / "bench.json").write_text(res.to_json())
+    write_output(out / "bench.json", res.to_json())
     return res

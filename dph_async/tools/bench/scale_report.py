@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from dph_async.pipeline.plot_colours import pyplot
-from dph_async.pipeline.report import markdown_table
-from dph_async.tools.bench.peer import rate
+from dph_async.pipeline.report import markdown_table, rate
+from dph_async.safe_files import open_output
 from dph_async.tools.bench.peer_limit import TARGET
-from dph_async.tools.bench.scale import ScaleBench, ScaleCell
+from dph_async.tools.bench.scale_data import ScaleBench, ScaleCell
 
 PEERS = ("trl", "loop")
 CELL_LIMIT_S = 120  # what a cell should take at most
@@ -24,13 +24,13 @@ def _cps(cell: ScaleCell, system: str) -> str:
 
 
 def _ratio(cell: ScaleCell, peer: str) -> str:
-    """The median ratio, bold where it meets TARGET against TRL, and the repeats' interval."""
-    r = cell.ratios.get(peer)
+    """The ratio (ScaleCell.ratio), bold where it meets TARGET against TRL, and the repeats' interval."""
+    r = cell.ratio(peer)
     if r is None:
         return "-"
     bold = "**" if peer == "trl" and r >= TARGET else ""
     ci = cell.intervals.get(peer)
-    return f"{bold}{r:.2f}x{bold}" + (f" ({ci.low:.2f}-{ci.high:.2f})" if ci else "")
+    return f"{bold}{r:.2f}x{bold}" + (f" [{ci.low:.2f}-{ci.high:.2f}]" if ci else "")
 
 
 def _cell_name(c: ScaleCell) -> str:
@@ -46,6 +46,23 @@ def throughput_table(cells: list[ScaleCell]) -> str:
           ", ".join(rate(c.systems[s].tokens_per_s) if s in c.systems else "-" for s in ("dph-async", "loop", "trl")),
           f"{c.wall_s:.0f}{' (over)' if c.wall_s > CELL_LIMIT_S else ''}",
           f"{c.load_avg[0]:.1f} -> {c.load_avg[1]:.1f}", _f(c.outside_cores, ".2f")] for c in cells])
+
+
+def ratio_table(cells: list[ScaleCell]) -> str:
+    """dph-async's ratio to TRL (to the loop) per cell: model sizes as rows, lengths as columns."""
+    lengths = sorted({c.length for c in cells})
+    by = {(c.size, c.length): c for c in cells}
+    first: dict[str, ScaleCell] = {}  # a size's row, named by its first cell
+    for c in cells:
+        first.setdefault(c.size, c)
+
+    def at(size: str, length: int) -> str:
+        c = by.get((size, length))
+        return "-" if c is None else f"{_ratio(c, 'trl')} ({_ratio(c, 'loop')})"
+
+    return markdown_table(["dph-async / TRL (/ loop)", *(f"{n} tokens" for n in lengths)],
+                          [[f"{c.params / 1e6:.1f} M ({size})", *(at(size, n) for n in lengths)]
+                           for size, c in first.items()])
 
 
 PART_NAMES = {"learner: training": "train", "actors: the model's forward": "fwd",
@@ -88,8 +105,19 @@ def projection_table(cells: list[ScaleCell]) -> str:
         vs = f", {row['dph-async'] / row['trl']:.2f}x" if row.get("trl") else ""
         return f"{rate(row['dph-async'])} ({int(row['actors'])} act.{vs})"
 
-    return markdown_table(["model, tokens", *(f"{n} cores: c/s (actors, / TRL's best)" for n in counts)],
+    return markdown_table(["model, tokens", *(f"{n:g} cores: c/s (actors, / TRL's best)" for n in counts)],
                           [[_cell_name(c), *(at(c, n) for n in counts)] for c in cells])
+
+
+def provenance(res: ScaleBench) -> str:
+    """When, at which commit and on what the grid's cells ran, and how often each system ran."""
+    dates = sorted(c.date for c in res.cells)
+    if not dates:
+        return "No cell recorded."
+    commits = ", ".join(dict.fromkeys(c.commit or "not recorded" for c in res.cells))
+    span = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    return (f"Cells run {span} at commit {commits}; {res.machine.get('cpu', '?')}, "
+            f"{res.machine.get('cores', '?')} cores; {_repeats(res.settings)}")
 
 
 def _repeats(settings: dict) -> str:
@@ -105,16 +133,18 @@ def markdown(res: ScaleBench) -> str:
         f"# dph-async bench scale ({res.date})", "",
         f"Machine: {res.machine.get('cpu', '?')}, {cores} cores; load average at start "
         f"{res.machine.get('load_avg')}, at end {res.machine.get('load_avg_end')}.",
-        f"Work per cell: random-init Llamas over a 32k byte-level BPE vocabulary, the embedded task's prompts "
+        f"Work per cell: random-init Llamas over a byte-level BPE vocabulary of {s.get('vocab', '?')} tokens, the "
+        "embedded task's prompts "
         f"in a chat template (8 tokens), completions of exactly the cell's length, n = {s['n']} completions per "
         f"prompt, prompts per step = completion tokens per step ({s['tokens_per_step']}) / (n x length), at least "
         f"one; {s['steps']} steps per system, steady state after {s['skip']}; preset {s['preset']}"
         + (f", settings {', '.join(s['overrides'])}" if s["overrides"] else "") + f". {_repeats(s)}",
         "", "## Completions per second", "",
         "c/s: completions per second over the steady state (medians over the repeats); / TRL, / loop: "
-        f"dph-async's completions/s over the peer's (bold: at least {TARGET:g}x TRL), in brackets the 95% "
-        "interval of the geometric mean of the repeats' paired ratios; cell s: the cell's wall time, its "
-        "runs with their start-ups; others' cores: cores other jobs used during dph-async's steady state.", "",
+        "dph-async's completions/s over the peer's, the geometric mean of the repeats' paired ratios with its "
+        f"95% interval in brackets (one run: the two runs' ratio; bold: at least {TARGET:g}x TRL); cell s: the "
+        "cell's wall time, its runs with their start-ups; others' cores: cores other jobs used during "
+        "dph-async's steady state.", "",
         throughput_table(cells), "",
         f"## CPU-seconds per step, and the bound they set on {cores} cores", "",
         "dph-async's CPU-seconds per step by part (train: the learner's forward, loss, backward and optimizer; "
@@ -138,13 +168,25 @@ def markdown(res: ScaleBench) -> str:
 
 
 def _ends(cell: ScaleCell, peer: str) -> tuple[float, float]:
-    """The ratio's 95% interval, or the median ratio twice where the cell ran once."""
+    """The ratio's 95% interval, or the ratio twice where the cell ran once (no bar)."""
     ci = cell.intervals.get(peer)
-    return (ci.low, ci.high) if ci else (cell.ratios[peer], cell.ratios[peer])
+    point = cell.ratio(peer) or 0.0
+    return (ci.low, ci.high) if ci else (point, point)
 
 
 def plot(res: ScaleBench, out: Path) -> None:
-    """scale.png: dph-async / TRL (and / the loop) per cell, and every system's completions/s."""
+    """scale.png: `figure` saved (not through a link)."""
+    fig = figure(res)
+    try:
+        with open_output(out, "wb") as f:
+            fig.savefig(f, format="png", dpi=110)
+    finally:
+        pyplot().close(fig)
+
+
+def figure(res: ScaleBench):
+    """dph-async / TRL (and / the loop) per cell with the repeats' intervals, and every system's
+    completions/s (the caller saves and closes it)."""
     plt = pyplot()
     sizes = list(dict.fromkeys(c.size for c in res.cells))
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -154,9 +196,9 @@ def plot(res: ScaleBench, out: Path) -> None:
         label = f"{cells[0].params / 1e6:.1f} M"
         xs = [c.length for c in cells]
         for peer, style in (("trl", "-o"), ("loop", "--s")):
-            pts = [(x, c) for x, c in zip(xs, cells, strict=True) if peer in c.ratios]
+            pts = [(x, c) for x, c in zip(xs, cells, strict=True) if c.ratio(peer) is not None]
             if pts:
-                ys = [c.ratios[peer] for _, c in pts]
+                ys = [c.ratio(peer) for _, c in pts]
                 ends = [_ends(c, peer) for _, c in pts]  # a cell run once: no bar
                 err = [[y - lo for y, (lo, _) in zip(ys, ends, strict=True)],
                        [hi - y for y, (_, hi) in zip(ys, ends, strict=True)]]
@@ -179,5 +221,4 @@ def plot(res: ScaleBench, out: Path) -> None:
     right.set_ylabel("completions/s")
     right.set_title("absolute")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    return fig

@@ -46,10 +46,11 @@ from dph_async.paths import RunPaths, checkpoint_dir, final_model
 from dph_async.pipeline.specs import RunSpec
 from dph_async.pipeline.stages import Prepared, StageTimer, evaluate_models, prepare, train_mode, validate
 from dph_async.runtime.evaluate import EvalJob, load_results
+from dph_async.safe_files import read_regular, write_output
 from dph_async.tools.bench.machine import provenance
 from dph_async.tools.bench.peer import held_cluster, run_peer, spec_of, trl_python, write_inputs
 from dph_async.tools.bench.timeline import Timeline
-from dph_async.tools.bench.tta_data import SPLIT, Curve, TTABench, load
+from dph_async.tools.bench.tta_data import MAX_BYTES, SPLIT, Curve, TTABench, load
 from dph_async.tools.bench.tta_data import SYSTEMS as SYSTEMS  # the systems this bench runs, for its callers
 
 
@@ -113,13 +114,14 @@ MADE = ("rl", "peers", "eval", "base_model", "data", "plots", "tta.json", "tta.m
 
 
 def lock(cfg: RunConfig, every: int, out: Path) -> None:
-    """Record the settings `out` is made with; refuse a directory made with others (its runs would mix)."""
+    """Record the settings `out` is made with; refuse a directory made with others (its runs would mix).
+    Read and written as every file of a bench directory: no link followed, the read bounded."""
     settings = json.dumps({"config": dump_config(cfg), "every": every}, indent=2)
     path = out / CONFIG_FILE
-    if path.is_file() and path.read_text() != settings:
+    if path.is_file() and read_regular(path, MAX_BYTES) != settings.encode():
         raise ConfigError(f"{out} holds a time-to-accuracy bench made with other settings ({path}): give another "
                           "--output, or --fresh to start over")
-    path.write_text(settings)
+    write_output(path, settings)
 
 
 def clear(out: Path) -> None:
@@ -172,7 +174,7 @@ def run_trl(cfg: RunConfig, seed: int, every: int, out: Path, prepared: Prepared
     spec = replace(spec_of(cfg, prepared.base, prepared.train), seed=seed, save_every=every,
                    save_dir=str((peers / name).resolve()))
     seed_spec = peers / f"spec-{name}.json"
-    seed_spec.write_text(json.dumps(asdict(spec), indent=2))
+    write_output(seed_spec, json.dumps(asdict(spec), indent=2))
     # run_peer names its result <system>-<repeat>.json: here the repeat is the seed
     run_peer("trl", python, seed_spec, prompts_file, peers, seed, skip=0)
     steps = json.loads((peers / f"trl-{seed}.json").read_text())["steps"]
@@ -229,9 +231,9 @@ def run(cfg: RunConfig, out: Path, seeds: list[int], systems: list[str], every: 
                     continue
                 curves[(system, seed)] = c
                 res.curves = list(curves.values())
-                summary.write_text(res.to_json())
+                write_output(summary, res.to_json())
                 log(f"  {system}: {c.run_s:.1f} s for {c.steps[-1]} steps; held-out Pass@1 "
                     + " ".join(f"{p:.3f}" for p in c.pass1) + f" (load {os.getloadavg()[0]:.1f})")
     res.curves = list(curves.values())
-    summary.write_text(res.to_json())
+    write_output(summary, res.to_json())
     return res

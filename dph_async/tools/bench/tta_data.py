@@ -7,11 +7,17 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import msgspec
+
 from dph_async.errors import UserError
+from dph_async.safe_files import UnsafeFile, read_regular
 
 SYSTEMS = ("async", "sync", "trl")
 SPLIT = "in_domain"  # the held-out split whose Pass@1 is the target's
 DEFAULT_GAIN = 0.04  # the default target: pi_0's held-out Pass@1 plus this
+# A summary's largest size: 15 runs of 200 steps kept every 20 take 5 KB; a shared or foreign
+# directory's file is read no further than this, and a link is not followed.
+MAX_BYTES = 16 * 2**20
 
 
 @dataclass
@@ -42,10 +48,10 @@ class TTABench:
 
 
 def load(path: Path) -> TTABench:
-    """A tta.json; a file that is not one this version writes is an error naming it."""
+    """A tta.json; a file that is not one this version writes (a link, over MAX_BYTES, not its JSON, a
+    field of another type) is an error naming it."""
     try:
-        raw = json.loads(path.read_text())
-        return TTABench(**{**raw, "curves": [Curve(**c) for c in raw["curves"]]})
-    except (OSError, ValueError, TypeError, KeyError) as e:
+        return msgspec.json.decode(read_regular(path, MAX_BYTES), type=TTABench)
+    except (OSError, UnsafeFile, msgspec.MsgspecError, RecursionError) as e:
         raise UserError(f"{path} is not a tta.json this version of `bench tta` writes ({type(e).__name__}: {e})") \
             from e

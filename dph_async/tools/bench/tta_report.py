@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dph_async.pipeline.plot_colours import pyplot
 from dph_async.pipeline.report import markdown_table
+from dph_async.safe_files import open_output
 from dph_async.stats import RatioInterval, ratio_interval
 from dph_async.tools.bench.tta_data import Curve, TTABench
 
@@ -151,10 +152,14 @@ def figure(res: TTABench, target: float):
 
 
 def plot(res: TTABench, target: float, path: Path) -> None:
+    """`figure` saved to `path` (its directory made; the file not written through a link)."""
     fig = figure(res, target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    pyplot().close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open_output(path, "wb") as f:
+            fig.savefig(f, format="png")
+    finally:
+        pyplot().close(fig)
 
 
 def default_target(res: TTABench, gain: float) -> float:
