@@ -15,6 +15,7 @@ from dataclasses import asdict
 import pytest
 
 from dph_async.cli.main import main
+from dph_async.config import ConfigError
 from dph_async.errors import UserError
 from dph_async.stats import RatioInterval, ratio_interval
 from dph_async.tools import scaling
@@ -164,6 +165,8 @@ def test_report_and_plot_carry_every_cell(tmp_path):
                      {"preset": "grpo", "overrides": [], "vocab": 32768, "tokens_per_step": 1024, "n": 4, "steps": 8,
                       "skip": 2, "systems": ["dph-async", "trl"]}, cells)
     text = markdown(res)
+    assert ("| model, tokens | prompts x n | dph-async c/s | loop c/s | TRL c/s | / TRL | / loop | tokens/s: "
+            "dph-async, loop, TRL | cell s | load start -> end | others' cores |") in text
     assert "| 2.1 M, 16 | 4 x 4 | 128 | - | 71.1 | 1.20x |" in text  # below 1.5x: not bold
     assert "| 2.1 M, 64 | 4 x 4 | 128 | - | 71.1 | **1.80x** |" in text
     assert "One run per system per cell: no interval." in text  # a grid recorded before repeats
@@ -194,10 +197,16 @@ def test_the_docs_table_puts_sizes_in_rows_and_lengths_in_columns_with_when_and_
     same = _cell("512x6-L64", 64, 2.0)  # another name for a size of as many parameters: a row of its own
     same.params = 52_400_000
     assert "| 52.4 M (512x6) | - | **2.00x** (-) |" in scale_report.ratio_table([*res.cells, same])
-    assert scale_report.provenance(res) == ("Cells run 2026-11-29 23:01 UTC to now at commit not recorded, f337f21; "
-                                            "test cpu, 2 cores; 3 runs per system per cell, the order rotating "
-                                            "each repeat.")
+    assert scale_report.provenance(res) == ("Cells finished 2026-11-29 23:01 UTC to now at commit not recorded, "
+                                            "f337f21; test cpu, 2 cores; 3 runs per system per cell, the order "
+                                            "rotating each repeat.")
     assert scale_report.provenance(ScaleBench("now", {}, {}, [])) == "No cell recorded."
+    # One date, once; a machine that recorded nothing is "?"; a row's parameters rounded as /1e6 rounds.
+    one = _cell("2m-L64", 64, 1.8)
+    one.params = 52_450_000
+    assert scale_report.provenance(ScaleBench("now", {}, {}, [one])) == (
+        "Cells finished now at commit not recorded; ?, ? cores; One run per system per cell: no interval.")
+    assert "| 52.5 M (2m) |" in scale_report.ratio_table([one])
     path = tmp_path / "bench.json"
     path.write_text(res.to_json())
     assert scale_data.load(path) == res
@@ -226,6 +235,15 @@ def test_a_finished_cell_that_is_no_record_is_refused_by_name(tmp_path):
     path.write_text(" " * (scale_data.MAX_BYTES + 1))
     with pytest.raises(GridError, match="more than the"):
         scale.read_cell(path)
+    # Well-typed but not what the report can show: refused too, each naming why.
+    good = asdict(_cell())
+    for change, says in ((dict(intervals={"trl": {"ratio": 9.0, "low": 1.0, "high": 2.0, "n": 3}}), "outside its"),
+                         (dict(projection=[{"cores": 2}]), "a projection row without"),
+                         (dict(size="2m | 9.99x |"), "not a cell's name"),
+                         (dict(key="52m-L256"), "not a cell's name")):
+        path.write_text(json.dumps({**good, **change}))
+        with pytest.raises(GridError, match=says):
+            scale.read_cell(path)
 
 
 def test_each_processs_peak_memory_is_this_runs_and_kept_by_component():
@@ -304,6 +322,27 @@ def test_a_grid_runs_only_the_cells_not_finished_and_refuses_one_recorded_with_o
         scale.run_grid([parse_size("32x1")], [4], out, preset="grpo", overrides=[], tokens_per_step=16, n=2, steps=4,
                        skip=1, systems=["dph-async"], cache=tmp_path, machine={}, repeats=2, vocab=600,
                        log=lambda m: None)
+    record = (out / "inputs" / "inputs.json").read_text()
+    (out / "inputs" / "inputs.json").unlink()  # inputs whose settings are unknown are not taken as these
+    with pytest.raises(GridError, match="holds inputs without the record of their settings"):
+        grid([4])
+    (out / "inputs" / "inputs.json").write_text(record)
+    # --fresh deletes nothing before the settings are known good, nor in a directory no grid made.
+    with pytest.raises(ConfigError):
+        scale.run_grid([parse_size("32x1")], [4], out, preset="grpo", overrides=["actors.compil=false"],
+                       tokens_per_step=16, n=2, steps=4, skip=1, systems=["dph-async"], cache=tmp_path, machine={},
+                       repeats=2, vocab=512, fresh=True, log=lambda m: None)
+    assert (out / "cells" / "32x1-L4" / "cell.json").is_file()
+    mine = tmp_path / "mine"
+    (mine / "cells").mkdir(parents=True)
+    (mine / "cells" / "notebook.ipynb").write_text("{}")
+    with pytest.raises(GridError, match="no grid made it: nothing deleted"):
+        scale.clear(mine)
+    assert (mine / "cells" / "notebook.ipynb").is_file()
+    (out / "bench.md").write_text("old")
+    scale.clear(out)  # a grid's own: its cells, inputs and reports go
+    assert sorted(p.name for p in out.iterdir()) == []
+    assert grid([4]) == ["32x1-L4"] and ran == [4, 8, 16, 4]
     # A shared directory's links are not followed: not for the grid's record, nor for its cells.
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -318,10 +357,10 @@ def test_a_grid_runs_only_the_cells_not_finished_and_refuses_one_recorded_with_o
     (out / "cells").symlink_to(elsewhere / "cells")
     with pytest.raises(UserError, match="a symbolic link, where an output directory belongs"):
         grid([4])
-    assert ran == [4, 8, 16]
+    assert ran == [4, 8, 16, 4]
     assert main([*SCALE, "-o", str(out), "--lengths", "4", "--fresh"]) == 2  # --fresh deletes nothing through it
     assert "a symbolic link, where an output directory belongs" in capsys.readouterr().err
-    assert sorted(p.name for p in (elsewhere / "cells").iterdir()) == ["32x1-L16", "32x1-L4", "32x1-L8"]
+    assert sorted(p.name for p in (elsewhere / "cells").iterdir()) == ["32x1-L4"]
 
 
 @pytest.mark.slow

@@ -225,6 +225,9 @@ def test_a_report_of_a_damaged_or_foreign_summary_names_the_file(tmp_path, capsy
     for text in ("{not json", json.dumps({"date": "x"}), json.dumps({**json.loads(_bench([], []).to_json()),
                                                                     "curves": [{"system": "async"}]}),
                  json.dumps(mistyped), json.dumps({**record, "base_pass1": float("nan")}),
+                 *(json.dumps({**record, "curves": [{**record["curves"][0], **change}]}) for change in (
+                     {"system": "async | x"}, {"steps": [0], "wall": [0.0], "pass1": [0.1]},
+                     {"wall": [0.0]}, {"steps": [0, 0]}, {"steps": [5, 10]})),
                  "[" * 100_000 + "]" * 100_000):
         (out / "tta.json").write_text(text)
         assert main(["bench", "tta", "-o", str(out), "--report-only"]) == 2

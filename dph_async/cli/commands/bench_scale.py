@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 from pathlib import Path
 
 from dph_async.cli.commands.bench_peer import add_run_arguments
 from dph_async.cli.commands.common import add_output_argument, fail, guarded
 from dph_async.pipeline.report import rate
 from dph_async.progress import console
-from dph_async.safe_files import UnsafeFile, output_dir, write_output
+from dph_async.safe_files import write_output
 from dph_async.tasks.bpe import VOCAB
 from dph_async.tools.bench.machine import machine
 
@@ -53,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p, steps=5, skip=1)
     p.add_argument("--repeats", type=int, default=3, help="runs of every system per cell, order rotating; an "
                    "interval needs 2 (default: %(default)s)")
-    p.add_argument("--fresh", action="store_true", help="delete the cells and inputs in --output and measure "
-                   "again")
+    p.add_argument("--fresh", action="store_true", help="delete the grid in --output (its cells, inputs and "
+                   "reports; only a directory a grid made) and measure again")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -72,18 +71,12 @@ def main(args: argparse.Namespace) -> int:
     if args.n < 2 or args.tokens_per_step < 1 or args.vocab < 512:
         return fail("--n must be at least 2 (a group's advantages need two completions), --tokens-per-step at "
                     "least 1 and --vocab at least 512 (a byte-level BPE starts from 256 byte tokens)")
-    if args.fresh:  # the cells and the inputs; a link where either belongs is refused, not followed
-        try:
-            for name in ("cells", "inputs"):
-                shutil.rmtree(output_dir(args.output, args.output / name))
-        except UnsafeFile as e:
-            return fail(str(e))
 
     def work() -> None:
         res = scale.run_grid(sizes, args.lengths, args.output, preset=args.preset, overrides=args.overrides,
                              tokens_per_step=args.tokens_per_step, n=args.n, steps=args.steps, skip=args.skip,
                              systems=args.systems, cache=args.cache, machine=machine(), repeats=args.repeats,
-                             vocab=args.vocab,
+                             vocab=args.vocab, fresh=args.fresh,
                              log=lambda m: console.print(m, highlight=False))
         write_output(args.output / "bench.md", scale_report.markdown(res))
         scale_report.plot(res, args.output / "scale.png")

@@ -130,11 +130,16 @@ def make_inputs(root: Path, sizes: Sequence[Size], seed: int, log: Callable[[str
     there already is kept; inputs made with another vocabulary or seed are refused)."""
     output_dir(root.parent, root)
     made, want = root / "inputs.json", json.dumps({"vocab": vocab, "seed": seed})
+    tok_dir, train = output_dir(root, root / "tokenizer"), root / "train.parquet"
     if made.is_file() and read_regular(made, MAX_BYTES).decode(errors="replace") != want:
         raise GridError(f"{root} holds inputs made with other settings ({made}) than asked ({want}): give another "
                         "--out, or --fresh to make them again")
+    if not made.is_file() and any(tok_dir.iterdir()):
+        raise GridError(f"{root} holds inputs without the record of their settings ({made}): --fresh makes them "
+                        "again")
+    if train.is_symlink():
+        raise UnsafeFile(f"{train}: a symbolic link, not followed")
     write_output(made, want)
-    tok_dir, train = root / "tokenizer", root / "train.parquet"
     if not (tok_dir / "tokenizer.json").is_file():
         log(f"building the BPE tokenizer of {vocab} tokens")
         build_bpe(seed, vocab).save_pretrained(tok_dir)
@@ -257,8 +262,8 @@ def read_cell(path: Path) -> ScaleCell:
 
 def check_recorded(cell: ScaleCell, plan: CellPlan, params: int, steps: int, skip: int, repeats: int,
                    setup: dict) -> None:
-    want = {"params": params, "length": plan.length, "prompts_per_step": plan.prompts_per_step, "n": plan.n,
-            "steps": steps, "skip": skip, "repeats": repeats, "setup": setup}
+    want = {"key": plan.key, "params": params, "length": plan.length, "prompts_per_step": plan.prompts_per_step,
+            "n": plan.n, "steps": steps, "skip": skip, "repeats": repeats, "setup": setup}
     if cell.work() != want:
         raise GridError(f"cell {plan.key} is recorded with other work ({cell.work()}) than asked ({want}): give "
                          "another --out, or --fresh to measure the grid again")
@@ -266,16 +271,21 @@ def check_recorded(cell: ScaleCell, plan: CellPlan, params: int, steps: int, ski
 
 def run_grid(sizes: Sequence[Size], lengths: Sequence[int], out: Path, *, preset: str, overrides: Sequence[str],
              tokens_per_step: int, n: int, steps: int, skip: int, systems: list[str], cache: Path, machine: dict,
-             repeats: int = 1, vocab: int = VOCAB, seed: int = 0, log: Callable[[str], None] = print) -> ScaleBench:
-    """Run the grid's unfinished cells in `out` and write bench.json; return every cell's figures."""
+             repeats: int = 1, vocab: int = VOCAB, seed: int = 0, fresh: bool = False,
+             log: Callable[[str], None] = print) -> ScaleBench:
+    """Run the grid's unfinished cells in `out` (all of them with `fresh`, once the settings are known to
+    be good) and write bench.json; return every cell's figures."""
     plans = plan_grid(sizes, lengths, tokens_per_step, n)
     settings = {"preset": preset, "overrides": list(overrides), "vocab": vocab, "tokens_per_step": tokens_per_step,
                 "n": n, "steps": steps, "skip": skip, "systems": list(systems), "repeats": repeats}
     setup = {"preset": preset, "overrides": list(overrides), "systems": list(systems), "vocab": vocab}
     cells: list[ScaleCell] = []
     longest = max(lengths)
+    base = validate(load_config(preset, [*BENCH_DEFAULTS, *peer.SAME_WORK, *overrides]), [])  # bad settings: here
+    if fresh:
+        clear(out)
     # Ray first: the first cell's learner and actor processes import beside the inputs being made.
-    with ray_cluster(validate(load_config(preset, [*BENCH_DEFAULTS, *peer.SAME_WORK, *overrides]), []), prestart=True):
+    with ray_cluster(base, prestart=True):
         inputs = make_inputs(out / "inputs", sizes, seed, log, vocab)
         output_dir(out, out / "cells")
         finished = {}
@@ -296,6 +306,7 @@ def run_grid(sizes: Sequence[Size], lengths: Sequence[int], out: Path, *, preset
             load0, start = os.getloadavg()[0], time.time()
             res = peer.run(cfg, cell_dir, repeats, skip, machine, list(systems), cache, log=log,
                            settings=list(overrides))
+            output_dir(out, cell_dir)  # still a directory of the grid's after the runs, not a link put there
             write_output(cell_dir / "bench.md", peer.markdown(res))
             cell = summarise_cell(plan, params, res, steps, skip, time.time() - start, (load0, os.getloadavg()[0]),
                                   repeats, setup)
@@ -303,6 +314,23 @@ def run_grid(sizes: Sequence[Size], lengths: Sequence[int], out: Path, *, preset
             cells.append(cell)
             write_grid(out, machine, settings, cells)  # the cells so far, for a grid still running
     return write_grid(out, machine, settings, cells)
+
+
+MADE = ("bench.json", "bench.md", "scale.png")  # the grid's files beside cells/ and inputs/
+
+
+def clear(out: Path) -> None:
+    """Delete a grid's cells, inputs and reports in `out`; a directory no grid made is refused, and a
+    link where a grid's directory belongs is refused, never followed."""
+    if not out.exists():
+        return
+    if not ((out / "bench.json").is_file() or (out / "inputs" / "inputs.json").is_file()):
+        raise GridError(f"--fresh: {out} holds no bench.json nor inputs/inputs.json, so no grid made it: nothing "
+                        "deleted")
+    for name in ("cells", "inputs"):
+        shutil.rmtree(output_dir(out, out / name))
+    for name in MADE:
+        (out / name).unlink(missing_ok=True)  # a link itself, never its target
 
 
 def write_grid(out: Path, machine: dict, settings: dict, cells: list[ScaleCell]) -> ScaleBench:

@@ -5,6 +5,7 @@ report and the docs renderer read it without the bench."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -17,6 +18,7 @@ from dph_async.stats import RatioInterval
 
 # A grid's largest record: 9 cells take 40 KB; a file is read no further than this, nor through a link.
 MAX_BYTES = 16 * 2**20
+NAME = re.compile(r"[0-9A-Za-z_.]+")  # a size's name (2m, 52m, 512x6): safe in a table and a path
 T = TypeVar("T")
 
 
@@ -68,10 +70,23 @@ class ScaleCell:
         """A cell from its JSON object, every field's type checked (msgspec.ValidationError)."""
         return msgspec.convert(data, cls)
 
+    def __post_init__(self) -> None:
+        """What the report relies on beyond types (msgspec calls this when decoding; a ValueError is a
+        refused record): a key and size that are names, each interval around its centre, each
+        projection row with its columns."""
+        if not NAME.fullmatch(self.size) or self.key != f"{self.size}-L{self.length}":
+            raise ValueError(f"cell {self.key[:40]!r} of size {self.size[:40]!r}: not a cell's name")
+        for peer, ci in self.intervals.items():
+            if not ci.low <= ci.ratio <= ci.high or ci.low <= 0:
+                raise ValueError(f"{peer}: ratio {ci.ratio} outside its interval {ci.low}-{ci.high}")
+        if any(not {"cores", "actors", "dph-async"} <= row.keys() for row in self.projection):
+            raise ValueError("a projection row without cores, actors or dph-async")
+
     def work(self) -> dict:
         """What makes two records of a cell the same measurement."""
-        return {"params": self.params, "length": self.length, "prompts_per_step": self.prompts_per_step,
-                "n": self.n, "steps": self.steps, "skip": self.skip, "repeats": self.repeats, "setup": self.setup}
+        return {"key": self.key, "params": self.params, "length": self.length,
+                "prompts_per_step": self.prompts_per_step, "n": self.n, "steps": self.steps, "skip": self.skip,
+                "repeats": self.repeats, "setup": self.setup}
 
     def ratio(self, peer: str) -> float | None:
         """dph-async's ratio to `peer` as the docs show it: the geometric mean of the repeats' paired

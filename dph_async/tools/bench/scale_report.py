@@ -116,7 +116,7 @@ def provenance(res: ScaleBench) -> str:
         return "No cell recorded."
     commits = ", ".join(dict.fromkeys(c.commit or "not recorded" for c in res.cells))
     span = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
-    return (f"Cells run {span} at commit {commits}; {res.machine.get('cpu', '?')}, "
+    return (f"Cells finished {span} at commit {commits}; {res.machine.get('cpu', '?')}, "
             f"{res.machine.get('cores', '?')} cores; {_repeats(res.settings)}")
 
 

@@ -139,13 +139,9 @@ def clear(out: Path) -> None:
 
 def curve(system: str, seed: int, clock: dict[int, float], evals: dict[int, Path], base: Path) -> Curve:
     """A run's curve from its clock (step -> seconds), its evaluations (step -> file) and pi_0's."""
-    c = Curve(system, seed, [0], [0.0], [_pass1(base)])
-    for step in sorted(evals):
-        c.steps.append(step)
-        c.wall.append(clock[step])
-        c.pass1.append(_pass1(evals[step]))
-    c.run_s = clock[max(clock)]
-    return c
+    steps = sorted(evals)
+    return Curve(system, seed, [0, *steps], [0.0, *(clock[s] for s in steps)],
+                 [_pass1(base), *(_pass1(evals[s]) for s in steps)], run_s=clock[max(clock)])
 
 
 def run_dph(cfg: RunConfig, system: str, seed: int, every: int, out: Path, prepared: Prepared,

@@ -32,6 +32,17 @@ class Curve:
     pass1: list[float]
     run_s: float = 0.0  # the run's clock at its last step
 
+    def __post_init__(self) -> None:
+        """What the report relies on beyond types (msgspec calls this when decoding; a ValueError is a
+        refused record): a known system, and points that make a curve."""
+        if self.system not in SYSTEMS:
+            raise ValueError(f"system {self.system[:40]!r}: not one of {', '.join(SYSTEMS)}")
+        if not 2 <= len(self.steps) == len(self.wall) == len(self.pass1):
+            raise ValueError(f"{self.system}: steps, wall and pass1 of {len(self.steps)}, {len(self.wall)} and "
+                             f"{len(self.pass1)} points; a curve needs the same number, two at least")
+        if self.steps[0] != 0 or any(b <= a for a, b in zip(self.steps, self.steps[1:], strict=False)):
+            raise ValueError(f"{self.system}: steps {self.steps[:5]}... do not rise from 0")
+
 
 @dataclass
 class TTABench:
