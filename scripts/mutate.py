@@ -143,6 +143,8 @@ _EXACT_EDGE = ("an interval's end (a mean plus or minus t times a standard error
                "exactly on its threshold (0, -0.03, 0.9) with probability zero, and no test can put it there: "
                "t_critical and the square root round (an end built to be -0.03 comes out -0.0299999...)")
 EQUIVALENT: dict[tuple[str, str], str] = {
+    **{("dph_async/tools/bench/scale_data.py", f"return json.dumps(asdict(self), {arg})"):
+        "the record's indentation: it reads back the same" for arg in ("indent=None", "", "indent=3")},
     ("dph_async/tools/bench/tta_report.py", "pyplot().close(None)"):
         "pyplot closes the current figure, which is the one `figure` just drew",
     **{("dph_async/pipeline/warmstart.py", f"return functools.cache(functools.partial(tok.encode, {arg}))"):

@@ -212,7 +212,8 @@ def test_the_docs_table_puts_sizes_in_rows_and_lengths_in_columns_with_when_and_
     assert scale_data.load(path) == res
     for text in ("{not json", json.dumps({"date": "x"}), json.dumps({**json.loads(res.to_json()), "cells": [{}]})):
         path.write_text(text)
-        with pytest.raises(UserError, match=r"is not a bench\.json this version of `bench scale` writes"):
+        with pytest.raises(UserError, match=r"is not a bench\.json this version of `bench scale` writes "
+                                            r"\((Decode|Validation)Error: "):
             scale_data.load(path)
     path.unlink()
     path.symlink_to(tmp_path / "elsewhere.json")
@@ -238,12 +239,21 @@ def test_a_finished_cell_that_is_no_record_is_refused_by_name(tmp_path):
     # Well-typed but not what the report can show: refused too, each naming why.
     good = asdict(_cell())
     for change, says in ((dict(intervals={"trl": {"ratio": 9.0, "low": 1.0, "high": 2.0, "n": 3}}), "outside its"),
-                         (dict(projection=[{"cores": 2}]), "a projection row without"),
+                         (dict(intervals={"trl": {"ratio": 0.0, "low": 0.0, "high": 0.0, "n": 3}}), "outside its"),
+                         (dict(projection=[{"cores": 2}]),
+                          r"\(ValidationError: a projection row without cores, actors or dph-async"),
                          (dict(size="2m | 9.99x |"), "not a cell's name"),
-                         (dict(key="52m-L256"), "not a cell's name")):
+                         (dict(key="52m-L256"), "not a cell's name"),
+                         (dict(key="k" * 50), f"cell '{'k' * 40}' of size '2m'"),
+                         (dict(size="s" * 50), f"of size '{'s' * 40}': not")):
         path.write_text(json.dumps({**good, **change}))
         with pytest.raises(GridError, match=says):
             scale.read_cell(path)
+    # The edges that hold: a ratio at either end of its interval, a projection row of just its columns.
+    for ci in ({"ratio": 1.0, "low": 1.0, "high": 2.0, "n": 3}, {"ratio": 2.0, "low": 1.0, "high": 2.0, "n": 3}):
+        path.write_text(json.dumps({**good, "intervals": {"trl": ci}, "projection": [
+            {"cores": 2, "actors": 1, "dph-async": 9.0}]}))
+        assert scale.read_cell(path).intervals["trl"].ratio == ci["ratio"]
 
 
 def test_each_processs_peak_memory_is_this_runs_and_kept_by_component():
