@@ -18,9 +18,13 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
+
+import msgspec
 
 from dph_async.errors import UserError
+
+T = TypeVar("T")
 
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -67,6 +71,12 @@ def read_regular(path: Path, limit: int, dir_fd: int | None = None) -> bytes:
     if len(data) > limit:
         raise UnsafeFile(f"{path}: more than the {limit} bytes allowed")
     return data
+
+
+def read_json(path: Path, kind: type[T], limit: int, dir_fd: int | None = None) -> T:
+    """The record of type `kind` in regular file `path` (read as `read_regular` reads), strict JSON (no NaN)
+    whose every field has its type; UnsafeFile, OSError or msgspec.MsgspecError otherwise."""
+    return msgspec.json.decode(read_regular(path, limit, dir_fd), type=kind)
 
 
 def output_dir(base: Path, out: Path) -> Path:

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dph_async.admission import bearer
 from dph_async.metrics_endpoint import access_token
 from dph_async.runtime.http_get import FetchError, http_get
-from dph_async.safe_files import UnsafeFile, read_regular
+from dph_async.safe_files import UnsafeFile, read_json
 
 TIMEOUT_S = 3.0  # one endpoint's whole scrape: /health and /metrics
 MAX_ANNOUNCE_BYTES = 4 << 10
@@ -113,7 +113,7 @@ def _announced(directory: Path) -> list[Endpoint]:
         for name in sorted(n for n in os.listdir(fd) if n.endswith(".json")):
             source = str(directory / name)
             try:
-                info = msgspec.json.decode(read_regular(Path(name), MAX_ANNOUNCE_BYTES, dir_fd=fd), type=_Announce)
+                info = read_json(Path(name), _Announce, MAX_ANNOUNCE_BYTES, dir_fd=fd)
                 found.append(Endpoint(info.name, info.url, info.pid, source, token=token))
             except FileNotFoundError:
                 continue  # removed since listed

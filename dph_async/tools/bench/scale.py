@@ -21,7 +21,7 @@ a grown grid (another size or length) runs only the new cells; a cell recorded w
 size, length, prompts, n, steps, repeats, preset, overrides, systems, vocabulary) is refused rather
 than mixed in, and a cell stopped midway starts over. The grid's own files (its records, reports and
 the inputs' records) are handled as a shared directory's: no link followed, reads bounded, records
-type-checked (scale_data.decode); the runs' files inside a cell are `bench peer`'s. Cells run size
+type-checked (safe_files.read_json); the runs' files inside a cell are `bench peer`'s. Cells run size
 by size: the dph-async actor's process (its vLLM engine built) serves every length of a size, and
 the learner's process every cell (`launcher.reuse_actors`, `reuse_learner`); Ray starts once for the
 grid.
@@ -47,7 +47,7 @@ from dph_async.config import ModelConfig, RunConfig, load_config
 from dph_async.errors import UserError
 from dph_async.pipeline.stages import validate
 from dph_async.runtime.cluster import ray_cluster
-from dph_async.safe_files import UnsafeFile, output_dir, read_regular, write_output
+from dph_async.safe_files import UnsafeFile, output_dir, read_json, read_regular, write_output
 from dph_async.tasks.bpe import VOCAB, build_bpe
 from dph_async.tasks.dataset import verl_row, write_rows
 from dph_async.tasks.embedded import make_splits
@@ -56,7 +56,7 @@ from dph_async.tools import scaling
 from dph_async.tools.bench import peer
 from dph_async.tools.bench.machine import commit
 from dph_async.tools.bench.pipeline import BENCH_DEFAULTS
-from dph_async.tools.bench.scale_data import MAX_BYTES, ScaleBench, ScaleCell, SystemFigures, decode
+from dph_async.tools.bench.scale_data import MAX_BYTES, ScaleBench, ScaleCell, SystemFigures
 
 PROMPT_TOKENS = 16  # the embedded task's prompts in the chat template: 8 BPE tokens, room to spare
 MAX_POSITIONS = 2048  # the models' max_position_embeddings: any length a grid asks for up to that
@@ -160,7 +160,7 @@ def make_inputs(root: Path, sizes: Sequence[Size], seed: int, log: Callable[[str
             write_output(info, json.dumps({**asdict(s), "heads": s.heads,
                                            "params": sum(p.numel() for p in model.parameters())}))
         try:
-            params[s.name] = decode(info, SizeRecord).params
+            params[s.name] = read_json(info, SizeRecord, MAX_BYTES).params
         except msgspec.MsgspecError as e:
             raise GridError(f"{info}: not a model's size record ({e}): --fresh makes the inputs again") from e
         models[s.name] = d
@@ -254,7 +254,7 @@ def read_cell(path: Path) -> ScaleCell:
     """A finished cell's record; one this version did not write (damaged, mistyped, a link, too large)
     is refused."""
     try:
-        return decode(path, ScaleCell)
+        return read_json(path, ScaleCell, MAX_BYTES)
     except (OSError, UnsafeFile, msgspec.MsgspecError, RecursionError) as e:
         raise GridError(f"{path} is not a cell this version of `bench scale` writes ({type(e).__name__}: {e}): "
                         "delete it to measure the cell again") from e

@@ -8,18 +8,16 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import msgspec
 
 from dph_async.errors import UserError
-from dph_async.safe_files import UnsafeFile, read_regular
+from dph_async.safe_files import UnsafeFile, read_json
 from dph_async.stats import RatioInterval
 
 # A grid's largest record: 9 cells take 40 KB; a file is read no further than this, nor through a link.
 MAX_BYTES = 16 * 2**20
 NAME = re.compile(r"[0-9A-Za-z_.]+")  # a size's name (2m, 52m, 512x6): safe in a table and a path
-T = TypeVar("T")
 
 
 @dataclass
@@ -106,17 +104,10 @@ class ScaleBench:
         return json.dumps(asdict(self), indent=2)
 
 
-def decode(path: Path, kind: type[T]) -> T:
-    """The record of `kind` in `path`: a regular file (no link followed) of at most MAX_BYTES of
-    strict JSON (no NaN) whose every field has its type; anything else raises UnsafeFile, OSError
-    or msgspec.MsgspecError."""
-    return msgspec.json.decode(read_regular(path, MAX_BYTES), type=kind)
-
-
 def load(path: Path) -> ScaleBench:
     """A grid's bench.json; a file that is not one this version writes is an error naming it."""
     try:
-        return decode(path, ScaleBench)
+        return read_json(path, ScaleBench, MAX_BYTES)
     except (OSError, UnsafeFile, msgspec.MsgspecError, RecursionError) as e:
         raise UserError(f"{path} is not a bench.json this version of `bench scale` writes "
                         f"({type(e).__name__}: {e})") from e

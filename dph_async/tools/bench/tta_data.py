@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 
 from dph_async.errors import UserError
-from dph_async.safe_files import UnsafeFile, read_regular
+from dph_async.safe_files import UnsafeFile, read_json
 
 SYSTEMS = ("async", "sync", "trl")
 SPLIT = "in_domain"  # the held-out split whose Pass@1 is the target's
@@ -62,7 +62,7 @@ def load(path: Path) -> TTABench:
     """A tta.json; a file that is not one this version writes (a link, over MAX_BYTES, not its JSON, a
     field of another type) is an error naming it."""
     try:
-        return msgspec.json.decode(read_regular(path, MAX_BYTES), type=TTABench)
+        return read_json(path, TTABench, MAX_BYTES)
     except (OSError, UnsafeFile, msgspec.MsgspecError, RecursionError) as e:
         raise UserError(f"{path} is not a tta.json this version of `bench tta` writes ({type(e).__name__}: {e})") \
             from e
